@@ -1,0 +1,5 @@
+import sys
+
+from distsgd.cli import main
+
+sys.exit(main())

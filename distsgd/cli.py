@@ -1,0 +1,121 @@
+"""Command line: ``distsgd train [CONFIG.toml] [--set key=value ...] [--out DIR]``.
+
+User errors (bad settings, missing or corrupt data, an occupied run directory) print one
+line ``distsgd: error: ...`` and exit with status 2, never a traceback. A diverged run
+exits with status 1 after writing its summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _fmt_s(v: Any) -> str:
+    return "-" if v is None else f"{v:.1f} s"
+
+
+def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
+    target = s["target_accuracy"]
+    lines = [
+        f"protocol      {s['protocol']} ({s['layout']}) on the {s['runtime']} runtime",
+        f"accuracy      best {s['best_accuracy']:.4f}, final {s['final_accuracy']:.4f} "
+        f"(target {target:.4f}: {'reached' if s['reached'] else 'NOT reached'})",
+    ]
+    if s["reached"]:
+        lines.append(
+            f"time to acc.  {_fmt_s(s['time_to_accuracy_s'])} wall (training only), "
+            f"{_fmt_s(s['time_to_accuracy_virtual_s'])} simulated, "
+            f"{s['samples_to_accuracy']} samples ({s['epochs_to_accuracy']:.2f} epochs)"
+        )
+    tput = s["throughput_samples_per_s"]
+    lines += [
+        f"trained       {s['samples']} samples ({s['epochs']:.2f} epochs) in "
+        f"{_fmt_s(s['train_wall_s'])} wall + {_fmt_s(s['eval_wall_s'])} evaluation, "
+        f"{s['virtual_s']:.1f} s simulated",
+        f"throughput    {tput:.0f} samples/s wall" if tput else "throughput    -",
+        f"staleness     mean {s['staleness_mean']:.2f}, max {s['staleness_max']}",
+        f"run directory {out_dir}",
+    ]
+    print("\n".join(lines))
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from distsgd.config import RunConfig
+    from distsgd.trainer import Trainer, default_out_dir, train  # noqa: F401
+
+    if args.resume:
+        if args.out:
+            raise ValueError("--out cannot be used with --resume (the run continues in place)")
+        summary = train(resume=args.resume, overrides=args.set, progress=not args.quiet)
+        out_dir = Path(args.resume)
+    else:
+        cfg = RunConfig.from_toml(args.config, args.set)
+        out_dir = Path(args.out) if args.out else default_out_dir(cfg)
+        summary = Trainer(cfg, out_dir, progress=not args.quiet).run()
+    _print_summary(summary, out_dir)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distsgd",
+        description="Distributed SGD: parameter server (Rudra), compute groups (Omnivore), "
+        "SMA (Crossbow) and baselines, on a simulated cluster.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model and report time to accuracy")
+    t.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="TOML config (default: Fashion-MNIST cnn, hardsync, target 90%%)",
+    )
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a setting, e.g. --set optimizer.lr=0.05 (repeatable)",
+    )
+    t.add_argument("--out", default=None, help="run directory (default runs/<time>-<protocol>)")
+    t.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last checkpoint",
+    )
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=_cmd_train)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``distsgd`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from distsgd.runtime.sim import TrainingDiverged
+
+    try:
+        return int(args.func(args))
+    except TrainingDiverged as e:
+        print(f"distsgd: training diverged: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # ConfigError, DatasetError and other user mistakes
+        print(f"distsgd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "distsgd: interrupted; the last checkpoint is kept (resume with --resume)",
+            file=sys.stderr,
+        )
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,552 @@
+"""Run configuration: one dataclass per component, loaded from TOML, validated on construction.
+
+Every field documents its unit and its special values. A wrong value raises
+:class:`ConfigError` (a ``ValueError``) whose message names the setting (as a dotted key,
+e.g. ``protocol.softsync``), the value given and what is allowed; the CLI prints that one
+line and exits with status 2.
+
+Example::
+
+    from distsgd.config import RunConfig
+    cfg = RunConfig.from_toml("configs/async.toml", overrides=["optimizer.lr=0.05"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "ProtocolConfig",
+    "OptimizerConfig",
+    "ScheduleConfig",
+    "ClusterConfig",
+    "TrainConfig",
+    "RunConfig",
+    "PROTOCOLS",
+    "DATASETS",
+    "MODELS",
+]
+
+PROTOCOLS = ("hardsync", "parameter_server", "compute_groups", "sma", "local_sgd", "plain")
+DATASETS = ("fashion_mnist", "mnist", "cifar10", "synthetic")
+MODELS = ("mlp", "cnn", "lenet", "resnet20")
+PS_MODES = ("softsync", "async", "hardsync")
+STALENESS_LR = ("none", "softsync", "measured", "per_gradient")
+SERVER_OPTIMIZERS = ("sgd", "adagrad")
+SCHEDULES = ("constant", "step")
+RUNTIMES = ("sim",)
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed. The message names the setting and the value."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"{key} = {value!r} is not allowed: expected {allowed}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(key, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def _check_int(key: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        _fail(key, value, f"an integer >= {minimum}")
+
+
+def _check_float(
+    key: str, value: Any, minimum: float, maximum: float = math.inf, min_inclusive: bool = True
+) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value >= minimum if min_inclusive else value > minimum) and value <= maximum
+    if not ok:
+        lo = f">= {minimum}" if min_inclusive else f"> {minimum}"
+        hi = "" if maximum == math.inf else f" and <= {maximum}"
+        _fail(key, value, f"a finite number {lo}{hi}")
+
+
+@dataclass
+class DataConfig:
+    """Dataset and its location.
+
+    Attributes:
+        dataset: ``fashion_mnist`` | ``mnist`` (IDX gzip files), ``cifar10`` (python pickle
+            batches) or ``synthetic`` (Gaussian class clusters made in memory, for tests).
+        root: directory holding the files. Empty means the ``DISTSGD_DATA_DIR`` environment
+            variable if set, else the dataset's default directory
+            (``/usr/share/datasets/fashion-mnist`` for Fashion-MNIST).
+        num_train: synthetic only: number of training samples.
+        num_test: synthetic only: number of test samples.
+        noise: synthetic only: standard deviation of the per-sample noise (unitless).
+    """
+
+    dataset: str = "fashion_mnist"
+    root: str = ""
+    num_train: int = 2048
+    num_test: int = 512
+    noise: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_choice("data.dataset", self.dataset, DATASETS)
+        if not isinstance(self.root, str):
+            _fail("data.root", self.root, "a directory path (string)")
+        _check_int("data.num_train", self.num_train, 1)
+        _check_int("data.num_test", self.num_test, 1)
+        _check_float("data.noise", self.noise, 0.0)
+
+
+@dataclass
+class ModelConfig:
+    """Model by name: ``mlp``, ``cnn``, ``lenet`` or ``resnet20`` (see :mod:`distsgd.models`)."""
+
+    name: str = "cnn"
+
+    def __post_init__(self) -> None:
+        _check_choice("model.name", self.name, MODELS)
+
+
+@dataclass
+class ProtocolConfig:
+    """Synchronisation protocol and the layout of learners (SPEC.md §1–§5).
+
+    Attributes:
+        name: ``hardsync`` (all-reduce S-SGD, §1), ``parameter_server`` (Rudra, §2),
+            ``compute_groups`` (Omnivore, §3), ``sma`` (Crossbow, §4), ``local_sgd`` or
+            ``plain`` (one learner, plain loop; §5).
+        num_learners: λ, model replicas computing gradients. ``plain`` requires 1.
+        batch_size: minibatch per learner, in samples (Rudra's μ, Crossbow's b).
+        mode: parameter server only: ``softsync`` (n-softsync, c = ⌊λ/n⌋ gradients per
+            update), ``async`` (n = λ, c = 1) or ``hardsync`` (c = λ with a barrier).
+        softsync: n in n-softsync, 1 <= n <= λ; must divide λ. Ignored unless
+            ``mode = "softsync"``.
+        staleness_lr: learning-rate modulation by staleness (parameter server and compute
+            groups): ``none`` (α0), ``softsync`` (α0/n), ``measured`` (α0 / running mean σ)
+            or ``per_gradient`` (each gradient scaled by α0/σ; α0 when σ = 0).
+        server_optimizer: ``sgd`` (with momentum, Caffe-style experiments) or ``adagrad``.
+        num_groups: g compute groups; must divide λ.
+        momentum_compensation: compute groups: explicit momentum
+            μ = max(0, μ_target − (1 − 1/g)) where μ_target is ``optimizer.momentum``.
+        replicas_per_device: k learners sharing one device (SMA, local SGD); must divide λ.
+        alpha: SMA correction weight α (0 <= α <= 1). 0 means "use 1/k".
+        central_momentum: SMA Polyak momentum μ_z on the central model, in [0, 1).
+        average_every: local SGD averaging period H, in iterations.
+    """
+
+    name: str = "hardsync"
+    num_learners: int = 1
+    batch_size: int = 128
+    mode: str = "softsync"
+    softsync: int = 1
+    staleness_lr: str = "none"
+    server_optimizer: str = "sgd"
+    num_groups: int = 1
+    momentum_compensation: bool = False
+    replicas_per_device: int = 1
+    alpha: float = 0.1
+    central_momentum: float = 0.9
+    average_every: int = 8
+
+    def __post_init__(self) -> None:
+        _check_choice("protocol.name", self.name, PROTOCOLS)
+        _check_int("protocol.num_learners", self.num_learners, 1)
+        _check_int("protocol.batch_size", self.batch_size, 1)
+        _check_choice("protocol.mode", self.mode, PS_MODES)
+        _check_int("protocol.softsync", self.softsync, 1)
+        _check_choice("protocol.staleness_lr", self.staleness_lr, STALENESS_LR)
+        _check_choice("protocol.server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        _check_int("protocol.num_groups", self.num_groups, 1)
+        if not isinstance(self.momentum_compensation, bool):
+            _fail("protocol.momentum_compensation", self.momentum_compensation, "true or false")
+        _check_int("protocol.replicas_per_device", self.replicas_per_device, 1)
+        _check_float("protocol.alpha", self.alpha, 0.0, 1.0)
+        _check_float("protocol.central_momentum", self.central_momentum, 0.0, 1.0)
+        if self.central_momentum >= 1.0:
+            _fail("protocol.central_momentum", self.central_momentum, "a number in [0, 1)")
+        _check_int("protocol.average_every", self.average_every, 1)
+        lam = self.num_learners
+        if self.name == "plain" and lam != 1:
+            _fail("protocol.num_learners", lam, "1 for protocol 'plain'")
+        if self.name == "parameter_server" and self.mode == "softsync":
+            if self.softsync > lam or lam % self.softsync:
+                _fail(
+                    "protocol.softsync",
+                    self.softsync,
+                    f"a divisor of protocol.num_learners = {lam} (1 <= n <= λ)",
+                )
+        if self.name == "compute_groups" and (self.num_groups > lam or lam % self.num_groups):
+            _fail(
+                "protocol.num_groups",
+                self.num_groups,
+                f"a divisor of protocol.num_learners = {lam}",
+            )
+        if self.name in ("sma", "local_sgd") and (
+            self.replicas_per_device > lam or lam % self.replicas_per_device
+        ):
+            _fail(
+                "protocol.replicas_per_device",
+                self.replicas_per_device,
+                f"a divisor of protocol.num_learners = {lam}",
+            )
+
+    @property
+    def effective_softsync(self) -> int:
+        """n actually used by the parameter server: λ for async, 1 for hardsync."""
+        if self.mode == "async":
+            return self.num_learners
+        if self.mode == "hardsync":
+            return 1
+        return self.softsync
+
+    @property
+    def num_devices(self) -> int:
+        """Devices for SMA / local SGD: λ / k."""
+        return self.num_learners // self.replicas_per_device
+
+    @property
+    def global_batch(self) -> int:
+        """Samples consumed per synchronous iteration: λ·b."""
+        return self.num_learners * self.batch_size
+
+
+@dataclass
+class OptimizerConfig:
+    """Learning rate and momentum of the update rule.
+
+    Attributes:
+        lr: base learning rate α0 (γ for SMA), > 0.
+        momentum: μ in [0, 1): the optimizer's momentum (server momentum for the parameter
+            server, the target momentum for compute groups, local momentum for SMA and
+            local SGD replicas).
+        weight_decay: L2 coefficient, >= 0.
+        nesterov: Nesterov momentum (SGD only).
+    """
+
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        _check_float("optimizer.lr", self.lr, 0.0, min_inclusive=False)
+        _check_float("optimizer.momentum", self.momentum, 0.0, 1.0)
+        if self.momentum >= 1.0:
+            _fail("optimizer.momentum", self.momentum, "a number in [0, 1)")
+        _check_float("optimizer.weight_decay", self.weight_decay, 0.0)
+        if not isinstance(self.nesterov, bool):
+            _fail("optimizer.nesterov", self.nesterov, "true or false")
+        if self.nesterov and self.momentum == 0:
+            _fail("optimizer.nesterov", self.nesterov, "false when optimizer.momentum = 0")
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule over training progress measured in epochs (samples / train size).
+
+    Attributes:
+        kind: ``constant`` or ``step`` (multiply by ``decay_factor`` at each epoch in
+            ``decay_epochs``).
+        warmup_epochs: linear warm-up from 0.1·lr to lr over this many epochs (0: none).
+        decay_epochs: epochs at which the step schedule decays, increasing.
+        decay_factor: multiplier at each decay, in (0, 1].
+    """
+
+    kind: str = "constant"
+    warmup_epochs: float = 0.0
+    decay_epochs: list[float] = field(default_factory=list)
+    decay_factor: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_choice("schedule.kind", self.kind, SCHEDULES)
+        _check_float("schedule.warmup_epochs", self.warmup_epochs, 0.0)
+        if (
+            not isinstance(self.decay_epochs, list)
+            or any(
+                not isinstance(e, int | float) or isinstance(e, bool) or e <= 0
+                for e in self.decay_epochs
+            )
+            or list(self.decay_epochs) != sorted(self.decay_epochs)
+        ):
+            _fail("schedule.decay_epochs", self.decay_epochs, "an increasing list of epochs > 0")
+        _check_float("schedule.decay_factor", self.decay_factor, 0.0, 1.0, min_inclusive=False)
+
+    def lr_at(self, base_lr: float, epoch: float) -> float:
+        """Learning rate at fractional ``epoch`` (>= 0) for base rate ``base_lr``."""
+        lr = base_lr
+        if self.kind == "step":
+            for e in self.decay_epochs:
+                if epoch >= e:
+                    lr *= self.decay_factor
+        if self.warmup_epochs > 0 and epoch < self.warmup_epochs:
+            lr *= 0.1 + 0.9 * epoch / self.warmup_epochs
+        return lr
+
+
+@dataclass
+class ClusterConfig:
+    """The simulated cluster: device speed and network (runtime ``sim`` only).
+
+    A learner's compute time for a minibatch of b samples is
+    ``(seconds_per_batch + b * seconds_per_sample) / speed`` virtual seconds, times a
+    seeded log-normal factor of relative spread ``jitter``. A message of P float32
+    parameters takes ``latency_s + 32 P / (bandwidth_gbps * 1e9)`` virtual seconds.
+
+    Attributes:
+        seconds_per_sample: per-sample compute time in seconds; negative (-1) means
+            calibrate on this machine with the configured model.
+        seconds_per_batch: fixed per-minibatch overhead in seconds; negative means calibrate.
+        speed_factors: relative speed of each learner (e.g. ``[10, 10, 1, 1]`` for two GPUs
+            and two CPUs); empty means all 1. Length must equal λ if given.
+        jitter: relative spread of compute times (0 = deterministic equal-speed schedule).
+        latency_s: one-way message latency in seconds.
+        bandwidth_gbps: link bandwidth in gigabits per second; 0 means infinite.
+    """
+
+    seconds_per_sample: float = -1.0
+    seconds_per_batch: float = -1.0
+    speed_factors: list[float] = field(default_factory=list)
+    jitter: float = 0.1
+    latency_s: float = 50e-6
+    bandwidth_gbps: float = 10.0
+
+    def __post_init__(self) -> None:
+        for key in ("seconds_per_sample", "seconds_per_batch"):
+            v = getattr(self, key)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+                _fail(f"cluster.{key}", v, "a number of seconds >= 0, or -1 to calibrate")
+        if not isinstance(self.speed_factors, list) or any(
+            not isinstance(s, int | float)
+            or isinstance(s, bool)
+            or not s > 0
+            or not math.isfinite(s)
+            for s in self.speed_factors
+        ):
+            _fail("cluster.speed_factors", self.speed_factors, "a list of positive numbers")
+        _check_float("cluster.jitter", self.jitter, 0.0, 2.0)
+        _check_float("cluster.latency_s", self.latency_s, 0.0)
+        _check_float("cluster.bandwidth_gbps", self.bandwidth_gbps, 0.0)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.seconds_per_sample < 0 or self.seconds_per_batch < 0
+
+
+@dataclass
+class TrainConfig:
+    """Stop rule, evaluation, checkpoints and seeding.
+
+    Attributes:
+        target_accuracy: test accuracy in [0, 1] at which the run stops (time to accuracy
+            is measured to it); 0 disables early stopping.
+        max_epochs: budget in epochs of training samples (0: no limit).
+        max_samples: budget in training samples (0: no limit).
+        max_seconds: budget in wall seconds of training (0: no limit).
+        eval_every_samples: evaluate the model on the full test set every this many
+            training samples (0: once per epoch).
+        eval_batch_size: batch size of evaluation, in samples.
+        checkpoint_every_evals: write a checkpoint every this many evaluations (0: never,
+            except on failure).
+        seed: seeds model initialisation, data order and simulated timing.
+        num_threads: torch intra-op threads (0: all cores).
+        stop_at_target: stop as soon as ``target_accuracy`` is reached.
+    """
+
+    target_accuracy: float = 0.9
+    max_epochs: float = 10.0
+    max_samples: int = 0
+    max_seconds: float = 0.0
+    eval_every_samples: int = 0
+    eval_batch_size: int = 1000
+    checkpoint_every_evals: int = 1
+    seed: int = 0
+    num_threads: int = 0
+    stop_at_target: bool = True
+
+    def __post_init__(self) -> None:
+        _check_float("train.target_accuracy", self.target_accuracy, 0.0, 1.0)
+        _check_float("train.max_epochs", self.max_epochs, 0.0)
+        _check_int("train.max_samples", self.max_samples, 0)
+        _check_float("train.max_seconds", self.max_seconds, 0.0)
+        if (
+            self.max_epochs == 0
+            and self.max_samples == 0
+            and self.max_seconds == 0
+            and (self.target_accuracy == 0 or not self.stop_at_target)
+        ):
+            _fail(
+                "train.max_epochs",
+                self.max_epochs,
+                "a budget > 0 (max_epochs, max_samples or max_seconds) when no target stops the run",
+            )
+        _check_int("train.eval_every_samples", self.eval_every_samples, 0)
+        _check_int("train.eval_batch_size", self.eval_batch_size, 1)
+        _check_int("train.checkpoint_every_evals", self.checkpoint_every_evals, 0)
+        _check_int("train.seed", self.seed, 0)
+        _check_int("train.num_threads", self.num_threads, 0)
+        if not isinstance(self.stop_at_target, bool):
+            _fail("train.stop_at_target", self.stop_at_target, "true or false")
+
+
+_SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "protocol": ProtocolConfig,
+    "optimizer": OptimizerConfig,
+    "schedule": ScheduleConfig,
+    "cluster": ClusterConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    """A whole run: every component's config plus the runtime.
+
+    Attributes:
+        runtime: ``sim`` (deterministic simulated cluster, one process).
+        name: free-form label carried into ``summary.json`` and reports.
+    """
+
+    runtime: str = "sim"
+    name: str = ""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check_choice("runtime", self.runtime, RUNTIMES)
+        if not isinstance(self.name, str):
+            _fail("name", self.name, "a string")
+        sf = self.cluster.speed_factors
+        if sf and len(sf) != self.protocol.num_learners:
+            _fail(
+                "cluster.speed_factors",
+                sf,
+                f"a list of {self.protocol.num_learners} speeds (one per learner) or []",
+            )
+
+    # ---- construction ------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
+        """Build from a nested dict (as parsed from TOML). Unknown keys are errors."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config must be a table, got {type(raw).__name__}")
+        top: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key in _SECTIONS:
+                section_cls = _SECTIONS[key]
+                if not isinstance(value, dict):
+                    _fail(key, value, f"a table [{key}]")
+                known = {f.name for f in fields(section_cls)}
+                for sub in value:
+                    if sub not in known:
+                        raise ConfigError(
+                            f"{key}.{sub} is not a setting; known settings of [{key}]: "
+                            + ", ".join(sorted(known))
+                        )
+                try:
+                    top[key] = section_cls(**value)
+                except TypeError as e:  # pragma: no cover - guarded by the key check
+                    raise ConfigError(f"[{key}]: {e}") from None
+            elif key in ("runtime", "name"):
+                top[key] = value
+            else:
+                raise ConfigError(
+                    f"{key} is not a setting; known: runtime, name, "
+                    + ", ".join(f"[{s}]" for s in _SECTIONS)
+                )
+        return cls(**top)
+
+    @classmethod
+    def from_toml(
+        cls, path: str | Path | None = None, overrides: list[str] | None = None
+    ) -> RunConfig:
+        """Load ``path`` (None: defaults) and apply ``key=value`` overrides (TOML values).
+
+        Raises:
+            ConfigError: unreadable file, bad TOML, unknown key or disallowed value.
+        """
+        raw: dict[str, Any] = {}
+        if path is not None:
+            p = Path(path)
+            try:
+                raw = tomllib.loads(p.read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"config file {str(p)!r} does not exist") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        for item in overrides or []:
+            apply_override(raw, item)
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_toml(self) -> str:
+        """Serialise to TOML text that :meth:`from_toml` reads back to an equal config."""
+        d = self.to_dict()
+        lines = [f"{k} = {_toml_value(d[k])}" for k in ("runtime", "name")]
+        for section in _SECTIONS:
+            lines.append("")
+            lines.append(f"[{section}]")
+            for k, v in d[section].items():
+                lines.append(f"{k} = {_toml_value(v)}")
+        return "\n".join(lines) + "\n"
+
+    def replace(self, **sections: Any) -> RunConfig:
+        """A copy with whole sections or top-level fields replaced (validated again)."""
+        return dataclasses.replace(self, **sections)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``section.key=value`` override to a raw config dict in place.
+
+    The value is parsed as TOML (``0.1``, ``true``, ``[1, 2]``, ``"text"``); a bare word
+    that is not valid TOML is taken as a string (``protocol.name=sma``).
+
+    Raises:
+        ConfigError: the item has no ``=`` or an empty key.
+    """
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. optimizer.lr=0.05")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. optimizer.lr=0.05")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {item!r}: {part} is not a section")
+        node = nxt
+    node[parts[-1]] = value

@@ -1,0 +1,99 @@
+"""Gradient and evaluation maths on flat parameter vectors.
+
+:class:`GradientEngine` owns one ``nn.Module`` whose parameters are views into a single
+contiguous buffer of P float32 values, and whose gradients land in a second buffer of the
+same layout. Computing a learner's gradient at weights ``w`` is then one copy into the
+buffer, one forward/backward, and one copy out: no per-parameter Python loop on the hot
+path (DESIGN.md, performance notes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["GradientEngine"]
+
+
+class GradientEngine:
+    """Mean cross-entropy gradients of ``model`` at arbitrary flat weights.
+
+    Args:
+        model: any ``nn.Module`` mapping ``[B, C, H, W]`` inputs to ``[B, K]`` logits. Its
+            parameters are re-pointed into one flat buffer; buffers (e.g. BatchNorm running
+            statistics) stay with the module and are shared by every caller.
+
+    Attributes:
+        num_parameters: P.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("model has no trainable parameters")
+        with torch.no_grad():
+            self._flat = torch.cat([p.detach().reshape(-1) for p in params]).contiguous()
+        self._grad = torch.zeros_like(self._flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.data = self._flat[offset : offset + n].view_as(p)
+            p.grad = self._grad[offset : offset + n].view_as(p)
+            offset += n
+        self.num_parameters = offset
+
+    def initial_weights(self) -> Tensor:
+        """A copy of the model's initial parameters, shape ``[P]``."""
+        return self._flat.clone()
+
+    def gradient(self, weights: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, float]:
+        """Gradient of the mean cross-entropy over the minibatch at ``weights``.
+
+        Args:
+            weights: shape ``[P]``.
+            x: inputs ``[B, C, H, W]``; y: labels ``[B]`` (int64).
+
+        Returns:
+            (gradient ``[P]`` — a new tensor, loss as a Python float).
+        """
+        self._flat.copy_(weights)
+        self._grad.zero_()
+        self.model.train()
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        return self._grad.clone(), float(loss.detach())
+
+    @torch.inference_mode()
+    def evaluate(
+        self, weights: Tensor, x: Tensor, y: Tensor, batch_size: int
+    ) -> tuple[float, float]:
+        """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``weights`` on (x, y).
+
+        Every sample is counted exactly once; batches of ``batch_size`` samples.
+        """
+        with torch.no_grad():
+            self._flat.copy_(weights)
+        self.model.eval()
+        correct = 0
+        loss_sum = 0.0
+        n = x.shape[0]
+        for start in range(0, n, batch_size):
+            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+            logits = self.model(xb)
+            loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == yb).sum())
+        return correct / n, loss_sum / n
+
+    def buffers_state(self) -> dict[str, Tensor]:
+        """The module's buffers (e.g. BatchNorm statistics), for checkpoints."""
+        return {k: v.clone() for k, v in self.model.named_buffers()}
+
+    def load_buffers_state(self, state: dict[str, Tensor]) -> None:
+        own = dict(self.model.named_buffers())
+        if set(own) != set(state):
+            raise ValueError("checkpoint buffers do not match the model")
+        with torch.no_grad():
+            for k, v in state.items():
+                own[k].copy_(v)

@@ -1,0 +1,331 @@
+"""The simulated cluster: a deterministic, event-driven virtual clock in one process.
+
+Every learner has a device profile (seconds per minibatch) and every message crosses a
+network with a latency and a bandwidth. Gradients are real: each is computed with the
+model on the learner's own minibatch at the weights that learner actually holds, so
+staleness arises from timing exactly as it would on a cluster (DESIGN.md, Runtimes).
+
+Timing model (all in virtual seconds):
+
+* compute of one minibatch of b samples on learner l:
+  ``(seconds_per_batch + b · seconds_per_sample) / speed_l · J`` where J is a seeded
+  log-normal factor with mean 1 and relative spread ``jitter``;
+* one message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``;
+* ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``.
+
+Synchronous protocols advance one iteration per tick (the slowest device plus the
+all-reduce). Parameter-server protocols process one push per tick: a worker pulls,
+its reply travels, it computes, its push travels, the server applies the protocol and
+replies at once (or, under a barrier, when the update is applied).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from distsgd.config import ClusterConfig
+from distsgd.data import Dataset, LearnerStream, ShardedSampler
+from distsgd.engine import GradientEngine
+from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol, Update
+
+__all__ = ["DeviceProfile", "calibrate", "SimRuntime", "Tick", "TrainingDiverged"]
+
+
+class TrainingDiverged(RuntimeError):
+    """A learner's training loss became NaN or infinite."""
+
+
+@dataclass
+class DeviceProfile:
+    """Compute time of one minibatch: ``seconds_per_batch + batch · seconds_per_sample``.
+
+    Attributes:
+        seconds_per_batch: fixed cost per minibatch, seconds (>= 0).
+        seconds_per_sample: marginal cost per sample, seconds (>= 0).
+        calibrated: True when measured on this machine by :func:`calibrate`.
+    """
+
+    seconds_per_batch: float
+    seconds_per_sample: float
+    calibrated: bool = False
+
+    def compute_seconds(self, batch_size: int) -> float:
+        return self.seconds_per_batch + batch_size * self.seconds_per_sample
+
+
+def calibrate(
+    engine: GradientEngine,
+    dataset: Dataset,
+    batch_sizes: tuple[int, int] = (16, 128),
+    repeats: int = 6,
+) -> DeviceProfile:
+    """Measure forward+backward time of the model on this machine and fit a device profile.
+
+    Times ``repeats`` minibatches at each of two batch sizes (after one warm-up each),
+    takes the median, and fits the line through the two points.
+
+    Returns:
+        DeviceProfile with non-negative coefficients, ``calibrated=True``.
+    """
+    w = engine.initial_weights()
+    medians = []
+    n = dataset.num_train
+    for b in batch_sizes:
+        b = min(b, n)
+        x, y = dataset.train_x[:b], dataset.train_y[:b]
+        engine.gradient(w, x, y)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.gradient(w, x, y)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        medians.append((b, times[len(times) // 2]))
+    (b1, t1), (b2, t2) = medians
+    per_sample = max((t2 - t1) / (b2 - b1), 1e-9) if b2 != b1 else t2 / b2
+    per_batch = max(t1 - b1 * per_sample, 0.0)
+    return DeviceProfile(per_batch, per_sample, calibrated=True)
+
+
+@dataclass
+class Tick:
+    """What one call of :meth:`SimRuntime.advance` did.
+
+    Attributes:
+        samples: training samples whose gradients were computed in this tick.
+        losses: minibatch mean losses of the learners that computed.
+        update: the parameter-server update applied in this tick, if any.
+    """
+
+    samples: int
+    losses: list[float]
+    update: Update | None = None
+
+
+class SimRuntime:
+    """Drives a protocol over simulated learners on a virtual clock.
+
+    Args:
+        protocol: a :class:`SynchronousProtocol` (hardsync, SMA, local SGD) or an
+            :class:`AsynchronousProtocol` (parameter server, compute groups).
+        engine: computes gradients with the real model.
+        dataset: training data; learner l draws minibatches from shard l of
+            :class:`ShardedSampler` (a fresh seeded order every epoch).
+        batch_size: b, per learner, in samples.
+        num_learners: λ.
+        profile: base device profile; learner l runs at ``cluster.speed_factors[l]`` times it.
+        cluster: network and jitter settings.
+        replicas_per_device: k learners that share one device (their compute adds up).
+        average_every: for local SGD, iterations between all-reduces (1 otherwise).
+        seed: seeds data order and timing jitter.
+
+    Raises:
+        TrainingDiverged: from :meth:`advance`, when a loss is NaN or infinite.
+    """
+
+    def __init__(
+        self,
+        protocol: SynchronousProtocol | AsynchronousProtocol,
+        engine: GradientEngine,
+        dataset: Dataset,
+        *,
+        batch_size: int,
+        num_learners: int,
+        profile: DeviceProfile,
+        cluster: ClusterConfig,
+        replicas_per_device: int = 1,
+        average_every: int = 1,
+        seed: int = 0,
+    ) -> None:
+        self.protocol = protocol
+        self.engine = engine
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_learners = num_learners
+        self.profile = profile
+        self.cluster = cluster
+        self.replicas_per_device = replicas_per_device
+        self.average_every = average_every
+        self.sampler = ShardedSampler(dataset.num_train, num_learners, batch_size, seed)
+        self.streams = [LearnerStream(self.sampler, i) for i in range(num_learners)]
+        self.speeds = list(cluster.speed_factors) or [1.0] * num_learners
+        self._rng = torch.Generator().manual_seed(seed * 7919 + 17)
+        self.virtual_time = 0.0
+        self.samples = 0
+        self.is_async = isinstance(protocol, AsynchronousProtocol)
+        p = engine.num_parameters
+        bw = cluster.bandwidth_gbps
+        self._transfer_s = 0.0 if bw == 0 else 32.0 * p / (bw * 1e9)
+        self.message_s = cluster.latency_s + self._transfer_s
+        if self.is_async:
+            self._init_async()
+
+    # ---- timing ------------------------------------------------------------------------
+    def _jitter(self) -> float:
+        s = self.cluster.jitter
+        if s == 0:
+            return 1.0
+        sigma = math.sqrt(math.log1p(s * s))
+        z = float(torch.randn((), generator=self._rng))
+        return math.exp(sigma * z - 0.5 * sigma * sigma)
+
+    def compute_seconds(self, learner: int) -> float:
+        """Virtual seconds for ``learner`` to compute one minibatch (draws jitter)."""
+        base = self.profile.compute_seconds(self.batch_size) / self.speeds[learner]
+        return base * self._jitter()
+
+    def allreduce_seconds(self, participants: int) -> float:
+        """Ring all-reduce of P float32 values among ``participants``."""
+        m = participants
+        if m <= 1:
+            return 0.0
+        return 2 * (m - 1) * self.cluster.latency_s + 2 * (m - 1) / m * self._transfer_s
+
+    # ---- gradients ---------------------------------------------------------------------
+    def _gradient(
+        self, learner: int, weights: Tensor, lr: float, step: int
+    ) -> tuple[Tensor, float]:
+        idx = self.streams[learner].next_indices()
+        grad, loss = self.engine.gradient(
+            weights, self.dataset.train_x[idx], self.dataset.train_y[idx]
+        )
+        if not math.isfinite(loss):
+            raise TrainingDiverged(
+                f"training loss became {loss} at step {step} (sample {self.samples}) on learner "
+                f"{learner} with learning rate {lr:g}; lower optimizer.lr or add a warm-up "
+                f"(schedule.warmup_epochs)"
+            )
+        return grad, loss
+
+    # ---- synchronous -------------------------------------------------------------------
+    def _advance_sync(self, lr: float) -> Tick:
+        proto = self.protocol
+        assert isinstance(proto, SynchronousProtocol)
+        lam, k = self.num_learners, self.replicas_per_device
+        step = proto.iteration
+        grads = torch.empty(lam, self.engine.num_parameters)
+        losses = []
+        device_s = [0.0] * (lam // k)
+        for lrn in range(lam):
+            g, loss = self._gradient(lrn, proto.learner_weights(lrn), lr, step)
+            grads[lrn] = g
+            losses.append(loss)
+            device_s[lrn // k] += self.compute_seconds(lrn)
+        proto.step(grads, lr)
+        comm = 0.0
+        if proto.iteration % self.average_every == 0:
+            comm = self.allreduce_seconds(lam // k)
+        self.virtual_time += max(device_s) + comm
+        n = lam * self.batch_size
+        self.samples += n
+        return Tick(n, losses)
+
+    # ---- asynchronous (parameter server) ------------------------------------------------
+    def _members(self, worker: int) -> list[int]:
+        members = getattr(self.protocol, "members", None)
+        return list(members(worker)) if members is not None else [worker]
+
+    def _init_async(self) -> None:
+        proto = self.protocol
+        assert isinstance(proto, AsynchronousProtocol)
+        nw = proto.num_workers
+        self._pulled = torch.empty(nw, self.engine.num_parameters)
+        self._pulled_version = [0] * nw
+        self._events: list[tuple[float, int, int]] = []
+        self._seq = 0
+        self._waiting: list[int] = []
+        for w in range(nw):
+            self._pull_and_schedule(w, 0.0)
+
+    def _pull_and_schedule(self, worker: int, now: float) -> None:
+        proto = self.protocol
+        weights, version = proto.pull(worker)  # type: ignore[union-attr]
+        self._pulled[worker] = weights
+        self._pulled_version[worker] = version
+        members = self._members(worker)
+        compute = max(self.compute_seconds(m) for m in members)
+        compute += self.allreduce_seconds(len(members))
+        arrive = now + self.message_s + compute + self.message_s
+        heapq.heappush(self._events, (arrive, self._seq, worker))
+        self._seq += 1
+
+    def _advance_async(self, lr: float) -> Tick:
+        proto = self.protocol
+        assert isinstance(proto, AsynchronousProtocol)
+        now, _, worker = heapq.heappop(self._events)
+        self.virtual_time = now
+        members = self._members(worker)
+        weights = self._pulled[worker]
+        step = proto.version
+        losses = []
+        grad_sum: Tensor | None = None
+        for m in members:
+            g, loss = self._gradient(m, weights, lr, step)
+            losses.append(loss)
+            grad_sum = g if grad_sum is None else grad_sum.add_(g)
+        assert grad_sum is not None
+        if len(members) > 1:
+            grad_sum.div_(len(members))
+        update = proto.push(worker, grad_sum, self._pulled_version[worker], lr)
+        if proto.can_pull(worker):
+            self._pull_and_schedule(worker, now)
+        else:
+            self._waiting.append(worker)
+        if update is not None and self._waiting:
+            released = [w for w in sorted(self._waiting) if proto.can_pull(w)]
+            self._waiting = [w for w in self._waiting if w not in released]
+            for w in released:
+                self._pull_and_schedule(w, now)
+        n = len(members) * self.batch_size
+        self.samples += n
+        return Tick(n, losses, update)
+
+    # ---- public ------------------------------------------------------------------------
+    def advance(self, lr: float) -> Tick:
+        """Run one tick: one synchronous iteration, or one push at the parameter server.
+
+        Args:
+            lr: base learning rate (from the schedule) for this tick.
+        """
+        return self._advance_async(lr) if self.is_async else self._advance_sync(lr)
+
+    def eval_weights(self) -> Tensor:
+        return self.protocol.eval_weights()
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "virtual_time": self.virtual_time,
+            "samples": self.samples,
+            "rng": self._rng.get_state(),
+            "streams": [s.state_dict() for s in self.streams],
+        }
+        if self.is_async:
+            state.update(
+                pulled=self._pulled.clone(),
+                pulled_version=list(self._pulled_version),
+                events=[list(e) for e in self._events],
+                seq=self._seq,
+                waiting=list(self._waiting),
+            )
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.virtual_time = float(state["virtual_time"])
+        self.samples = int(state["samples"])
+        self._rng.set_state(state["rng"])
+        for s, st in zip(self.streams, state["streams"], strict=True):
+            s.load_state_dict(st)
+        if self.is_async:
+            self._pulled.copy_(state["pulled"])
+            self._pulled_version = [int(v) for v in state["pulled_version"]]
+            self._events = [(float(t), int(s), int(w)) for t, s, w in state["events"]]
+            heapq.heapify(self._events)
+            self._seq = int(state["seq"])
+            self._waiting = [int(w) for w in state["waiting"]]

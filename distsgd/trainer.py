@@ -1,0 +1,493 @@
+"""The one training loop every runtime shares: data, model, evaluation, stop rule,
+checkpoints and metrics.
+
+Run directory layout (``out_dir``):
+
+* ``config.toml`` — the resolved config (calibrated device profile filled in), which
+  ``distsgd train`` accepts as is and which reproduces the run;
+* ``metrics.jsonl`` — one record per evaluation (see :mod:`distsgd.metrics`);
+* ``summary.json`` — the run's outcome (see :func:`train`);
+* ``staleness.json`` — histogram of gradient staleness σ;
+* ``checkpoint.pt`` — the latest checkpoint (all state; loaded with ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from distsgd.config import ConfigError, RunConfig
+from distsgd.data import load_dataset
+from distsgd.engine import GradientEngine
+from distsgd.metrics import MetricsWriter, write_json
+from distsgd.models import build_model
+from distsgd.protocols import build_protocol
+from distsgd.protocols.base import AsynchronousProtocol
+from distsgd.runtime.sim import DeviceProfile, SimRuntime, TrainingDiverged, calibrate
+
+__all__ = ["train", "Trainer", "CHECKPOINT_FORMAT"]
+
+CHECKPOINT_FORMAT = 1
+_RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint.pt")
+
+
+def _layout(cfg: RunConfig) -> str:
+    p = cfg.protocol
+    base = f"λ={p.num_learners} b={p.batch_size}"
+    if p.name == "parameter_server":
+        if p.mode == "softsync":
+            return f"{base} {p.softsync}-softsync"
+        return f"{base} {p.mode}"
+    if p.name == "compute_groups":
+        return f"{base} g={p.num_groups}"
+    if p.name == "sma":
+        return f"{base} k={p.replicas_per_device}"
+    if p.name == "local_sgd":
+        return f"{base} H={p.average_every}"
+    return base
+
+
+class Trainer:
+    """Builds every component from a :class:`RunConfig` and runs it to the stop rule.
+
+    Args:
+        cfg: the run's configuration.
+        out_dir: run directory (created if missing).
+        progress: show a progress bar on stderr.
+
+    Raises:
+        ConfigError: ``out_dir`` already holds a run (and not resuming), or a resumed
+            checkpoint does not match the config.
+        DatasetError: the dataset is missing or corrupt.
+        TrainingDiverged: a loss became NaN/inf (summary.json records it; the last good
+            checkpoint is kept).
+    """
+
+    def __init__(self, cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> None:
+        self.cfg = cfg
+        self.out_dir = Path(out_dir)
+        self.progress = progress
+
+    # ---- set-up ------------------------------------------------------------------------
+    def _build(self) -> None:
+        cfg = self.cfg
+        threads = cfg.train.num_threads or (os.cpu_count() or 1)
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg.train.seed)
+        self.dataset = load_dataset(cfg.data, seed=cfg.train.seed)
+        if self.dataset.num_train < cfg.protocol.global_batch:
+            raise ConfigError(
+                f"protocol.batch_size = {cfg.protocol.batch_size} with protocol.num_learners = "
+                f"{cfg.protocol.num_learners} needs {cfg.protocol.global_batch} samples per "
+                f"iteration but the training set has {self.dataset.num_train}"
+            )
+        model = build_model(cfg.model.name, self.dataset.input_shape, self.dataset.num_classes)
+        self.engine = GradientEngine(model)
+        cl = cfg.cluster
+        if cl.needs_calibration:
+            prof = calibrate(self.engine, self.dataset)
+            self.cfg = cfg = cfg.replace(
+                cluster=type(cl)(
+                    seconds_per_sample=prof.seconds_per_sample,
+                    seconds_per_batch=prof.seconds_per_batch,
+                    speed_factors=list(cl.speed_factors),
+                    jitter=cl.jitter,
+                    latency_s=cl.latency_s,
+                    bandwidth_gbps=cl.bandwidth_gbps,
+                )
+            )
+            self.profile_calibrated = True
+        else:
+            self.profile_calibrated = False
+        profile = DeviceProfile(
+            cfg.cluster.seconds_per_batch, cfg.cluster.seconds_per_sample, self.profile_calibrated
+        )
+        # Same seed => same initial weights, whatever calibration did to the RNG.
+        torch.manual_seed(cfg.train.seed)
+        self.engine = GradientEngine(
+            build_model(cfg.model.name, self.dataset.input_shape, self.dataset.num_classes)
+        )
+        self.protocol = build_protocol(cfg, self.engine.initial_weights())
+        p = cfg.protocol
+        k = p.replicas_per_device if p.name in ("sma", "local_sgd") else 1
+        self.runtime = SimRuntime(
+            self.protocol,
+            self.engine,
+            self.dataset,
+            batch_size=p.batch_size,
+            num_learners=p.num_learners,
+            profile=profile,
+            cluster=cfg.cluster,
+            replicas_per_device=k,
+            average_every=p.average_every if p.name == "local_sgd" else 1,
+            seed=cfg.train.seed,
+        )
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def _checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "protocol_name": self.cfg.protocol.name,
+            "num_parameters": self.engine.num_parameters,
+            "protocol": self.protocol.state_dict(),
+            "runtime": self.runtime.state_dict(),
+            "buffers": self.engine.buffers_state(),
+            "torch_rng": torch.get_rng_state(),
+            "trainer": dict(self.counters),
+        }
+
+    def _save_checkpoint(self) -> None:
+        path = self.out_dir / "checkpoint.pt"
+        tmp = path.with_suffix(".pt.tmp")
+        torch.save(self._checkpoint_state(), tmp)
+        os.replace(tmp, path)
+
+    def _load_checkpoint(self) -> None:
+        path = self.out_dir / "checkpoint.pt"
+        if not path.exists():
+            raise ConfigError(f"cannot resume: {path} does not exist")
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
+            raise ConfigError(f"cannot resume: {path} is not a readable checkpoint ({e})") from None
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ConfigError(
+                f"cannot resume: {path} has format {state.get('format')!r}, "
+                f"expected {CHECKPOINT_FORMAT}"
+            )
+        if (
+            state.get("protocol_name") != self.cfg.protocol.name
+            or state.get("num_parameters") != self.engine.num_parameters
+        ):
+            raise ConfigError(
+                f"cannot resume: {path} was written by a different protocol or "
+                "model than config.toml describes"
+            )
+        self.protocol.load_state_dict(state["protocol"])
+        self.runtime.load_state_dict(state["runtime"])
+        self.engine.load_buffers_state(state["buffers"])
+        torch.set_rng_state(state["torch_rng"])
+        self.counters.update(state["trainer"])
+
+    # ---- evaluation --------------------------------------------------------------------
+    def _staleness(self) -> tuple[float, int, dict[int, int]]:
+        proto = self.protocol
+        counts = getattr(proto, "staleness_counts", None)
+        if counts is None:  # synchronous: every gradient is applied to the weights it used
+            n = self.runtime.samples // max(self.cfg.protocol.batch_size, 1)
+            return 0.0, 0, ({0: n} if n else {})
+        counts = dict(counts) if isinstance(counts, dict) else dict(enumerate(counts))
+        counts = {int(k): int(v) for k, v in counts.items() if v}
+        total = sum(counts.values())
+        mean = sum(k * v for k, v in counts.items()) / total if total else 0.0
+        return mean, (max(counts) if counts else 0), counts
+
+    def _evaluate(self) -> dict[str, Any]:
+        c = self.counters
+        t0 = time.perf_counter()
+        acc, loss = self.engine.evaluate(
+            self.runtime.eval_weights(),
+            self.dataset.test_x,
+            self.dataset.test_y,
+            self.cfg.train.eval_batch_size,
+        )
+        c["eval_wall_s"] += time.perf_counter() - t0
+        samples = self.runtime.samples
+        train_loss = c["loss_sum"] / c["loss_count"] if c["loss_count"] else None
+        c["loss_sum"], c["loss_count"] = 0.0, 0
+        st_mean, _, _ = self._staleness()
+        record = {
+            "eval": c["evals"],
+            "samples": samples,
+            "epoch": samples / self.dataset.num_train,
+            "iterations": self._iterations(),
+            "virtual_s": self.runtime.virtual_time,
+            "wall_s": c["train_wall_s"],
+            "eval_wall_s": c["eval_wall_s"],
+            "test_accuracy": acc,
+            "test_loss": loss,
+            "train_loss": train_loss,
+            "lr": self._lr(),
+            "staleness_mean": st_mean,
+        }
+        c["evals"] += 1
+        if acc > c["best_accuracy"]:
+            c["best_accuracy"] = acc
+        target = self.cfg.train.target_accuracy
+        if target > 0 and acc >= target and c["reached_samples"] < 0:
+            c["reached_samples"] = samples
+            c["reached_wall_s"] = c["train_wall_s"]
+            c["reached_virtual_s"] = self.runtime.virtual_time
+        return record
+
+    def _iterations(self) -> int:
+        proto = self.protocol
+        if isinstance(proto, AsynchronousProtocol):
+            return proto.version
+        return proto.iteration
+
+    def _lr(self) -> float:
+        epoch = self.runtime.samples / self.dataset.num_train
+        return self.cfg.schedule.lr_at(self.cfg.optimizer.lr, epoch)
+
+    # ---- main loop ---------------------------------------------------------------------
+    def _budget_samples(self) -> int | None:
+        t = self.cfg.train
+        budgets = []
+        if t.max_epochs > 0:
+            budgets.append(math.ceil(t.max_epochs * self.dataset.num_train))
+        if t.max_samples > 0:
+            budgets.append(t.max_samples)
+        return min(budgets) if budgets else None
+
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        """Train to the stop rule; returns the summary (also written to summary.json)."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if not resume and any((self.out_dir / f).exists() for f in _RUN_FILES):
+            raise ConfigError(
+                f"output directory {str(self.out_dir)!r} already holds a run; choose another "
+                "--out or continue it with --resume"
+            )
+        self._build()
+        self.counters: dict[str, Any] = {
+            "evals": 0,
+            "train_wall_s": 0.0,
+            "eval_wall_s": 0.0,
+            "best_accuracy": 0.0,
+            "reached_samples": -1,
+            "reached_wall_s": -1.0,
+            "reached_virtual_s": -1.0,
+            "loss_sum": 0.0,
+            "loss_count": 0,
+            "stop_reason": "",
+        }
+        if resume:
+            self._load_checkpoint()
+            self.counters["stop_reason"] = ""
+        (self.out_dir / "config.toml").write_text(self.cfg.to_toml())
+        metrics = MetricsWriter(
+            self.out_dir / "metrics.jsonl", keep_evals=self.counters["evals"] if resume else None
+        )
+        self.metrics = metrics
+        try:
+            summary = self._loop(metrics, resumed=resume)
+        except TrainingDiverged as e:
+            self.counters["stop_reason"] = "diverged"
+            write_json(
+                self.out_dir / "summary.json", self._summary(status="diverged", error=str(e))
+            )
+            raise
+        except KeyboardInterrupt:
+            self.counters["stop_reason"] = "interrupted"
+            write_json(self.out_dir / "summary.json", self._summary(status="interrupted"))
+            raise
+        finally:
+            metrics.close()
+        return summary
+
+    def _loop(self, metrics: MetricsWriter, resumed: bool) -> dict[str, Any]:
+        cfg, c, rt = self.cfg, self.counters, self.runtime
+        t = cfg.train
+        num_train = self.dataset.num_train
+        eval_every = t.eval_every_samples or num_train
+        budget = self._budget_samples()
+        next_eval = c["evals"] * eval_every if not resumed else c.get("next_eval", 0)
+        bar = tqdm(
+            total=budget,
+            initial=min(rt.samples, budget or rt.samples),
+            unit="sample",
+            unit_scale=True,
+            disable=not self.progress,
+            dynamic_ncols=True,
+            desc=f"{cfg.protocol.name} [{_layout(cfg)}]",
+            leave=True,
+        )
+        last_eval_samples = -1 if not resumed else c.get("last_eval_samples", -1)
+        try:
+            while True:
+                budget_hit = budget is not None and rt.samples >= budget
+                time_hit = t.max_seconds > 0 and c["train_wall_s"] >= t.max_seconds
+                if rt.samples >= next_eval or budget_hit or time_hit:
+                    if rt.samples != last_eval_samples:
+                        record = self._evaluate()
+                        metrics.write(record)
+                        last_eval_samples = rt.samples
+                        bar.set_postfix(
+                            acc=f"{record['test_accuracy']:.4f}",
+                            loss=f"{record['test_loss']:.3f}",
+                            sigma=f"{record['staleness_mean']:.2f}",
+                            refresh=False,
+                        )
+                    while next_eval <= rt.samples:
+                        next_eval += eval_every
+                    reached = c["reached_samples"] >= 0
+                    if reached and t.stop_at_target:
+                        c["stop_reason"] = "target_accuracy"
+                    elif budget_hit:
+                        c["stop_reason"] = "max_epochs/max_samples"
+                    elif time_hit:
+                        c["stop_reason"] = "max_seconds"
+                    c["next_eval"] = next_eval
+                    c["last_eval_samples"] = last_eval_samples
+                    every = t.checkpoint_every_evals
+                    if c["stop_reason"] or (every and c["evals"] % every == 0):
+                        self._save_checkpoint()
+                    if c["stop_reason"]:
+                        break
+                lr = self._lr()
+                t0 = time.perf_counter()
+                tick = rt.advance(lr)
+                c["train_wall_s"] += time.perf_counter() - t0
+                c["loss_sum"] += sum(tick.losses)
+                c["loss_count"] += len(tick.losses)
+                bar.update(
+                    tick.samples if budget is None else max(0, min(tick.samples, budget - bar.n))
+                )
+        finally:
+            bar.close()
+        summary = self._summary(status="completed")
+        write_json(self.out_dir / "summary.json", summary)
+        _, _, counts = self._staleness()
+        write_json(
+            self.out_dir / "staleness.json",
+            {"counts": {str(k): v for k, v in sorted(counts.items())}},
+        )
+        return summary
+
+    def _summary(self, status: str, error: str | None = None) -> dict[str, Any]:
+        cfg, c, rt = self.cfg, self.counters, self.runtime
+        st_mean, st_max, _ = self._staleness()
+        reached = c["reached_samples"] >= 0
+        wall = c["train_wall_s"]
+        last = self.metrics.records[-1] if self.metrics.records else {}
+        p = cfg.protocol
+        summary = {
+            "name": cfg.name,
+            "status": status,
+            "stop_reason": c["stop_reason"],
+            "protocol": p.name,
+            "runtime": cfg.runtime,
+            "layout": _layout(cfg),
+            "model": cfg.model.name,
+            "dataset": cfg.data.dataset,
+            "num_learners": p.num_learners,
+            "batch_size": p.batch_size,
+            "global_batch": p.global_batch,
+            "lr": cfg.optimizer.lr,
+            "momentum": cfg.optimizer.momentum,
+            "seed": cfg.train.seed,
+            "target_accuracy": cfg.train.target_accuracy,
+            "best_accuracy": c["best_accuracy"],
+            "final_accuracy": last.get("test_accuracy"),
+            "reached": reached,
+            "time_to_accuracy_s": c["reached_wall_s"] if reached else None,
+            "time_to_accuracy_virtual_s": c["reached_virtual_s"] if reached else None,
+            "samples_to_accuracy": c["reached_samples"] if reached else None,
+            "epochs_to_accuracy": (
+                c["reached_samples"] / self.dataset.num_train if reached else None
+            ),
+            "samples": rt.samples,
+            "epochs": rt.samples / self.dataset.num_train,
+            "iterations": self._iterations(),
+            "train_wall_s": wall,
+            "eval_wall_s": c["eval_wall_s"],
+            "virtual_s": rt.virtual_time,
+            "throughput_samples_per_s": rt.samples / wall if wall > 0 else None,
+            "throughput_virtual_samples_per_s": (
+                rt.samples / rt.virtual_time if rt.virtual_time > 0 else None
+            ),
+            "staleness_mean": st_mean,
+            "staleness_max": st_max,
+            "num_parameters": self.engine.num_parameters,
+            "device_profile": {
+                "seconds_per_batch": cfg.cluster.seconds_per_batch,
+                "seconds_per_sample": cfg.cluster.seconds_per_sample,
+                "calibrated": self.profile_calibrated,
+            },
+            "finished_at": datetime.now().isoformat(timespec="seconds"),
+        }
+        if error:
+            summary["error"] = error
+        return summary
+
+
+def default_out_dir(cfg: RunConfig) -> Path:
+    """``runs/<YYYYmmdd-HHMMSS>-<protocol>`` under the current directory."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{cfg.name or cfg.protocol.name}"
+
+
+def train(
+    config: RunConfig | str | Path | dict[str, Any] | None = None,
+    *,
+    overrides: list[str] | None = None,
+    out_dir: str | Path | None = None,
+    resume: str | Path | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Train as ``distsgd train`` does and return the summary dict.
+
+    Args:
+        config: a RunConfig, a TOML path, a nested dict, or None for the default run.
+        overrides: ``section.key=value`` strings applied on top (TOML values).
+        out_dir: run directory (default ``runs/<time>-<protocol>``).
+        resume: a run directory to continue from its checkpoint; only ``train.*``
+            overrides are allowed with it (e.g. a larger ``train.max_epochs``).
+        progress: show a progress bar.
+
+    Returns:
+        The summary (as in ``summary.json``): ``protocol``, ``runtime``,
+        ``target_accuracy``, ``best_accuracy``, ``reached``, ``time_to_accuracy_s`` (wall,
+        training only), ``time_to_accuracy_virtual_s``, ``samples_to_accuracy``,
+        ``throughput_samples_per_s``, ``staleness_mean``, ``staleness_max`` and more.
+
+    Raises:
+        ConfigError / DatasetError (both ValueError): bad settings or data.
+        TrainingDiverged: the loss became NaN or infinite.
+
+    Example::
+
+        import distsgd
+        s = distsgd.train("configs/async.toml", overrides=["train.max_epochs=1"])
+        print(s["best_accuracy"], s["staleness_mean"])
+    """
+    if resume is not None:
+        run_dir = Path(resume)
+        if config is not None:
+            raise ConfigError(
+                "--resume continues a run from its own config.toml; do not pass a config as well"
+            )
+        for item in overrides or []:
+            if not item.strip().startswith("train."):
+                raise ConfigError(f"--set {item!r}: only train.* settings may change when resuming")
+        if not (run_dir / "config.toml").exists():
+            raise ConfigError(f"cannot resume: {run_dir / 'config.toml'} does not exist")
+        cfg = RunConfig.from_toml(run_dir / "config.toml", overrides)
+        return Trainer(cfg, run_dir, progress).run(resume=True)
+    if isinstance(config, RunConfig):
+        cfg = config
+        if overrides:
+            raw = cfg.to_dict()
+            from distsgd.config import apply_override
+
+            for item in overrides:
+                apply_override(raw, item)
+            cfg = RunConfig.from_dict(raw)
+    elif isinstance(config, dict):
+        raw = dict(config)
+        from distsgd.config import apply_override
+
+        for item in overrides or []:
+            apply_override(raw, item)
+        cfg = RunConfig.from_dict(raw)
+    else:
+        cfg = RunConfig.from_toml(config, overrides)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(cfg)
+    return Trainer(cfg, out, progress).run(resume=False)

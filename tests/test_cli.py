@@ -1,0 +1,93 @@
+"""The command line as a user meets it: exit codes, one-line errors, the final summary."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "distsgd", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--set", "optimizer.lr=-1"], "optimizer.lr = -1"),
+        (["--set", "protocol.name=bogus"], "protocol.name = 'bogus'"),
+        (
+            [
+                "--set",
+                "protocol.softsync=3",
+                "--set",
+                "protocol.name=parameter_server",
+                "--set",
+                "protocol.num_learners=4",
+            ],
+            "protocol.softsync = 3",
+        ),
+        (["--set", "optimizer.learning_rate=1"], "optimizer.learning_rate is not a setting"),
+        (["missing.toml"], "missing.toml"),
+        (["--set", "data.root=/nonexistent/fmnist"], "/nonexistent/fmnist"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(tmp_path, args, fragment):
+    r = run_cli("train", *args, "--out", str(tmp_path / "r"), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("distsgd: error:")
+    assert fragment in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_train_prints_summary_and_writes_run(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        """
+[data]
+dataset = "synthetic"
+num_train = 512
+num_test = 128
+[model]
+name = "mlp"
+[protocol]
+name = "parameter_server"
+mode = "async"
+num_learners = 2
+batch_size = 32
+[cluster]
+seconds_per_sample = 1e-4
+seconds_per_batch = 1e-3
+[train]
+target_accuracy = 0.3
+max_epochs = 2
+num_threads = 1
+"""
+    )
+    r = run_cli("train", str(cfg), "--out", str(tmp_path / "run"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "time to acc." in r.stdout and "staleness" in r.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["reached"] is True
+    # resume a finished run with a bigger budget
+    r2 = run_cli(
+        "train",
+        "--resume",
+        str(tmp_path / "run"),
+        "--set",
+        "train.max_epochs=3",
+        "--set",
+        "train.stop_at_target=false",
+        "--quiet",
+    )
+    assert r2.returncode == 0, r2.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["epochs"] == pytest.approx(3.0, abs=0.07)

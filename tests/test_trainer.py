@@ -1,0 +1,206 @@
+"""The training loop end to end on synthetic data: outputs, equivalences, resume, failures."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import distsgd
+from distsgd.config import ConfigError
+from distsgd.metrics import read_metrics
+from distsgd.runtime.sim import TrainingDiverged
+from distsgd.trainer import Trainer
+from tests.conftest import small_config
+
+SUMMARY_KEYS = {
+    "protocol",
+    "runtime",
+    "target_accuracy",
+    "best_accuracy",
+    "reached",
+    "time_to_accuracy_s",
+    "time_to_accuracy_virtual_s",
+    "samples_to_accuracy",
+    "throughput_samples_per_s",
+    "staleness_mean",
+    "staleness_max",
+}
+METRIC_KEYS = {"samples", "virtual_s", "wall_s", "test_accuracy", "test_loss", "train_loss", "lr"}
+
+
+def final_weights(run_dir):
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    return state
+
+
+def test_run_directory_contents(tmp_path):
+    cfg = small_config(protocol={"name": "parameter_server", "num_learners": 4, "softsync": 4})
+    summary = distsgd.train(cfg, out_dir=tmp_path / "run")
+    run = tmp_path / "run"
+    assert SUMMARY_KEYS <= set(summary)
+    assert json.loads((run / "summary.json").read_text())["protocol"] == "parameter_server"
+    records = read_metrics(run / "metrics.jsonl")
+    # eval at 0 and every 512 samples of 2 epochs x 1024
+    assert [r["samples"] for r in records] == [0, 512, 1024, 1536, 2048]
+    assert all(METRIC_KEYS <= set(r) for r in records)
+    assert records[0]["train_loss"] is None and records[1]["train_loss"] > 0
+    assert records[-1]["virtual_s"] > records[1]["virtual_s"] > 0
+    assert summary["staleness_mean"] > 0
+    assert summary["runtime"] == "sim"
+    # the resolved config reproduces the run settings
+    again = distsgd.RunConfig.from_toml(run / "config.toml")
+    assert again == cfg
+    assert sum(json.loads((run / "staleness.json").read_text())["counts"].values()) == 2048 // 32
+
+
+def test_reaches_target_and_records_time_to_accuracy(tmp_path):
+    cfg = small_config(train={"target_accuracy": 0.5, "max_epochs": 5})
+    s = distsgd.train(cfg, out_dir=tmp_path / "r")
+    assert s["reached"] and s["stop_reason"] == "target_accuracy"
+    records = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    first = next(r for r in records if r["test_accuracy"] >= 0.5)
+    assert s["samples_to_accuracy"] == first["samples"] == records[-1]["samples"]
+    assert s["time_to_accuracy_s"] == first["wall_s"]
+    assert s["time_to_accuracy_virtual_s"] == first["virtual_s"]
+
+
+def test_hardsync_matches_single_learner_with_global_batch(tmp_path):
+    a = distsgd.train(
+        small_config(protocol={"name": "hardsync", "num_learners": 4, "batch_size": 16}),
+        out_dir=tmp_path / "a",
+    )
+    b = distsgd.train(
+        small_config(protocol={"name": "hardsync", "num_learners": 1, "batch_size": 64}),
+        out_dir=tmp_path / "b",
+    )
+    la = [r["test_loss"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
+    lb = [r["test_loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")]
+    assert len(la) == len(lb) == 5
+    # Same samples, same mean gradient; only float summation order differs (mean of 4
+    # means vs one mean), ~1e-7 relative per step.
+    assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) < 1e-4
+    assert a["staleness_max"] == 0 and b["staleness_mean"] == 0
+
+
+def test_softsync_with_one_learner_equals_plain_sgd(tmp_path):
+    ps = small_config(protocol={"name": "parameter_server", "num_learners": 1, "mode": "async"})
+    plain = small_config(protocol={"name": "plain", "num_learners": 1})
+    a = distsgd.train(ps, out_dir=tmp_path / "a")
+    distsgd.train(plain, out_dir=tmp_path / "b")
+    wa = final_weights(tmp_path / "a")["protocol"]
+    wb = final_weights(tmp_path / "b")["protocol"]
+    ra = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    rb = read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert [r["test_loss"] for r in ra] == [r["test_loss"] for r in rb]
+    assert a["staleness_max"] == 0
+    assert wa and wb
+
+
+def test_groups_with_one_group_equal_hardsync(tmp_path):
+    g1 = small_config(
+        protocol={"name": "compute_groups", "num_learners": 4, "batch_size": 16, "num_groups": 1}
+    )
+    hs = small_config(protocol={"name": "hardsync", "num_learners": 4, "batch_size": 16})
+    distsgd.train(g1, out_dir=tmp_path / "a")
+    distsgd.train(hs, out_dir=tmp_path / "b")
+    la = [r["test_loss"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
+    lb = [r["test_loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")]
+    assert la == pytest.approx(lb, abs=1e-5)  # same maths, only summation order differs
+
+
+@pytest.mark.parametrize(
+    "protocol",
+    [
+        {"name": "parameter_server", "num_learners": 4, "softsync": 2},
+        {"name": "sma", "num_learners": 4, "replicas_per_device": 2},
+        {"name": "local_sgd", "num_learners": 2, "average_every": 3},
+        {"name": "compute_groups", "num_learners": 4, "num_groups": 2},
+    ],
+)
+def test_same_seed_gives_identical_weights(tmp_path, protocol):
+    cfg = small_config(protocol=protocol, cluster={"jitter": 0.3}, train={"max_epochs": 1})
+    distsgd.train(cfg, out_dir=tmp_path / "a")
+    distsgd.train(cfg, out_dir=tmp_path / "b")
+    ma = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    mb = read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert [r["test_loss"] for r in ma] == [r["test_loss"] for r in mb]
+    assert [r["virtual_s"] for r in ma] == [r["virtual_s"] for r in mb]
+    pa = final_weights(tmp_path / "a")["protocol"]
+    pb = final_weights(tmp_path / "b")["protocol"]
+    for key, value in pa.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, pb[key]), key
+    # a different seed changes the run
+    other = small_config(
+        protocol=protocol, cluster={"jitter": 0.3}, train={"max_epochs": 1, "seed": 1}
+    )
+    distsgd.train(other, out_dir=tmp_path / "c")
+    mc = read_metrics(tmp_path / "c" / "metrics.jsonl")
+    assert [r["test_loss"] for r in mc] != [r["test_loss"] for r in ma]
+
+
+@pytest.mark.parametrize(
+    "protocol",
+    [
+        {"name": "parameter_server", "num_learners": 4, "softsync": 2},
+        {"name": "sma", "num_learners": 4, "replicas_per_device": 4},
+    ],
+)
+def test_resume_equals_uninterrupted_run(tmp_path, protocol):
+    full = small_config(protocol=protocol, cluster={"jitter": 0.3})
+    distsgd.train(full, out_dir=tmp_path / "full")
+    half = small_config(protocol=protocol, cluster={"jitter": 0.3}, train={"max_epochs": 1})
+    distsgd.train(half, out_dir=tmp_path / "half")
+    s = distsgd.train(resume=tmp_path / "half", overrides=["train.max_epochs=2"])
+    assert s["epochs"] == 2
+    mf = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    mh = read_metrics(tmp_path / "half" / "metrics.jsonl")
+    assert [r["samples"] for r in mh] == [r["samples"] for r in mf]
+    assert [r["test_loss"] for r in mh] == [r["test_loss"] for r in mf]
+    assert [r["virtual_s"] for r in mh] == [r["virtual_s"] for r in mf]
+
+
+def test_resume_refuses_changes_outside_train(tmp_path):
+    distsgd.train(small_config(train={"max_epochs": 1}), out_dir=tmp_path / "r")
+    with pytest.raises(ConfigError, match="only train"):
+        distsgd.train(resume=tmp_path / "r", overrides=["optimizer.lr=0.1"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        distsgd.train(resume=tmp_path / "nothing")
+
+
+def test_out_dir_with_a_run_is_not_overwritten(tmp_path):
+    cfg = small_config(train={"max_epochs": 1})
+    distsgd.train(cfg, out_dir=tmp_path / "r")
+    before = (tmp_path / "r" / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        distsgd.train(cfg, out_dir=tmp_path / "r")
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
+
+
+def test_divergence_stops_with_step_learner_and_lr_and_keeps_checkpoint(tmp_path):
+    cfg = small_config(
+        protocol={"name": "parameter_server", "num_learners": 2, "mode": "async"},
+        optimizer={"lr": 1e6, "momentum": 0.0},
+        train={"eval_every_samples": 64},
+    )
+    with pytest.raises(TrainingDiverged) as e:
+        Trainer(cfg, tmp_path / "r", progress=False).run()
+    msg = str(e.value)
+    assert "step" in msg and "learner" in msg and "learning rate 1e+06" in msg
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "diverged"
+    ckpt = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
+    w = ckpt["protocol"]
+    assert all(
+        torch.isfinite(v).all()
+        for v in w.values()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    )
+    assert not math.isnan(summary["best_accuracy"])
+
+
+def test_global_batch_larger_than_dataset_is_a_config_error(tmp_path):
+    cfg = small_config(protocol={"num_learners": 8, "batch_size": 256})
+    with pytest.raises(ConfigError, match="protocol.batch_size"):
+        distsgd.train(cfg, out_dir=tmp_path / "r")
