@@ -1,0 +1,161 @@
+"""Argument checks and state helpers shared by the protocols (private)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import SERVER_OPTIMIZERS, STALENESS_LR
+
+__all__ = ["SERVER_OPTIMIZERS", "STALENESS_LR"]  # re-exported for the protocol modules
+
+
+def check_initial(initial: Any) -> Tensor:
+    """A detached contiguous copy of ``initial``, which must be a 1-D floating tensor."""
+    if not isinstance(initial, Tensor):
+        raise ValueError(
+            f"initial must be a torch.Tensor of shape [P], got {type(initial).__name__}"
+        )
+    if initial.dim() != 1 or initial.numel() == 0 or not initial.is_floating_point():
+        raise ValueError(
+            "initial must be a non-empty 1-D floating-point tensor of shape [P], got "
+            f"shape {list(initial.shape)} and dtype {initial.dtype}"
+        )
+    return initial.detach().clone().contiguous()
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} = {value!r} is not allowed: expected an integer >= {minimum}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} = {value!r} is not allowed: expected True or False")
+    return value
+
+
+def check_float(
+    name: str, value: Any, lo: float, hi: float = math.inf, hi_inclusive: bool = True
+) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = value >= lo and (value <= hi if hi_inclusive else value < hi)
+    if not ok:
+        if hi == math.inf:
+            allowed = f"a finite number >= {lo}"
+        else:
+            allowed = f"a number in [{lo}, {hi}{']' if hi_inclusive else ')'}"
+        raise ValueError(f"{name} = {value!r} is not allowed: expected {allowed}")
+    return float(value)
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} = {value!r} is not allowed: expected one of {allowed}")
+    return value
+
+
+def check_sgd_args(momentum: Any, weight_decay: Any, nesterov: Any) -> tuple[float, float, bool]:
+    """Validate the torch.optim.SGD settings shared by every protocol."""
+    momentum = check_float("momentum", momentum, 0.0, 1.0, hi_inclusive=False)
+    weight_decay = check_float("weight_decay", weight_decay, 0.0)
+    nesterov = check_bool("nesterov", nesterov)
+    if nesterov and momentum == 0:
+        raise ValueError("nesterov = True is not allowed with momentum = 0: expected False")
+    return momentum, weight_decay, nesterov
+
+
+def check_lr(lr: Any) -> float:
+    """The learning rate of one step: a finite number >= 0."""
+    return check_float("lr", lr, 0.0)
+
+
+def check_vector(name: str, t: Any, like: Tensor) -> Tensor:
+    """``t`` must have the shape, dtype and device of ``like``."""
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(
+            f"{name} must have shape {list(like.shape)}, dtype {like.dtype} and device "
+            f"{like.device}; got shape {list(t.shape)}, dtype {t.dtype}, device {t.device}"
+        )
+    return t
+
+
+def check_index(name: str, value: Any, count: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < count:
+        raise ValueError(f"{name} = {value!r} is not allowed: expected an integer in [0, {count})")
+    return value
+
+
+def clone_state(obj: Any) -> Any:
+    """Deep copy of a state tree: tensors cloned, containers rebuilt, scalars shared."""
+    if isinstance(obj, Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_state(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(clone_state(v) for v in obj)
+    return obj
+
+
+def check_header(state: Any, protocol: str, config: dict[str, Any]) -> None:
+    """Raise ValueError unless ``state`` was saved by ``protocol`` with the same ``config``."""
+    if not isinstance(state, dict) or state.get("protocol") != protocol:
+        got = state.get("protocol") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"state is not a {protocol} state_dict (its protocol is {got!r})")
+    saved = state.get("config")
+    if saved != config:
+        diff = sorted(
+            k for k in set(config) | set(saved or {}) if (saved or {}).get(k) != config.get(k)
+        )
+        raise ValueError(
+            f"{protocol} state_dict was saved with a different configuration: "
+            + ", ".join(
+                f"{k} = {(saved or {}).get(k)!r} (this one: {config.get(k)!r})" for k in diff
+            )
+        )
+
+
+def load_vector(name: str, value: Any, into: Tensor) -> None:
+    """Copy saved tensor ``value`` into ``into`` in place, checking its shape."""
+    if not isinstance(value, Tensor) or value.shape != into.shape:
+        shape = list(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(
+            f"state[{name!r}] must be a tensor of shape {list(into.shape)}, got {shape}"
+        )
+    into.copy_(value)
+
+
+def optimizer_step(opt: torch.optim.Optimizer, param: Tensor, grad: Tensor, lr: float) -> None:
+    """One ``opt`` step on its single ``param`` with gradient ``grad`` at rate ``lr``."""
+    opt.param_groups[0]["lr"] = lr
+    param.grad = grad
+    opt.step()
+    param.grad = None
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> dict[int, dict[str, Tensor]]:
+    """A copy of ``opt``'s per-parameter state (momentum buffer; AdaGrad step and sum).
+
+    The hyperparameters are left out: they are the protocol's configuration, and the
+    learning rate is set on every step.
+    """
+    return clone_state(opt.state_dict()["state"])
+
+
+def load_optimizer(opt: torch.optim.Optimizer, state: Any) -> None:
+    """Restore :func:`optimizer_state` into ``opt`` without aliasing the caller's tensors."""
+    if not isinstance(state, dict):
+        raise ValueError("state['optimizer'] must be a dict of per-parameter optimizer state")
+    full = opt.state_dict()
+    full["state"] = clone_state(state)
+    opt.load_state_dict(full)

@@ -1,0 +1,188 @@
+"""Protocol base classes: pure update rules on flat parameter vectors (sans-IO).
+
+A protocol is state plus update rules. It never sleeps, sends, spawns or reads a clock; a
+runtime (the simulated cluster or real processes) calls it. All tensors are flat float32
+vectors of the model's P parameters (shape ``[P]``) or stacks of them (``[λ, P]``).
+All state lives in ``state_dict()``, whose values are tensors, numbers, strings and
+lists/dicts of them, so a checkpoint loads with ``torch.load(weights_only=True)``.
+
+Two families:
+
+* :class:`SynchronousProtocol` — lock-step: every iteration each learner computes one
+  gradient on ``learner_weights(l)`` and the runtime calls ``step(grads, lr)`` once with all
+  of them (hardsync, SMA, local SGD, plain).
+* :class:`AsynchronousProtocol` — a parameter server: learners ``pull``, compute, ``push``
+  at their own pace (Rudra's n-softsync / async / hardsync, Omnivore's compute groups).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["SynchronousProtocol", "AsynchronousProtocol", "Update", "make_sgd"]
+
+
+def make_sgd(
+    param: Tensor, lr: float, momentum: float, weight_decay: float, nesterov: bool = False
+) -> torch.optim.SGD:
+    """torch.optim.SGD over one flat (or stacked ``[λ, P]``) tensor.
+
+    Momentum and weight decay are elementwise, so one optimizer over a ``[λ, P]`` stack
+    updates λ replicas independently, exactly as λ separate optimizers would.
+    """
+    return torch.optim.SGD(
+        [param], lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov
+    )
+
+
+class SynchronousProtocol(ABC):
+    """Lock-step protocol over ``num_learners`` learners.
+
+    Each iteration the runtime computes, for every learner ``l``, the mean-loss gradient of
+    its minibatch at ``learner_weights(l)`` and calls :meth:`step` once.
+    """
+
+    num_learners: int
+
+    @abstractmethod
+    def learner_weights(self, learner: int) -> Tensor:
+        """Weights, shape ``[P]``, that ``learner`` computes its next gradient on.
+
+        May be a view of internal state: callers must not modify it.
+        """
+
+    @abstractmethod
+    def step(self, grads: Tensor, lr: float) -> None:
+        """Apply one iteration.
+
+        Args:
+            grads: shape ``[num_learners, P]``; row l is learner l's gradient at
+                ``learner_weights(l)``.
+            lr: base learning rate for this iteration (from the schedule).
+        """
+
+    @abstractmethod
+    def eval_weights(self) -> Tensor:
+        """The model this protocol defines for evaluation, shape ``[P]``."""
+
+    @property
+    def iteration(self) -> int:
+        """Iterations applied so far."""
+        return self._iteration  # type: ignore[attr-defined]
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot (tensors cloned) of all state; survives ``torch.load(weights_only=True)``."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; continuing is then bit-identical to never saving.
+
+        Raises:
+            ValueError: ``state`` comes from another protocol class or configuration, or a
+                tensor in it has the wrong shape.
+        """
+
+
+@dataclass
+class Update:
+    """One update applied by a parameter server (Rudra's vector clock of that update).
+
+    Attributes:
+        version: server version after this update (the first update gives 1).
+        clock: ``(learner, version_pulled)`` of every gradient aggregated, in arrival order.
+        staleness: σ of each of those gradients: the server version the update was applied
+            to (``version - 1``) minus the version the gradient was computed on.
+        lr: effective learning rate used (after staleness modulation; for
+            ``per_gradient`` the base rate α0, the per-gradient factors being in
+            ``scales``).
+        scales: per-gradient multipliers applied before averaging (1.0 unless
+            ``per_gradient``).
+    """
+
+    version: int
+    clock: list[tuple[int, int]]
+    staleness: list[int]
+    lr: float
+    scales: list[float] = field(default_factory=list)
+
+
+class AsynchronousProtocol(ABC):
+    """A parameter server (Rudra ICDM 2016 §3): learners pull, compute and push at their pace.
+
+    ``workers`` are the units that pull and push: learners for the parameter server,
+    compute groups for Omnivore.
+    """
+
+    num_workers: int
+    num_learners: int
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """Updates applied so far."""
+
+    @property
+    @abstractmethod
+    def staleness_counts(self) -> dict[int, int]:
+        """Histogram of the staleness of every gradient applied so far: ``{σ: count}``."""
+
+    @property
+    @abstractmethod
+    def num_gradients(self) -> int:
+        """Gradients applied so far (pushes that are part of an applied update)."""
+
+    @property
+    def staleness_mean(self) -> float:
+        """Mean σ over all gradients applied so far, in updates (0.0 before the first)."""
+        counts = self.staleness_counts
+        n = sum(counts.values())
+        return sum(s * c for s, c in counts.items()) / n if n else 0.0
+
+    @property
+    def staleness_max(self) -> int:
+        """Largest σ applied so far, in updates (0 before the first)."""
+        return max(self.staleness_counts, default=0)
+
+    @abstractmethod
+    def pull(self, worker: int) -> tuple[Tensor, int]:
+        """Current weights (a copy, shape ``[P]``) and the version they carry.
+
+        Raises:
+            RuntimeError: under a barrier (hardsync) when ``can_pull(worker)`` is False.
+        """
+
+    @abstractmethod
+    def can_pull(self, worker: int) -> bool:
+        """False while a barrier holds ``worker`` back (hardsync: it has pushed for the
+        current version and the update is not yet applied)."""
+
+    @abstractmethod
+    def push(self, worker: int, grad: Tensor, version: int, lr: float) -> Update | None:
+        """Hand the server a gradient (shape ``[P]``) computed on weights of ``version``.
+
+        Returns the :class:`Update` if this push completed one, else None (buffered).
+        ``lr`` is the base rate α0 from the schedule at this moment.
+        """
+
+    @abstractmethod
+    def eval_weights(self) -> Tensor:
+        """The server's current weights, shape ``[P]``."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot (tensors cloned) of all state; survives ``torch.load(weights_only=True)``."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; continuing is then bit-identical to never saving.
+
+        Raises:
+            ValueError: ``state`` comes from another protocol class or configuration, or a
+                tensor in it has the wrong shape.
+        """

@@ -1,0 +1,138 @@
+"""Synchronous SGD (hardsync, S-SGD): one update per iteration with the mean gradient.
+
+Rule (SPEC.md §1; the synchronous baseline of Gupta, Zhang, Wang, "Model Accuracy and
+Runtime Tradeoff in Distributed Deep Learning", ICDM 2016, arXiv:1509.04210, §3 "hardsync")::
+
+    every learner l computes g_l = ∇ℓ(w; B_l) on the same weights w
+    w ← SGD(w, (1/λ) Σ_l g_l, lr)          # torch.optim.SGD: momentum, weight decay, nesterov
+
+With mean-loss gradients over disjoint minibatches of b samples this equals one learner
+with batch λ·b; ``num_learners = 1`` is the plain training loop.
+
+Example::
+
+    >>> import torch
+    >>> from distsgd.protocols import HardSync
+    >>> p = HardSync(torch.zeros(3), num_learners=2)
+    >>> p.step(torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]]), lr=0.5)
+    >>> p.eval_weights()
+    tensor([-1., -1., -1.])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ._util import (
+    check_header,
+    check_index,
+    check_initial,
+    check_int,
+    check_lr,
+    check_sgd_args,
+    check_vector,
+    load_optimizer,
+    load_vector,
+    optimizer_state,
+    optimizer_step,
+)
+from .base import SynchronousProtocol, make_sgd
+
+__all__ = ["HardSync"]
+
+
+class HardSync(SynchronousProtocol):
+    """Hardsync / plain SGD on one shared weight vector (SPEC.md §1).
+
+    Args:
+        initial: initial weights, shape ``[P]``, floating point (copied).
+        num_learners: λ >= 1, learners computing on the same weights each iteration.
+        momentum: μ in [0, 1) of torch.optim.SGD.
+        weight_decay: L2 coefficient >= 0 (torch.optim.SGD's, added to the mean gradient).
+        nesterov: Nesterov momentum; requires ``momentum > 0``.
+
+    Raises:
+        ValueError: an argument outside the allowed values (the message names it).
+    """
+
+    def __init__(
+        self,
+        initial: Tensor,
+        num_learners: int,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
+        self._w = check_initial(initial)
+        self.num_learners = check_int("num_learners", num_learners, 1)
+        self.momentum, self.weight_decay, self.nesterov = check_sgd_args(
+            momentum, weight_decay, nesterov
+        )
+        self._opt = make_sgd(self._w, 0.0, self.momentum, self.weight_decay, self.nesterov)
+        self._iteration = 0
+
+    @property
+    def num_parameters(self) -> int:
+        """P, the length of the flat weight vector."""
+        return self._w.numel()
+
+    def learner_weights(self, learner: int) -> Tensor:
+        """The shared weights, shape ``[P]`` (a view: do not modify).
+
+        Raises:
+            ValueError: ``learner`` not in ``[0, num_learners)``.
+        """
+        check_index("learner", learner, self.num_learners)
+        return self._w
+
+    def step(self, grads: Tensor, lr: float) -> None:
+        """Apply ``w ← SGD(w, grads.mean(0), lr)``.
+
+        Args:
+            grads: shape ``[num_learners, P]``, same dtype and device as the weights; row l
+                is learner l's mean-loss gradient at :meth:`learner_weights`.
+            lr: learning rate α0 >= 0.
+
+        Raises:
+            ValueError: wrong shape, dtype or device of ``grads``, or a bad ``lr``.
+        """
+        lr = check_lr(lr)
+        check_vector("grads", grads, self._w.expand(self.num_learners, -1))
+        optimizer_step(self._opt, self._w, grads.mean(0), lr)
+        self._iteration += 1
+
+    def eval_weights(self) -> Tensor:
+        """A copy of the weights, shape ``[P]``."""
+        return self._w.clone()
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "num_parameters": self.num_parameters,
+            "num_learners": self.num_learners,
+            "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+            "nesterov": self.nesterov,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Snapshot: weights ``[P]``, iteration count and SGD state (momentum buffer)."""
+        return {
+            "protocol": "HardSync",
+            "config": self._config(),
+            "weights": self._w.clone(),
+            "iteration": self._iteration,
+            "optimizer": optimizer_state(self._opt),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`.
+
+        Raises:
+            ValueError: the state is not from a HardSync of the same configuration.
+        """
+        check_header(state, "HardSync", self._config())
+        load_vector("weights", state["weights"], self._w)
+        self._iteration = int(state["iteration"])
+        load_optimizer(self._opt, state["optimizer"])

@@ -1,0 +1,158 @@
+"""Local SGD: independent replica steps with periodic model averaging.
+
+Rule (SPEC.md §5; Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019,
+arXiv:1805.09767, Algorithm 1; Lin, Stich, Patel, Jaggi, "Don't Use Large Mini-Batches,
+Use Local SGD", ICLR 2020, arXiv:1808.07217 — post-local SGD runs this after a hardsync
+phase)::
+
+    every iteration t = 1, 2, …:
+        w_l ← SGD(w_l, ∇ℓ(w_l; B_l), γ)          # torch.optim.SGD over the stack [λ, P]
+        if t mod H == 0:  w_l ← (1/λ) Σ_j w_j     # model averaging; momentum buffers stay local
+
+The evaluation model is the mean of the replicas. With H = 1 and no momentum the replicas
+stay equal and each step is hardsync up to float rounding (mean of steps = step of mean).
+
+Example::
+
+    >>> import torch
+    >>> from distsgd.protocols import LocalSGD
+    >>> ls = LocalSGD(torch.zeros(2), num_learners=2, average_every=2)
+    >>> ls.step(torch.tensor([[1.0, 0.0], [3.0, 0.0]]), lr=1.0)
+    >>> ls.learner_weights(0), ls.learner_weights(1)
+    (tensor([-1.,  0.]), tensor([-3.,  0.]))
+    >>> ls.step(torch.zeros(2, 2), lr=1.0)          # t = 2: averaged
+    >>> ls.learner_weights(0), ls.learner_weights(1)
+    (tensor([-2.,  0.]), tensor([-2.,  0.]))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ._util import (
+    check_header,
+    check_index,
+    check_initial,
+    check_int,
+    check_lr,
+    check_sgd_args,
+    check_vector,
+    load_optimizer,
+    load_vector,
+    optimizer_state,
+    optimizer_step,
+)
+from .base import SynchronousProtocol, make_sgd
+
+__all__ = ["LocalSGD"]
+
+
+class LocalSGD(SynchronousProtocol):
+    """Local SGD with model averaging every ``average_every`` iterations (SPEC.md §5).
+
+    Args:
+        initial: initial weights, shape ``[P]``, floating point; every replica starts here.
+        num_learners: λ >= 1 replicas.
+        average_every: H >= 1, averaging period in iterations.
+        momentum: local momentum μ in [0, 1) of each replica's SGD.
+        weight_decay: L2 coefficient >= 0.
+        nesterov: Nesterov local momentum; requires ``momentum > 0``.
+
+    Raises:
+        ValueError: an argument outside the allowed values (the message names it).
+    """
+
+    def __init__(
+        self,
+        initial: Tensor,
+        num_learners: int,
+        average_every: int,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
+        w = check_initial(initial)
+        self.num_learners = check_int("num_learners", num_learners, 1)
+        self.average_every = check_int("average_every", average_every, 1)
+        self.momentum, self.weight_decay, self.nesterov = check_sgd_args(
+            momentum, weight_decay, nesterov
+        )
+        self._replicas = w.expand(num_learners, -1).clone()
+        self._opt = make_sgd(self._replicas, 0.0, self.momentum, self.weight_decay, self.nesterov)
+        self._iteration = 0
+
+    @property
+    def num_parameters(self) -> int:
+        """P, the length of the flat weight vector."""
+        return self._replicas.shape[1]
+
+    @property
+    def replicas(self) -> Tensor:
+        """All replicas, shape ``[num_learners, P]`` (a view: do not modify)."""
+        return self._replicas
+
+    def learner_weights(self, learner: int) -> Tensor:
+        """Replica ``learner``'s weights, shape ``[P]`` (a view: do not modify).
+
+        Raises:
+            ValueError: ``learner`` not in ``[0, num_learners)``.
+        """
+        check_index("learner", learner, self.num_learners)
+        return self._replicas[learner]
+
+    def step(self, grads: Tensor, lr: float) -> None:
+        """Step every replica on its own gradient; average them every H-th iteration.
+
+        Args:
+            grads: shape ``[num_learners, P]``; row l is replica l's gradient.
+            lr: γ >= 0.
+
+        Raises:
+            ValueError: bad ``grads`` (shape, dtype, device) or ``lr``.
+        """
+        lr = check_lr(lr)
+        check_vector("grads", grads, self._replicas)
+        optimizer_step(self._opt, self._replicas, grads, lr)
+        self._iteration += 1
+        if self._iteration % self.average_every == 0:
+            self._replicas.copy_(self._replicas.mean(0, keepdim=True).expand_as(self._replicas))
+
+    def eval_weights(self) -> Tensor:
+        """The mean of the replicas, shape ``[P]`` (a copy of replica 0 when they are equal
+        after averaging, so no rounding is added)."""
+        if self._iteration % self.average_every == 0:
+            return self._replicas[0].clone()
+        return self._replicas.mean(0)
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "num_parameters": self.num_parameters,
+            "num_learners": self.num_learners,
+            "average_every": self.average_every,
+            "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+            "nesterov": self.nesterov,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Snapshot: replicas ``[λ, P]``, iteration and the replicas' SGD state."""
+        return {
+            "protocol": "LocalSGD",
+            "config": self._config(),
+            "replicas": self._replicas.clone(),
+            "iteration": self._iteration,
+            "optimizer": optimizer_state(self._opt),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`.
+
+        Raises:
+            ValueError: the state is not from a LocalSGD of the same configuration.
+        """
+        check_header(state, "LocalSGD", self._config())
+        load_vector("replicas", state["replicas"], self._replicas)
+        self._iteration = int(state["iteration"])
+        load_optimizer(self._opt, state["optimizer"])
