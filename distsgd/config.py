@@ -143,8 +143,8 @@ class ProtocolConfig:
     """
 
     name: str = "hardsync"
-    num_learners: int = 1
-    batch_size: int = 128
+    num_learners: int = 4
+    batch_size: int = 32
     mode: str = "softsync"
     softsync: int = 1
     staleness_lr: str = "none"
@@ -364,8 +364,8 @@ class TrainConfig:
     max_epochs: float = 10.0
     max_samples: int = 0
     max_seconds: float = 0.0
-    eval_every_samples: int = 0
-    eval_batch_size: int = 1000
+    eval_every_samples: int = 15000
+    eval_batch_size: int = 128
     checkpoint_every_evals: int = 1
     seed: int = 0
     num_threads: int = 0
@@ -430,6 +430,16 @@ class RunConfig:
         _check_choice("runtime", self.runtime, RUNTIMES)
         if not isinstance(self.name, str):
             _fail("name", self.name, "a string")
+        if (
+            self.protocol.server_optimizer == "adagrad"
+            and self.optimizer.momentum > 0
+            and self.protocol.name in ("parameter_server", "compute_groups")
+        ):
+            _fail(
+                "optimizer.momentum",
+                self.optimizer.momentum,
+                "0 with protocol.server_optimizer = 'adagrad' (AdaGrad has no momentum)",
+            )
         sf = self.cluster.speed_factors
         if sf and len(sf) != self.protocol.num_learners:
             _fail(

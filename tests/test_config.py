@@ -133,3 +133,16 @@ def test_schedule_step_and_warmup():
     assert s.lr_at(1.0, 1.0) == 1.0
     assert s.lr_at(1.0, 2.0) == 0.5
     assert s.lr_at(1.0, 5.0) == 0.25
+
+
+def test_adagrad_server_rejects_momentum():
+    with pytest.raises(ConfigError, match="optimizer.momentum = 0.9"):
+        RunConfig.from_dict(
+            {"protocol": {"name": "parameter_server", "server_optimizer": "adagrad"}}
+        )
+    RunConfig.from_dict(
+        {
+            "protocol": {"name": "parameter_server", "server_optimizer": "adagrad"},
+            "optimizer": {"momentum": 0.0},
+        }
+    )
