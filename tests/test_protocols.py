@@ -696,7 +696,7 @@ def _cfg(momentum: float = 0.9, **protocol) -> RunConfig:
 def test_build_protocol_mapping():
     hs = build_protocol(_cfg(name="hardsync", num_learners=4), W0)
     assert isinstance(hs, HardSync) and hs.num_learners == 4 and hs.momentum == 0.9
-    assert isinstance(build_protocol(_cfg(name="plain"), W0), HardSync)
+    assert isinstance(build_protocol(_cfg(name="plain", num_learners=1), W0), HardSync)
 
     def ps(mode: str, **kw) -> ParameterServer:
         p = build_protocol(_cfg(name="parameter_server", num_learners=8, mode=mode, **kw), W0)
