@@ -1,4 +1,5 @@
-"""Command line: ``distsgd train [CONFIG.toml] [--set key=value ...] [--out DIR]``.
+"""Command line: ``distsgd train [CONFIG.toml] [--set key=value ...] [--out DIR]`` and
+``distsgd report RUN_DIR [RUN_DIR ...] [--out DIR]``.
 
 User errors (bad settings, missing or corrupt data, an occupied run directory) print one
 line ``distsgd: error: ...`` and exit with status 2, never a traceback. A diverged run
@@ -62,6 +63,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from distsgd.report import make_report
+
+    md = make_report([Path(d) for d in args.runs], Path(args.out))
+    print(f"report written to {md} (figures in {md.parent})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distsgd",
@@ -92,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)
+    r = sub.add_parser(
+        "report", help="plot learning curves and staleness of runs and tabulate them"
+    )
+    r.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories of distsgd train")
+    r.add_argument(
+        "--out", default="report", help="report folder (default report/, created if missing)"
+    )
+    r.set_defaults(func=_cmd_report)
     return parser
 
 

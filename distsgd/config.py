@@ -358,6 +358,9 @@ class TrainConfig:
         seed: seeds model initialisation, data order and simulated timing.
         num_threads: torch intra-op threads (0: all cores).
         stop_at_target: stop as soon as ``target_accuracy`` is reached.
+        tensorboard: also write TensorBoard event files (one scalar per metric, step =
+            training samples) to the run directory's ``tb/``; needs the optional
+            ``tensorboard`` package and is skipped silently without it.
     """
 
     target_accuracy: float = 0.9
@@ -370,6 +373,7 @@ class TrainConfig:
     seed: int = 0
     num_threads: int = 0
     stop_at_target: bool = True
+    tensorboard: bool = True
 
     def __post_init__(self) -> None:
         _check_float("train.target_accuracy", self.target_accuracy, 0.0, 1.0)
@@ -394,6 +398,8 @@ class TrainConfig:
         _check_int("train.num_threads", self.num_threads, 0)
         if not isinstance(self.stop_at_target, bool):
             _fail("train.stop_at_target", self.stop_at_target, "true or false")
+        if not isinstance(self.tensorboard, bool):
+            _fail("train.tensorboard", self.tensorboard, "true or false")
 
 
 _SECTIONS: dict[str, type] = {

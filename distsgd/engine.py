@@ -48,22 +48,37 @@ class GradientEngine:
         """A copy of the model's initial parameters, shape ``[P]``."""
         return self._flat.clone()
 
-    def gradient(self, weights: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, float]:
+    def gradient(
+        self, weights: Tensor, x: Tensor, y: Tensor, num_chunks: int = 1
+    ) -> tuple[Tensor, list[float]]:
         """Gradient of the mean cross-entropy over the minibatch at ``weights``.
+
+        With ``num_chunks = m`` the minibatch is the concatenation of m learners' equal
+        minibatches that share ``weights``: the gradient of the mean over all samples is
+        exactly the mean of their m gradients (what an all-reduce of their gradients
+        gives), and each learner's own mean loss is returned.
 
         Args:
             weights: shape ``[P]``.
-            x: inputs ``[B, C, H, W]``; y: labels ``[B]`` (int64).
+            x: inputs ``[B, C, H, W]``; y: labels ``[B]`` (int64); B divisible by m.
+            num_chunks: m >= 1.
 
         Returns:
-            (gradient ``[P]`` — a new tensor, loss as a Python float).
+            (gradient ``[P]`` — a new tensor, the m chunk losses as Python floats).
         """
         self._flat.copy_(weights)
         self._grad.zero_()
         self.model.train()
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
-        return self._grad.clone(), float(loss.detach())
+        per_sample = F.cross_entropy(self.model(x), y, reduction="none")
+        per_sample.mean().backward()
+        losses = per_sample.detach().view(num_chunks, -1).mean(dim=1).tolist()
+        return self._grad.clone(), losses
+
+    @property
+    def has_batch_statistics(self) -> bool:
+        """True when the model has layers whose output depends on the whole minibatch
+        (BatchNorm): then learners sharing weights cannot be fused into one batch."""
+        return any(isinstance(m, nn.modules.batchnorm._NormBase) for m in self.model.modules())
 
     @torch.inference_mode()
     def evaluate(

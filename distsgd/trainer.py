@@ -8,6 +8,8 @@ Run directory layout (``out_dir``):
 * ``metrics.jsonl`` — one record per evaluation (see :mod:`distsgd.metrics`);
 * ``summary.json`` — the run's outcome (see :func:`train`);
 * ``staleness.json`` — histogram of gradient staleness σ;
+* ``tb/`` — TensorBoard event files, when ``tensorboard`` is installed and
+  ``train.tensorboard`` is on;
 * ``checkpoint.pt`` — the latest checkpoint (all state; loaded with ``weights_only=True``).
 """
 
@@ -26,7 +28,7 @@ from tqdm import tqdm
 from distsgd.config import ConfigError, RunConfig
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
-from distsgd.metrics import MetricsWriter, write_json
+from distsgd.metrics import MetricsWriter, TensorBoardWriter, write_json
 from distsgd.models import build_model
 from distsgd.protocols import build_protocol
 from distsgd.protocols.base import AsynchronousProtocol
@@ -276,20 +278,25 @@ class Trainer:
             self.out_dir / "metrics.jsonl", keep_evals=self.counters["evals"] if resume else None
         )
         self.metrics = metrics
+        kept = metrics.records
+        self.tensorboard = TensorBoardWriter(
+            self.out_dir / "tb",
+            enabled=self.cfg.train.tensorboard,
+            purge_step=(kept[-1]["samples"] + 1 if kept else 0) if resume else None,
+        )
         try:
             summary = self._loop(metrics, resumed=resume)
         except TrainingDiverged as e:
             self.counters["stop_reason"] = "diverged"
-            write_json(
-                self.out_dir / "summary.json", self._summary(status="diverged", error=str(e))
-            )
+            self._write_outcome(self._summary(status="diverged", error=str(e)))
             raise
         except KeyboardInterrupt:
             self.counters["stop_reason"] = "interrupted"
-            write_json(self.out_dir / "summary.json", self._summary(status="interrupted"))
+            self._write_outcome(self._summary(status="interrupted"))
             raise
         finally:
             metrics.close()
+            self.tensorboard.close()
         return summary
 
     def _loop(self, metrics: MetricsWriter, resumed: bool) -> dict[str, Any]:
@@ -318,6 +325,7 @@ class Trainer:
                     if rt.samples != last_eval_samples:
                         record = self._evaluate()
                         metrics.write(record)
+                        self.tensorboard.write(record)
                         last_eval_samples = rt.samples
                         bar.set_postfix(
                             acc=f"{record['test_accuracy']:.4f}",
@@ -353,13 +361,17 @@ class Trainer:
         finally:
             bar.close()
         summary = self._summary(status="completed")
+        self._write_outcome(summary)
+        return summary
+
+    def _write_outcome(self, summary: dict[str, Any]) -> None:
+        """summary.json and staleness.json, for finished, diverged and interrupted runs."""
         write_json(self.out_dir / "summary.json", summary)
         _, _, counts = self._staleness()
         write_json(
             self.out_dir / "staleness.json",
             {"counts": {str(k): v for k, v in sorted(counts.items())}},
         )
-        return summary
 
     def _summary(self, status: str, error: str | None = None) -> dict[str, Any]:
         cfg, c, rt = self.cfg, self.counters, self.runtime

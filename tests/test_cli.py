@@ -1,19 +1,26 @@
 """The command line as a user meets it: exit codes, one-line errors, the final summary."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+REPO = str(Path(__file__).resolve().parents[1])
+
 
 def run_cli(*args, cwd=None):
+    # Run this checkout's package, whatever copy is installed.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     return subprocess.run(
         [sys.executable, "-m", "distsgd", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
         timeout=300,
+        env=env,
     )
 
 

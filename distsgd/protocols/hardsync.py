@@ -98,9 +98,23 @@ class HardSync(SynchronousProtocol):
         Raises:
             ValueError: wrong shape, dtype or device of ``grads``, or a bad ``lr``.
         """
-        lr = check_lr(lr)
         check_vector("grads", grads, self._w.expand(self.num_learners, -1))
-        optimizer_step(self._opt, self._w, grads.mean(0), lr)
+        self.apply_mean_gradient(grads.mean(0), lr)
+
+    def apply_mean_gradient(self, grad: Tensor, lr: float) -> None:
+        """Apply ``w ← SGD(w, grad, lr)`` with the learners' mean gradient already reduced
+        (by an all-reduce, or by one forward/backward over their concatenated minibatches).
+
+        Args:
+            grad: shape ``[P]``.
+            lr: learning rate α0 >= 0.
+
+        Raises:
+            ValueError: wrong shape, dtype or device of ``grad``, or a bad ``lr``.
+        """
+        lr = check_lr(lr)
+        check_vector("grad", grad, self._w)
+        optimizer_step(self._opt, self._w, grad, lr)
         self._iteration += 1
 
     def eval_weights(self) -> Tensor:

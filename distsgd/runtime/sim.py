@@ -17,6 +17,12 @@ Synchronous protocols advance one iteration per tick (the slowest device plus th
 all-reduce). Parameter-server protocols process one push per tick: a worker pulls,
 its reply travels, it computes, its push travels, the server applies the protocol and
 replies at once (or, under a barrier, when the update is applied).
+
+Learners that hold the same weights at the same moment (hardsync, the members of one
+compute group) compute their mean gradient as one forward/backward over their
+concatenated minibatches, which is that mean exactly (and bit-identical to one learner
+with the global batch), unless the model has BatchNorm layers, whose statistics are
+per learner. Virtual time is still charged per learner at batch b.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from distsgd.config import ClusterConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler
 from distsgd.engine import GradientEngine
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol, Update
+from distsgd.protocols.hardsync import HardSync
 
 __all__ = ["DeviceProfile", "calibrate", "SimRuntime", "Tick", "TrainingDiverged"]
 
@@ -160,6 +167,7 @@ class SimRuntime:
         self.virtual_time = 0.0
         self.samples = 0
         self.is_async = isinstance(protocol, AsynchronousProtocol)
+        self._fuse = not engine.has_batch_statistics
         p = engine.num_parameters
         bw = cluster.bandwidth_gbps
         self._transfer_s = 0.0 if bw == 0 else 32.0 * p / (bw * 1e9)
@@ -189,20 +197,55 @@ class SimRuntime:
         return 2 * (m - 1) * self.cluster.latency_s + 2 * (m - 1) / m * self._transfer_s
 
     # ---- gradients ---------------------------------------------------------------------
+    def _check_losses(self, learners: list[int], losses: list[float], lr: float, step: int) -> None:
+        for learner, loss in zip(learners, losses, strict=True):
+            if not math.isfinite(loss):
+                raise TrainingDiverged(
+                    f"training loss became {loss} at step {step} (sample {self.samples}) on "
+                    f"learner {learner} with learning rate {lr:g}; lower optimizer.lr or add a "
+                    f"warm-up (schedule.warmup_epochs)"
+                )
+
     def _gradient(
         self, learner: int, weights: Tensor, lr: float, step: int
     ) -> tuple[Tensor, float]:
+        """One learner's gradient ``[P]`` and loss on its next minibatch at ``weights``."""
         idx = self.streams[learner].next_indices()
-        grad, loss = self.engine.gradient(
+        grad, losses = self.engine.gradient(
             weights, self.dataset.train_x[idx], self.dataset.train_y[idx]
         )
-        if not math.isfinite(loss):
-            raise TrainingDiverged(
-                f"training loss became {loss} at step {step} (sample {self.samples}) on learner "
-                f"{learner} with learning rate {lr:g}; lower optimizer.lr or add a warm-up "
-                f"(schedule.warmup_epochs)"
+        self._check_losses([learner], losses, lr, step)
+        return grad, losses[0]
+
+    def _mean_gradient(
+        self, learners: list[int], weights: Tensor, lr: float, step: int
+    ) -> tuple[Tensor, list[float]]:
+        """Mean gradient ``[P]`` of several learners that hold the same ``weights``.
+
+        Without batch-statistics layers this is one forward/backward over their
+        concatenated minibatches (the mean of their gradients, computed as one batch);
+        otherwise each learner computes separately and the gradients are averaged.
+        """
+        if len(learners) > 1 and self._fuse:
+            idx = torch.cat([self.streams[m].next_indices() for m in learners])
+            grad, losses = self.engine.gradient(
+                weights,
+                self.dataset.train_x[idx],
+                self.dataset.train_y[idx],
+                num_chunks=len(learners),
             )
-        return grad, loss
+            self._check_losses(learners, losses, lr, step)
+            return grad, losses
+        grad_sum: Tensor | None = None
+        losses = []
+        for m in learners:
+            g, loss = self._gradient(m, weights, lr, step)
+            losses.append(loss)
+            grad_sum = g if grad_sum is None else grad_sum.add_(g)
+        assert grad_sum is not None
+        if len(learners) > 1:
+            grad_sum.div_(len(learners))
+        return grad_sum, losses
 
     # ---- synchronous -------------------------------------------------------------------
     def _advance_sync(self, lr: float) -> Tick:
@@ -210,15 +253,19 @@ class SimRuntime:
         assert isinstance(proto, SynchronousProtocol)
         lam, k = self.num_learners, self.replicas_per_device
         step = proto.iteration
-        grads = torch.empty(lam, self.engine.num_parameters)
-        losses = []
         device_s = [0.0] * (lam // k)
         for lrn in range(lam):
-            g, loss = self._gradient(lrn, proto.learner_weights(lrn), lr, step)
-            grads[lrn] = g
-            losses.append(loss)
             device_s[lrn // k] += self.compute_seconds(lrn)
-        proto.step(grads, lr)
+        if isinstance(proto, HardSync):  # every learner holds the same weights
+            grad, losses = self._mean_gradient(list(range(lam)), proto.learner_weights(0), lr, step)
+            proto.apply_mean_gradient(grad, lr)
+        else:
+            grads = torch.empty(lam, self.engine.num_parameters)
+            losses = []
+            for lrn in range(lam):
+                grads[lrn], loss = self._gradient(lrn, proto.learner_weights(lrn), lr, step)
+                losses.append(loss)
+            proto.step(grads, lr)
         comm = 0.0
         if proto.iteration % self.average_every == 0:
             comm = self.allreduce_seconds(lam // k)
@@ -262,18 +309,8 @@ class SimRuntime:
         now, _, worker = heapq.heappop(self._events)
         self.virtual_time = now
         members = self._members(worker)
-        weights = self._pulled[worker]
-        step = proto.version
-        losses = []
-        grad_sum: Tensor | None = None
-        for m in members:
-            g, loss = self._gradient(m, weights, lr, step)
-            losses.append(loss)
-            grad_sum = g if grad_sum is None else grad_sum.add_(g)
-        assert grad_sum is not None
-        if len(members) > 1:
-            grad_sum.div_(len(members))
-        update = proto.push(worker, grad_sum, self._pulled_version[worker], lr)
+        grad, losses = self._mean_gradient(members, self._pulled[worker], lr, proto.version)
+        update = proto.push(worker, grad, self._pulled_version[worker], lr)
         if proto.can_pull(worker):
             self._pull_and_schedule(worker, now)
         else:

@@ -1,0 +1,220 @@
+"""Reports over run directories (curves, staleness histograms, markdown) and TensorBoard
+event files written during training."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+
+import distsgd
+from distsgd.cli import main
+from distsgd.config import ConfigError
+from distsgd.metrics import TENSORBOARD_TAGS, TensorBoardWriter, read_metrics
+from distsgd.report import load_run, make_report, plot_staleness
+from tests.conftest import small_config
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PROTOCOLS = {
+    "hs": {"name": "hardsync", "num_learners": 2, "batch_size": 32},
+    "ps": {"name": "parameter_server", "mode": "async", "num_learners": 4, "batch_size": 32},
+    "sma": {"name": "sma", "num_learners": 4, "replicas_per_device": 2, "batch_size": 32},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three 2-epoch runs on synthetic data: hardsync, asynchronous PS (λ=4), SMA."""
+    root = tmp_path_factory.mktemp("runs")
+    for name, protocol in PROTOCOLS.items():
+        cfg = small_config(
+            protocol=protocol, train={"target_accuracy": 0.5, "stop_at_target": False}
+        )
+        distsgd.train(cfg, out_dir=root / name)
+    return {name: root / name for name in PROTOCOLS}
+
+
+def table_rows(md: str) -> list[list[str]]:
+    """Cells of the markdown table's body rows."""
+    lines = [line for line in md.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[1:]]
+
+
+def check_png(path: Path, min_height: int, min_width: int) -> tuple[int, int]:
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    image = imread(path)
+    height, width, channels = image.shape
+    assert channels in (3, 4)
+    assert height >= min_height and width >= min_width
+    assert image[..., :3].std() > 0.01  # not a blank canvas
+    return height, width
+
+
+def test_report_of_three_protocols(runs, tmp_path):
+    out = tmp_path / "report"
+    md_path = make_report([runs["hs"], runs["ps"], runs["sma"]], out)
+    assert md_path == out / "report.md"
+    md = md_path.read_text()
+
+    _, curves_width = check_png(out / "curves.png", 400, 800)
+    _, stale_width = check_png(out / "staleness.png", 200, 300)
+    # one histogram panel (the async run) is narrower than the 3-column curves grid
+    assert stale_width < curves_width
+
+    rows = table_rows(md)
+    assert len(rows) == 3
+    assert [r[1] for r in rows] == ["hardsync", "parameter_server", "sma"]
+    assert all(len(r) == 12 for r in rows)
+    ps_row = rows[1]
+    mean, st_max = (v.strip() for v in ps_row[10].split("/"))
+    assert float(mean) > 0 and int(st_max) > 0
+    assert rows[0][10] == "0.00 / 0" and rows[2][10] == "0.00 / 0"
+    assert "![learning curves](curves.png)" in md
+    assert "![staleness histograms](staleness.png)" in md
+    # the staleness section names the asynchronous run only
+    async_line = next(line for line in md.splitlines() if line.startswith("Asynchronous runs:"))
+    assert "parameter_server" in async_line
+    assert "hardsync" not in async_line and "sma" not in async_line
+
+
+def test_staleness_figure_covers_asynchronous_runs_only(runs, tmp_path):
+    loaded = [load_run(runs[name]) for name in ("hs", "ps", "sma")]
+    drawn = plot_staleness(loaded, tmp_path / "s.png")
+    assert [r.summary["protocol"] for r in drawn] == ["parameter_server"]
+    none = plot_staleness([loaded[0], loaded[2]], tmp_path / "none.png")
+    assert none == [] and not (tmp_path / "none.png").exists()
+
+
+def test_load_run(runs):
+    run = load_run(runs["ps"])
+    assert run.summary["protocol"] == "parameter_server"
+    assert [r["samples"] for r in run.records] == [0, 512, 1024, 1536, 2048]
+    # 2 epochs x 1024 samples in minibatches of 32: 64 gradients, each with its σ
+    assert sum(run.staleness.values()) == 64
+    assert max(run.staleness) == run.summary["staleness_max"] > 0
+    assert run.label == "parameter_server λ=4 b=32 async seed=0"
+    assert run.is_asynchronous and not load_run(runs["hs"]).is_asynchronous
+
+
+def test_labels_are_made_unique(runs, tmp_path):
+    copy = tmp_path / "again"
+    shutil.copytree(runs["hs"], copy)
+    md = make_report([runs["hs"], copy, runs["hs"]], tmp_path / "r").read_text()
+    labels = [r[0] for r in table_rows(md)]
+    assert len(set(labels)) == 3
+    assert labels[1] == "hardsync λ=2 b=32 seed=0 (again)"
+
+
+def test_diverged_single_record_run_without_virtual_time(runs, tmp_path):
+    """A diverged run with one record, no staleness.json and no virtual clock (as another
+    runtime writes it), next to a synchronous run: no crash, no staleness figure."""
+    odd = tmp_path / "odd"
+    shutil.copytree(runs["ps"], odd)
+    first = read_metrics(odd / "metrics.jsonl")[0]
+    first["virtual_s"] = None
+    (odd / "metrics.jsonl").write_text(json.dumps(first) + "\n")
+    (odd / "staleness.json").unlink()
+    summary = json.loads((odd / "summary.json").read_text())
+    summary.update(
+        status="diverged", name="odd run", reached=False, time_to_accuracy_virtual_s=None
+    )
+    (odd / "summary.json").write_text(json.dumps(summary))
+
+    out = tmp_path / "r"
+    (out).mkdir()
+    (out / "staleness.png").write_bytes(b"old")  # an earlier report's figure goes away
+    md = make_report([odd, runs["hs"]], out).read_text()
+    check_png(out / "curves.png", 400, 800)
+    assert not (out / "staleness.png").exists()
+    rows = table_rows(md)
+    assert rows[0][0] == "odd run" and rows[0][5] == "no (diverged)"
+    assert "no staleness.json" in md and "odd run" in md.split("## Staleness")[1]
+
+
+@pytest.mark.parametrize("setup", ["missing", "no_summary", "no_metrics"])
+def test_bad_run_directory_is_a_value_error_naming_it(runs, tmp_path, setup):
+    bad = tmp_path / "bad"
+    if setup != "missing":
+        shutil.copytree(runs["hs"], bad)
+        (bad / ("summary.json" if setup == "no_summary" else "metrics.jsonl")).unlink()
+    with pytest.raises(ValueError, match=str(bad)):
+        make_report([runs["hs"], bad], tmp_path / "out")
+
+
+def test_cli_report_default_out_and_missing_dir(runs, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", str(runs["hs"]), str(runs["ps"])]) == 0
+    assert (tmp_path / "report" / "report.md").exists()
+    assert (tmp_path / "report" / "curves.png").exists()
+    assert "report.md" in capsys.readouterr().out
+
+    missing = tmp_path / "no-such-run"
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    repo = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "distsgd", "report", str(missing)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(missing) in lines[0] and "Traceback" not in proc.stderr
+    assert not (cwd / "report").exists()  # nothing written for a failed report
+
+
+def test_tensorboard_events_mirror_metrics(runs):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs["ps"] / "tb"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == set(TENSORBOARD_TAGS.values())
+    records = read_metrics(runs["ps"] / "metrics.jsonl")
+    steps = [r["samples"] for r in records]
+    for key, tag in TENSORBOARD_TAGS.items():
+        events = acc.Scalars(tag)
+        expected = [(r["samples"], r[key]) for r in records if r.get(key) is not None]
+        assert [e.step for e in events] == [s for s, _ in expected]
+        # TensorBoard stores scalars as float32: compare to float32 precision
+        assert [e.value for e in events] == pytest.approx([v for _, v in expected], rel=1e-6)
+    assert [e.step for e in acc.Scalars("test/accuracy(fraction)")] == steps
+    assert [e.step for e in acc.Scalars("train/loss(nats)")] == steps[1:]  # null at first
+
+
+def test_tensorboard_resume_hides_repeated_steps(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = TensorBoardWriter(tmp_path / "tb")
+    for samples, accuracy in [(0, 0.1), (512, 0.5), (1024, 0.6)]:
+        first.write({"samples": samples, "test_accuracy": accuracy})
+    first.close()
+    first.close()  # idempotent
+    # the checkpoint covered samples 512; the resumed run evaluates 1024 again
+    resumed = TensorBoardWriter(tmp_path / "tb", purge_step=513)
+    resumed.write({"samples": 1024, "test_accuracy": 0.7})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    events = acc.Scalars("test/accuracy(fraction)")
+    assert [(e.step, round(e.value, 6)) for e in events] == [(0, 0.1), (512, 0.5), (1024, 0.7)]
+
+
+def test_tensorboard_off(tmp_path):
+    tb = TensorBoardWriter(tmp_path / "tb", enabled=False)
+    assert not tb.enabled
+    tb.write({"samples": 0, "test_accuracy": 0.1})
+    tb.close()
+    assert not (tmp_path / "tb").exists()
+    assert small_config(train={"tensorboard": False}).train.tensorboard is False
+    with pytest.raises(ConfigError, match="train.tensorboard"):
+        small_config(train={"tensorboard": "yes"})
