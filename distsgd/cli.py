@@ -9,6 +9,7 @@ exits with status 1 after writing its summary.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,10 +24,13 @@ def _fmt_s(v: Any) -> str:
 
 def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
     target = s["target_accuracy"]
+    if target > 0:
+        outcome = f"target {target:.4f}: {'reached' if s['reached'] else 'NOT reached'}"
+    else:
+        outcome = "no target"
     lines = [
         f"protocol      {s['protocol']} ({s['layout']}) on the {s['runtime']} runtime",
-        f"accuracy      best {s['best_accuracy']:.4f}, final {s['final_accuracy']:.4f} "
-        f"(target {target:.4f}: {'reached' if s['reached'] else 'NOT reached'})",
+        f"accuracy      best {s['best_accuracy']:.4f}, final {s['final_accuracy']:.4f} ({outcome})",
     ]
     if s["reached"]:
         lines.append(
@@ -48,19 +52,29 @@ def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from distsgd.config import RunConfig
-    from distsgd.trainer import Trainer, default_out_dir, train  # noqa: F401
+    from distsgd.trainer import Trainer, default_out_dir, train
 
     if args.resume:
         if args.out:
             raise ValueError("--out cannot be used with --resume (the run continues in place)")
-        summary = train(resume=args.resume, overrides=args.set, progress=not args.quiet)
+        if args.config:
+            raise ValueError(
+                f"--resume continues the run from {args.resume}/config.toml; "
+                f"do not pass a config ({args.config}) as well"
+            )
         out_dir = Path(args.resume)
+        summary = train(resume=args.resume, overrides=args.set, progress=not args.quiet)
     else:
         cfg = RunConfig.from_toml(args.config, args.set)
         out_dir = Path(args.out) if args.out else default_out_dir(cfg)
+        args.out_dir = out_dir
         summary = Trainer(cfg, out_dir, progress=not args.quiet).run()
     _print_summary(summary, out_dir)
     return 0
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -116,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``distsgd`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # SIGTERM (a scheduler stopping the job) ends the run like Ctrl-C: summary written,
+    # last checkpoint kept.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     from distsgd.runtime.sim import TrainingDiverged
 
     try:
@@ -127,10 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"distsgd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(
-            "distsgd: interrupted; the last checkpoint is kept (resume with --resume)",
-            file=sys.stderr,
-        )
+        out_dir = getattr(args, "out_dir", None) or getattr(args, "resume", None)
+        if out_dir and (Path(out_dir) / "checkpoint.pt").exists():
+            msg = f"the last checkpoint in {out_dir} is kept (continue with --resume {out_dir})"
+        else:
+            msg = "no checkpoint was written yet"
+        print(f"distsgd: interrupted; {msg}", file=sys.stderr)
         return 130
 
 

@@ -58,9 +58,15 @@ def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
         _fail(key, value, "one of " + ", ".join(repr(c) for c in choices))
 
 
-def _check_int(key: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        _fail(key, value, f"an integer >= {minimum}")
+def _check_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        hi = "" if maximum is None else f" and <= {maximum}"
+        _fail(key, value, f"an integer >= {minimum}{hi}")
 
 
 def _check_float(
@@ -100,8 +106,8 @@ class DataConfig:
         _check_choice("data.dataset", self.dataset, DATASETS)
         if not isinstance(self.root, str):
             _fail("data.root", self.root, "a directory path (string)")
-        _check_int("data.num_train", self.num_train, 1)
-        _check_int("data.num_test", self.num_test, 1)
+        _check_int("data.num_train", self.num_train, 1, 1_000_000)
+        _check_int("data.num_test", self.num_test, 1, 1_000_000)
         _check_float("data.noise", self.noise, 0.0)
 
 
@@ -353,8 +359,8 @@ class TrainConfig:
         eval_every_samples: evaluate the model on the full test set every this many
             training samples (0: once per epoch).
         eval_batch_size: batch size of evaluation, in samples.
-        checkpoint_every_evals: write a checkpoint every this many evaluations (0: never,
-            except on failure).
+        checkpoint_every_evals: write a checkpoint every this many evaluations (0: only when
+            the run stops at its target or budget).
         seed: seeds model initialisation, data order and simulated timing.
         num_threads: torch intra-op threads (0: all cores).
         stop_at_target: stop as soon as ``target_accuracy`` is reached.
@@ -394,8 +400,8 @@ class TrainConfig:
         _check_int("train.eval_every_samples", self.eval_every_samples, 0)
         _check_int("train.eval_batch_size", self.eval_batch_size, 1)
         _check_int("train.checkpoint_every_evals", self.checkpoint_every_evals, 0)
-        _check_int("train.seed", self.seed, 0)
-        _check_int("train.num_threads", self.num_threads, 0)
+        _check_int("train.seed", self.seed, 0, 2**31 - 1)
+        _check_int("train.num_threads", self.num_threads, 0, 256)
         if not isinstance(self.stop_at_target, bool):
             _fail("train.stop_at_target", self.stop_at_target, "true or false")
         if not isinstance(self.tensorboard, bool):
@@ -502,6 +508,14 @@ class RunConfig:
                 raw = tomllib.loads(p.read_text())
             except FileNotFoundError:
                 raise ConfigError(f"config file {str(p)!r} does not exist") from None
+            except IsADirectoryError:
+                raise ConfigError(
+                    f"config file {str(p)!r} is a directory, not a TOML file"
+                ) from None
+            except OSError as e:
+                raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
+            except UnicodeDecodeError:
+                raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
         for item in overrides or []:

@@ -15,8 +15,11 @@ Run directory layout (``out_dir``):
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
+import re
 import time
 from datetime import datetime
 from pathlib import Path
@@ -26,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from distsgd.config import ConfigError, RunConfig
-from distsgd.data import load_dataset
+from distsgd.data import load_dataset, resolve_root
 from distsgd.engine import GradientEngine
 from distsgd.metrics import MetricsWriter, TensorBoardWriter, write_json
 from distsgd.models import build_model
@@ -84,6 +87,10 @@ class Trainer:
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.train.seed)
         self.dataset = load_dataset(cfg.data, seed=cfg.train.seed)
+        if cfg.data.dataset != "synthetic" and not cfg.data.root:
+            # record where the data came from, so config.toml reproduces the run anywhere
+            root = str(resolve_root(cfg.data))
+            self.cfg = cfg = cfg.replace(data=dataclasses.replace(cfg.data, root=root))
         if self.dataset.num_train < cfg.protocol.global_batch:
             raise ConfigError(
                 f"protocol.batch_size = {cfg.protocol.batch_size} with protocol.num_learners = "
@@ -251,13 +258,18 @@ class Trainer:
 
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Train to the stop rule; returns the summary (also written to summary.json)."""
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         if not resume and any((self.out_dir / f).exists() for f in _RUN_FILES):
+            hint = (
+                "continue it with --resume"
+                if (self.out_dir / "checkpoint.pt").exists()
+                else "it has no checkpoint to resume from; delete it to start again"
+            )
             raise ConfigError(
                 f"output directory {str(self.out_dir)!r} already holds a run; choose another "
-                "--out or continue it with --resume"
+                f"output directory (--out) or {hint}"
             )
-        self._build()
+        self._build()  # nothing is written before data, model and profile are ready
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.counters: dict[str, Any] = {
             "evals": 0,
             "train_wall_s": 0.0,
@@ -273,6 +285,11 @@ class Trainer:
         if resume:
             self._load_checkpoint()
             self.counters["stop_reason"] = ""
+            if self.counters["reached_samples"] >= 0 and self.cfg.train.stop_at_target:
+                raise ConfigError(
+                    f"the run in {str(self.out_dir)!r} already reached its target accuracy; "
+                    "to train on, resume with --set train.stop_at_target=false"
+                )
         (self.out_dir / "config.toml").write_text(self.cfg.to_toml())
         metrics = MetricsWriter(
             self.out_dir / "metrics.jsonl", keep_evals=self.counters["evals"] if resume else None
@@ -431,9 +448,28 @@ class Trainer:
 
 
 def default_out_dir(cfg: RunConfig) -> Path:
-    """``runs/<YYYYmmdd-HHMMSS>-<protocol>`` under the current directory."""
+    """``runs/<YYYYmmdd-HHMMSS>-<name or protocol>`` under the current directory (the name
+    reduced to letters, digits, ``-``, ``_`` and ``.``, so it cannot leave ``runs/``)."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{cfg.name or cfg.protocol.name}"
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.name or cfg.protocol.name).lstrip(".")
+    return Path("runs") / f"{stamp}-{label or cfg.protocol.name}"
+
+
+# Settings that may change when a run is resumed: budgets and bookkeeping, nothing that
+# changes what has been computed so far (data, seed, target, evaluation points).
+RESUMABLE_SETTINGS = frozenset(
+    f"train.{k}"
+    for k in (
+        "max_epochs",
+        "max_samples",
+        "max_seconds",
+        "checkpoint_every_evals",
+        "num_threads",
+        "stop_at_target",
+        "tensorboard",
+        "eval_batch_size",
+    )
+)
 
 
 def train(
@@ -451,7 +487,8 @@ def train(
         overrides: ``section.key=value`` strings applied on top (TOML values).
         out_dir: run directory (default ``runs/<time>-<protocol>``).
         resume: a run directory to continue from its checkpoint; only ``train.*``
-            overrides are allowed with it (e.g. a larger ``train.max_epochs``).
+            overrides of budgets and bookkeeping are allowed with it (see
+            ``RESUMABLE_SETTINGS``, e.g. a larger ``train.max_epochs``).
         progress: show a progress bar.
 
     Returns:
@@ -477,8 +514,12 @@ def train(
                 "--resume continues a run from its own config.toml; do not pass a config as well"
             )
         for item in overrides or []:
-            if not item.strip().startswith("train."):
-                raise ConfigError(f"--set {item!r}: only train.* settings may change when resuming")
+            key = item.split("=", 1)[0].strip()
+            if key not in RESUMABLE_SETTINGS:
+                raise ConfigError(
+                    f"--set {item!r}: only these settings may change when resuming: "
+                    + ", ".join(sorted(RESUMABLE_SETTINGS))
+                )
         if not (run_dir / "config.toml").exists():
             raise ConfigError(f"cannot resume: {run_dir / 'config.toml'} does not exist")
         cfg = RunConfig.from_toml(run_dir / "config.toml", overrides)
@@ -493,7 +534,7 @@ def train(
                 apply_override(raw, item)
             cfg = RunConfig.from_dict(raw)
     elif isinstance(config, dict):
-        raw = dict(config)
+        raw = copy.deepcopy(config)  # the caller's dict is left as it was
         from distsgd.config import apply_override
 
         for item in overrides or []:

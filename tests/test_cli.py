@@ -43,6 +43,10 @@ def run_cli(*args, cwd=None):
         (["--set", "optimizer.learning_rate=1"], "optimizer.learning_rate is not a setting"),
         (["missing.toml"], "missing.toml"),
         (["--set", "data.root=/nonexistent/fmnist"], "/nonexistent/fmnist"),
+        (["."], "is a directory"),
+        (["--set", "train.num_threads=100000"], "train.num_threads = 100000"),
+        (["--set", "train.seed=99999999999999999999"], "train.seed"),
+        (["--set", "data.num_train=100000000"], "data.num_train = 100000000"),
     ],
 )
 def test_user_errors_exit_2_with_one_line(tmp_path, args, fragment):
@@ -98,3 +102,12 @@ num_threads = 1
     assert r2.returncode == 0, r2.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["epochs"] == pytest.approx(3.0, abs=0.07)
+
+
+def test_non_utf8_config_and_config_with_resume(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe[protocol]")
+    r = run_cli("train", str(bad))
+    assert r.returncode == 2 and "not UTF-8" in r.stderr and str(bad) in r.stderr
+    r = run_cli("train", str(bad), "--resume", str(tmp_path))
+    assert r.returncode == 2 and "do not pass a config" in r.stderr

@@ -162,12 +162,44 @@ def test_resume_equals_uninterrupted_run(tmp_path, protocol):
     assert [r["virtual_s"] for r in mh] == [r["virtual_s"] for r in mf]
 
 
-def test_resume_refuses_changes_outside_train(tmp_path):
+def test_resume_refuses_changes_to_what_was_computed(tmp_path):
     distsgd.train(small_config(train={"max_epochs": 1}), out_dir=tmp_path / "r")
-    with pytest.raises(ConfigError, match="only train"):
-        distsgd.train(resume=tmp_path / "r", overrides=["optimizer.lr=0.1"])
+    for item in ("optimizer.lr=0.1", "train.seed=5", "train.target_accuracy=0.99"):
+        with pytest.raises(ConfigError, match="only these settings may change"):
+            distsgd.train(resume=tmp_path / "r", overrides=[item])
     with pytest.raises(ConfigError, match="does not exist"):
         distsgd.train(resume=tmp_path / "nothing")
+
+
+def test_resume_of_a_run_that_reached_its_target_needs_stop_at_target_off(tmp_path):
+    cfg = small_config(train={"target_accuracy": 0.3, "max_epochs": 3})
+    s = distsgd.train(cfg, out_dir=tmp_path / "r")
+    assert s["reached"]
+    with pytest.raises(ConfigError, match="already reached its target"):
+        distsgd.train(resume=tmp_path / "r")
+    s2 = distsgd.train(resume=tmp_path / "r", overrides=["train.stop_at_target=false"])
+    assert s2["epochs"] == 3 and s2["samples_to_accuracy"] == s["samples_to_accuracy"]
+
+
+def test_python_api_leaves_the_callers_dict_alone(tmp_path):
+    raw = small_config(train={"max_epochs": 1}).to_dict()
+    before = json.dumps(raw, sort_keys=True)
+    distsgd.train(raw, overrides=["optimizer.lr=0.02"], out_dir=tmp_path / "r")
+    assert json.dumps(raw, sort_keys=True) == before
+
+
+def test_failed_start_leaves_no_directory(tmp_path):
+    cfg = small_config(data={"dataset": "fashion_mnist", "root": str(tmp_path / "none")})
+    with pytest.raises(ValueError, match="none"):
+        distsgd.train(cfg, out_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_default_out_dir_stays_under_runs():
+    from distsgd.trainer import default_out_dir
+
+    out = default_out_dir(small_config(name="../../etc/x"))
+    assert out.parent == Path("runs") and "/" not in out.name and not out.name.startswith(".")
 
 
 def test_out_dir_with_a_run_is_not_overwritten(tmp_path):
@@ -188,7 +220,7 @@ def test_divergence_stops_with_step_learner_and_lr_and_keeps_checkpoint(tmp_path
     with pytest.raises(TrainingDiverged) as e:
         Trainer(cfg, tmp_path / "r", progress=False).run()
     msg = str(e.value)
-    assert "step" in msg and "learner" in msg and "learning rate 1e+06" in msg
+    assert "step" in msg and "learner" in msg and "base learning rate 1e+06" in msg
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["status"] == "diverged"
     ckpt = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)

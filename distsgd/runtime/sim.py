@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +97,17 @@ def calibrate(
             times.append(time.perf_counter() - t0)
         best.append((b, min(times)))
     (b1, t1), (b2, t2) = best
-    per_sample = max((t2 - t1) / (b2 - b1), 1e-9) if b2 != b1 else t2 / b2
+    if b2 == b1 or t2 <= t1:
+        # A larger batch measured no slower: the timings were disturbed (other load on
+        # the machine). Fall back to a profile proportional to the batch.
+        warnings.warn(
+            f"device calibration is unreliable ({t1 * 1e3:.2f} ms at batch {b1}, "
+            f"{t2 * 1e3:.2f} ms at batch {b2}); using a per-sample profile. Give "
+            "cluster.seconds_per_sample / seconds_per_batch to fix the profile.",
+            stacklevel=2,
+        )
+        return DeviceProfile(0.0, t2 / b2, calibrated=True)
+    per_sample = (t2 - t1) / (b2 - b1)
     per_batch = max(t1 - b1 * per_sample, 0.0)
     return DeviceProfile(per_batch, per_sample, calibrated=True)
 
@@ -202,7 +213,7 @@ class SimRuntime:
             if not math.isfinite(loss):
                 raise TrainingDiverged(
                     f"training loss became {loss} at step {step} (sample {self.samples}) on "
-                    f"learner {learner} with learning rate {lr:g}; lower optimizer.lr or add a "
+                    f"learner {learner} with base learning rate {lr:g}; lower optimizer.lr or add a "
                     f"warm-up (schedule.warmup_epochs)"
                 )
 
