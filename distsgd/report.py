@@ -260,7 +260,14 @@ def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
             if ykey == "test_accuracy" and drawn:
-                ax.set_ylim(top=min(100.0, max(drawn + [t * 100 for t in _targets(runs)]) + 3))
+                top = min(100.0, max(drawn + [t * 100 for t in _targets(runs)]) + 3)
+                # zoom on the part of training that decides time to accuracy: the first
+                # evaluation (untrained model) is left below the axis when others exist
+                later = [min(ys[1:]) for _, ys in per_run if len(ys) > 1]
+                bottom = max(0.0, min(later) - 5) if later else 0.0
+                ax.set_ylim(bottom=bottom, top=top)
+            if xkey == "samples":
+                ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     fig.suptitle("Learning curves: test accuracy and training loss", fontsize=13)
     ncol = min(4, max(1, len(handles)))
     nrows_legend = math.ceil(len(handles) / ncol) if handles else 0
