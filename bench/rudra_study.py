@@ -198,6 +198,7 @@ def main() -> None:
         "train.target_accuracy=0.9",
         f"train.eval_every_samples={int(args.epochs * ds.num_train)}",
         "train.checkpoint_every_evals=0",
+        "train.tensorboard=false",
         f"cluster.seconds_per_sample={prof.seconds_per_sample}",
         f"cluster.seconds_per_batch={prof.seconds_per_batch}",
     ]

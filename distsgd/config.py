@@ -354,7 +354,8 @@ class TrainConfig:
         target_accuracy: test accuracy in [0, 1] at which the run stops (time to accuracy
             is measured to it); 0 disables early stopping.
         max_epochs: budget in epochs of training samples (0: no limit).
-        max_samples: budget in training samples (0: no limit).
+        max_samples: budget in training samples (0: no limit); a run stops at the first
+            iteration (or push) that reaches it, so it may overshoot by less than one.
         max_seconds: budget in wall seconds of training (0: no limit).
         eval_every_samples: evaluate the model on the full test set every this many
             training samples (0: once per epoch).
