@@ -1,0 +1,50 @@
+"""The sweep driver used by the benchmarks."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from sweep import grid_points, run_grid  # noqa: E402
+
+
+def test_grid_points_is_the_cartesian_product():
+    pts = grid_points(["protocol.num_learners=1,2", "optimizer.lr=0.1,0.2"])
+    assert [name for name, _ in pts] == [
+        "num_learners=1_lr=0.1",
+        "num_learners=1_lr=0.2",
+        "num_learners=2_lr=0.1",
+        "num_learners=2_lr=0.2",
+    ]
+    assert pts[1][1] == ["protocol.num_learners=1", "optimizer.lr=0.2"]
+
+
+def test_run_grid_runs_each_seed_once_and_skips_finished_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    common = [
+        "data.dataset=synthetic",
+        "data.num_train=256",
+        "data.num_test=64",
+        "model.name=mlp",
+        "protocol.num_learners=2",
+        "protocol.batch_size=16",
+        "train.max_epochs=1",
+        "train.target_accuracy=0",
+        "train.tensorboard=false",
+        "cluster.seconds_per_sample=1e-4",
+        "cluster.seconds_per_batch=1e-3",
+    ]
+    points = grid_points(["protocol.name=hardsync,sma"])
+    dirs = run_grid(points, [0, 1], tmp_path, common=common)
+    assert [d.name for d in dirs] == [
+        "name=hardsync-s0",
+        "name=hardsync-s1",
+        "name=sma-s0",
+        "name=sma-s1",
+    ]
+    seeds = [json.loads((d / "summary.json").read_text())["seed"] for d in dirs]
+    assert seeds == [0, 1, 0, 1]
+    stamp = (dirs[0] / "summary.json").stat().st_mtime_ns
+    run_grid(points, [0, 1], tmp_path, common=common)  # cached: nothing is run again
+    assert (dirs[0] / "summary.json").stat().st_mtime_ns == stamp
