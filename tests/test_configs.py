@@ -1,0 +1,37 @@
+"""Every ready config in configs/ is valid and runs (shrunk to synthetic data here; the
+full runs on Fashion-MNIST are in the README's figures)."""
+
+from pathlib import Path
+
+import pytest
+
+import distsgd
+from distsgd.config import RunConfig
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+SHRINK = [
+    "data.dataset=synthetic",
+    "data.num_train=512",
+    "data.num_test=128",
+    "model.name=mlp",
+    "train.max_epochs=0",
+    "train.max_samples=512",
+    "train.eval_every_samples=256",
+    "train.num_threads=1",
+    "train.tensorboard=false",
+    "cluster.seconds_per_sample=1e-4",
+    "cluster.seconds_per_batch=1e-3",
+]
+
+
+def test_there_is_a_config_per_protocol():
+    names = {RunConfig.from_toml(p).protocol.name for p in CONFIGS}
+    assert {"hardsync", "parameter_server", "compute_groups", "sma", "local_sgd"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_config_runs(path, tmp_path):
+    cfg = RunConfig.from_toml(path)
+    assert cfg.data.dataset == "fashion_mnist" and cfg.model.name == "cnn"
+    s = distsgd.train(path, overrides=SHRINK, out_dir=tmp_path / "run")
+    assert s["status"] == "completed" and s["samples"] >= 512
