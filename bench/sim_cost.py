@@ -66,7 +66,7 @@ def plain_loop(samples: int, batch_size: int, seed: int, threads: int) -> float:
         loss = F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx])
         loss.backward()
         opt.step()
-        float(loss)
+        float(loss.detach())
         done += batch_size
     return time.perf_counter() - t0
 
