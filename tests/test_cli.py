@@ -111,3 +111,10 @@ def test_non_utf8_config_and_config_with_resume(tmp_path):
     assert r.returncode == 2 and "not UTF-8" in r.stderr and str(bad) in r.stderr
     r = run_cli("train", str(bad), "--resume", str(tmp_path))
     assert r.returncode == 2 and "do not pass a config" in r.stderr
+
+
+@pytest.mark.parametrize("args", [["train", "--bogus"], [], ["train", "a.toml", "b.toml"]])
+def test_usage_errors_are_one_line(args):
+    r = run_cli(*args)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr
