@@ -44,8 +44,14 @@ def grid_points(grid: Sequence[str]) -> list[Point]:
 
 def _run_one(config: str | None, overrides: list[str], out: Path, threads: int) -> tuple[Path, str]:
     summary = out / "summary.json"
+    stamp = out / "sweep_args.json"  # what the run was started with
+    args = {"config": config, "overrides": list(overrides)}
     if summary.exists():
-        return out, "cached"
+        if stamp.exists() and json.loads(stamp.read_text()) == args:
+            return out, "cached"
+        raise RuntimeError(
+            f"{out} holds a run started with other settings; use another --out or delete it"
+        )
     if out.exists():  # a run that stopped before writing its summary: start it again
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "distsgd", "train"]
@@ -57,6 +63,8 @@ def _run_one(config: str | None, overrides: list[str], out: Path, threads: int) 
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     took = time.perf_counter() - t0
+    if out.exists():
+        stamp.write_text(json.dumps(args))
     if r.returncode not in (0, 1):  # 1 = diverged, which is a result
         raise RuntimeError(f"run {out} failed ({r.returncode}): {r.stderr.strip()[-500:]}")
     status = json.loads(summary.read_text())["status"] if summary.exists() else "failed"

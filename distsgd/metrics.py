@@ -44,19 +44,26 @@ def write_json(path: str | Path, obj: Any) -> None:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a ``metrics.jsonl`` file, in order; a torn last line is ignored."""
-    records = []
+    """Records of a ``metrics.jsonl`` file, in order.
+
+    A torn last line (a write cut short) is ignored.
+
+    Raises:
+        ValueError: a line other than the last is not JSON (the file is corrupt).
+    """
     p = Path(path)
     if not p.exists():
-        return records
-    for line in p.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
+        return []
+    lines = [(i, line.strip()) for i, line in enumerate(p.read_text().splitlines(), 1)]
+    lines = [(i, line) for i, line in lines if line]
+    records = []
+    for n, (i, line) in enumerate(lines):
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            break
+            if n == len(lines) - 1:
+                break
+            raise ValueError(f"{p} is corrupt: line {i} is not JSON") from None
     return records
 
 

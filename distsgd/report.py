@@ -262,9 +262,10 @@ def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
             if ykey == "test_accuracy" and drawn:
                 top = min(100.0, max(drawn + [t * 100 for t in _targets(runs)]) + 3)
                 # zoom on the part of training that decides time to accuracy: the first
-                # evaluation (untrained model) is left below the axis when others exist
-                later = [min(ys[1:]) for _, ys in per_run if len(ys) > 1]
-                bottom = max(0.0, min(later) - 5) if later else 0.0
+                # evaluation (untrained model) is left below the axis when a run has
+                # others; a run with a single evaluation keeps it in view
+                lowest = [min(ys[1:]) if len(ys) > 1 else ys[0] for _, ys in per_run if ys]
+                bottom = max(0.0, min(lowest) - 5) if lowest else 0.0
                 ax.set_ylim(bottom=bottom, top=top)
             if xkey == "samples":
                 ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
@@ -404,9 +405,17 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> Path:
     """
     if not run_dirs:
         raise ValueError("report: give at least one run directory")
+    seen: set[Path] = set()
+    for d in run_dirs:
+        key = Path(d).resolve()
+        if key in seen:
+            raise ValueError(f"report: run directory {str(d)!r} is given twice")
+        seen.add(key)
     runs = [load_run(d) for d in run_dirs]
     _unique_labels(runs)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"report: --out {str(out)!r} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     plot_curves(runs, out / "curves.png")
     stale_png = out / "staleness.png"
@@ -427,6 +436,19 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> Path:
         "|" + "|".join(_ALIGN) + "|",
     ]
     lines += ["| " + " | ".join(_row(run)) + " |" for run in runs]
+    profiles = {
+        (p.get("seconds_per_batch"), p.get("seconds_per_sample"))
+        for p in (run.summary.get("device_profile") for run in runs)
+        if isinstance(p, dict)
+    }
+    if len(profiles) > 1:
+        lines += [
+            "",
+            "Note: these runs simulate different device profiles (each calibrated its own, "
+            "or was given one), so their simulated times are not comparable. Give every run "
+            "the same `cluster.seconds_per_sample` and `cluster.seconds_per_batch` to "
+            "compare them.",
+        ]
     lines += ["", "Run directories:", ""]
     lines += [f"- {_cell(run.label)}: `{run.path}`" for run in runs]
     lines += ["", "## Learning curves", "", "![learning curves](curves.png)", ""]

@@ -48,3 +48,25 @@ def test_run_grid_runs_each_seed_once_and_skips_finished_runs(tmp_path, monkeypa
     stamp = (dirs[0] / "summary.json").stat().st_mtime_ns
     run_grid(points, [0, 1], tmp_path, common=common)  # cached: nothing is run again
     assert (dirs[0] / "summary.json").stat().st_mtime_ns == stamp
+
+
+def test_run_grid_refuses_a_cached_run_with_other_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    common = [
+        "data.dataset=synthetic",
+        "data.num_train=128",
+        "data.num_test=32",
+        "model.name=mlp",
+        "protocol.num_learners=1",
+        "protocol.batch_size=16",
+        "train.max_epochs=1",
+        "train.target_accuracy=0",
+        "train.tensorboard=false",
+        "cluster.seconds_per_sample=1e-4",
+        "cluster.seconds_per_batch=1e-3",
+    ]
+    run_grid([("p", [])], [0], tmp_path, common=common)
+    import pytest
+
+    with pytest.raises(RuntimeError, match="other settings"):
+        run_grid([("p", ["optimizer.lr=0.2"])], [0], tmp_path, common=common)

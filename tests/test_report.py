@@ -103,10 +103,21 @@ def test_load_run(runs):
 def test_labels_are_made_unique(runs, tmp_path):
     copy = tmp_path / "again"
     shutil.copytree(runs["hs"], copy)
-    md = make_report([runs["hs"], copy, runs["hs"]], tmp_path / "r").read_text()
+    copy2 = tmp_path / "more"
+    shutil.copytree(runs["hs"], copy2)
+    md = make_report([runs["hs"], copy, copy2], tmp_path / "r").read_text()
     labels = [r[0] for r in table_rows(md)]
     assert len(set(labels)) == 3
     assert labels[1] == "hardsync λ=2 b=32 seed=0 (again)"
+
+
+def test_same_run_twice_and_out_that_is_a_file_are_errors(runs, tmp_path):
+    with pytest.raises(ValueError, match="given twice"):
+        make_report([runs["hs"], Path(str(runs["hs"]) + "/")], tmp_path / "r")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        make_report([runs["hs"]], afile)
 
 
 def test_diverged_single_record_run_without_virtual_time(runs, tmp_path):

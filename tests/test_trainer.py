@@ -257,3 +257,12 @@ def test_hardsync_4x32_matches_1x128_on_fashion_mnist(tmp_path):
     a, b = run(4, 32, "a"), run(1, 128, "b")
     assert len(a) == 3
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
+
+
+def test_read_metrics_ignores_a_torn_last_line_but_not_corruption(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"a": 1}\n{"a": 2}\n{"a": 3')
+    assert read_metrics(p) == [{"a": 1}, {"a": 2}]
+    p.write_text('{"a": 1}\ngarbage\n{"a": 3}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_metrics(p)
