@@ -109,7 +109,13 @@ def run_grid(
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Run a grid of distsgd configs and report them.")
     ap.add_argument("config", nargs="?", default=None, help="base TOML config")
-    ap.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...")
+    ap.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="one axis of the grid (repeatable; the grid is the product of the axes)",
+    )
     ap.add_argument(
         "--set",
         action="append",
@@ -117,10 +123,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="override applied to every run",
     )
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=Path("bench/out/sweep"))
-    ap.add_argument("--no-report", action="store_true")
+    ap.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="train.seed values (default: 0)"
+    )
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="runs in parallel, cores/jobs threads each (default: 1)"
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench/out/sweep"),
+        help="parent of the run directories (default: bench/out/sweep)",
+    )
+    ap.add_argument("--no-report", action="store_true", help="skip distsgd report at the end")
     args = ap.parse_args(argv)
     dirs = run_grid(grid_points(args.grid), args.seeds, args.out, args.config, args.set, args.jobs)
     if not args.no_report:
