@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distsgd.data import iter_eval_batches
+
 __all__ = ["GradientEngine"]
 
 
@@ -94,8 +96,7 @@ class GradientEngine:
         correct = 0
         loss_sum = 0.0
         n = x.shape[0]
-        for start in range(0, n, batch_size):
-            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+        for xb, yb in iter_eval_batches(x, y, batch_size):
             logits = self.model(xb)
             loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
             correct += int((logits.argmax(dim=1) == yb).sum())

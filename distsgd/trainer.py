@@ -97,32 +97,26 @@ class Trainer:
                 f"{cfg.protocol.num_learners} needs {cfg.protocol.global_batch} samples per "
                 f"iteration but the training set has {self.dataset.num_train}"
             )
-        model = build_model(cfg.model.name, self.dataset.input_shape, self.dataset.num_classes)
-        self.engine = GradientEngine(model)
-        cl = cfg.cluster
-        if cl.needs_calibration:
-            prof = calibrate(self.engine, self.dataset)
+        shape, classes = self.dataset.input_shape, self.dataset.num_classes
+        self.profile_calibrated = self.cfg.cluster.needs_calibration
+        if self.profile_calibrated:
+            # a throwaway model: timing it must not touch the run's weights, BatchNorm
+            # statistics or RNG stream
+            prof = calibrate(
+                GradientEngine(build_model(cfg.model.name, shape, classes)), self.dataset
+            )
             self.cfg = cfg = cfg.replace(
-                cluster=type(cl)(
+                cluster=dataclasses.replace(
+                    cfg.cluster,
                     seconds_per_sample=prof.seconds_per_sample,
                     seconds_per_batch=prof.seconds_per_batch,
-                    speed_factors=list(cl.speed_factors),
-                    jitter=cl.jitter,
-                    latency_s=cl.latency_s,
-                    bandwidth_gbps=cl.bandwidth_gbps,
                 )
             )
-            self.profile_calibrated = True
-        else:
-            self.profile_calibrated = False
         profile = DeviceProfile(
             cfg.cluster.seconds_per_batch, cfg.cluster.seconds_per_sample, self.profile_calibrated
         )
-        # Same seed => same initial weights, whatever calibration did to the RNG.
-        torch.manual_seed(cfg.train.seed)
-        self.engine = GradientEngine(
-            build_model(cfg.model.name, self.dataset.input_shape, self.dataset.num_classes)
-        )
+        torch.manual_seed(cfg.train.seed)  # same seed => same initial weights
+        self.engine = GradientEngine(build_model(cfg.model.name, shape, classes))
         self.protocol = build_protocol(cfg, self.engine.initial_weights())
         p = cfg.protocol
         k = p.replicas_per_device if p.name in ("sma", "local_sgd") else 1
