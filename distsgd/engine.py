@@ -76,6 +76,30 @@ class GradientEngine:
         losses = per_sample.detach().view(num_chunks, -1).mean(dim=1).tolist()
         return self._grad.clone(), losses
 
+    def replica_gradients(
+        self, weights: Tensor, x: Tensor, y: Tensor
+    ) -> tuple[Tensor, list[float]]:
+        """Gradients of k replicas, each at its own weights on its own minibatch.
+
+        This is the hot path of "several learners per device" (Crossbow, SPEC.md §4): SMA
+        and local SGD replicas call it once per iteration for all replicas they hold.
+
+        Args:
+            weights: shape ``[k, P]``; row j is replica j's weights.
+            x: inputs ``[k, b, C, H, W]``; y: labels ``[k, b]`` (int64).
+
+        Returns:
+            (gradients ``[k, P]`` — a new tensor, row j of the mean cross-entropy over
+            replica j's minibatch; the k losses as Python floats).
+        """
+        k = weights.shape[0]
+        grads = torch.empty(k, self.num_parameters, dtype=weights.dtype)
+        losses: list[float] = []
+        for j in range(k):
+            grads[j], loss = self.gradient(weights[j], x[j], y[j])
+            losses.extend(loss)
+        return grads, losses
+
     @property
     def has_batch_statistics(self) -> bool:
         """True when the model has layers whose output depends on the whole minibatch

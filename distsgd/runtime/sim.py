@@ -271,11 +271,13 @@ class SimRuntime:
             grad, losses = self._mean_gradient(list(range(lam)), proto.learner_weights(0), lr, step)
             proto.apply_mean_gradient(grad, lr)
         else:
-            grads = torch.empty(lam, self.engine.num_parameters)
-            losses = []
-            for lrn in range(lam):
-                grads[lrn], loss = self._gradient(lrn, proto.learner_weights(lrn), lr, step)
-                losses.append(loss)
+            idx = torch.stack([self.streams[lrn].next_indices() for lrn in range(lam)])
+            grads, losses = self.engine.replica_gradients(
+                torch.stack([proto.learner_weights(lrn) for lrn in range(lam)]),
+                self.dataset.train_x[idx],
+                self.dataset.train_y[idx],
+            )
+            self._check_losses(list(range(lam)), losses, lr, step)
             proto.step(grads, lr)
         comm = 0.0
         if proto.iteration % self.average_every == 0:
