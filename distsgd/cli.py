@@ -54,6 +54,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from distsgd.config import RunConfig
     from distsgd.trainer import Trainer, default_out_dir, train
 
+    if args.runtime:
+        if args.resume:
+            raise ValueError("--runtime cannot be used with --resume (the run keeps its runtime)")
+        args.set = [f"runtime={args.runtime}", *args.set]
+    if args.num_processes is not None:
+        if args.resume:
+            raise ValueError(
+                "--num-processes cannot be used with --resume (a run resumes on the "
+                "processes it was started with)"
+            )
+        args.set = [f"dist.num_processes={args.num_processes}", *args.set]
     if args.resume:
         if args.out:
             raise ValueError("--out cannot be used with --resume (the run continues in place)")
@@ -68,8 +79,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg = RunConfig.from_toml(args.config, args.set)
         out_dir = Path(args.out) if args.out else default_out_dir(cfg)
         args.out_dir = out_dir
-        summary = Trainer(cfg, out_dir, progress=not args.quiet).run()
-    _print_summary(summary, out_dir)
+        if cfg.runtime == "dist":
+            from distsgd.runtime.launch import run
+
+            summary = run(cfg, out_dir, progress=not args.quiet)
+        else:
+            summary = Trainer(cfg, out_dir, progress=not args.quiet).run()
+    if summary:  # a dist rank other than 0 under torchrun returns {}
+        _print_summary(summary, out_dir)
     return 0
 
 
@@ -96,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="distsgd",
         description="Distributed SGD: parameter server (Rudra), compute groups (Omnivore), "
-        "SMA (Crossbow) and baselines, on a simulated cluster.",
+        "SMA (Crossbow) and baselines, on a simulated cluster or real processes.",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     t = sub.add_parser("train", help="train a model and report time to accuracy")
@@ -119,6 +136,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its last checkpoint",
+    )
+    t.add_argument(
+        "--runtime",
+        choices=("sim", "dist"),
+        default=None,
+        help="sim: simulated cluster in this process (default); dist: real processes "
+        "through torch.distributed (same as --set runtime=dist)",
+    )
+    t.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="dist runtime: processes to start (same as --set dist.num_processes=N); "
+        "must match the protocol's layout: λ for hardsync, λ/k for SMA and local SGD, "
+        "λ + dist.num_servers for the parameter server and compute groups",
     )
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)
@@ -146,6 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except TrainingDiverged as e:
         print(f"distsgd: training diverged: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        from distsgd.runtime.launch import is_process_loss
+
+        if not is_process_loss(e):
+            raise
+        print(f"distsgd: run failed: {e}", file=sys.stderr)
         return 1
     except ValueError as e:  # ConfigError, DatasetError and other user mistakes
         print(f"distsgd: error: {e}", file=sys.stderr)

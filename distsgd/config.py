@@ -29,6 +29,7 @@ __all__ = [
     "ScheduleConfig",
     "ClusterConfig",
     "TrainConfig",
+    "DistConfig",
     "RunConfig",
     "PROTOCOLS",
     "DATASETS",
@@ -42,7 +43,8 @@ PS_MODES = ("softsync", "async", "hardsync")
 STALENESS_LR = ("none", "softsync", "measured", "per_gradient")
 SERVER_OPTIMIZERS = ("sgd", "adagrad")
 SCHEDULES = ("constant", "step")
-RUNTIMES = ("sim",)
+RUNTIMES = ("sim", "dist")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
 
 
 class ConfigError(ValueError):
@@ -409,6 +411,65 @@ class TrainConfig:
             _fail("train.tensorboard", self.tensorboard, "true or false")
 
 
+@dataclass
+class DistConfig:
+    """Real processes through torch.distributed (runtime ``dist`` only).
+
+    Processes a protocol needs (``num_processes`` must match, 0 takes it):
+
+    * ``hardsync`` / ``plain``: one learner per process, λ processes (DDP);
+    * ``sma`` / ``local_sgd``: one process per device, λ / k processes, each holding its
+      k replicas (``protocol.replicas_per_device``);
+    * ``parameter_server`` / ``compute_groups``: ``num_servers`` server ranks (ranks
+      0 … S−1, rank 0 coordinates) plus λ learner ranks.
+
+    Attributes:
+        num_processes: processes (ranks) of the run; 0 means what the protocol needs. A
+            different number is an error that names the number needed.
+        backend: c10d backend: ``gloo`` (CPU), ``nccl`` (GPU collectives) or ``auto``
+            (``nccl`` when CUDA is available, else ``gloo``). The parameter-server
+            transport always uses gloo.
+        master_addr: address of rank 0 for the rendezvous (loopback on one machine).
+        master_port: TCP port of the rendezvous; 0 picks a free port (one machine only).
+        timeout_s: seconds after which a silent peer is declared lost (collectives and
+            parameter-server messages); the run then ends with an error naming it.
+        num_servers: S parameter-server ranks, each owning a slice of the flattened
+            parameters (Rudra-adv sharding); ``parameter_server`` / ``compute_groups`` only.
+    """
+
+    num_processes: int = 0
+    backend: str = "auto"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    timeout_s: float = 30.0
+    num_servers: int = 1
+
+    def __post_init__(self) -> None:
+        _check_int("dist.num_processes", self.num_processes, 0, 4096)
+        _check_choice("dist.backend", self.backend, DIST_BACKENDS)
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            _fail("dist.master_addr", self.master_addr, "a host name or IP address")
+        _check_int("dist.master_port", self.master_port, 0, 65535)
+        _check_float("dist.timeout_s", self.timeout_s, 1.0, 3600.0)
+        _check_int("dist.num_servers", self.num_servers, 1, 64)
+
+
+def required_processes(protocol: ProtocolConfig, dist: DistConfig) -> tuple[int, str]:
+    """Processes the ``dist`` runtime needs for ``protocol`` and why (see :class:`DistConfig`)."""
+    p = protocol
+    if p.name in ("hardsync", "plain"):
+        return p.num_learners, f"one learner per process, protocol.num_learners = {p.num_learners}"
+    if p.name in ("sma", "local_sgd"):
+        return p.num_devices, (
+            f"one process per device holding protocol.replicas_per_device = "
+            f"{p.replicas_per_device} replicas, protocol.num_learners = {p.num_learners}"
+        )
+    return p.num_learners + dist.num_servers, (
+        f"dist.num_servers = {dist.num_servers} server ranks plus protocol.num_learners = "
+        f"{p.num_learners} learner ranks"
+    )
+
+
 _SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
@@ -417,6 +478,7 @@ _SECTIONS: dict[str, type] = {
     "schedule": ScheduleConfig,
     "cluster": ClusterConfig,
     "train": TrainConfig,
+    "dist": DistConfig,
 }
 
 
@@ -425,7 +487,8 @@ class RunConfig:
     """A whole run: every component's config plus the runtime.
 
     Attributes:
-        runtime: ``sim`` (deterministic simulated cluster, one process).
+        runtime: ``sim`` (deterministic simulated cluster, one process) or ``dist`` (real
+            processes through torch.distributed; see :class:`DistConfig`).
         name: free-form label carried into ``summary.json`` and reports.
     """
 
@@ -438,6 +501,7 @@ class RunConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
         _check_choice("runtime", self.runtime, RUNTIMES)
@@ -460,6 +524,10 @@ class RunConfig:
                 sf,
                 f"a list of {self.protocol.num_learners} speeds (one per learner) or []",
             )
+        if self.runtime == "dist":
+            need, why = required_processes(self.protocol, self.dist)
+            if self.dist.num_processes not in (0, need):
+                _fail("dist.num_processes", self.dist.num_processes, f"{need} ({why}) or 0")
 
     # ---- construction ------------------------------------------------------------------
     @classmethod

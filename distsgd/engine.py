@@ -51,7 +51,12 @@ class GradientEngine:
         return self._flat.clone()
 
     def gradient(
-        self, weights: Tensor, x: Tensor, y: Tensor, num_chunks: int = 1
+        self,
+        weights: Tensor,
+        x: Tensor,
+        y: Tensor,
+        num_chunks: int = 1,
+        module: nn.Module | None = None,
     ) -> tuple[Tensor, list[float]]:
         """Gradient of the mean cross-entropy over the minibatch at ``weights``.
 
@@ -64,6 +69,9 @@ class GradientEngine:
             weights: shape ``[P]``.
             x: inputs ``[B, C, H, W]``; y: labels ``[B]`` (int64); B divisible by m.
             num_chunks: m >= 1.
+            module: run the forward/backward through this wrapper of the engine's model
+                instead (e.g. ``DistributedDataParallel(engine.model)``, whose backward
+                all-reduces the gradient into the same buffer).
 
         Returns:
             (gradient ``[P]`` — a new tensor, the m chunk losses as Python floats).
@@ -71,7 +79,7 @@ class GradientEngine:
         self._flat.copy_(weights)
         self._grad.zero_()
         self.model.train()
-        per_sample = F.cross_entropy(self.model(x), y, reduction="none")
+        per_sample = F.cross_entropy((module or self.model)(x), y, reduction="none")
         per_sample.mean().backward()
         losses = per_sample.detach().view(num_chunks, -1).mean(dim=1).tolist()
         return self._grad.clone(), losses

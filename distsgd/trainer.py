@@ -79,10 +79,13 @@ class Trainer:
         self.cfg = cfg
         self.out_dir = Path(out_dir)
         self.progress = progress
+        self.is_writer = True  # the dist runtime: rank 0 (coordinating server) only
 
     # ---- set-up ------------------------------------------------------------------------
     def _build(self) -> None:
         cfg = self.cfg
+        if cfg.runtime == "dist":
+            return self._build_dist()
         threads = cfg.train.num_threads or (os.cpu_count() or 1)
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.train.seed)
@@ -133,6 +136,41 @@ class Trainer:
             seed=cfg.train.seed,
         )
 
+    def _build_dist(self) -> None:
+        """Real processes (:mod:`distsgd.runtime.dist`): join the process group, then build
+        data, model and this rank's part of the protocol under the run's seed."""
+        from distsgd.runtime import dist as rdist
+
+        cfg = self.cfg
+        info = rdist.process_info()
+        if info is None:
+            raise RuntimeError(
+                "runtime 'dist' runs inside processes started by distsgd.runtime.launch or "
+                "torchrun; use distsgd.train() or the distsgd CLI"
+            )
+        torch.set_num_threads(rdist.threads_per_process(cfg, info))
+        rdist.init_process_group(cfg, info)
+        torch.manual_seed(cfg.train.seed)
+        self.dataset = load_dataset(cfg.data, seed=cfg.train.seed)
+        if cfg.data.dataset != "synthetic" and not cfg.data.root:
+            root = str(resolve_root(cfg.data))
+            self.cfg = cfg = cfg.replace(data=dataclasses.replace(cfg.data, root=root))
+        if self.dataset.num_train < cfg.protocol.global_batch:
+            raise ConfigError(
+                f"protocol.batch_size = {cfg.protocol.batch_size} with protocol.num_learners = "
+                f"{cfg.protocol.num_learners} needs {cfg.protocol.global_batch} samples per "
+                f"iteration but the training set has {self.dataset.num_train}"
+            )
+        self.profile_calibrated = False  # no simulated clock: cluster settings are unused
+        torch.manual_seed(cfg.train.seed)  # same seed => same initial weights as sim
+        shape, classes = self.dataset.input_shape, self.dataset.num_classes
+        self.engine = GradientEngine(build_model(cfg.model.name, shape, classes))
+        self.runtime = rdist.build_runtime(
+            cfg, self.engine, self.dataset, self.engine.initial_weights()
+        )
+        self.protocol = self.runtime.protocol
+        self.is_writer = self.runtime.is_writer
+
     # ---- checkpoints -------------------------------------------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
@@ -147,12 +185,18 @@ class Trainer:
         }
 
     def _save_checkpoint(self) -> None:
+        state = self._checkpoint_state()  # collective on the dist runtime
+        if not self.is_writer:
+            return
         path = self.out_dir / "checkpoint.pt"
         tmp = path.with_suffix(".pt.tmp")
-        torch.save(self._checkpoint_state(), tmp)
+        torch.save(state, tmp)
         os.replace(tmp, path)
 
     def _load_checkpoint(self) -> None:
+        self._apply_checkpoint(self._read_checkpoint())
+
+    def _read_checkpoint(self) -> dict[str, Any]:
         path = self.out_dir / "checkpoint.pt"
         if not path.exists():
             raise ConfigError(f"cannot resume: {path} does not exist")
@@ -173,6 +217,12 @@ class Trainer:
                 f"cannot resume: {path} was written by a different protocol or "
                 "model than config.toml describes"
             )
+        return state
+
+    def _apply_checkpoint(self, state: dict[str, Any]) -> None:
+        if self.cfg.runtime == "dist" and not getattr(self.runtime, "runs_training_loop", True):
+            self.runtime.load_state_dict(state["runtime"])  # a learner: its data position
+            return
         self.protocol.load_state_dict(state["protocol"])
         self.runtime.load_state_dict(state["runtime"])
         self.engine.load_buffers_state(state["buffers"])
@@ -192,19 +242,26 @@ class Trainer:
         mean = sum(k * v for k, v in counts.items()) / total if total else 0.0
         return mean, (max(counts) if counts else 0), counts
 
-    def _evaluate(self) -> dict[str, Any]:
+    def _evaluate(self) -> dict[str, Any] | None:
         c = self.counters
         t0 = time.perf_counter()
+        weights = self.runtime.eval_weights()
+        loss_sum, loss_count = c["loss_sum"], c["loss_count"]
+        if self.cfg.runtime == "dist":  # every rank's learners' losses
+            loss_sum, loss_count = self.runtime.reduce_losses(loss_sum, loss_count)
+        c["loss_sum"], c["loss_count"] = 0.0, 0
+        if not self.is_writer:
+            c["evals"] += 1
+            return None
         acc, loss = self.engine.evaluate(
-            self.runtime.eval_weights(),
+            weights,
             self.dataset.test_x,
             self.dataset.test_y,
             self.cfg.train.eval_batch_size,
         )
         c["eval_wall_s"] += time.perf_counter() - t0
         samples = self.runtime.samples
-        train_loss = c["loss_sum"] / c["loss_count"] if c["loss_count"] else None
-        c["loss_sum"], c["loss_count"] = 0.0, 0
+        train_loss = loss_sum / loss_count if loss_count else None
         st_mean, _, _ = self._staleness()
         record = {
             "eval": c["evals"],
@@ -250,9 +307,8 @@ class Trainer:
             budgets.append(t.max_samples)
         return min(budgets) if budgets else None
 
-    def run(self, resume: bool = False) -> dict[str, Any]:
-        """Train to the stop rule; returns the summary (also written to summary.json)."""
-        if not resume and any((self.out_dir / f).exists() for f in _RUN_FILES):
+    def _check_out_dir(self) -> None:
+        if any((self.out_dir / f).exists() for f in _RUN_FILES):
             hint = (
                 "continue it with --resume"
                 if (self.out_dir / "checkpoint.pt").exists()
@@ -262,8 +318,26 @@ class Trainer:
                 f"output directory {str(self.out_dir)!r} already holds a run; choose another "
                 f"output directory (--out) or {hint}"
             )
+
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        """Train to the stop rule; returns the summary (also written to summary.json).
+
+        On the dist runtime every rank calls this; rank 0 (the coordinating server for
+        parameter-server protocols) writes the run directory and returns the summary,
+        other ranks return ``{}``.
+        """
+        if self.cfg.runtime == "dist":
+            return self._run_dist(resume)
+        if not resume:
+            self._check_out_dir()
         self._build()  # nothing is written before data, model and profile are ready
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._init_counters()
+        if resume:
+            self._load_checkpoint()
+            self._check_resumable()
+        return self._run_writing(resume)
+
+    def _init_counters(self) -> None:
         self.counters: dict[str, Any] = {
             "evals": 0,
             "train_wall_s": 0.0,
@@ -276,14 +350,57 @@ class Trainer:
             "loss_count": 0,
             "stop_reason": "",
         }
-        if resume:
-            self._load_checkpoint()
-            self.counters["stop_reason"] = ""
-            if self.counters["reached_samples"] >= 0 and self.cfg.train.stop_at_target:
-                raise ConfigError(
-                    f"the run in {str(self.out_dir)!r} already reached its target accuracy; "
-                    "to train on, resume with --set train.stop_at_target=false"
-                )
+
+    def _check_resumable(self) -> None:
+        self.counters["stop_reason"] = ""
+        if self.counters["reached_samples"] >= 0 and self.cfg.train.stop_at_target:
+            raise ConfigError(
+                f"the run in {str(self.out_dir)!r} already reached its target accuracy; "
+                "to train on, resume with --set train.stop_at_target=false"
+            )
+
+    def _run_dist(self, resume: bool) -> dict[str, Any]:
+        """Every rank: build, agree on the start (rank 0 checks the run directory and
+        reads the checkpoint), then train in the one loop or serve (parameter-server
+        learners and shards)."""
+        try:
+            self._build()
+            rt = self.runtime
+            self._init_counters()
+            start: tuple[str, Any] = ("ok", None)
+            if self.is_writer:
+                try:
+                    if resume:
+                        start = ("ok", self._read_checkpoint())
+                        saved = dict(start[1]["trainer"])
+                        if saved.get("reached_samples", -1) >= 0 and self.cfg.train.stop_at_target:
+                            self.counters.update(saved)
+                            self._check_resumable()
+                    else:
+                        self._check_out_dir()
+                except ConfigError as e:
+                    start = ("error", str(e))
+            kind, payload = rt.share_with_all(start)
+            if kind == "error":
+                raise ConfigError(payload)
+            if resume:
+                self._apply_checkpoint(payload)
+                self.counters["stop_reason"] = ""
+            if not getattr(rt, "runs_training_loop", True):
+                rt.serve()
+                return {}
+            if not self.is_writer:
+                self.progress = False
+                self._loop(None, resumed=resume)
+                return {}
+            return self._run_writing(resume)
+        finally:
+            if hasattr(self, "runtime"):
+                self.runtime.close()
+
+    def _run_writing(self, resume: bool) -> dict[str, Any]:
+        """The writing rank's run: files, the training loop, the outcome."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.toml").write_text(self.cfg.to_toml())
         metrics = MetricsWriter(
             self.out_dir / "metrics.jsonl", keep_evals=self.counters["evals"] if resume else None
@@ -305,13 +422,21 @@ class Trainer:
             self.counters["stop_reason"] = "interrupted"
             self._write_outcome(self._summary(status="interrupted"))
             raise
+        except getattr(self.runtime, "failure_types", ()) as e:
+            self.counters["stop_reason"] = "process_lost"
+            self._write_outcome(self._summary(status="failed", error=str(e)))
+            raise
         finally:
             metrics.close()
             self.tensorboard.close()
         return summary
 
-    def _loop(self, metrics: MetricsWriter, resumed: bool) -> dict[str, Any]:
+    def _loop(self, metrics: MetricsWriter | None, resumed: bool) -> dict[str, Any]:
+        """The training loop. On the dist runtime every rank of a synchronous protocol runs
+        it in lock step (``metrics`` None except on rank 0, which evaluates and decides
+        when to stop; the decision is shared)."""
         cfg, c, rt = self.cfg, self.counters, self.runtime
+        is_dist = cfg.runtime == "dist"
         t = cfg.train
         num_train = self.dataset.num_train
         eval_every = t.eval_every_samples or num_train
@@ -332,18 +457,21 @@ class Trainer:
             while True:
                 budget_hit = budget is not None and rt.samples >= budget
                 time_hit = t.max_seconds > 0 and c["train_wall_s"] >= t.max_seconds
+                if is_dist and t.max_seconds > 0:
+                    time_hit = rt.any_rank(time_hit)
                 if rt.samples >= next_eval or budget_hit or time_hit:
                     if rt.samples != last_eval_samples:
                         record = self._evaluate()
-                        metrics.write(record)
-                        self.tensorboard.write(record)
                         last_eval_samples = rt.samples
-                        bar.set_postfix(
-                            acc=f"{record['test_accuracy']:.4f}",
-                            loss=f"{record['test_loss']:.3f}",
-                            sigma=f"{record['staleness_mean']:.2f}",
-                            refresh=False,
-                        )
+                        if record is not None and metrics is not None:
+                            metrics.write(record)
+                            self.tensorboard.write(record)
+                            bar.set_postfix(
+                                acc=f"{record['test_accuracy']:.4f}",
+                                loss=f"{record['test_loss']:.3f}",
+                                sigma=f"{record['staleness_mean']:.2f}",
+                                refresh=False,
+                            )
                     while next_eval <= rt.samples:
                         next_eval += eval_every
                     reached = c["reached_samples"] >= 0
@@ -353,6 +481,8 @@ class Trainer:
                         c["stop_reason"] = "max_epochs/max_samples"
                     elif time_hit:
                         c["stop_reason"] = "max_seconds"
+                    if is_dist:
+                        c["stop_reason"] = rt.share(c["stop_reason"])
                     c["next_eval"] = next_eval
                     c["last_eval_samples"] = last_eval_samples
                     every = t.checkpoint_every_evals
@@ -371,6 +501,8 @@ class Trainer:
                 )
         finally:
             bar.close()
+        if not self.is_writer:
+            return {}
         summary = self._summary(status="completed")
         self._write_outcome(summary)
         return summary
@@ -436,6 +568,9 @@ class Trainer:
             },
             "finished_at": datetime.now().isoformat(timespec="seconds"),
         }
+        if cfg.runtime == "dist":
+            summary["num_processes"] = getattr(rt, "world_size", None)
+            summary["events"] = list(getattr(rt, "events", []))
         if error:
             summary["error"] = error
         return summary
@@ -463,7 +598,7 @@ RESUMABLE_SETTINGS = frozenset(
         "tensorboard",
         "eval_batch_size",
     )
-)
+) | frozenset(f"dist.{k}" for k in ("backend", "master_addr", "master_port", "timeout_s"))
 
 
 def train(
@@ -517,7 +652,7 @@ def train(
         if not (run_dir / "config.toml").exists():
             raise ConfigError(f"cannot resume: {run_dir / 'config.toml'} does not exist")
         cfg = RunConfig.from_toml(run_dir / "config.toml", overrides)
-        return Trainer(cfg, run_dir, progress).run(resume=True)
+        return _run(cfg, run_dir, progress, resume=True)
     if isinstance(config, RunConfig):
         cfg = config
         if overrides:
@@ -537,4 +672,13 @@ def train(
     else:
         cfg = RunConfig.from_toml(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(cfg)
-    return Trainer(cfg, out, progress).run(resume=False)
+    return _run(cfg, out, progress, resume=False)
+
+
+def _run(cfg: RunConfig, out: Path, progress: bool, resume: bool) -> dict[str, Any]:
+    """Runtime ``sim`` here; runtime ``dist`` on real processes (distsgd.runtime.launch)."""
+    if cfg.runtime == "dist":
+        from distsgd.runtime.launch import run
+
+        return run(cfg, out, resume=resume, progress=progress)
+    return Trainer(cfg, out, progress).run(resume=resume)

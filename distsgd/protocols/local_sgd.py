@@ -112,12 +112,40 @@ class LocalSGD(SynchronousProtocol):
         Raises:
             ValueError: bad ``grads`` (shape, dtype, device) or ``lr``.
         """
+        if self.local_step(grads, lr):
+            self.apply_average(self._replicas.mean(0))
+
+    def local_step(self, grads: Tensor, lr: float) -> bool:
+        """Step every replica on its own gradient, without averaging.
+
+        A runtime whose replicas live on several processes calls this, and when it returns
+        True all-reduces the replicas' mean and hands it to :meth:`apply_average`.
+
+        Args:
+            grads: shape ``[num_learners, P]``; row l is replica l's gradient.
+            lr: γ >= 0.
+
+        Returns:
+            True when this iteration ends an averaging period (t mod H == 0).
+
+        Raises:
+            ValueError: bad ``grads`` (shape, dtype, device) or ``lr``.
+        """
         lr = check_lr(lr)
         check_vector("grads", grads, self._replicas)
         optimizer_step(self._opt, self._replicas, grads, lr)
         self._iteration += 1
-        if self._iteration % self.average_every == 0:
-            self._replicas.copy_(self._replicas.mean(0, keepdim=True).expand_as(self._replicas))
+        return self._iteration % self.average_every == 0
+
+    def apply_average(self, mean: Tensor) -> None:
+        """Set every replica to ``mean``, the average of all replicas, shape ``[P]``
+        (momentum buffers stay local).
+
+        Raises:
+            ValueError: bad shape, dtype or device.
+        """
+        check_vector("mean", mean, self._replicas[0])
+        self._replicas.copy_(mean.expand_as(self._replicas))
 
     def eval_weights(self) -> Tensor:
         """The mean of the replicas, shape ``[P]`` (a copy of replica 0 when they are equal

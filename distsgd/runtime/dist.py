@@ -1,0 +1,604 @@
+"""The ``dist`` runtime: every protocol on real processes through torch.distributed (c10d).
+
+The same protocol objects as the simulated cluster run here (DESIGN.md, Runtimes); only
+the transport differs. Rank layout and rules (SPEC.md §1–§5):
+
+* ``hardsync`` / ``plain`` — one learner per rank; the model is wrapped in
+  :class:`torch.nn.parallel.DistributedDataParallel`, whose backward all-reduces (mean)
+  the gradient into the engine's flat gradient buffer, and every rank applies it with its
+  own copy of :class:`~distsgd.protocols.HardSync` (torch.optim.SGD: same momentum,
+  weight decay, Nesterov and learning-rate schedule as the simulator).
+* ``sma`` / ``local_sgd`` — one rank per device holding its k replicas in a process-local
+  protocol object (``num_learners = k``). SMA is hierarchical (Crossbow §4): each rank
+  sums its replicas' corrections (:meth:`SMA.local_step`), the per-device sums are
+  all-reduced, and every rank applies the same central update
+  (:meth:`SMA.apply_central`). Local SGD all-reduces the sum of the replicas every H
+  iterations (:meth:`LocalSGD.local_step` / :meth:`LocalSGD.apply_average`).
+* ``parameter_server`` / ``compute_groups`` — server ranks ``0 … S−1`` run the protocol
+  object on real arrivals, learner ranks ``S … S+λ−1`` pull, compute and push over c10d
+  point-to-point (:mod:`distsgd.runtime.dist_ps`); a compute group's members all-reduce
+  inside their process subgroup and the group's leader talks to the server.
+
+Learner l (global index; ``rank·k + j`` for replica j of a device rank) draws the same
+minibatches as learner l of the simulator (:class:`~distsgd.data.ShardedSampler` with the
+run's seed), and every rank builds the model under the same seed, so the initial weights
+are equal.
+
+Rank 0 (the coordinating server for parameter-server protocols) evaluates, writes the run
+directory and decides when to stop; the decision is broadcast, other ranks write nothing.
+``virtual_time`` is measured wall time here (there is no virtual clock).
+
+Test hooks (test use only, read from the environment of each rank):
+``DISTSGD_TEST_PID_DIR`` — each rank writes its pid to ``<dir>/rank<r>.pid``;
+``DISTSGD_TEST_KILL="<rank>:<n>"`` — that rank sends itself SIGKILL when it is about to do
+its n-th step (an iteration, a push handled by the coordinating server or a gradient
+computed by a learner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from distsgd.config import RunConfig
+from distsgd.data import Dataset, LearnerStream, ShardedSampler
+from distsgd.engine import GradientEngine
+from distsgd.protocols import build_protocol
+from distsgd.protocols.base import AsynchronousProtocol
+from distsgd.protocols.hardsync import HardSync
+from distsgd.protocols.local_sgd import LocalSGD
+from distsgd.protocols.sma import SMA
+from distsgd.runtime.sim import Tick, TrainingDiverged
+
+__all__ = [
+    "ProcessInfo",
+    "PeerLost",
+    "process_info",
+    "init_process_group",
+    "build_runtime",
+    "SyncDistRuntime",
+    "PSDistRuntime",
+    "main",
+]
+
+ENV_CONFIG = "DISTSGD_DIST_CONFIG"
+ENV_OUT = "DISTSGD_DIST_OUT"
+ENV_RESUME = "DISTSGD_DIST_RESUME"
+ENV_PROGRESS = "DISTSGD_DIST_PROGRESS"
+ENV_TEST_KILL = "DISTSGD_TEST_KILL"
+ENV_TEST_PID_DIR = "DISTSGD_TEST_PID_DIR"
+
+
+class PeerLost(RuntimeError):
+    """A peer process died or stayed silent longer than ``dist.timeout_s``."""
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """Where this process stands in the run (from the launcher's environment variables).
+
+    Attributes:
+        rank: global rank in ``[0, world_size)``.
+        world_size: processes in the run.
+        local_rank: rank on this machine.
+        local_world_size: processes on this machine (shares the CPU cores).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def process_info() -> ProcessInfo | None:
+    """The rank layout set by torchrun or :mod:`distsgd.runtime.launch`, or None when this
+    process was not started by a launcher (no ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``)."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    world = int(env["WORLD_SIZE"])
+    return ProcessInfo(
+        rank=int(env["RANK"]),
+        world_size=world,
+        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+    )
+
+
+def threads_per_process(cfg: RunConfig, info: ProcessInfo) -> int:
+    """``train.num_threads`` if set, else this process's share of the machine's cores."""
+    if cfg.train.num_threads:
+        return cfg.train.num_threads
+    return max(1, (os.cpu_count() or 1) // max(info.local_world_size, 1))
+
+
+def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
+    """Join the run's c10d process group (``env://`` rendezvous); returns the backend.
+
+    Collectives and point-to-point messages time out after ``dist.timeout_s`` seconds.
+
+    Raises:
+        ConfigError: ``dist.num_processes`` (or the launcher's world size) differs from
+            what the protocol needs.
+    """
+    from distsgd.config import ConfigError, required_processes
+
+    need, why = required_processes(cfg.protocol, cfg.dist)
+    if info.world_size != need:
+        raise ConfigError(
+            f"the launcher started {info.world_size} processes but protocol "
+            f"{cfg.protocol.name!r} needs {need} ({why}); set --nproc-per-node × --nnodes "
+            f"= {need}"
+        )
+    backend = cfg.dist.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if cfg.protocol.name in ("parameter_server", "compute_groups"):
+        backend = "gloo"  # the parameter-server transport is c10d point-to-point on gloo
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timedelta(seconds=cfg.dist.timeout_s),
+        )
+    return backend
+
+
+def _test_hooks(rank: int) -> int | None:
+    """Test use only: write this rank's pid; the step at which to SIGKILL itself."""
+    pid_dir = os.environ.get(ENV_TEST_PID_DIR)
+    if pid_dir:
+        Path(pid_dir).mkdir(parents=True, exist_ok=True)
+        (Path(pid_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))
+    kill = os.environ.get(ENV_TEST_KILL)
+    if kill:
+        r, n = kill.split(":")
+        if int(r) == rank:
+            return int(n)
+    return None
+
+
+def _check_losses(losses: list[float], learners: list[int], lr: float, samples: int) -> None:
+    for learner, loss in zip(learners, losses, strict=True):
+        if not math.isfinite(loss):
+            raise TrainingDiverged(
+                f"training loss became {loss} (sample {samples}) on learner {learner} with "
+                f"base learning rate {lr:g}; lower optimizer.lr or add a warm-up "
+                "(schedule.warmup_epochs)"
+            )
+
+
+def _collective_error(e: Exception) -> PeerLost:
+    return PeerLost(
+        f"a peer process was lost ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    )
+
+
+class _DistBase:
+    """What every dist runtime shares: rank, writer role, timing and the test hooks."""
+
+    failure_types: tuple[type[BaseException], ...] = (PeerLost,)
+
+    def __init__(self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.dataset = dataset
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.batch_size = cfg.protocol.batch_size
+        self.samples = 0
+        self.virtual_time = 0.0  # measured wall seconds of training
+        self.steps = 0
+        self._kill_at = _test_hooks(self.rank)
+
+    @property
+    def is_writer(self) -> bool:
+        """True on the rank that evaluates and writes the run directory (rank 0)."""
+        return self.rank == 0
+
+    def _tick_hook(self) -> None:
+        self.steps += 1
+        if self._kill_at is not None and self.steps >= self._kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # Collective helpers the Trainer uses so that every rank takes the same decisions.
+    def share(self, obj: Any) -> Any:
+        """``obj`` of the writer rank, on every rank that runs the training loop."""
+        return obj
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank of the training loop if ``flag`` is True on any of them."""
+        return flag
+
+    def reduce_losses(self, loss_sum: float, count: int) -> tuple[float, int]:
+        """Sum of the learners' losses and their number over the training loop's ranks."""
+        return loss_sum, count
+
+    def share_with_all(self, obj: Any) -> Any:
+        """Collective over every rank of the run: ``obj`` of rank 0."""
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except (RuntimeError, dist.DistError) as e:
+            raise _collective_error(e) from e
+        return box[0]
+
+    def close(self) -> None:
+        """Leave the process group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class SyncDistRuntime(_DistBase):
+    """hardsync / plain (DDP), SMA and local SGD on real processes; surface of SimRuntime.
+
+    Every rank runs the training loop in lock step; :meth:`advance` is one iteration of
+    all λ learners (``samples`` counts all of them).
+
+    Raises:
+        PeerLost: from :meth:`advance` and the collectives, when a rank is gone.
+        TrainingDiverged: a local learner's loss is NaN or infinite.
+    """
+
+    def __init__(
+        self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
+    ) -> None:
+        super().__init__(cfg, engine, dataset)
+        p = cfg.protocol
+        self.num_learners = p.num_learners
+        if p.name in ("sma", "local_sgd"):
+            self.k = p.replicas_per_device
+            local = cfg.replace(protocol=dataclasses.replace(p, num_learners=self.k))
+            self.protocol = build_protocol(local, initial)
+        else:
+            self.k = 1
+            self.protocol = build_protocol(cfg, initial)
+        self.learners = [self.rank * self.k + j for j in range(self.k)]
+        self.sampler = ShardedSampler(
+            dataset.num_train, p.num_learners, p.batch_size, cfg.train.seed
+        )
+        self.streams = [LearnerStream(self.sampler, lrn) for lrn in self.learners]
+        self.ddp: torch.nn.Module | None = None
+        if isinstance(self.protocol, HardSync):
+            from torch.nn.parallel import DistributedDataParallel
+
+            # broadcast_buffers: BatchNorm statistics of rank 0, as torch DDP does
+            self.ddp = DistributedDataParallel(engine.model)
+
+    def _minibatches(self) -> tuple[Tensor, Tensor]:
+        idx = torch.stack([s.next_indices() for s in self.streams])  # [k, b]
+        return self.dataset.train_x[idx], self.dataset.train_y[idx]
+
+    def advance(self, lr: float) -> Tick:
+        """One synchronous iteration of all λ learners; returns this rank's losses."""
+        self._tick_hook()
+        t0 = time.perf_counter()
+        proto = self.protocol
+        x, y = self._minibatches()
+        try:
+            if isinstance(proto, HardSync):
+                grad, losses = self.engine.gradient(
+                    proto.learner_weights(0), x[0], y[0], module=self.ddp
+                )
+                _check_losses(losses, self.learners, lr, self.samples)
+                proto.apply_mean_gradient(grad, lr)
+            else:
+                assert isinstance(proto, SMA | LocalSGD)
+                grads, losses = self.engine.replica_gradients(proto.replicas.clone(), x, y)
+                _check_losses(losses, self.learners, lr, self.samples)
+                if isinstance(proto, SMA):
+                    corr = proto.local_step(grads, lr)[0]
+                    dist.all_reduce(corr, op=dist.ReduceOp.SUM)
+                    proto.apply_central(corr)
+                elif proto.local_step(grads, lr):
+                    total = proto.replicas.sum(0)
+                    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+                    proto.apply_average(total.div_(self.num_learners))
+        except (RuntimeError, dist.DistError) as e:
+            if isinstance(e, TrainingDiverged):
+                raise
+            raise _collective_error(e) from e
+        n = self.num_learners * self.batch_size
+        self.samples += n
+        self.virtual_time += time.perf_counter() - t0
+        return Tick(n, losses)
+
+    def eval_weights(self) -> Tensor:
+        """The model to evaluate, shape ``[P]`` (collective for local SGD between
+        averagings: the mean of all ranks' replicas)."""
+        proto = self.protocol
+        if isinstance(proto, LocalSGD) and proto.iteration % proto.average_every:
+            total = proto.replicas.sum(0)
+            self._collective(dist.all_reduce, total, op=dist.ReduceOp.SUM)
+            return total.div_(self.num_learners)
+        return proto.eval_weights()
+
+    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as e:
+            raise _collective_error(e) from e
+
+    def share(self, obj: Any) -> Any:
+        box = [obj]
+        self._collective(dist.broadcast_object_list, box, src=0)
+        return box[0]
+
+    def any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0])
+        self._collective(dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def reduce_losses(self, loss_sum: float, count: int) -> tuple[float, int]:
+        t = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
+        self._collective(dist.all_reduce, t, op=dist.ReduceOp.SUM)
+        return float(t[0]), int(t[1])
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Collective: every rank's protocol state and data positions, gathered on rank 0
+        (``None`` on the others)."""
+        mine = {
+            "protocol": self.protocol.state_dict(),
+            "streams": [s.state_dict() for s in self.streams],
+        }
+        out: list[Any] | None = [None] * self.world_size if self.is_writer else None
+        self._collective(dist.gather_object, mine, out, dst=0)
+        if not self.is_writer:
+            return None
+        return {
+            "world_size": self.world_size,
+            "samples": self.samples,
+            "virtual_time": self.virtual_time,
+            "ranks": out,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's part of a :meth:`state_dict` (every rank gets the whole)."""
+        from distsgd.config import ConfigError
+
+        if state.get("world_size") != self.world_size:
+            raise ConfigError(
+                f"cannot resume: the checkpoint was written by {state.get('world_size')} "
+                f"processes, this run has {self.world_size}"
+            )
+        mine = state["ranks"][self.rank]
+        self.protocol.load_state_dict(mine["protocol"])
+        for s, st in zip(self.streams, mine["streams"], strict=True):
+            s.load_state_dict(st)
+        self.samples = int(state["samples"])
+        self.virtual_time = float(state["virtual_time"])
+
+
+class PSDistRuntime(_DistBase):
+    """Parameter server and compute groups on real processes (server ranks + learners).
+
+    On the coordinating server (rank 0) :meth:`advance` hands over one push handled by
+    :func:`distsgd.runtime.dist_ps.run_server`, which runs in a background thread and
+    waits in its ``on_push`` callback until the training loop has taken the push and
+    decided to go on; the loop's ``lr`` is the base rate the server applies. Learner ranks
+    and the other server shards do not run the training loop: :meth:`serve` runs their
+    side until the coordinator stops the run.
+
+    Raises:
+        PeerLost / dist_ps.ServerLost / dist_ps.LearnerLost: a process was lost where the
+            protocol cannot go on without it.
+    """
+
+    def __init__(
+        self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
+    ) -> None:
+        super().__init__(cfg, engine, dataset)
+        from distsgd.runtime import dist_ps
+
+        self.dist_ps = dist_ps
+        self.failure_types = (PeerLost, dist_ps.ServerLost, dist_ps.LearnerLost)
+        p = cfg.protocol
+        self.num_servers = cfg.dist.num_servers
+        self.num_learners = p.num_learners
+        s = self.num_servers
+        group_size = p.num_learners // p.num_groups if p.name == "compute_groups" else 1
+        self.group_size = group_size
+        groups = [
+            [s + g * group_size + m for m in range(group_size)]
+            for g in range(p.num_learners // group_size)
+        ]
+        self.layout = dist_ps.PSLayout(server_ranks=list(range(s)), worker_groups=groups)
+        # every rank creates every subgroup, in the same order (c10d requirement)
+        self._subgroups = [dist.new_group(g) if len(g) > 1 else None for g in groups]
+        self.is_server = self.rank < s
+        self.full_protocol = build_protocol(cfg, initial)
+        if s > 1 and self.is_server:
+            lo, hi = dist_ps.shard_bounds(initial.numel(), s)[self.rank]
+            self.protocol = build_protocol(cfg, initial[lo:hi].clone())
+        else:
+            self.protocol = self.full_protocol
+        assert isinstance(self.protocol, AsynchronousProtocol)
+        self.pushes = [0] * len(groups)  # per worker: pushes handled (= minibatches drawn)
+        self.events: list[str] = []  # what the server logged (lost learners)
+        self._lr = cfg.optimizer.lr
+        self._events: queue.Queue[Any] = queue.Queue()
+        self._decisions: queue.Queue[bool] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._pending = False
+        self._t_last = 0.0
+
+    @property
+    def runs_training_loop(self) -> bool:
+        return self.rank == 0
+
+    def _log(self, message: str) -> None:
+        self.events.append(message)
+        print(f"distsgd[rank {self.rank}]: {message}", file=sys.stderr)
+
+    # ---- coordinating server ----------------------------------------------------------
+    def _on_push(self, event: Any) -> bool:
+        self._events.put(event)
+        return self._decisions.get()
+
+    def _serve_thread(self, protocol: AsynchronousProtocol, on_push: Any) -> None:
+        try:
+            result = self.dist_ps.run_server(
+                protocol,
+                self.layout,
+                on_push=on_push,
+                timeout_s=self.cfg.dist.timeout_s,
+                log=self._log,
+                lr=lambda: self._lr,
+            )
+            self._events.put(("finished", result))
+        except BaseException as e:  # noqa: BLE001 - handed to the training loop
+            self._events.put(("error", e))
+
+    def advance(self, lr: float) -> Tick:
+        """Hand over the next push the server handled (blocks until one arrives)."""
+        self._tick_hook()
+        self._lr = lr
+        t0 = time.perf_counter()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._serve_thread, args=(self.protocol, self._on_push), daemon=True
+            )
+            self._thread.start()
+        elif self._pending:
+            self._decisions.put(True)
+        item = self._events.get()
+        if isinstance(item, tuple):
+            kind, payload = item
+            self._pending = False
+            if kind == "error":
+                raise payload
+            raise PeerLost(
+                f"every learner was lost (ranks {sorted(payload.lost_ranks)}); the server "
+                "has nobody left to serve"
+            )
+        self._pending = True
+        event = item
+        self.pushes[event.worker] += 1
+        members = self.layout.worker_groups[event.worker]
+        learners = [r - self.num_servers for r in members]
+        if len(event.losses) == len(learners):
+            _check_losses(list(event.losses), learners, lr, self.samples)
+        self.samples += event.samples
+        self.virtual_time += time.perf_counter() - t0
+        return Tick(event.samples, list(event.losses), event.update)
+
+    def eval_weights(self) -> Tensor:
+        """The central model, shape ``[P]`` (gathered from the server shards when S > 1)."""
+        if self.num_servers > 1:
+            return self.dist_ps.gather_weights(self.layout, self.protocol)
+        return self.protocol.eval_weights()
+
+    def close(self) -> None:
+        """Stop the run: the server tells every learner to stop; leave the process group."""
+        if self._thread is not None:
+            if self._pending:
+                self._decisions.put(False)
+                self._pending = False
+            self._thread.join(timeout=self.cfg.dist.timeout_s + 5)
+        super().close()
+
+    # ---- learners and other server shards -----------------------------------------------
+    def serve(self) -> None:
+        """Run this rank's side (learner, or a server shard other than the coordinator)
+        until the coordinator stops the run.
+
+        Raises:
+            dist_ps.ServerLost: the server went silent for ``dist.timeout_s``.
+        """
+        if self.is_server:
+            self.dist_ps.run_server(
+                self.protocol,
+                self.layout,
+                on_push=lambda event: True,
+                timeout_s=self.cfg.dist.timeout_s,
+                log=self._log,
+                lr=lambda: self._lr,
+            )
+            return
+        learner = self.rank - self.num_servers
+        worker = learner // self.group_size
+        sampler = ShardedSampler(
+            self.dataset.num_train, self.num_learners, self.batch_size, self.cfg.train.seed
+        )
+        stream = LearnerStream(sampler, learner)
+        done = self.pushes[worker]
+        stream.epoch, stream.step = divmod(done, sampler.steps_per_epoch)
+        x, y = self.dataset.train_x, self.dataset.train_y
+
+        def compute(weights: Tensor, version: int) -> tuple[Tensor, list[float]]:
+            self._tick_hook()
+            idx = stream.next_indices()
+            return self.engine.gradient(weights, x[idx], y[idx])
+
+        self.dist_ps.run_learner(
+            self.layout,
+            self.rank,
+            compute=compute,
+            group=self._subgroups[worker],
+            num_samples=self.batch_size,
+            timeout_s=self.cfg.dist.timeout_s,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Coordinator state: samples, wall time, pushes per worker, lost learner ranks."""
+        return {
+            "world_size": self.world_size,
+            "samples": self.samples,
+            "virtual_time": self.virtual_time,
+            "pushes": list(self.pushes),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (learners start their data streams after the
+        minibatches their worker had pushed; gradients in flight are recomputed)."""
+        from distsgd.config import ConfigError
+
+        if state.get("world_size") != self.world_size:
+            raise ConfigError(
+                f"cannot resume: the checkpoint was written by {state.get('world_size')} "
+                f"processes, this run has {self.world_size}"
+            )
+        self.samples = int(state["samples"])
+        self.virtual_time = float(state["virtual_time"])
+        self.pushes = [int(v) for v in state["pushes"]]
+
+
+def build_runtime(
+    cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
+) -> SyncDistRuntime | PSDistRuntime:
+    """The dist runtime for ``cfg.protocol`` (the process group must be initialised)."""
+    if cfg.protocol.name in ("parameter_server", "compute_groups"):
+        return PSDistRuntime(cfg, engine, dataset, initial)
+    return SyncDistRuntime(cfg, engine, dataset, initial)
+
+
+def main() -> int:
+    """Worker entry of :mod:`distsgd.runtime.launch` (``python -m distsgd.runtime.dist``):
+    the run's config, directory and resume flag come from the environment."""
+    from distsgd.runtime.launch import run_worker
+
+    return run_worker(
+        os.environ[ENV_CONFIG],
+        os.environ[ENV_OUT],
+        resume=os.environ.get(ENV_RESUME) == "1",
+        progress=os.environ.get(ENV_PROGRESS) == "1",
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Starting the ``dist`` runtime's processes: on this machine, or as one rank under torchrun.
+
+**One machine.** :func:`run` starts the ranks with torch's own launch machinery,
+:func:`torch.distributed.elastic.multiprocessing.start_processes` (the process layer of
+torchrun's elastic agent: spawning, environment, logs, terminating the process groups),
+with the rendezvous on loopback (``dist.master_addr``, default 127.0.0.1, and a free port
+unless ``dist.master_port`` is set). Each rank runs ``python -m distsgd.runtime.dist``
+and sets its torch threads to its share of the cores (``train.num_threads`` overrides).
+
+**Why not the elastic agent itself.** torchrun's agent (``elastic_launch``) tears down
+every worker as soon as one fails; with ``max_restarts = 0`` the run is over. That is
+right for the synchronous protocols (hardsync, SMA, local SGD, the parameter server's
+hardsync mode) but wrong for the asynchronous ones, which must lose a learner and go on
+(Rudra's server keeps serving the others). So this module uses the agent's process layer
+and applies its own failure policy, the only part it decides:
+
+* a learner rank of ``parameter_server`` (modes ``softsync`` / ``async``) or
+  ``compute_groups`` dies: it is reported on stderr and the others go on; the server
+  logs the loss and the run completes (the loss is listed in ``summary.json`` under
+  ``events``);
+* any other rank dies (a learner of a synchronous protocol, a server rank): the other
+  ranks notice it themselves (a c10d error or ``dist.timeout_s`` of silence) and stop;
+  whatever is still running ``dist.timeout_s + 5`` seconds later is terminated
+  (SIGTERM, then SIGKILL). :class:`DistRunFailed` names the lost rank; the last
+  checkpoint is kept, and ``--resume`` continues from it.
+
+In every case :func:`run` returns only after every process it started has ended.
+
+**Several machines.** Start the same entry point on every machine under torchrun::
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 \\
+        --master-addr HOST0 --master-port 29500 \\
+        -m distsgd train CONFIG --runtime dist --out RUN_DIR
+
+:func:`run` sees torchrun's ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` and runs this
+process's rank instead of launching again; torchrun's agent then owns the processes
+(and tears all down when one fails, which suits the synchronous protocols).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from distsgd.config import ConfigError, RunConfig, required_processes
+
+__all__ = ["DistRunFailed", "is_process_loss", "run", "run_worker", "under_launcher"]
+
+ENV_ERROR_FILE = "DISTSGD_DIST_ERROR_FILE"
+_POLL_S = 0.1
+
+
+class DistRunFailed(RuntimeError):
+    """A process of a dist run was lost where the protocol cannot go on without it."""
+
+
+def is_process_loss(e: BaseException) -> bool:
+    """True for the errors that mean a process of the run was lost (any rank)."""
+    from distsgd.runtime.dist import PeerLost
+
+    return isinstance(e, DistRunFailed | PeerLost) or type(e).__name__ in (
+        "ServerLost",
+        "LearnerLost",
+    )
+
+
+def under_launcher() -> bool:
+    """True inside a rank started by torchrun (or by :func:`run`)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def _role(cfg: RunConfig, rank: int) -> str:
+    if cfg.protocol.name in ("parameter_server", "compute_groups"):
+        return "server" if rank < cfg.dist.num_servers else "learner"
+    if cfg.protocol.name in ("sma", "local_sgd"):
+        return "device"
+    return "learner"
+
+
+def _tolerates_loss(cfg: RunConfig, rank: int) -> bool:
+    """Whether the run goes on without ``rank`` (an asynchronous protocol's learner)."""
+    p = cfg.protocol
+    if _role(cfg, rank) != "learner":
+        return False
+    if p.name == "compute_groups":
+        return True
+    return p.name == "parameter_server" and p.mode != "hardsync"
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def run(
+    cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = False
+) -> dict[str, Any]:
+    """Run ``cfg`` (runtime ``dist``) to its stop rule on real processes.
+
+    Under torchrun this process is one rank: it trains (rank 0 writes ``out_dir``) and
+    returns the summary on rank 0, ``{}`` elsewhere. Otherwise it starts
+    ``required_processes`` ranks on this machine and returns rank 0's summary.
+
+    Raises:
+        ConfigError: a rank stopped on a user error (its message), or ``out_dir``
+            already holds a run.
+        TrainingDiverged: the loss became NaN or infinite.
+        DistRunFailed: a rank was lost and the protocol cannot go on (names the rank).
+        KeyboardInterrupt: interrupted; every rank is stopped, the checkpoint kept.
+    """
+    from distsgd.trainer import Trainer
+
+    out = Path(out_dir)
+    if under_launcher():
+        rank = int(os.environ["RANK"])
+        return Trainer(cfg, out, progress=progress and rank == 0).run(resume=resume)
+    if not resume:
+        Trainer(cfg, out)._check_out_dir()  # fail before starting any process
+    return _launch_local(cfg, out, resume=resume, progress=progress)
+
+
+def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) -> dict[str, Any]:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    from distsgd.runtime import dist as rdist
+
+    n, _ = required_processes(cfg.protocol, cfg.dist)
+    addr = cfg.dist.master_addr
+    port = cfg.dist.master_port or _free_port(addr)
+    package_root = str(Path(__file__).resolve().parents[2])
+    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory(prefix="distsgd-launch-") as tmp:
+        envs = {
+            r: {
+                "MASTER_ADDR": addr,
+                "MASTER_PORT": str(port),
+                "RANK": str(r),
+                "WORLD_SIZE": str(n),
+                "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(n),
+                "PYTHONPATH": pythonpath,
+                rdist.ENV_CONFIG: cfg.to_toml(),
+                rdist.ENV_OUT: str(out.resolve()),
+                rdist.ENV_RESUME: "1" if resume else "0",
+                rdist.ENV_PROGRESS: "1" if progress and r == 0 else "0",
+                ENV_ERROR_FILE: str(Path(tmp) / f"rank{r}.json"),
+            }
+            for r in range(n)
+        }
+        ctx = start_processes(
+            name="distsgd",
+            entrypoint=sys.executable,
+            args={r: ("-m", "distsgd.runtime.dist") for r in range(n)},
+            envs=envs,
+            logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
+            start_method="spawn",
+        )
+        codes: dict[int, int | None] = {}
+        lost: dict[int, int] = {}
+        fatal_since: float | None = None
+        try:
+            while True:
+                codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
+                for r, code in codes.items():
+                    if code not in (None, 0) and r not in lost:
+                        lost[r] = code
+                        pid = ctx.subprocess_handlers[r].proc.pid
+                        going_on = _tolerates_loss(cfg, r)
+                        print(
+                            f"distsgd: rank {r} ({_role(cfg, r)}, pid {pid}) {_describe_exit(code)}"
+                            + ("; the others go on" if going_on else ""),
+                            file=sys.stderr,
+                        )
+                        if not going_on and fatal_since is None:
+                            fatal_since = time.monotonic()
+                if all(c is not None for c in codes.values()):
+                    break
+                if fatal_since is not None and (
+                    time.monotonic() - fatal_since > cfg.dist.timeout_s + 5
+                ):
+                    break
+                time.sleep(_POLL_S)
+        finally:
+            ctx.close()  # SIGTERM (then SIGKILL) to every rank still running
+        codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
+        errors = {}
+        for r in range(n):
+            f = Path(tmp) / f"rank{r}.json"
+            if f.exists():
+                errors[r] = json.loads(f.read_text())
+    return _outcome(cfg, out, codes, lost, errors)
+
+
+def _outcome(
+    cfg: RunConfig,
+    out: Path,
+    codes: dict[int, int | None],
+    lost: dict[int, int],
+    errors: dict[int, dict[str, str]],
+) -> dict[str, Any]:
+    from distsgd.runtime.sim import TrainingDiverged
+
+    for kind, exc in (("config", ConfigError), ("diverged", TrainingDiverged)):
+        for r in sorted(errors):
+            if errors[r]["kind"] == kind:
+                raise exc(errors[r]["message"])
+    fatal = sorted(r for r in lost if not _tolerates_loss(cfg, r))
+    summary_path = out / "summary.json"
+    if not fatal and codes.get(0) == 0 and summary_path.exists():
+        return json.loads(summary_path.read_text())
+    first = fatal[0] if fatal else min(lost, default=0)
+    what = (
+        f"rank {first} ({_role(cfg, first)}) {_describe_exit(lost[first])}"
+        if first in lost
+        else "a rank failed"
+    )
+    detail = next((errors[r]["message"] for r in sorted(errors) if errors[r]["kind"] == "lost"), "")
+    keep = (
+        f"the last checkpoint in {out} is kept (continue with --resume {out})"
+        if (out / "checkpoint.pt").exists()
+        else "no checkpoint was written yet"
+    )
+    raise DistRunFailed(
+        f"{what}; every process of the run has stopped"
+        + (f" ({detail})" if detail else "")
+        + f"; {keep}"
+    )
+
+
+def run_worker(config_toml: str, out_dir: str, *, resume: bool, progress: bool) -> int:
+    """One rank started by :func:`run`: train, and report how it ended.
+
+    Returns the exit status: 0 done, 1 diverged or another error, 2 a user error, 3 a
+    peer lost, 130 stopped by SIGTERM. The message of a failure also goes to the file
+    ``$DISTSGD_DIST_ERROR_FILE`` for the launcher.
+    """
+    from distsgd.config import RunConfig
+    from distsgd.runtime.sim import TrainingDiverged
+    from distsgd.trainer import Trainer
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    rank = os.environ.get("RANK", "?")
+
+    def report(kind: str, e: BaseException, status: int) -> int:
+        print(f"distsgd[rank {rank}]: {kind}: {e}", file=sys.stderr)
+        path = os.environ.get(ENV_ERROR_FILE)
+        if path:
+            Path(path).write_text(json.dumps({"kind": kind, "message": str(e)}))
+        return status
+
+    try:
+        cfg = RunConfig.from_dict(_toml(config_toml))
+        Trainer(cfg, out_dir, progress=progress).run(resume=resume)
+        return 0
+    except TrainingDiverged as e:
+        return report("diverged", e, 1)
+    except ValueError as e:
+        return report("config", e, 2)
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as e:
+        if is_process_loss(e):
+            return report("lost", e, 3)
+        raise
+
+
+def _toml(text: str) -> dict[str, Any]:
+    import tomllib
+
+    return tomllib.loads(text)
