@@ -41,6 +41,7 @@ import dataclasses
 import math
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -184,9 +185,10 @@ def _check_losses(losses: list[float], learners: list[int], lr: float, samples: 
 
 
 def _collective_error(e: Exception) -> PeerLost:
-    return PeerLost(
-        f"a peer process was lost ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    )
+    """A c10d failure as :class:`PeerLost`, with gloo's source location and advice cut."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]
+    return PeerLost(f"lost contact with another rank ({text})")
 
 
 class _DistBase:
@@ -458,7 +460,7 @@ class PSDistRuntime(_DistBase):
                 on_push=on_push,
                 timeout_s=self.cfg.dist.timeout_s,
                 log=self._log,
-                lr=lambda: self._lr,
+                lr=lambda samples: self._lr,
             )
             self._events.put(("finished", result))
         except BaseException as e:  # noqa: BLE001 - handed to the training loop
@@ -527,7 +529,7 @@ class PSDistRuntime(_DistBase):
                 on_push=lambda event: True,
                 timeout_s=self.cfg.dist.timeout_s,
                 log=self._log,
-                lr=lambda: self._lr,
+                lr=lambda samples: self._lr,
             )
             return
         learner = self.rank - self.num_servers

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.config import ConfigError, RunConfig, required_processes
+from distsgd.metrics import write_json
 
 __all__ = ["DistRunFailed", "is_process_loss", "run", "run_worker", "under_launcher"]
 
@@ -182,14 +183,14 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
                     if code not in (None, 0) and r not in lost:
                         lost[r] = code
                         pid = ctx.subprocess_handlers[r].proc.pid
-                        going_on = _tolerates_loss(cfg, r)
+                        tolerated = _tolerates_loss(cfg, r)
+                        if not tolerated and fatal_since is None:
+                            fatal_since = time.monotonic()
                         print(
                             f"distsgd: rank {r} ({_role(cfg, r)}, pid {pid}) {_describe_exit(code)}"
-                            + ("; the others go on" if going_on else ""),
+                            + ("; the server goes on without it" if fatal_since is None else ""),
                             file=sys.stderr,
                         )
-                        if not going_on and fatal_since is None:
-                            fatal_since = time.monotonic()
                 if all(c is not None for c in codes.values()):
                     break
                 if fatal_since is not None and (
@@ -225,23 +226,26 @@ def _outcome(
     summary_path = out / "summary.json"
     if not fatal and codes.get(0) == 0 and summary_path.exists():
         return json.loads(summary_path.read_text())
-    first = fatal[0] if fatal else min(lost, default=0)
-    what = (
-        f"rank {first} ({_role(cfg, first)}) {_describe_exit(lost[first])}"
-        if first in lost
-        else "a rank failed"
-    )
-    detail = next((errors[r]["message"] for r in sorted(errors) if errors[r]["kind"] == "lost"), "")
+    # the lost ranks are those that ended without reporting a lost peer themselves
+    # (killed, or failed on their own); the others stopped because of them
+    causes = [r for r in fatal if errors.get(r, {}).get("kind") != "lost"] or fatal
+    if causes:
+        what = "; ".join(f"rank {r} ({_role(cfg, r)}) {_describe_exit(lost[r])}" for r in causes)
+    else:
+        what = "a rank stopped without finishing the run"
     keep = (
         f"the last checkpoint in {out} is kept (continue with --resume {out})"
         if (out / "checkpoint.pt").exists()
         else "no checkpoint was written yet"
     )
-    raise DistRunFailed(
-        f"{what}; every process of the run has stopped"
-        + (f" ({detail})" if detail else "")
-        + f"; {keep}"
-    )
+    message = f"{what}; every process of the run has stopped; {keep}"
+    if summary_path.exists():  # rank 0 wrote it without knowing which rank was lost
+        summary = json.loads(summary_path.read_text())
+        if summary.get("status") == "failed":
+            summary["error"] = message
+            summary["lost_ranks"] = causes
+            write_json(summary_path, summary)
+    raise DistRunFailed(message)
 
 
 def run_worker(config_toml: str, out_dir: str, *, resume: bool, progress: bool) -> int:
