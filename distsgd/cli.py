@@ -35,14 +35,18 @@ def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
     if s["reached"]:
         lines.append(
             f"time to acc.  {_fmt_s(s['time_to_accuracy_s'])} wall (training only), "
-            f"{_fmt_s(s['time_to_accuracy_virtual_s'])} simulated, "
-            f"{s['samples_to_accuracy']} samples ({s['epochs_to_accuracy']:.2f} epochs)"
+            + (
+                f"{_fmt_s(s['time_to_accuracy_virtual_s'])} simulated, "
+                if s["runtime"] == "sim"
+                else ""
+            )
+            + f"{s['samples_to_accuracy']} samples ({s['epochs_to_accuracy']:.2f} epochs)"
         )
     tput = s["throughput_samples_per_s"]
     lines += [
         f"trained       {s['samples']} samples ({s['epochs']:.2f} epochs) in "
-        f"{_fmt_s(s['train_wall_s'])} wall + {_fmt_s(s['eval_wall_s'])} evaluation, "
-        f"{s['virtual_s']:.1f} s simulated",
+        f"{_fmt_s(s['train_wall_s'])} wall + {_fmt_s(s['eval_wall_s'])} evaluation"
+        + (f", {s['virtual_s']:.1f} s simulated" if s["runtime"] == "sim" else ""),
         f"throughput    {tput:.0f} samples/s wall" if tput else "throughput    -",
         f"staleness     mean {s['staleness_mean']:.2f}, max {s['staleness_max']}",
         f"run directory {out_dir}",

@@ -44,7 +44,7 @@ STALENESS_LR = ("none", "softsync", "measured", "per_gradient")
 SERVER_OPTIMIZERS = ("sgd", "adagrad")
 SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
-DIST_BACKENDS = ("auto", "gloo", "nccl")
+DIST_BACKENDS = ("auto", "gloo")
 
 
 class ConfigError(ValueError):
@@ -426,9 +426,9 @@ class DistConfig:
     Attributes:
         num_processes: processes (ranks) of the run; 0 means what the protocol needs. A
             different number is an error that names the number needed.
-        backend: c10d backend: ``gloo`` (CPU), ``nccl`` (GPU collectives) or ``auto``
-            (``nccl`` when CUDA is available, else ``gloo``). The parameter-server
-            transport always uses gloo.
+        backend: c10d backend: ``gloo``, or ``auto`` (the backend for the device the
+            model computes on: ``gloo`` while models train on CPU, as they do now). The
+            parameter-server transport is c10d point-to-point on gloo in any case.
         master_addr: address of rank 0 for the rendezvous (loopback on one machine).
         master_port: TCP port of the rendezvous; 0 picks a free port (one machine only).
         timeout_s: seconds after which a silent peer is declared lost (collectives and
@@ -468,6 +468,24 @@ def required_processes(protocol: ProtocolConfig, dist: DistConfig) -> tuple[int,
         f"dist.num_servers = {dist.num_servers} server ranks plus protocol.num_learners = "
         f"{p.num_learners} learner ranks"
     )
+
+
+def _layout_hint(cfg: RunConfig, n: int) -> str:
+    """How to change the layout so that the protocol runs on ``n`` processes."""
+    p, s = cfg.protocol, cfg.dist.num_servers
+    if p.name == "hardsync":
+        return f"; or run {n} learners: protocol.num_learners = {n}"
+    if p.name in ("sma", "local_sgd"):
+        k = p.replicas_per_device
+        return f"; or run {n} devices: protocol.num_learners = {n * k}"
+    if p.name in ("parameter_server", "compute_groups") and n > s:
+        hint = f"; or run {n - s} learners: protocol.num_learners = {n - s}"
+        if p.name == "compute_groups" and (n - s) % p.num_groups:
+            hint += " with protocol.num_groups dividing it"
+        if p.name == "parameter_server" and p.mode == "softsync" and (n - s) % p.softsync:
+            hint += " with protocol.softsync dividing it"
+        return hint
+    return ""
 
 
 _SECTIONS: dict[str, type] = {
@@ -526,8 +544,9 @@ class RunConfig:
             )
         if self.runtime == "dist":
             need, why = required_processes(self.protocol, self.dist)
-            if self.dist.num_processes not in (0, need):
-                _fail("dist.num_processes", self.dist.num_processes, f"{need} ({why}) or 0")
+            n = self.dist.num_processes
+            if n not in (0, need):
+                _fail("dist.num_processes", n, f"{need} ({why}) or 0{_layout_hint(self, n)}")
 
     # ---- construction ------------------------------------------------------------------
     @classmethod

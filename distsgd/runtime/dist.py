@@ -128,7 +128,7 @@ def threads_per_process(cfg: RunConfig, info: ProcessInfo) -> int:
 
 
 def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
-    """Join the run's c10d process group (``env://`` rendezvous); returns the backend.
+    """Join the run's c10d process group (``env://`` rendezvous, gloo); returns the backend.
 
     Collectives and point-to-point messages time out after ``dist.timeout_s`` seconds.
 
@@ -145,11 +145,7 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
             f"{cfg.protocol.name!r} needs {need} ({why}); set --nproc-per-node × --nnodes "
             f"= {need}"
         )
-    backend = cfg.dist.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if cfg.protocol.name in ("parameter_server", "compute_groups"):
-        backend = "gloo"  # the parameter-server transport is c10d point-to-point on gloo
+    backend = "gloo"  # models compute on CPU; the parameter-server transport needs gloo
     if not dist.is_initialized():
         dist.init_process_group(
             backend,
@@ -574,6 +570,11 @@ class PSDistRuntime(_DistBase):
             raise ConfigError(
                 f"cannot resume: the checkpoint was written by {state.get('world_size')} "
                 f"processes, this run has {self.world_size}"
+            )
+        if self.num_servers > 1:
+            raise ConfigError(
+                f"cannot resume: dist.num_servers = {self.num_servers}; the checkpoint holds "
+                "the coordinating server's shard only (resume works with one server)"
             )
         self.samples = int(state["samples"])
         self.virtual_time = float(state["virtual_time"])
