@@ -199,7 +199,9 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
                     break
                 time.sleep(_POLL_S)
         finally:
-            ctx.close()  # SIGTERM (then SIGKILL) to every rank still running
+            # SIGTERM to every rank still running (rank 0 then writes its summary), SIGKILL
+            # to any still there 5 s later
+            ctx.close(timeout=5)
         codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
         errors = {}
         for r in range(n):

@@ -1,0 +1,253 @@
+"""The dist runtime on this machine: distsgd vs plain PyTorch DDP, async vs hardsync, and
+the simulator's prediction of seconds per iteration vs what the processes measure.
+
+Side by side in one run, Fashion-MNIST ``cnn``, one thread per process, the same batch
+and learning rate everywhere:
+
+1. **hardsync vs plain DDP** — ``distsgd train --runtime dist`` hardsync with 2 processes
+   vs a textbook PyTorch DDP script (this file, ``--plain-ddp-worker``, started by
+   torchrun with 2 processes): throughput (training samples per wall second, evaluation
+   excluded) and wall seconds of training to the target accuracy, for both; the ratio
+   distsgd / plain (target >= 0.95).
+2. **async vs hardsync** — the parameter server, async, 2 learner processes + 1 server
+   process, same per-learner batch and learning rate: throughput / hardsync's (target >= 0.9).
+3. **simulation fidelity** — for hardsync and async with 1 and 2 learners: seconds per
+   iteration predicted by the simulated cluster calibrated on this machine (virtual
+   seconds / iterations) vs measured on real processes (training wall seconds /
+   iterations; for async an iteration is one update, i.e. one push) (target within ±20%).
+
+    flock /tmp/distsgd-bench.lock python bench/dist_bench.py --out bench/results/dist
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def plain_ddp_worker(args: argparse.Namespace) -> None:
+    """A plain PyTorch DDP training loop (one rank under torchrun): model, SGD, DDP, each
+    rank its slice of every global batch of a per-epoch permutation; rank 0 evaluates
+    every ``eval_every`` samples while the other waits (evaluation time excluded)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distsgd.config import DataConfig
+    from distsgd.data import load_dataset
+    from distsgd.models import build_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ds = load_dataset(DataConfig(), seed=args.seed)
+    torch.manual_seed(args.seed)
+    model = DistributedDataParallel(build_model("cnn", ds.input_shape, ds.num_classes))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    b, n = args.batch_size, ds.num_train
+    steps_per_epoch = n // (world * b)
+    samples, train_s, reached_s, acc = 0, 0.0, None, 0.0
+    budget = int(args.max_epochs * n)
+
+    def evaluate() -> float:
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for i in range(0, ds.num_test, 1000):
+                logits = model.module(ds.test_x[i : i + 1000])
+                correct += int((logits.argmax(1) == ds.test_y[i : i + 1000]).sum())
+        model.train()
+        return correct / ds.num_test
+
+    next_eval = args.eval_every
+    epoch = 0
+    done = False
+    while not done:
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)
+        perm = torch.randperm(n, generator=g)
+        for s in range(steps_per_epoch):
+            idx = perm[s * world * b + rank * b : s * world * b + (rank + 1) * b]
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx])
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            opt.step()
+            train_s += time.perf_counter() - t0
+            samples += world * b
+            if samples >= next_eval or samples >= budget:
+                next_eval += args.eval_every
+                stop = torch.zeros(1)
+                if rank == 0:
+                    acc = evaluate()
+                    if reached_s is None and acc >= args.target:
+                        reached_s = train_s
+                    stop[0] = float(samples >= budget or reached_s is not None)
+                dist.broadcast(stop, 0)
+                if stop.item():
+                    done = True
+                    break
+        epoch += 1
+    if rank == 0:
+        Path(args.result).write_text(
+            json.dumps(
+                {
+                    "samples": samples,
+                    "train_wall_s": train_s,
+                    "throughput_samples_per_s": samples / train_s,
+                    "time_to_accuracy_s": reached_s,
+                    "final_accuracy": acc,
+                }
+            )
+        )
+    dist.destroy_process_group()
+
+
+def distsgd_run(overrides: list[str], out: Path) -> dict[str, Any]:
+    import distsgd
+
+    return distsgd.train(None, overrides=overrides, out_dir=out)
+
+
+def common(args: argparse.Namespace) -> list[str]:
+    return [
+        "model.name=cnn",
+        f"protocol.batch_size={args.batch_size}",
+        f"optimizer.lr={args.lr}",
+        f"optimizer.momentum={args.momentum}",
+        "train.num_threads=1",
+        f"train.seed={args.seed}",
+        "train.tensorboard=false",
+        "train.checkpoint_every_evals=0",
+    ]
+
+
+def to_target(args: argparse.Namespace) -> list[str]:
+    return [
+        f"train.target_accuracy={args.target}",
+        f"train.max_epochs={args.max_epochs}",
+        f"train.eval_every_samples={args.eval_every}",
+    ]
+
+
+HARDSYNC2 = ["runtime=dist", "protocol.name=hardsync", "protocol.num_learners=2"]
+ASYNC2 = [
+    "runtime=dist",
+    "protocol.name=parameter_server",
+    "protocol.mode=async",
+    "protocol.num_learners=2",
+]
+
+
+def plain_ddp(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    result = tmp / "plain_ddp.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(Path(__file__).resolve()), "--plain-ddp-worker", "--result", str(result),
+        "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+        "--momentum", str(args.momentum), "--seed", str(args.seed),
+        "--target", str(args.target), "--max-epochs", str(args.max_epochs),
+        "--eval-every", str(args.eval_every),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    return json.loads(result.read_text())
+
+
+def fidelity(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    rows = []
+    for name, proto in (
+        ("hardsync", ["protocol.name=hardsync"]),
+        ("async", ["protocol.name=parameter_server", "protocol.mode=async"]),
+    ):
+        for lam in (1, 2):
+            layout = [*proto, f"protocol.num_learners={lam}"]
+            budget = [
+                "train.target_accuracy=0",
+                "train.max_epochs=0",
+                f"train.max_samples={args.fidelity_samples}",
+                f"train.eval_every_samples={args.fidelity_samples}",
+            ]
+            base = common(args) + layout + budget
+            sim = distsgd_run([*base, "runtime=sim", "cluster.jitter=0"], tmp / f"sim-{name}{lam}")
+            real = distsgd_run([*base, "runtime=dist"], tmp / f"dist-{name}{lam}")
+            predicted = sim["virtual_s"] / sim["iterations"]
+            measured = real["train_wall_s"] / real["iterations"]
+            rows.append(
+                {
+                    "protocol": name,
+                    "num_learners": lam,
+                    "iterations": real["iterations"],
+                    "predicted_s_per_iteration": predicted,
+                    "measured_s_per_iteration": measured,
+                    "ratio_measured_over_predicted": measured / predicted,
+                    "device_profile": sim["device_profile"],
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def load() -> str:
+    return Path("/proc/loadavg").read_text().split(" ")[:3].__str__()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--plain-ddp-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--result", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--batch-size", type=int, default=64, help="per learner")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--max-epochs", type=float, default=3.0)
+    ap.add_argument("--eval-every", type=int, default=6000, help="samples")
+    ap.add_argument("--fidelity-samples", type=int, default=12800)
+    ap.add_argument("--skip-to-target", action="store_true", help="only the fidelity part")
+    ap.add_argument("--out", default="bench/results/dist")
+    args = ap.parse_args()
+    if args.plain_ddp_worker:
+        plain_ddp_worker(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"settings": vars(args), "load_before": load()}
+    with tempfile.TemporaryDirectory(prefix="dist-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        if not args.skip_to_target:
+            runs = {}
+            t = common(args) + to_target(args)
+            runs["distsgd_hardsync"] = distsgd_run([*t, *HARDSYNC2], tmp / "hardsync")
+            print("distsgd hardsync", runs["distsgd_hardsync"]["throughput_samples_per_s"])
+            runs["plain_ddp"] = plain_ddp(args, tmp)
+            print("plain DDP", runs["plain_ddp"]["throughput_samples_per_s"])
+            runs["distsgd_async"] = distsgd_run([*t, *ASYNC2], tmp / "async")
+            print("distsgd async", runs["distsgd_async"]["throughput_samples_per_s"])
+            keys = ("samples", "train_wall_s", "throughput_samples_per_s", "time_to_accuracy_s")
+            report["to_target"] = {k: {x: r.get(x) for x in keys} for k, r in runs.items()}
+            h = runs["distsgd_hardsync"]["throughput_samples_per_s"]
+            report["ratio_hardsync_over_plain_ddp"] = (
+                h / runs["plain_ddp"]["throughput_samples_per_s"]
+            )
+            report["ratio_async_over_hardsync"] = (
+                runs["distsgd_async"]["throughput_samples_per_s"] / h
+            )
+        report["fidelity"] = fidelity(args, tmp)
+    report["load_after"] = load()
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
