@@ -432,7 +432,9 @@ class DistConfig:
         master_addr: address of rank 0 for the rendezvous (loopback on one machine).
         master_port: TCP port of the rendezvous; 0 picks a free port (one machine only).
         timeout_s: seconds after which a silent peer is declared lost (collectives and
-            parameter-server messages); the run then ends with an error naming it.
+            parameter-server messages); the run then ends with an error naming it. Must
+            exceed the longest legitimate silence: one minibatch's gradient, and for the
+            parameter server one evaluation on the coordinator (its learners wait for it).
         num_servers: S parameter-server ranks, each owning a slice of the flattened
             parameters (Rudra-adv sharding); ``parameter_server`` / ``compute_groups`` only.
     """

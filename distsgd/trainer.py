@@ -250,15 +250,18 @@ class Trainer:
         if self.cfg.runtime == "dist":  # every rank's learners' losses
             loss_sum, loss_count = self.runtime.reduce_losses(loss_sum, loss_count)
         c["loss_sum"], c["loss_count"] = 0.0, 0
-        if not self.is_writer:
-            c["evals"] += 1
-            return None
-        acc, loss = self.engine.evaluate(
+        evaluate = self.engine.evaluate
+        if self.cfg.runtime == "dist":  # the ranks in lock step share the test set
+            evaluate = self.runtime.evaluate
+        acc, loss = evaluate(
             weights,
             self.dataset.test_x,
             self.dataset.test_y,
             self.cfg.train.eval_batch_size,
         )
+        if not self.is_writer:
+            c["evals"] += 1
+            return None
         c["eval_wall_s"] += time.perf_counter() - t0
         samples = self.runtime.samples
         train_loss = loss_sum / loss_count if loss_count else None

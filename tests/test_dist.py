@@ -136,7 +136,7 @@ def test_replica_protocols_match_the_simulator(tmp_path, protocol, keys, tol):
     runtime all-reduces two sums of 2 and divides (last-bit rounding; 3e-8 was seen).
     """
     train(config(protocol, "sim"), out_dir=tmp_path / "sim")
-    train(config(protocol, "dist"), out_dir=tmp_path / "dist")
+    train(config(protocol, "dist"), overrides=["dist.num_processes=2"], out_dir=tmp_path / "dist")
     check_equivalent(tmp_path / "sim", tmp_path / "dist", keys, tol)
 
 

@@ -261,7 +261,10 @@ class SyncDistRuntime(_DistBase):
         self.num_learners = p.num_learners
         if p.name in ("sma", "local_sgd"):
             self.k = p.replicas_per_device
-            local = cfg.replace(protocol=dataclasses.replace(p, num_learners=self.k))
+            local = cfg.replace(  # this rank's k replicas, as one device
+                protocol=dataclasses.replace(p, num_learners=self.k),
+                dist=dataclasses.replace(cfg.dist, num_processes=0),
+            )
             self.protocol = build_protocol(local, initial)
         else:
             self.k = 1
@@ -325,6 +328,29 @@ class SyncDistRuntime(_DistBase):
             self._collective(dist.all_reduce, total, op=dist.ReduceOp.SUM)
             return total.div_(self.num_learners)
         return proto.eval_weights()
+
+    def evaluate(
+        self, weights: Tensor, x: Tensor, y: Tensor, batch_size: int
+    ) -> tuple[float, float]:
+        """Collective: accuracy and mean loss of ``weights`` on (x, y), each rank
+        evaluating a contiguous slice; the correct counts add up exactly, the loss sums in
+        float64 (the simulator's single-process sum may differ in its last bits). Models
+        with BatchNorm are evaluated on rank 0 alone (their running statistics are per
+        process), the others wait.
+        """
+        n = x.shape[0]
+        if self.engine.has_batch_statistics:
+            acc, loss = (
+                self.engine.evaluate(weights, x, y, batch_size) if self.is_writer else (0, 0)
+            )
+            return acc, loss
+        lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
+        t = torch.zeros(2, dtype=torch.float64)
+        if hi > lo:
+            acc, loss = self.engine.evaluate(weights, x[lo:hi], y[lo:hi], batch_size)
+            t[0], t[1] = round(acc * (hi - lo)), loss * (hi - lo)
+        self._collective(dist.all_reduce, t, op=dist.ReduceOp.SUM)
+        return float(t[0]) / n, float(t[1]) / n
 
     def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -494,6 +520,12 @@ class PSDistRuntime(_DistBase):
         self.samples += event.samples
         self.virtual_time += time.perf_counter() - t0
         return Tick(event.samples, list(event.losses), event.update)
+
+    def evaluate(
+        self, weights: Tensor, x: Tensor, y: Tensor, batch_size: int
+    ) -> tuple[float, float]:
+        """Accuracy and mean loss on the coordinator (the learners go on computing)."""
+        return self.engine.evaluate(weights, x, y, batch_size)
 
     def eval_weights(self) -> Tensor:
         """The central model, shape ``[P]`` (gathered from the server shards when S > 1)."""

@@ -4,7 +4,8 @@
 :func:`torch.distributed.elastic.multiprocessing.start_processes` (the process layer of
 torchrun's elastic agent: spawning, environment, logs, terminating the process groups),
 with the rendezvous on loopback (``dist.master_addr``, default 127.0.0.1, and a free port
-unless ``dist.master_port`` is set). Each rank runs ``python -m distsgd.runtime.dist``
+unless ``dist.master_port`` is set) through a c10d TCPStore hosted by the launching
+process, as torchrun's agent hosts it. Each rank runs ``python -m distsgd.runtime.dist``
 and sets its torch threads to its share of the cores (``train.num_threads`` overrides).
 
 **Why not the elastic agent itself.** torchrun's agent (``elastic_launch``) tears down
@@ -42,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -75,12 +75,6 @@ def is_process_loss(e: BaseException) -> bool:
 def under_launcher() -> bool:
     """True inside a rank started by torchrun (or by :func:`run`)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def _free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return int(s.getsockname()[1])
 
 
 def _role(cfg: RunConfig, rank: int) -> str:
@@ -138,13 +132,26 @@ def run(
 
 
 def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) -> dict[str, Any]:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     from distsgd.runtime import dist as rdist
 
     n, _ = required_processes(cfg.protocol, cfg.dist)
     addr = cfg.dist.master_addr
-    port = cfg.dist.master_port or _free_port(addr)
+    # The rendezvous store is hosted here, as torchrun's agent hosts it, so that a free
+    # port (master_port = 0) is bound once and no rank can lose it to another program.
+    store = TCPStore(
+        addr,
+        cfg.dist.master_port,
+        world_size=n,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=cfg.dist.timeout_s),
+    )
+    port = store.port
     package_root = str(Path(__file__).resolve().parents[2])
     pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix="distsgd-launch-") as tmp:
@@ -157,6 +164,7 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
                 "LOCAL_RANK": str(r),
                 "LOCAL_WORLD_SIZE": str(n),
                 "PYTHONPATH": pythonpath,
+                "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank a client of `store`
                 rdist.ENV_CONFIG: cfg.to_toml(),
                 rdist.ENV_OUT: str(out.resolve()),
                 rdist.ENV_RESUME: "1" if resume else "0",
@@ -208,6 +216,7 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
             f = Path(tmp) / f"rank{r}.json"
             if f.exists():
                 errors[r] = json.loads(f.read_text())
+    del store  # the ranks have ended
     return _outcome(cfg, out, codes, lost, errors)
 
 
