@@ -1,0 +1,704 @@
+"""Parameter server over c10d point-to-point (gloo): transport and server/learner loops.
+
+The server ranks run :func:`run_server` with an :class:`~distsgd.protocols.base.
+AsynchronousProtocol` (Rudra's :class:`~distsgd.protocols.ParameterServer` in hardsync,
+n-softsync or async mode, or Omnivore's :class:`~distsgd.protocols.ComputeGroups`); the
+learner ranks run :func:`run_learner`. The protocol object is the very one the simulated
+cluster drives (``distsgd.runtime.sim``): the server calls ``pull``/``push``/``can_pull`` in
+the order messages really arrive, so staleness and the vector clock of every update
+(:class:`~distsgd.protocols.base.Update`) are those of the real run; the transport never
+recomputes them. ``torch.distributed`` must already be initialised with the gloo backend.
+
+Roles (Rudra, Gupta, Zhang, Wang, ICDM 2016, arXiv:1509.04210, §3 system architecture):
+``PSLayout.worker_groups[w]`` are the learner ranks of protocol worker ``w``; with one rank
+each it is a learner of the parameter server, with several it is an Omnivore compute group
+(Hadjis et al., arXiv:1606.04487, compute groups): every member computes a gradient on
+the same pulled weights, the gradients are mean-all-reduced inside the group's process
+subgroup, and only the group's leader (``[0]``) talks to the server(s) and broadcasts the
+pulled weights to its members.
+
+Sharding (Rudra-adv, same paper §3.2): with S server ranks, server ``k`` owns the slice
+``shard_bounds(P, S)[k]`` of the flat parameters and runs a protocol object built on that
+slice. A leader pushes each slice to its owner *in shard order*, waiting for each shard's
+reply before pushing to the next, so that a push refused by the coordinator
+(``server_ranks[0]``) at the stop reaches no other shard: every shard applies exactly the
+same set of pushes, each in its own arrival order. Under async (c = 1) every shard is then
+at the same version after the same pushes; the staleness and vector clock reported to
+``on_push`` are those recorded by the coordinator shard (other shards may record a
+different interleaving; their histograms are their own). The learner computes on the
+concatenated slices and passes the coordinator's version to ``compute``; it pushes to
+each shard the version that shard sent it. The price of the shard-order round trips is
+one extra message latency per shard per push.
+
+Message protocol. Every message is a header, an int64 tensor of :data:`HEADER_LEN`
+entries, optionally followed by one flat float32 payload whose length the header implies;
+both are sent with tag :data:`TAG` between the same pair of ranks (gloo keeps them in
+order):
+
+======  ========  ==========================================================================
+index   field     meaning
+======  ========  ==========================================================================
+0       kind      :data:`PUSH`, :data:`WEIGHTS`, :data:`STOP`, :data:`BYE`
+1       version   PUSH: version the gradient was computed on (this shard's); WEIGHTS:
+                  version of the weights sent
+2       samples   PUSH: samples behind the gradient (group size × ``num_samples``)
+3       losses    PUSH: number of losses appended to the payload (coordinator only)
+4       worker    the protocol worker index of the sending/receiving leader
+5       length    float32 elements of the payload that follows (0: none)
+======  ========  ==========================================================================
+
+* learner → server PUSH: payload ``[n + losses]`` = gradient slice (n = the shard's slice
+  length, shape ``[n]``) followed by the group's losses.
+* server → learner WEIGHTS: payload ``[n]``, the weights slice from ``protocol.pull``.
+* server → learner STOP: no payload; the learner stops (and tells the other shards BYE).
+* learner → server BYE: no payload; this worker is done (sharded stop only).
+
+The server sends WEIGHTS to every worker at start; after that every PUSH gets exactly one
+reply (WEIGHTS, or STOP), sent at once or, under the hardsync barrier, when the update
+that releases the worker is applied (mirroring ``sim._advance_async``).
+
+Faults (issue 4; Rudra ICDM 2016 §3: under async and n-softsync the server does not wait
+for any particular learner, under hardsync it waits for all λ):
+
+* A learner (group leader) whose process dies is seen at once: gloo closes the TCP pair
+  and the pending receive fails ("Connection closed by peer"); a learner silent for
+  ``timeout_s`` after the server's last reply to it is declared lost too (gloo's receive
+  timeout; it also closes that pair, so the late learner fails on its next message).
+  Without a barrier the server logs the rank and goes on; the protocol needs no change:
+  n-softsync keeps its threshold c = ⌊λ/n⌋, which the remaining learners fill (a fast
+  learner may contribute twice to one update, as in Rudra's 1-softsync). Under the
+  hardsync barrier (``protocol.barrier``) no update can complete: :class:`LearnerLost`.
+  When every worker is lost :class:`LearnerLost` is raised as well.
+* The server dies or stays silent for ``timeout_s`` while a learner waits for its reply:
+  the learner raises :class:`ServerLost` naming the server rank. Group members learn it
+  from their leader; a failed group collective raises :class:`LearnerLost` naming the
+  group's ranks (the group, synchronous inside, is lost as a whole: Omnivore).
+* Stop: when the coordinator's ``on_push`` returns False the coordinator answers STOP to
+  that push, to the workers held by a barrier, and to the next push of every other live
+  worker; those pushes are not applied.
+
+``timeout_s`` must exceed the longest legitimate silence: one compute plus its group
+all-reduce, and under the barrier the slowest learner's round.
+
+Contract changes against the design note (``ps_api``): :func:`run_server` takes
+``lr`` (base learning rate as a function of the samples applied so far: the server calls
+``protocol.push(..., lr)``); :func:`gather_weights` takes the coordinator's protocol and
+is called from inside ``on_push``; :class:`PushEvent` also carries the leader's ``rank``.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..protocols.base import AsynchronousProtocol, Update
+
+__all__ = [
+    "PSLayout",
+    "PushEvent",
+    "ServerResult",
+    "LearnerResult",
+    "LearnerLost",
+    "ServerLost",
+    "shard_bounds",
+    "run_server",
+    "run_learner",
+    "gather_weights",
+]
+
+TAG = 7301
+HEADER_LEN = 6
+PUSH, WEIGHTS, STOP, BYE, LAST, GATHER, SERVER_GONE = 1, 2, 3, 4, 5, 6, 7
+_KIND, _VERSION, _SAMPLES, _LOSSES, _WORKER, _LENGTH = range(HEADER_LEN)
+_FOREVER_S = 7 * 24 * 3600.0  # server-side receives: silence is timed by the server loop
+
+
+class LearnerLost(RuntimeError):
+    """A learner (or a compute group) was lost where the run cannot go on without it.
+
+    Attributes:
+        ranks: the global ranks concerned.
+    """
+
+    def __init__(self, ranks: list[int], message: str) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class ServerLost(RuntimeError):
+    """A parameter-server rank died or stayed silent past the timeout.
+
+    Attributes:
+        rank: the server's global rank.
+    """
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass(frozen=True)
+class PSLayout:
+    """Which ranks serve and which learn.
+
+    Attributes:
+        server_ranks: >= 1 global ranks; server k owns slice ``shard_bounds(P, S)[k]`` of the
+            flat parameters; ``server_ranks[0]`` is the coordinator (calls ``on_push``).
+        worker_groups: one list per protocol worker (learner of the parameter server, or
+            compute group): its learner ranks, ``[0]`` being the leader.
+
+    Raises:
+        ValueError: an empty role, or a rank listed twice.
+    """
+
+    server_ranks: list[int]
+    worker_groups: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not self.server_ranks:
+            raise ValueError("server_ranks = [] is not allowed: expected at least one rank")
+        if not self.worker_groups or any(not g for g in self.worker_groups):
+            raise ValueError(
+                f"worker_groups = {self.worker_groups!r} is not allowed: expected at least "
+                "one non-empty group"
+            )
+        ranks = list(self.server_ranks) + [r for g in self.worker_groups for r in g]
+        if len(set(ranks)) != len(ranks) or any(not isinstance(r, int) or r < 0 for r in ranks):
+            raise ValueError(
+                f"layout server_ranks = {self.server_ranks!r}, worker_groups = "
+                f"{self.worker_groups!r} is not allowed: expected distinct ranks >= 0"
+            )
+
+    @property
+    def num_workers(self) -> int:
+        """Protocol workers (learners or compute groups)."""
+        return len(self.worker_groups)
+
+    @property
+    def leaders(self) -> list[int]:
+        """The leader rank of each worker."""
+        return [g[0] for g in self.worker_groups]
+
+    def worker_of(self, rank: int) -> int:
+        """The worker index whose group holds ``rank``.
+
+        Raises:
+            ValueError: ``rank`` is no learner rank.
+        """
+        for w, g in enumerate(self.worker_groups):
+            if rank in g:
+                return w
+        raise ValueError(f"rank = {rank} is not allowed: expected a learner rank of the layout")
+
+
+def shard_bounds(num_parameters: int, num_servers: int) -> list[tuple[int, int]]:
+    """Contiguous slices ``[lo, hi)`` of P parameters over S server shards (Rudra-adv).
+
+    The first ``P mod S`` shards hold one parameter more than the others.
+
+    Raises:
+        ValueError: ``num_servers < 1`` or ``num_servers > num_parameters``.
+    """
+    if not 1 <= num_servers <= num_parameters:
+        raise ValueError(
+            f"num_servers = {num_servers} is not allowed: expected 1 <= S <= P = {num_parameters}"
+        )
+    base, extra = divmod(num_parameters, num_servers)
+    bounds, lo = [], 0
+    for k in range(num_servers):
+        hi = lo + base + (1 if k < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+@dataclass
+class PushEvent:
+    """One push handled by the coordinator.
+
+    Attributes:
+        worker: protocol worker index (learner, or compute group).
+        rank: global rank of its leader.
+        pulled_version: version the gradient was computed on.
+        update: the update this push completed (vector clock, staleness), or None.
+        samples: samples behind the gradient (group size × batch).
+        losses: the members' training losses, in group order.
+    """
+
+    worker: int
+    rank: int
+    pulled_version: int
+    update: Update | None
+    samples: int
+    losses: list[float]
+
+
+@dataclass
+class ServerResult:
+    """What :func:`run_server` returns.
+
+    Attributes:
+        lost_ranks: leader ranks declared lost, in order of detection.
+        num_pushes: pushes this shard applied.
+        stopped: the run ended by the coordinator's stop (False: every worker was lost or
+            said BYE without a stop seen here).
+    """
+
+    lost_ranks: list[int] = field(default_factory=list)
+    num_pushes: int = 0
+    stopped: bool = False
+
+
+@dataclass
+class LearnerResult:
+    """What :func:`run_learner` returns.
+
+    Attributes:
+        num_computes: calls of ``compute`` on this rank.
+        version: coordinator version of the last weights received.
+    """
+
+    num_computes: int = 0
+    version: int = 0
+
+
+def _td(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+def _header(
+    kind: int, version: int = 0, samples: int = 0, losses: int = 0, worker: int = 0, length: int = 0
+) -> Tensor:
+    return torch.tensor([kind, version, samples, losses, worker, length], dtype=torch.int64)
+
+
+def _send(tensor: Tensor, dst: int, timeout_s: float) -> None:
+    dist.isend(tensor, dst=dst, tag=TAG).wait(_td(timeout_s))
+
+
+def _recv(tensor: Tensor, src: int, timeout_s: float) -> Tensor:
+    dist.irecv(tensor, src=src, tag=TAG).wait(_td(timeout_s))
+    return tensor
+
+
+# ---- server -----------------------------------------------------------------------------
+
+
+class _Receiver(threading.Thread):
+    """Receives the next message of one leader when armed (after each server reply).
+
+    A gloo receive cannot be polled (``Work.is_completed`` only turns true in ``wait``), it
+    cannot be aborted, and a timed-out receive makes gloo close *every* pair of the process
+    group ("Application timeout caused pair closure", measured with torch 2.13), so each
+    leader gets a thread that blocks in one receive without a practical timeout and hands
+    the message to the server's queue; the server enforces the silence timeout itself.
+    """
+
+    def __init__(self, worker: int, rank: int, out: queue.Queue):
+        super().__init__(name=f"ps-recv-{rank}", daemon=True)
+        self.worker, self.rank, self.out = worker, rank, out
+        self.armed = threading.Event()
+        self.closing = False
+
+    def arm(self) -> None:
+        self.armed.set()
+
+    def close(self) -> None:
+        self.closing = True
+        self.armed.set()
+
+    def run(self) -> None:
+        while True:
+            self.armed.wait()
+            self.armed.clear()
+            if self.closing:
+                return
+            try:
+                header = _recv(torch.empty(HEADER_LEN, dtype=torch.int64), self.rank, _FOREVER_S)
+                payload = None
+                if int(header[_LENGTH]) > 0:
+                    payload = torch.empty(int(header[_LENGTH]), dtype=torch.float32)
+                    _recv(payload, self.rank, _FOREVER_S)
+            except RuntimeError as e:
+                self.out.put((self.worker, None, None, e))
+                return
+            self.out.put((self.worker, header, payload, None))
+
+
+def _next_timeout(deadline: dict[int, float], live: set[int], now: float) -> float | None:
+    """Seconds until the earliest silence deadline of a live worker (None: none armed)."""
+    pending = [deadline[v] for v in live if v in deadline]
+    return max(0.0, min(pending) - now) + 1e-3 if pending else None
+
+
+def run_server(
+    protocol: AsynchronousProtocol,
+    layout: PSLayout,
+    *,
+    on_push: Callable[[PushEvent], bool],
+    lr: Callable[[int], float],
+    timeout_s: float,
+    log: Callable[[str], None],
+) -> ServerResult:
+    """Serve the parameter-server protocol to the learners until the run stops.
+
+    Called on every rank of ``layout.server_ranks``; with S > 1 server ranks, each passes a
+    protocol built on its slice ``shard_bounds(P, S)[k]`` (same class and settings). The
+    loop mirrors the simulated cluster (``sim._advance_async``): a push goes to
+    ``protocol.push(worker, grad, version, lr(samples))`` in arrival order; the worker gets
+    ``protocol.pull`` at once if ``can_pull``, else (barrier) when an update releases it.
+
+    Args:
+        protocol: the server's protocol object (weights ``[n]`` = this shard's slice).
+        layout: server and learner ranks.
+        on_push: coordinator only: called after each applied push; return False to stop.
+        lr: base learning rate α0 given the samples applied before this push (schedule).
+        timeout_s: seconds a learner may stay silent after the server's reply before it is
+            declared lost (also the send timeout), > 0.
+        log: receives one line per lost learner.
+
+    Returns:
+        :class:`ServerResult` (lost leader ranks, pushes applied).
+
+    Raises:
+        ValueError: this rank is not in ``layout.server_ranks`` or ``timeout_s <= 0``.
+        LearnerLost: a learner was lost under a barrier, or every worker was lost.
+    """
+    rank = dist.get_rank()
+    if rank not in layout.server_ranks:
+        raise ValueError(f"rank {rank} is not a server rank of {layout.server_ranks}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s = {timeout_s!r} is not allowed: expected > 0")
+    coordinator = rank == layout.server_ranks[0]
+    barrier = bool(getattr(protocol, "barrier", False))
+    n = protocol.eval_weights().numel()
+    leaders = layout.leaders
+    inbox: queue.Queue = queue.Queue()
+    receivers = [_Receiver(w, r, inbox) for w, r in enumerate(leaders)]
+    for t in receivers:
+        t.start()
+    result = ServerResult()
+    live = set(range(layout.num_workers))  # not lost, not done
+    waiting: list[int] = []  # held by the barrier, owed a reply
+    stopping = False
+    samples = 0
+
+    deadline: dict[int, float] = {}  # armed workers: when their silence becomes a loss
+
+    def send_weights(w: int) -> None:
+        weights, version = protocol.pull(w)
+        _send(_header(WEIGHTS, version, worker=w, length=n), leaders[w], _FOREVER_S)
+        _send(weights.contiguous(), leaders[w], _FOREVER_S)
+        deadline[w] = time.monotonic() + timeout_s
+        receivers[w].arm()
+
+    def send_stop(w: int, kind: int = STOP) -> None:
+        live.discard(w)
+        try:
+            _send(_header(kind, protocol.version, worker=w), leaders[w], _FOREVER_S)
+        except RuntimeError as e:  # it died meanwhile; it is done either way
+            if leaders[w] not in result.lost_ranks:
+                log(f"parameter server rank {rank}: learner rank {leaders[w]} lost ({e})")
+                result.lost_ranks.append(leaders[w])
+
+    def lose(w: int, error: Exception | str) -> None:
+        live.discard(w)
+        deadline.pop(w, None)
+        if w in waiting:
+            waiting.remove(w)
+        result.lost_ranks.append(leaders[w])
+        log(f"parameter server rank {rank}: learner rank {leaders[w]} lost ({error})")
+        if barrier and not stopping:
+            raise LearnerLost(
+                [leaders[w]],
+                f"learner rank {leaders[w]} lost under the hardsync barrier: no update can "
+                f"complete without it ({error})",
+            )
+
+    try:
+        for w in range(layout.num_workers):
+            try:
+                send_weights(w)
+            except RuntimeError as e:
+                lose(w, e)
+        while live:
+            now = time.monotonic()
+            for v in [v for v in live if deadline.get(v, math.inf) <= now]:
+                lose(v, f"silent for {timeout_s:g} s")
+            if not live:
+                break
+            try:
+                w, header, payload, error = inbox.get(timeout=_next_timeout(deadline, live, now))
+            except queue.Empty:
+                continue
+            if w not in live:  # declared lost for silence, then spoke: send it away
+                if error is None and int(header[_KIND]) == PUSH:
+                    send_stop(w)
+                continue
+            deadline.pop(w, None)
+            if error is not None:
+                lose(w, error)
+                continue
+            kind = int(header[_KIND])
+            if kind == BYE:
+                live.discard(w)
+                if not coordinator and barrier and not stopping:
+                    # the stopping round cannot complete on this shard: release the held
+                    stopping = True
+                    for v in waiting:
+                        send_stop(v)
+                    waiting.clear()
+                continue
+            assert kind == PUSH, f"unexpected message kind {kind} from rank {leaders[w]}"
+            if stopping:
+                send_stop(w)
+                continue
+            version, n_samples = int(header[_VERSION]), int(header[_SAMPLES])
+            grad = payload[:n]
+            update = protocol.push(w, grad, version, lr(samples))
+            samples += n_samples
+            result.num_pushes += 1
+            go_on = True
+            if coordinator:
+                losses = payload[n:].tolist()
+                go_on = on_push(PushEvent(w, leaders[w], version, update, n_samples, losses))
+            if not go_on:
+                # this push and those held by the barrier were applied: LAST tells their
+                # learners to hand them to the other shards before leaving
+                stopping = result.stopped = True
+                send_stop(w, LAST)
+                for v in waiting:
+                    send_stop(v, LAST)
+                waiting.clear()
+                continue
+            if protocol.can_pull(w):
+                send_weights(w)
+            else:
+                waiting.append(w)
+            if update is not None and waiting:
+                released = [v for v in sorted(waiting) if protocol.can_pull(v)]
+                waiting[:] = [v for v in waiting if v not in released]
+                for v in released:
+                    send_weights(v)
+        if not result.stopped and len(result.lost_ranks) == layout.num_workers:
+            raise LearnerLost(list(result.lost_ranks), "every learner was lost")
+        return result
+    finally:
+        for t in receivers:
+            t.close()
+        for t in receivers:
+            t.join(timeout=0.1)
+
+
+# ---- learner ----------------------------------------------------------------------------
+
+
+class _Group:
+    """Collectives inside one compute group (leader = ``ranks[0]``), each bounded by the
+    timeout; a failure is the loss of the group (Omnivore: synchronous inside a group)."""
+
+    def __init__(self, ranks: list[int], group: dist.ProcessGroup | None, timeout_s: float):
+        self.ranks, self.group, self.timeout_s = ranks, group, timeout_s
+        self.size = len(ranks)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(_td(self.timeout_s))
+        except RuntimeError as e:
+            raise LearnerLost(
+                self.ranks, f"compute group {self.ranks} failed in {what} ({e})"
+            ) from e
+
+    def broadcast(self, tensor: Tensor, what: str) -> None:
+        if self.size > 1:
+            work = dist.broadcast(tensor, src=self.ranks[0], group=self.group, async_op=True)
+            self._wait(work, what)
+
+    def mean_gradient(self, grad: Tensor, losses: list[float]) -> tuple[Tensor, list[float]]:
+        """Mean of the members' gradients ``[P]`` and all members' losses, in group order."""
+        if self.size == 1:
+            return grad, list(losses)
+        m, p = len(losses), grad.numel()
+        buf = torch.zeros(p + self.size * m, dtype=torch.float32)
+        buf[:p] = grad
+        i = self.ranks.index(dist.get_rank())
+        buf[p + i * m : p + (i + 1) * m] = torch.tensor(losses, dtype=torch.float32)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._wait(work, "all-reduce")
+        return buf[:p].div_(self.size), buf[p:].tolist()
+
+
+class _Leader:
+    """The leader's side of the server conversation, over every shard in order."""
+
+    def __init__(self, servers: list[int], worker: int, timeout_s: float):
+        self.servers, self.worker, self.timeout_s = servers, worker, timeout_s
+        self.versions = [0] * len(servers)
+        self.parts: list[Tensor] = [torch.empty(0)] * len(servers)
+
+    def _lost(self, k: int, e: Exception) -> ServerLost:
+        r = self.servers[k]
+        return ServerLost(r, f"parameter server rank {r} lost ({e})")
+
+    def send(self, k: int, *tensors: Tensor) -> None:
+        try:
+            for t in tensors:
+                _send(t, self.servers[k], self.timeout_s)
+        except RuntimeError as e:
+            raise self._lost(k, e) from e
+
+    def receive(self, k: int) -> int:
+        """Receive shard k's reply; returns its kind (WEIGHTS: stored in ``parts[k]``)."""
+        try:
+            header = _recv(
+                torch.empty(HEADER_LEN, dtype=torch.int64), self.servers[k], self.timeout_s
+            )
+            kind = int(header[_KIND])
+            if kind == WEIGHTS:
+                self.versions[k] = int(header[_VERSION])
+                self.parts[k] = _recv(
+                    torch.empty(int(header[_LENGTH]), dtype=torch.float32),
+                    self.servers[k],
+                    self.timeout_s,
+                )
+        except RuntimeError as e:
+            raise self._lost(k, e) from e
+        return kind
+
+    def bye(self, done: set[int]) -> None:
+        """Tell every shard not in ``done`` (those that sent STOP or LAST) that we leave."""
+        for k in range(len(self.servers)):
+            if k not in done:
+                self.send(k, _header(BYE, worker=self.worker))
+
+    def first_pull(self) -> int:
+        for k in range(len(self.servers)):
+            if self.receive(k) != WEIGHTS:
+                self.bye({k})
+                return STOP
+        return WEIGHTS
+
+    def push_pull(self, grad: Tensor, samples: int, losses: list[float]) -> int:
+        """Push the gradient slice by slice (coordinator first) and pull each reply.
+
+        A STOP from shard k means the push was refused there (and so must reach no later
+        shard); LAST means it was applied and is the last one: it still goes to the later
+        shards. Returns WEIGHTS, or STOP once every shard knows we leave.
+        """
+        lo, done = 0, set()
+        for k in range(len(self.servers)):
+            n = self.parts[k].numel()
+            extra = losses if k == 0 else []
+            payload = torch.cat([grad[lo : lo + n], torch.tensor(extra, dtype=torch.float32)])
+            header = _header(
+                PUSH, self.versions[k], samples, len(extra), self.worker, n + len(extra)
+            )
+            self.send(k, header, payload)
+            lo += n
+            kind = self.receive(k)
+            if kind in (STOP, LAST):
+                done.add(k)
+            if kind == STOP:
+                break
+        if done:
+            self.bye(done)
+            return STOP
+        return WEIGHTS
+
+
+def run_learner(
+    layout: PSLayout,
+    rank: int,
+    *,
+    compute: Callable[[Tensor, int], tuple[Tensor, list[float]]],
+    group: dist.ProcessGroup | None,
+    num_samples: int,
+    timeout_s: float,
+) -> LearnerResult:
+    """Pull → compute → push until the server says stop (Rudra §3; Omnivore groups).
+
+    Args:
+        layout: server and learner ranks; ``rank`` must be a learner rank in it.
+        rank: this process's global rank.
+        compute: ``(weights [P], version) -> (gradient [P] float32, losses)``; called once
+            per round on every member of the group with the same weights (a fresh tensor
+            each round); the losses list must have the same length on every call and
+            member. ``version`` is the coordinator shard's version.
+        group: the compute group's process subgroup (all of ``worker_groups[w]``), or None
+            for a group of one.
+        num_samples: samples behind one ``compute`` call (the batch size).
+        timeout_s: seconds to wait for a reply or a group collective, > 0.
+
+    Returns:
+        :class:`LearnerResult`.
+
+    Raises:
+        ValueError: ``rank`` is not a learner rank of ``layout``; a group of several ranks
+            without ``group``; ``timeout_s <= 0``.
+        ServerLost: a server rank died or was silent for ``timeout_s`` (leader and members).
+        LearnerLost: a collective inside the compute group failed (a member died).
+    """
+    w = layout.worker_of(rank)
+    ranks = layout.worker_groups[w]
+    if len(ranks) > 1 and group is None:
+        raise ValueError(f"worker {w} has ranks {ranks}: expected its process group, got None")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s = {timeout_s!r} is not allowed: expected > 0")
+    grp = _Group(ranks, group, timeout_s)
+    is_leader = rank == ranks[0]
+    leader = _Leader(layout.server_ranks, w, timeout_s) if is_leader else None
+    result = LearnerResult()
+    info = torch.zeros(3, dtype=torch.int64)  # [kind, version or server rank, P] in the group
+
+    def tell_group(kind: int, value: int, p: int) -> None:
+        info[0], info[1], info[2] = kind, value, p
+        grp.broadcast(info, "broadcast")
+
+    def leader_step(action: Callable[[], int]) -> int:
+        assert leader is not None
+        try:
+            return action()
+        except ServerLost as e:
+            if grp.size > 1:
+                try:
+                    tell_group(SERVER_GONE, e.rank, 0)
+                except LearnerLost:
+                    pass
+            raise
+
+    assert leader is None or is_leader
+    kind = leader_step(leader.first_pull) if leader is not None else WEIGHTS
+    while True:
+        if leader is not None:
+            weights = torch.cat(leader.parts) if kind == WEIGHTS else torch.empty(0)
+            tell_group(kind, leader.versions[0], weights.numel())
+            version = leader.versions[0]
+        else:
+            grp.broadcast(info, "broadcast")
+            kind, version = int(info[0]), int(info[1])
+            if kind == SERVER_GONE:
+                raise ServerLost(version, f"parameter server rank {version} lost (from leader)")
+            weights = torch.empty(int(info[2]), dtype=torch.float32)
+        if kind != WEIGHTS:
+            return result
+        grp.broadcast(weights, "weights broadcast")
+        result.version = version
+        grad, losses = compute(weights, version)
+        result.num_computes += 1
+        grad, losses = grp.mean_gradient(grad.detach().reshape(-1).float(), losses)
+        if leader is not None:
+            samples = grp.size * num_samples
+            kind = leader_step(lambda: leader.push_pull(grad, samples, losses))  # noqa: B023
+
+
+def gather_weights(layout: PSLayout, protocol: AsynchronousProtocol) -> Tensor:
+    raise NotImplementedError
