@@ -28,7 +28,6 @@ from distsgd.runtime.dist_ps import (
     PSLayout,
     PushEvent,
     ServerLost,
-    gather_weights,
     run_learner,
     run_server,
     shard_bounds,
@@ -118,7 +117,7 @@ def _child(rank: int, world: int, port: int, spec: dict, out: str) -> None:
                     )
                 )
                 if spec.get("gather_at") == len(events):
-                    full.append(gather_weights(layout, proto))
+                    full.append(ev.central_weights())
                 if spec.get("kill_server_at") == len(events):
                     Path(out + ".killed").write_text(repr(time.monotonic()))
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -149,6 +148,7 @@ def _child(rank: int, world: int, port: int, spec: dict, out: str) -> None:
                 staleness_mean=proto.staleness_mean,
                 staleness_counts=proto.staleness_counts,
                 gathered=full,
+                central=res.weights,
                 lost_at=lost_at,
             )
         else:
@@ -293,7 +293,9 @@ def test_one_learner_async_is_sgd(tmp_path):
         w.grad = _grad(w.detach(), 1, spec)
         opt.step()
     assert torch.equal(rec[0]["weights"], w.detach())
-    assert rec[1]["num_computes"] == 20
+    # the server replies before on_push decides to stop: the learner computes once more,
+    # and that 21st push is refused
+    assert rec[1]["num_computes"] == 21
     assert all(u[2] == [0] for *_, u in rec[0]["events"])  # no staleness with one learner
 
 
@@ -333,8 +335,9 @@ def test_compute_group(tmp_path):
     assert torch.equal(server["weights"], _replay(spec, server["events"]))
     for ev in server["events"]:
         assert ev[3] == 16 and len(ev[4]) == 2  # 2 members × 8 samples, both losses
-    assert rec[1]["calls"] == rec[2]["calls"] == list(range(12))  # same weights each round
-    assert rec[1]["num_computes"] == rec[2]["num_computes"] == 12
+    # same weights each round; the 13th gradient is refused at the stop
+    assert rec[1]["calls"] == rec[2]["calls"] == list(range(13))
+    assert rec[1]["num_computes"] == rec[2]["num_computes"] == 13
 
 
 def test_sharded_one_learner_is_sgd(tmp_path):
@@ -352,6 +355,7 @@ def test_sharded_one_learner_is_sgd(tmp_path):
             mid = w.detach().clone()
     full = torch.cat([rec[0]["weights"], rec[1]["weights"]])
     assert torch.equal(full, w.detach())
+    assert torch.equal(rec[0]["central"], full) and rec[1]["central"] is None
     assert rec[0]["version"] == rec[1]["version"] == 12
     assert torch.equal(rec[0]["gathered"][0], mid)
 

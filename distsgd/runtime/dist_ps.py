@@ -112,13 +112,13 @@ __all__ = [
     "shard_bounds",
     "run_server",
     "run_learner",
-    "gather_weights",
 ]
 
 TAG = 7301
 HEADER_LEN = 6
 PUSH, WEIGHTS, STOP, BYE, LAST, GATHER, SERVER_GONE = 1, 2, 3, 4, 5, 6, 7
 _KIND, _VERSION, _SAMPLES, _LOSSES, _WORKER, _LENGTH = range(HEADER_LEN)
+_COORDINATOR = -1  # inbox key of the coordinator's messages on the other shards
 _FOREVER_S = 7 * 24 * 3600.0  # server-side receives: silence is timed by the server loop
 
 
@@ -232,6 +232,9 @@ class PushEvent:
         update: the update this push completed (vector clock, staleness), or None.
         samples: samples behind the gradient (group size × batch).
         losses: the members' training losses, in group order.
+        central_weights: returns the full central weights ``[P]`` (a copy; with S > 1 it
+            gathers every shard's slice, one round trip): for evaluation and checkpoints
+            from inside ``on_push``.
     """
 
     worker: int
@@ -240,6 +243,7 @@ class PushEvent:
     update: Update | None
     samples: int
     losses: list[float]
+    central_weights: Callable[[], Tensor]
 
 
 @dataclass
@@ -249,13 +253,15 @@ class ServerResult:
     Attributes:
         lost_ranks: leader ranks declared lost, in order of detection.
         num_pushes: pushes this shard applied.
-        stopped: the run ended by the coordinator's stop (False: every worker was lost or
-            said BYE without a stop seen here).
+        stopped: the run ended by the coordinator's stop (on the coordinator).
+        weights: coordinator: the final central weights ``[P]`` (all shards); None on the
+            other shards.
     """
 
     lost_ranks: list[int] = field(default_factory=list)
     num_pushes: int = 0
     stopped: bool = False
+    weights: Tensor | None = None
 
 
 @dataclass
@@ -303,9 +309,9 @@ class _Receiver(threading.Thread):
     the message to the server's queue; the server enforces the silence timeout itself.
     """
 
-    def __init__(self, worker: int, rank: int, out: queue.Queue):
+    def __init__(self, worker: int, rank: int, out: queue.Queue, wake: queue.Queue | None = None):
         super().__init__(name=f"ps-recv-{rank}", daemon=True)
-        self.worker, self.rank, self.out = worker, rank, out
+        self.worker, self.rank, self.out, self.wake = worker, rank, out, wake
         self.armed = threading.Event()
         self.closing = False
 
@@ -330,6 +336,8 @@ class _Receiver(threading.Thread):
                     _recv(payload, self.rank, _FOREVER_S)
             except RuntimeError as e:
                 self.out.put((self.worker, None, None, e))
+                if self.wake is not None:
+                    self.wake.put(None)
                 return
             self.out.put((self.worker, header, payload, None))
 
@@ -384,9 +392,20 @@ def run_server(
     leaders = layout.leaders
     inbox: queue.Queue = queue.Queue()
     receivers = [_Receiver(w, r, inbox) for w, r in enumerate(leaders)]
-    for t in receivers:
+    # shard channel: the coordinator hears every other shard, the others hear the coordinator
+    servers = layout.server_ranks
+    shard_inbox: queue.Queue = queue.Queue()
+    if coordinator:
+        peers = {k: _Receiver(k, servers[k], shard_inbox, inbox) for k in range(1, len(servers))}
+    else:
+        peers = {0: _Receiver(_COORDINATOR, servers[0], inbox)}
+    for t in receivers + list(peers.values()):
         t.start()
+    for t in peers.values():
+        t.arm()
     result = ServerResult()
+    final_requested = False
+    gather_target: int | None = None  # other shards: a GATHER waiting for pushes
     live = set(range(layout.num_workers))  # not lost, not done
     waiting: list[int] = []  # held by the barrier, owed a reply
     stopping = False
@@ -417,6 +436,8 @@ def run_server(
             waiting.remove(w)
         result.lost_ranks.append(leaders[w])
         log(f"parameter server rank {rank}: learner rank {leaders[w]} lost ({error})")
+        if gather_target is not None:  # the pushes awaited may never come
+            answer_coordinator(_header(GATHER, gather_target), None)
         if barrier and not stopping:
             raise LearnerLost(
                 [leaders[w]],
@@ -424,21 +445,84 @@ def run_server(
                 f"complete without it ({error})",
             )
 
+    def check_shards() -> None:
+        while not shard_inbox.empty():
+            k, _, _, error = shard_inbox.get_nowait()
+            raise ServerLost(servers[k], f"parameter server shard rank {servers[k]} lost ({error})")
+
+    def central(final: bool = False) -> Tensor:
+        """Coordinator: the full weights [P], every shard's slice (shards answer GATHER
+        between two messages; STOP asks for the final slice once their learners are done)."""
+        if len(servers) == 1:
+            return protocol.eval_weights()
+        for k in peers:
+            try:
+                header = _header(STOP if final else GATHER, result.num_pushes)
+                _send(header, servers[k], _FOREVER_S)
+            except RuntimeError as e:
+                msg = f"parameter server shard rank {servers[k]} lost ({e})"
+                raise ServerLost(servers[k], msg) from e
+        parts = {0: protocol.eval_weights()}
+        while len(parts) < len(servers):
+            try:
+                k, header, payload, error = shard_inbox.get(timeout=2 * timeout_s + 5.0)
+            except queue.Empty:
+                raise ServerLost(-1, "a parameter server shard did not send its slice") from None
+            if error is not None:
+                raise ServerLost(
+                    servers[k], f"parameter server shard rank {servers[k]} lost ({error})"
+                )
+            assert int(header[_KIND]) == WEIGHTS
+            parts[k] = payload
+            if not final:
+                peers[k].arm()
+        return torch.cat([parts[k] for k in range(len(servers))])
+
+    def answer_coordinator(header: Tensor, error: Exception | None, final: bool = False) -> None:
+        nonlocal final_requested
+        if error is not None:
+            raise ServerLost(
+                servers[0], f"coordinator parameter server rank {servers[0]} lost ({error})"
+            )
+        nonlocal gather_target
+        if int(header[_KIND]) == STOP:
+            final_requested = True
+            return
+        # GATHER: answer once this shard has applied as many pushes as the coordinator had
+        # (learners push here after the coordinator's reply), or at once if one was lost
+        target = int(header[_VERSION])
+        if result.num_pushes < target and not final and not result.lost_ranks:
+            gather_target = target
+            return
+        gather_target = None
+        _send(_header(WEIGHTS, protocol.version, length=n), servers[0], _FOREVER_S)
+        _send(protocol.eval_weights(), servers[0], _FOREVER_S)
+        if not final:
+            peers[0].arm()
+
     try:
         for w in range(layout.num_workers):
             try:
                 send_weights(w)
             except RuntimeError as e:
                 lose(w, e)
-        while live:
+        while live or not (coordinator or final_requested):
+            if coordinator:
+                check_shards()
             now = time.monotonic()
             for v in [v for v in live if deadline.get(v, math.inf) <= now]:
                 lose(v, f"silent for {timeout_s:g} s")
-            if not live:
+            if not live and (coordinator or final_requested):
                 break
             try:
-                w, header, payload, error = inbox.get(timeout=_next_timeout(deadline, live, now))
+                item = inbox.get(timeout=_next_timeout(deadline, live, now))
             except queue.Empty:
+                continue
+            if item is None:  # a shard's receiver failed: check_shards raises
+                continue
+            w, header, payload, error = item
+            if w == _COORDINATOR:
+                answer_coordinator(header, error)
                 continue
             if w not in live:  # declared lost for silence, then spoke: send it away
                 if error is None and int(header[_KIND]) == PUSH:
@@ -467,19 +551,8 @@ def run_server(
             update = protocol.push(w, grad, version, lr(samples))
             samples += n_samples
             result.num_pushes += 1
-            go_on = True
-            if coordinator:
-                losses = payload[n:].tolist()
-                go_on = on_push(PushEvent(w, leaders[w], version, update, n_samples, losses))
-            if not go_on:
-                # this push and those held by the barrier were applied: LAST tells their
-                # learners to hand them to the other shards before leaving
-                stopping = result.stopped = True
-                send_stop(w, LAST)
-                for v in waiting:
-                    send_stop(v, LAST)
-                waiting.clear()
-                continue
+            # reply first (as sim._advance_async), so that the learner carries this push
+            # on to the other shards while on_push runs
             if protocol.can_pull(w):
                 send_weights(w)
             else:
@@ -489,14 +562,29 @@ def run_server(
                 waiting[:] = [v for v in waiting if v not in released]
                 for v in released:
                     send_weights(v)
+            if coordinator:
+                losses = payload[n:].tolist()
+                event = PushEvent(w, leaders[w], version, update, n_samples, losses, central)
+                if not on_push(event):
+                    # pushes held by the barrier were applied: LAST tells their learners
+                    # to carry them on to the other shards before leaving; every other
+                    # learner gets STOP on its next push, which is not applied
+                    stopping = result.stopped = True
+                    for v in waiting:
+                        send_stop(v, LAST)
+                    waiting.clear()
+            elif gather_target is not None and result.num_pushes >= gather_target:
+                answer_coordinator(_header(GATHER, gather_target), None)
         if not result.stopped and len(result.lost_ranks) == layout.num_workers:
             raise LearnerLost(list(result.lost_ranks), "every learner was lost")
+        if coordinator:
+            result.weights = central(final=True)
+        else:  # the coordinator asked for the final slice and every learner is done
+            answer_coordinator(_header(GATHER), None, final=True)
         return result
     finally:
-        for t in receivers:
+        for t in receivers + list(peers.values()):
             t.close()
-        for t in receivers:
-            t.join(timeout=0.1)
 
 
 # ---- learner ----------------------------------------------------------------------------
@@ -698,7 +786,3 @@ def run_learner(
         if leader is not None:
             samples = grp.size * num_samples
             kind = leader_step(lambda: leader.push_pull(grad, samples, losses))  # noqa: B023
-
-
-def gather_weights(layout: PSLayout, protocol: AsynchronousProtocol) -> Tensor:
-    raise NotImplementedError
