@@ -201,8 +201,9 @@ def _child(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         record["crash"] = traceback.format_exc()
     record["seconds"] = time.monotonic() - t0
     torch.save(record, out)
-    # leave at once: a peer may be dead, and tearing gloo down politely could block on it
-    os._exit(0)
+    # the ordinary way out, also after a fault: it must neither block nor abort
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -231,6 +232,7 @@ def _spawn(spec: dict, tmp_path: Path) -> dict[int, dict]:
             p.join(max(0.1, deadline - time.monotonic()))
         alive = [r for r, p in enumerate(procs) if p.is_alive()]
         assert not alive, f"ranks {alive} still running after {JOIN_S} s"
+        codes = {r: p.exitcode for r, p in enumerate(procs)}
     finally:
         for p in procs:
             if p.is_alive():
@@ -245,6 +247,9 @@ def _spawn(spec: dict, tmp_path: Path) -> dict[int, dict]:
         killed = tmp_path / f"{r}.pt.killed"
         if killed.exists():
             records[r] = {"killed_at": float(killed.read_text())}
+            assert codes[r] == -signal.SIGKILL
+        else:
+            assert codes[r] == 0, f"rank {r} exited with {codes[r]}"
     return records
 
 

@@ -88,10 +88,8 @@ is called from inside ``on_push``; :class:`PushEvent` also carries the leader's 
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -119,7 +117,7 @@ HEADER_LEN = 6
 PUSH, WEIGHTS, STOP, BYE, LAST, GATHER, SERVER_GONE = 1, 2, 3, 4, 5, 6, 7
 _KIND, _VERSION, _SAMPLES, _LOSSES, _WORKER, _LENGTH = range(HEADER_LEN)
 _COORDINATOR = -1  # inbox key of the coordinator's messages on the other shards
-_FOREVER_S = 7 * 24 * 3600.0  # server-side receives: silence is timed by the server loop
+_FOREVER_S = 7 * 24 * 3600.0  # between server shards: their loss shows as a closed pair
 
 
 class LearnerLost(RuntimeError):
@@ -287,13 +285,36 @@ def _header(
     return torch.tensor([kind, version, samples, losses, worker, length], dtype=torch.int64)
 
 
-def _send(tensor: Tensor, dst: int, timeout_s: float) -> None:
-    dist.isend(tensor, dst=dst, tag=TAG).wait(_td(timeout_s))
+def _send(tensor: Tensor, dst: int, group: dist.ProcessGroup, timeout_s: float) -> None:
+    dist.isend(tensor, dst=dst, group=group, tag=TAG).wait(_td(timeout_s))
 
 
-def _recv(tensor: Tensor, src: int, timeout_s: float) -> Tensor:
-    dist.irecv(tensor, src=src, tag=TAG).wait(_td(timeout_s))
+def _recv(tensor: Tensor, src: int, group: dist.ProcessGroup, timeout_s: float) -> Tensor:
+    dist.irecv(tensor, src=src, group=group, tag=TAG).wait(_td(timeout_s))
     return tensor
+
+
+def _pair_groups(layout: PSLayout, rank: int, timeout_s: float) -> dict[int, dist.ProcessGroup]:
+    """This rank's own gloo process group with each peer it talks to: every (server,
+    leader) pair and every (coordinator, shard) pair.
+
+    A timed-out gloo receive closes every pair of its process group (gloo's
+    ``signalException``: "Application timeout caused pair closure", measured with torch
+    2.13), and a pending gloo receive can be neither polled nor aborted. With one process
+    group per pair, the silence timeout of one learner closes that learner's channel
+    only. ``new_group`` is collective over the default group (gloo's rendezvous keys
+    count the groups a process created, so ``use_local_synchronization`` deadlocks here):
+    every rank creates every pair group, in the same order.
+    """
+    servers = layout.server_ranks
+    pairs = [(s, r) for s in servers for r in layout.leaders]
+    pairs += [(servers[0], s) for s in servers[1:]]
+    groups = {}
+    for a, b in pairs:
+        group = dist.new_group([a, b])  # setup waits as long as the default group allows
+        if rank in (a, b):
+            groups[b if rank == a else a] = group
+    return groups
 
 
 # ---- server -----------------------------------------------------------------------------
@@ -309,9 +330,18 @@ class _Receiver(threading.Thread):
     the message to the server's queue; the server enforces the silence timeout itself.
     """
 
-    def __init__(self, worker: int, rank: int, out: queue.Queue, wake: queue.Queue | None = None):
+    def __init__(
+        self,
+        worker: int,
+        rank: int,
+        group: dist.ProcessGroup,
+        timeout_s: float,
+        out: queue.Queue,
+        wake: queue.Queue | None = None,
+    ):
         super().__init__(name=f"ps-recv-{rank}", daemon=True)
-        self.worker, self.rank, self.out, self.wake = worker, rank, out, wake
+        self.worker, self.rank, self.group, self.timeout_s = worker, rank, group, timeout_s
+        self.out, self.wake = out, wake
         self.armed = threading.Event()
         self.closing = False
 
@@ -329,23 +359,18 @@ class _Receiver(threading.Thread):
             if self.closing:
                 return
             try:
-                header = _recv(torch.empty(HEADER_LEN, dtype=torch.int64), self.rank, _FOREVER_S)
+                header = torch.empty(HEADER_LEN, dtype=torch.int64)
+                _recv(header, self.rank, self.group, self.timeout_s)
                 payload = None
                 if int(header[_LENGTH]) > 0:
                     payload = torch.empty(int(header[_LENGTH]), dtype=torch.float32)
-                    _recv(payload, self.rank, _FOREVER_S)
+                    _recv(payload, self.rank, self.group, self.timeout_s)
             except RuntimeError as e:
                 self.out.put((self.worker, None, None, e))
                 if self.wake is not None:
                     self.wake.put(None)
                 return
             self.out.put((self.worker, header, payload, None))
-
-
-def _next_timeout(deadline: dict[int, float], live: set[int], now: float) -> float | None:
-    """Seconds until the earliest silence deadline of a live worker (None: none armed)."""
-    pending = [deadline[v] for v in live if v in deadline]
-    return max(0.0, min(pending) - now) + 1e-3 if pending else None
 
 
 def run_server(
@@ -391,14 +416,18 @@ def run_server(
     n = protocol.eval_weights().numel()
     leaders = layout.leaders
     inbox: queue.Queue = queue.Queue()
-    receivers = [_Receiver(w, r, inbox) for w, r in enumerate(leaders)]
+    links = _pair_groups(layout, rank, timeout_s)
+    receivers = [_Receiver(w, r, links[r], timeout_s, inbox) for w, r in enumerate(leaders)]
     # shard channel: the coordinator hears every other shard, the others hear the coordinator
     servers = layout.server_ranks
     shard_inbox: queue.Queue = queue.Queue()
     if coordinator:
-        peers = {k: _Receiver(k, servers[k], shard_inbox, inbox) for k in range(1, len(servers))}
+        peers = {
+            k: _Receiver(k, servers[k], links[servers[k]], _FOREVER_S, shard_inbox, inbox)
+            for k in range(1, len(servers))
+        }
     else:
-        peers = {0: _Receiver(_COORDINATOR, servers[0], inbox)}
+        peers = {0: _Receiver(_COORDINATOR, servers[0], links[servers[0]], _FOREVER_S, inbox)}
     for t in receivers + list(peers.values()):
         t.start()
     for t in peers.values():
@@ -411,19 +440,18 @@ def run_server(
     stopping = False
     samples = 0
 
-    deadline: dict[int, float] = {}  # armed workers: when their silence becomes a loss
-
     def send_weights(w: int) -> None:
         weights, version = protocol.pull(w)
-        _send(_header(WEIGHTS, version, worker=w, length=n), leaders[w], _FOREVER_S)
-        _send(weights.contiguous(), leaders[w], _FOREVER_S)
-        deadline[w] = time.monotonic() + timeout_s
+        link = links[leaders[w]]
+        _send(_header(WEIGHTS, version, worker=w, length=n), leaders[w], link, timeout_s)
+        _send(weights.contiguous(), leaders[w], link, timeout_s)
         receivers[w].arm()
 
     def send_stop(w: int, kind: int = STOP) -> None:
         live.discard(w)
         try:
-            _send(_header(kind, protocol.version, worker=w), leaders[w], _FOREVER_S)
+            header = _header(kind, protocol.version, worker=w)
+            _send(header, leaders[w], links[leaders[w]], timeout_s)
         except RuntimeError as e:  # it died meanwhile; it is done either way
             if leaders[w] not in result.lost_ranks:
                 log(f"parameter server rank {rank}: learner rank {leaders[w]} lost ({e})")
@@ -431,7 +459,6 @@ def run_server(
 
     def lose(w: int, error: Exception | str) -> None:
         live.discard(w)
-        deadline.pop(w, None)
         if w in waiting:
             waiting.remove(w)
         result.lost_ranks.append(leaders[w])
@@ -458,7 +485,7 @@ def run_server(
         for k in peers:
             try:
                 header = _header(STOP if final else GATHER, result.num_pushes)
-                _send(header, servers[k], _FOREVER_S)
+                _send(header, servers[k], links[servers[k]], timeout_s)
             except RuntimeError as e:
                 msg = f"parameter server shard rank {servers[k]} lost ({e})"
                 raise ServerLost(servers[k], msg) from e
@@ -495,8 +522,9 @@ def run_server(
             gather_target = target
             return
         gather_target = None
-        _send(_header(WEIGHTS, protocol.version, length=n), servers[0], _FOREVER_S)
-        _send(protocol.eval_weights(), servers[0], _FOREVER_S)
+        link = links[servers[0]]
+        _send(_header(WEIGHTS, protocol.version, length=n), servers[0], link, timeout_s)
+        _send(protocol.eval_weights(), servers[0], link, timeout_s)
         if not final:
             peers[0].arm()
 
@@ -509,28 +537,18 @@ def run_server(
         while live or not (coordinator or final_requested):
             if coordinator:
                 check_shards()
-            now = time.monotonic()
-            for v in [v for v in live if deadline.get(v, math.inf) <= now]:
-                lose(v, f"silent for {timeout_s:g} s")
             if not live and (coordinator or final_requested):
                 break
-            try:
-                item = inbox.get(timeout=_next_timeout(deadline, live, now))
-            except queue.Empty:
-                continue
+            item = inbox.get()
             if item is None:  # a shard's receiver failed: check_shards raises
                 continue
             w, header, payload, error = item
             if w == _COORDINATOR:
                 answer_coordinator(header, error)
                 continue
-            if w not in live:  # declared lost for silence, then spoke: send it away
-                if error is None and int(header[_KIND]) == PUSH:
-                    send_stop(w)
-                continue
-            deadline.pop(w, None)
             if error is not None:
-                lose(w, error)
+                timed_out = "Timed out" in str(error)
+                lose(w, f"silent for {timeout_s:g} s" if timed_out else error)
                 continue
             kind = int(header[_KIND])
             if kind == BYE:
@@ -585,6 +603,8 @@ def run_server(
     finally:
         for t in receivers + list(peers.values()):
             t.close()
+        for t in receivers:  # each ends within timeout_s (message, error or timeout)
+            t.join(timeout_s + 1.0)
 
 
 # ---- learner ----------------------------------------------------------------------------
@@ -628,10 +648,13 @@ class _Group:
 class _Leader:
     """The leader's side of the server conversation, over every shard in order."""
 
-    def __init__(self, servers: list[int], worker: int, timeout_s: float):
-        self.servers, self.worker, self.timeout_s = servers, worker, timeout_s
-        self.versions = [0] * len(servers)
-        self.parts: list[Tensor] = [torch.empty(0)] * len(servers)
+    def __init__(
+        self, layout: PSLayout, links: dict[int, dist.ProcessGroup], worker: int, timeout_s: float
+    ):
+        self.servers, self.worker, self.timeout_s = layout.server_ranks, worker, timeout_s
+        self.links = [links[s] for s in self.servers]
+        self.versions = [0] * len(self.servers)
+        self.parts: list[Tensor] = [torch.empty(0)] * len(self.servers)
 
     def _lost(self, k: int, e: Exception) -> ServerLost:
         r = self.servers[k]
@@ -640,22 +663,22 @@ class _Leader:
     def send(self, k: int, *tensors: Tensor) -> None:
         try:
             for t in tensors:
-                _send(t, self.servers[k], self.timeout_s)
+                _send(t, self.servers[k], self.links[k], self.timeout_s)
         except RuntimeError as e:
             raise self._lost(k, e) from e
 
     def receive(self, k: int) -> int:
         """Receive shard k's reply; returns its kind (WEIGHTS: stored in ``parts[k]``)."""
         try:
-            header = _recv(
-                torch.empty(HEADER_LEN, dtype=torch.int64), self.servers[k], self.timeout_s
-            )
+            server, link = self.servers[k], self.links[k]
+            header = _recv(torch.empty(HEADER_LEN, dtype=torch.int64), server, link, self.timeout_s)
             kind = int(header[_KIND])
             if kind == WEIGHTS:
                 self.versions[k] = int(header[_VERSION])
                 self.parts[k] = _recv(
                     torch.empty(int(header[_LENGTH]), dtype=torch.float32),
-                    self.servers[k],
+                    server,
+                    link,
                     self.timeout_s,
                 )
         except RuntimeError as e:
@@ -741,9 +764,10 @@ def run_learner(
         raise ValueError(f"worker {w} has ranks {ranks}: expected its process group, got None")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s = {timeout_s!r} is not allowed: expected > 0")
+    links = _pair_groups(layout, rank, timeout_s)  # collective: every rank, first
     grp = _Group(ranks, group, timeout_s)
     is_leader = rank == ranks[0]
-    leader = _Leader(layout.server_ranks, w, timeout_s) if is_leader else None
+    leader = _Leader(layout, links, w, timeout_s) if is_leader else None
     result = LearnerResult()
     info = torch.zeros(3, dtype=torch.int64)  # [kind, version or server rank, P] in the group
 
