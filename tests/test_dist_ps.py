@@ -130,11 +130,19 @@ def _child(rank: int, world: int, port: int, spec: dict, out: str) -> None:
                 lost_at.append(time.monotonic())
 
             lost_at: list[float] = []
+            base_lr = _lr_of(spec)
+
+            def lr(samples: int) -> float:  # called by every shard before each push
+                if spec.get("kill_shard") == rank and samples >= spec["kill_shard_at"]:
+                    Path(out + ".killed").write_text(repr(time.monotonic()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return base_lr(samples)
+
             res = run_server(
                 proto,
                 layout,
                 on_push=on_push,
-                lr=_lr_of(spec),
+                lr=lr,
                 timeout_s=spec["timeout_s"],
                 log=log,
             )
@@ -321,14 +329,16 @@ def test_three_learners_equal_replay(tmp_path, softsync):
     assert {ev[0] for ev in server["events"]} == {0, 1, 2}
     for ev in server["events"]:
         assert len(ev[4]) == 1 and ev[3] == 8
-    # staleness is recorded by the protocol from real arrivals: under async with 3
-    # learners a gradient is 0..2 updates stale in steady state (each learner pushes once
-    # per round); under 1-softsync an update gathers 3 gradients mostly of the same version
+    # staleness is recorded by the protocol from real arrivals. Rudra (ICDM 2016 §3):
+    # n-softsync gives a mean σ of about n; with 3 learners in turn, async (n = 3) is
+    # about n - 1 = 2 updates stale (seen: 1.87–1.90), 1-softsync mostly 0 or 1 (seen:
+    # 0.57–0.60). The bounds are wide because the machine's load shifts the interleaving.
     mean = server["staleness_mean"]
+    print(f"n = {softsync}: staleness histogram {server['staleness_counts']}, mean {mean:.2f}")
     if softsync == 3:
-        assert 0.5 <= mean <= 3.0, server["staleness_counts"]
+        assert 0.25 <= mean <= 3.0, server["staleness_counts"]
     else:
-        assert 0.0 <= mean <= 1.0, server["staleness_counts"]
+        assert mean <= 1.5, server["staleness_counts"]
     assert server["version"] == (30 if softsync == 3 else 10)
 
 
@@ -461,3 +471,40 @@ def test_server_killed(tmp_path):
         print(f"rank {r}: ServerLost {delay:.3f} s after the server was killed")
         # the requirement is detection within timeout_s; a dead peer is seen at once
         assert delay < spec["timeout_s"]
+
+
+def test_group_member_killed_under_async(tmp_path):
+    """A member dies: its group fails as a whole (LearnerLost), the server goes on."""
+    spec = _spec(
+        groups=[[1, 2], [3]],
+        num_learners=2,
+        softsync=2,
+        pushes=10,
+        stop_when_lost=1,
+        kill_learner=2,
+        kill_after=3,
+        timeout_s=10.0,
+    )
+    rec = _spawn(spec, tmp_path)
+    assert rec[0]["lost_ranks"] == [1]  # the leader, which talks to the server
+    assert rec[1]["error"] == "LearnerLost" and rec[1]["error_ranks"] == [1, 2]
+    assert rec[3].get("error") is None and rec[3]["num_computes"] >= 1
+    assert torch.equal(rec[0]["weights"], _replay(spec, rec[0]["events"]))
+
+
+def test_server_shard_killed(tmp_path):
+    """Shard 1 dies: the learners raise ServerLost naming it, so does the coordinator."""
+    spec = _spec(
+        servers=[0, 1],
+        groups=[[2], [3]],
+        num_learners=2,
+        softsync=2,
+        pushes=1000,
+        kill_shard=1,
+        kill_shard_at=40,
+        timeout_s=10.0,
+    )
+    rec = _spawn(spec, tmp_path)
+    assert "killed_at" in rec[1]
+    for r in (0, 2, 3):
+        assert rec[r]["error"] == "ServerLost" and rec[r]["error_rank"] == 1, rec[r]
