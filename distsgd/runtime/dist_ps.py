@@ -470,8 +470,12 @@ def run_server(
     def send_weights(w: int) -> None:
         weights, version = protocol.pull(w)
         link = links[leaders[w]]
-        _send(_header(WEIGHTS, version, worker=w, length=n), leaders[w], link, timeout_s)
-        _send(weights.contiguous(), leaders[w], link, timeout_s)
+        try:
+            _send(_header(WEIGHTS, version, worker=w, length=n), leaders[w], link, timeout_s)
+            _send(weights.contiguous(), leaders[w], link, timeout_s)
+        except RuntimeError as e:  # it died since its push
+            lose(w, e)
+            return
         receivers[w].arm()
 
     def send_stop(w: int, kind: int = STOP) -> None:
@@ -557,10 +561,7 @@ def run_server(
 
     try:
         for w in range(layout.num_workers):
-            try:
-                send_weights(w)
-            except RuntimeError as e:
-                lose(w, e)
+            send_weights(w)
         while live or not (coordinator or final_requested):
             if coordinator:
                 check_shards()
@@ -820,7 +821,11 @@ def run_learner(
     kind = leader_step(leader.first_pull) if leader is not None else WEIGHTS
     while True:
         if leader is not None:
-            weights = torch.cat(leader.parts) if kind == WEIGHTS else torch.empty(0)
+            if kind != WEIGHTS:
+                weights = torch.empty(0)
+            else:  # a fresh tensor each round (the receive buffers are new each time)
+                parts = leader.parts
+                weights = parts[0] if len(parts) == 1 else torch.cat(parts)
             tell_group(kind, leader.versions[0], weights.numel())
             version = leader.versions[0]
         else:
