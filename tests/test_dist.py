@@ -173,9 +173,12 @@ def test_groups_g1_matches_the_simulator(tmp_path):
     assert json.loads((tmp_path / "dist" / "staleness.json").read_text()) == {"counts": {"0": 32}}
 
 
-@pytest.mark.parametrize("protocol", [ASYNC, PS_HARDSYNC], ids=["async", "ps_hardsync"])
-def test_parameter_server_records_measured_staleness(tmp_path, protocol):
-    s = train(config(protocol, "dist"), out_dir=tmp_path)
+@pytest.mark.parametrize(
+    ("protocol", "servers"), [(ASYNC, 2), (PS_HARDSYNC, 1)], ids=["async_2_shards", "ps_hardsync"]
+)
+def test_parameter_server_records_measured_staleness(tmp_path, protocol, servers):
+    s = train(config(protocol, "dist"), overrides=[f"dist.num_servers={servers}"], out_dir=tmp_path)
+    assert s["num_processes"] == 2 + servers
     assert s["status"] == "completed" and s["runtime"] == "dist" and s["samples"] == 1024
     counts = json.loads((tmp_path / "staleness.json").read_text())["counts"]
     # every gradient pushed is applied exactly once and counted by its σ

@@ -459,7 +459,7 @@ class PSDistRuntime(_DistBase):
         self._decisions: queue.Queue[bool] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._pending = False
-        self._t_last = 0.0
+        self._last_event: Any = None
 
     @property
     def runs_training_loop(self) -> bool:
@@ -512,6 +512,7 @@ class PSDistRuntime(_DistBase):
             )
         self._pending = True
         event = item
+        self._last_event = event
         self.pushes[event.worker] += 1
         members = self.layout.worker_groups[event.worker]
         learners = [r - self.num_servers for r in members]
@@ -530,7 +531,11 @@ class PSDistRuntime(_DistBase):
     def eval_weights(self) -> Tensor:
         """The central model, shape ``[P]`` (gathered from the server shards when S > 1)."""
         if self.num_servers > 1:
-            return self.dist_ps.gather_weights(self.layout, self.protocol)
+            # the training loop runs while the server thread waits inside on_push, where
+            # the event can gather every shard's slice
+            if self._last_event is None:
+                return self.full_protocol.eval_weights()
+            return self._last_event.central_weights()
         return self.protocol.eval_weights()
 
     def close(self) -> None:
