@@ -164,8 +164,30 @@ def plain_ddp(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return json.loads(result.read_text())
 
 
+def calibrated_profile() -> list[str]:
+    """One calibration (1 thread, 20 repeats, fastest taken) for every simulated run."""
+    import torch
+
+    from distsgd.config import DataConfig
+    from distsgd.data import load_dataset
+    from distsgd.engine import GradientEngine
+    from distsgd.models import build_model
+    from distsgd.runtime.sim import calibrate
+
+    torch.set_num_threads(1)
+    ds = load_dataset(DataConfig())
+    torch.manual_seed(0)
+    engine = GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes))
+    prof = calibrate(engine, ds, repeats=20)
+    return [
+        f"cluster.seconds_per_sample={prof.seconds_per_sample!r}",
+        f"cluster.seconds_per_batch={prof.seconds_per_batch!r}",
+    ]
+
+
 def fidelity(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     rows = []
+    profile = calibrated_profile()
     for name, proto in (
         ("hardsync", ["protocol.name=hardsync"]),
         ("async", ["protocol.name=parameter_server", "protocol.mode=async"]),
@@ -179,7 +201,8 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
                 f"train.eval_every_samples={args.fidelity_samples}",
             ]
             base = common(args) + layout + budget
-            sim = distsgd_run([*base, "runtime=sim", "cluster.jitter=0"], tmp / f"sim-{name}{lam}")
+            sim_settings = [*base, *profile, "runtime=sim", "cluster.jitter=0"]
+            sim = distsgd_run(sim_settings, tmp / f"sim-{name}{lam}")
             real = distsgd_run([*base, "runtime=dist"], tmp / f"dist-{name}{lam}")
             predicted = sim["virtual_s"] / sim["iterations"]
             measured = real["train_wall_s"] / real["iterations"]
@@ -199,7 +222,7 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
 
 
 def load() -> str:
-    return Path("/proc/loadavg").read_text().split(" ")[:3].__str__()
+    return " ".join(Path("/proc/loadavg").read_text().split(" ")[:3])
 
 
 def main() -> None:
@@ -212,7 +235,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--max-epochs", type=float, default=3.0)
-    ap.add_argument("--eval-every", type=int, default=6000, help="samples")
+    ap.add_argument("--eval-every", type=int, default=10000, help="samples")
     ap.add_argument("--fidelity-samples", type=int, default=12800)
     ap.add_argument("--skip-to-target", action="store_true", help="only the fidelity part")
     ap.add_argument("--out", default="bench/results/dist")
@@ -246,7 +269,58 @@ def main() -> None:
         report["fidelity"] = fidelity(args, tmp)
     report["load_after"] = load()
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    (out / "README.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+def markdown(r: dict[str, Any]) -> str:
+    """The results as markdown (what ``<out>/README.md`` holds)."""
+    s = r["settings"]
+    lines = [
+        "# dist runtime benchmark (bench/dist_bench.py)",
+        "",
+        f"Fashion-MNIST `cnn`, batch {s['batch_size']} per learner, lr {s['lr']}, momentum "
+        f"{s['momentum']}, one thread per process, {os.cpu_count()} cores. Load average "
+        f"(1, 5, 15 min) before: {r['load_before']}; after: {r['load_after']}.",
+        "",
+    ]
+    if "to_target" in r:
+        lines += [
+            f"## To {s['target']:.0%} test accuracy (at most {s['max_epochs']} epochs, "
+            f"evaluated every {s['eval_every']} samples)",
+            "",
+            "| run | samples | training wall s | throughput samples/s | time to target s |",
+            "|---|---|---|---|---|",
+        ]
+        for k, v in r["to_target"].items():
+            tta = v["time_to_accuracy_s"]
+            lines.append(
+                f"| {k} | {v['samples']} | {v['train_wall_s']:.1f} | "
+                f"{v['throughput_samples_per_s']:.0f} | {'-' if tta is None else f'{tta:.1f}'} |"
+            )
+        lines += [
+            "",
+            "- throughput distsgd hardsync / plain DDP: "
+            f"**{r['ratio_hardsync_over_plain_ddp']:.3f}** (target >= 0.95)",
+            "- throughput distsgd async (2 learners + server) / distsgd hardsync: "
+            f"**{r['ratio_async_over_hardsync']:.3f}** (target >= 0.9)",
+            "",
+        ]
+    lines += [
+        f"## Simulation fidelity ({s['fidelity_samples']} samples per run)",
+        "",
+        "| protocol | λ | iterations | predicted s/iteration (sim) | measured s/iteration "
+        "(dist) | measured / predicted |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in r["fidelity"]:
+        lines.append(
+            f"| {f['protocol']} | {f['num_learners']} | {f['iterations']} | "
+            f"{f['predicted_s_per_iteration']:.4f} | {f['measured_s_per_iteration']:.4f} | "
+            f"{f['ratio_measured_over_predicted']:.2f} |"
+        )
+    lines += ["", "Target: measured within ±20% of predicted (ratio 0.8–1.2).", ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
