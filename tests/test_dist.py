@@ -320,3 +320,19 @@ def test_two_torchrun_nodes_match_the_local_launch(tmp_path, hardsync_run):
         rtol=0,
         atol=0,
     )
+
+
+def test_cli_process_count_mismatch_is_one_line_exit_2(tmp_path, capsys):
+    from distsgd.cli import main
+
+    cfg_path = tmp_path / "run.toml"
+    cfg_path.write_text(config(HARDSYNC, "sim").to_toml())
+    argv = ["train", str(cfg_path), "--runtime", "dist", "--num-processes", "3"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "dist.num_processes = 3 is not allowed: expected 2" in err[0]
+    assert "protocol.num_learners = 3" in err[0]  # the layout that would fit
+    assert not (tmp_path / "run").exists()
+    assert main(["train", "--resume", str(tmp_path), "--num-processes", "2"]) == 2
+    assert "--num-processes cannot be used with --resume" in capsys.readouterr().err
