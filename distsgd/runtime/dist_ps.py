@@ -41,9 +41,10 @@ differ between shards: the figures given to ``on_push`` (and the run's staleness
 histogram) are the coordinator's; the others are kept by each shard's protocol. The
 learner computes on the concatenated slices, with the coordinator's version, and pushes
 to each shard the version that shard sent it. The cost of the shard order is one more
-message latency per shard and push. Under the hardsync barrier a stop that falls inside
-a round releases the other shards' held learners with STOP (that round is not applied
-there).
+message latency per shard and push. Only the coordinator refuses pushes; the other
+shards apply every push they get. Under the hardsync barrier a stop that falls inside a
+round leaves the same gradients buffered on every shard; the other shards release their
+held learners with LAST once a learner has said BYE.
 
 Message protocol. Every message is a header, an int64 tensor of :data:`HEADER_LEN`
 entries, followed by one flat float32 payload when ``length > 0``; both go with tag
@@ -64,8 +65,9 @@ index   field     meaning
 * learner → server PUSH, payload ``[n + losses]``: the gradient slice (shape ``[n]``,
   n = the shard's slice length), then the group's losses.
 * server → learner WEIGHTS, payload ``[n]``: the weights slice from ``protocol.pull``.
-* server → learner STOP: push refused, leave. LAST: push applied, carry it on to the
-  later shards, then leave. learner → server BYE: this worker leaves (S > 1).
+* coordinator → learner STOP: push refused, leave. server → learner LAST: push applied,
+  carry it on to the later shards, then leave. learner → server BYE: this worker leaves
+  (S > 1).
 * coordinator → shard GATHER: answer WEIGHTS with the slice (``eval_weights``) once as
   many pushes as the coordinator had are applied; STOP: the final slice, once every
   learner has left. Compute groups use ``broadcast`` of ``[kind, version, P]`` and of the
@@ -583,15 +585,17 @@ def run_server(
                 live.discard(w)
                 if not coordinator and barrier and not stopping:
                     # the stopping round cannot complete on this shard: release the held
+                    # learners (their pushes were applied: LAST) and any still to come
                     stopping = True
                     for v in waiting:
-                        send_stop(v)
+                        send_stop(v, LAST)
                     waiting.clear()
                 continue
             assert kind == PUSH, f"unexpected message kind {kind} from rank {leaders[w]}"
-            if stopping:
+            if stopping and coordinator:  # refused: it reaches no other shard
                 send_stop(w)
                 continue
+            # (the other shards apply every push: the coordinator accepted it)
             version, n_samples = int(header[_VERSION]), int(header[_SAMPLES])
             grad = payload[:n]
             update = protocol.push(w, grad, version, lr(samples))
@@ -601,6 +605,8 @@ def run_server(
             # on to the other shards while on_push runs
             if protocol.can_pull(w):
                 send_weights(w)
+            elif stopping:  # other shard, barrier round that cannot complete
+                send_stop(w, LAST)
             else:
                 waiting.append(w)
             if update is not None and waiting:
