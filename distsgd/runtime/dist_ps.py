@@ -324,7 +324,7 @@ def _recv(tensor: Tensor, src: int, group: dist.ProcessGroup, timeout_s: float) 
     return tensor
 
 
-def _pair_groups(layout: PSLayout, rank: int, timeout_s: float) -> dict[int, dist.ProcessGroup]:
+def _pair_groups(layout: PSLayout, rank: int) -> dict[int, dist.ProcessGroup]:
     """This rank's own gloo process group with each peer it talks to: every (server,
     leader) pair and every (coordinator, shard) pair.
 
@@ -444,7 +444,7 @@ def run_server(
     n = protocol.eval_weights().numel()
     leaders = layout.leaders
     inbox: queue.Queue = queue.Queue()
-    links = _pair_groups(layout, rank, timeout_s)
+    links = _pair_groups(layout, rank)
     receivers = [_Receiver(w, r, links[r], timeout_s, inbox) for w, r in enumerate(leaders)]
     # shard channel: the coordinator hears every other shard, the others hear the coordinator
     servers = layout.server_ranks
@@ -527,7 +527,9 @@ def run_server(
             try:
                 k, header, payload, error = shard_inbox.get(timeout=2 * timeout_s + 5.0)
             except queue.Empty:
-                raise ServerLost(-1, "a parameter server shard did not send its slice") from None
+                k = min(set(range(len(servers))) - set(parts))
+                msg = f"parameter server shard rank {servers[k]} did not send its slice"
+                raise ServerLost(servers[k], msg) from None
             if error is not None:
                 raise ServerLost(
                     servers[k], f"parameter server shard rank {servers[k]} lost ({error})"
@@ -800,7 +802,7 @@ def run_learner(
         raise ValueError(f"worker {w} has ranks {ranks}: expected its process group, got None")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s = {timeout_s!r} is not allowed: expected > 0")
-    links = _pair_groups(layout, rank, timeout_s)  # collective: every rank, first
+    links = _pair_groups(layout, rank)  # collective: every rank, first
     grp = _Group(ranks, group, timeout_s)
     is_leader = rank == ranks[0]
     leader = _Leader(layout, links, w, timeout_s) if is_leader else None
