@@ -508,3 +508,18 @@ def test_server_shard_killed(tmp_path):
     assert "killed_at" in rec[1]
     for r in (0, 2, 3):
         assert rec[r]["error"] == "ServerLost" and rec[r]["error_rank"] == 1, rec[r]
+
+
+def test_sharded_hardsync_stop_inside_a_round(tmp_path):
+    """Hardsync through S = 2 shards, stopped after 13 pushes (inside a round of λ = 2):
+    both shards applied the same pushes, and the whole equals the S = 1 replay exactly
+    (under the barrier every shard aggregates the same gradients of the same version)."""
+    spec = _spec(
+        servers=[0, 1], groups=[[2], [3]], num_learners=2, softsync=1, barrier=True, pushes=13
+    )
+    rec = _spawn(spec, tmp_path)
+    assert rec[0]["num_pushes"] == rec[1]["num_pushes"] == 13
+    assert rec[0]["version"] == rec[1]["version"] == 6
+    full = torch.cat([rec[0]["weights"], rec[1]["weights"]])
+    assert torch.equal(full, _replay(spec, rec[0]["events"]))
+    assert all(u is None or u[2] == [0, 0] for *_, u in rec[0]["events"])  # σ = 0

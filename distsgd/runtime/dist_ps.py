@@ -41,9 +41,10 @@ differ between shards: the figures given to ``on_push`` (and the run's staleness
 histogram) are the coordinator's; the others are kept by each shard's protocol. The
 learner computes on the concatenated slices, with the coordinator's version, and pushes
 to each shard the version that shard sent it. The cost of the shard order is one more
-message latency per shard and push. Under the hardsync barrier a stop that falls inside
-a round releases the other shards' held learners with STOP (that round is not applied
-there).
+message latency per shard and push. Only the coordinator refuses pushes; the other
+shards apply every push they get. Under the hardsync barrier a stop that falls inside a
+round leaves the same gradients buffered on every shard; the other shards release their
+held learners with LAST once a learner has said BYE.
 
 Message protocol. Every message is a header, an int64 tensor of :data:`HEADER_LEN`
 entries, followed by one flat float32 payload when ``length > 0``; both go with tag
@@ -64,8 +65,9 @@ index   field     meaning
 * learner → server PUSH, payload ``[n + losses]``: the gradient slice (shape ``[n]``,
   n = the shard's slice length), then the group's losses.
 * server → learner WEIGHTS, payload ``[n]``: the weights slice from ``protocol.pull``.
-* server → learner STOP: push refused, leave. LAST: push applied, carry it on to the
-  later shards, then leave. learner → server BYE: this worker leaves (S > 1).
+* coordinator → learner STOP: push refused, leave. server → learner LAST: push applied,
+  carry it on to the later shards, then leave. learner → server BYE: this worker leaves
+  (S > 1).
 * coordinator → shard GATHER: answer WEIGHTS with the slice (``eval_weights``) once as
   many pushes as the coordinator had are applied; STOP: the final slice, once every
   learner has left. Compute groups use ``broadcast`` of ``[kind, version, P]`` and of the
@@ -322,7 +324,7 @@ def _recv(tensor: Tensor, src: int, group: dist.ProcessGroup, timeout_s: float) 
     return tensor
 
 
-def _pair_groups(layout: PSLayout, rank: int, timeout_s: float) -> dict[int, dist.ProcessGroup]:
+def _pair_groups(layout: PSLayout, rank: int) -> dict[int, dist.ProcessGroup]:
     """This rank's own gloo process group with each peer it talks to: every (server,
     leader) pair and every (coordinator, shard) pair.
 
@@ -442,7 +444,7 @@ def run_server(
     n = protocol.eval_weights().numel()
     leaders = layout.leaders
     inbox: queue.Queue = queue.Queue()
-    links = _pair_groups(layout, rank, timeout_s)
+    links = _pair_groups(layout, rank)
     receivers = [_Receiver(w, r, links[r], timeout_s, inbox) for w, r in enumerate(leaders)]
     # shard channel: the coordinator hears every other shard, the others hear the coordinator
     servers = layout.server_ranks
@@ -525,7 +527,9 @@ def run_server(
             try:
                 k, header, payload, error = shard_inbox.get(timeout=2 * timeout_s + 5.0)
             except queue.Empty:
-                raise ServerLost(-1, "a parameter server shard did not send its slice") from None
+                k = min(set(range(len(servers))) - set(parts))
+                msg = f"parameter server shard rank {servers[k]} did not send its slice"
+                raise ServerLost(servers[k], msg) from None
             if error is not None:
                 raise ServerLost(
                     servers[k], f"parameter server shard rank {servers[k]} lost ({error})"
@@ -583,15 +587,17 @@ def run_server(
                 live.discard(w)
                 if not coordinator and barrier and not stopping:
                     # the stopping round cannot complete on this shard: release the held
+                    # learners (their pushes were applied: LAST) and any still to come
                     stopping = True
                     for v in waiting:
-                        send_stop(v)
+                        send_stop(v, LAST)
                     waiting.clear()
                 continue
             assert kind == PUSH, f"unexpected message kind {kind} from rank {leaders[w]}"
-            if stopping:
+            if stopping and coordinator:  # refused: it reaches no other shard
                 send_stop(w)
                 continue
+            # (the other shards apply every push: the coordinator accepted it)
             version, n_samples = int(header[_VERSION]), int(header[_SAMPLES])
             grad = payload[:n]
             update = protocol.push(w, grad, version, lr(samples))
@@ -601,6 +607,8 @@ def run_server(
             # on to the other shards while on_push runs
             if protocol.can_pull(w):
                 send_weights(w)
+            elif stopping:  # other shard, barrier round that cannot complete
+                send_stop(w, LAST)
             else:
                 waiting.append(w)
             if update is not None and waiting:
@@ -794,7 +802,7 @@ def run_learner(
         raise ValueError(f"worker {w} has ranks {ranks}: expected its process group, got None")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s = {timeout_s!r} is not allowed: expected > 0")
-    links = _pair_groups(layout, rank, timeout_s)  # collective: every rank, first
+    links = _pair_groups(layout, rank)  # collective: every rank, first
     grp = _Group(ranks, group, timeout_s)
     is_leader = rank == ranks[0]
     leader = _Leader(layout, links, w, timeout_s) if is_leader else None
