@@ -187,7 +187,11 @@ def test_parameter_server_records_measured_staleness(tmp_path, protocol, servers
         assert counts == {"0": 64} and s["iterations"] == 32  # the barrier: σ = 0
     else:
         assert s["iterations"] == 64  # async: one update per push
-        assert set(counts) <= {str(k) for k in range(8)}
+        # σ depends on real timing (unbounded on a loaded machine); the summary reports
+        # the histogram's own mean and maximum
+        mean = sum(int(k) * v for k, v in counts.items()) / 64
+        assert s["staleness_mean"] == pytest.approx(mean)
+        assert s["staleness_max"] == max(int(k) for k in counts)
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").open()]
     assert [r["samples"] for r in records] == [0, 256, 512, 768, 1024]
     assert all(r["wall_s"] >= 0 for r in records)
