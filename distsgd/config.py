@@ -357,6 +357,9 @@ class TrainConfig:
         max_samples: budget in training samples (0: no limit); a run stops at the first
             iteration (or push) that reaches it, so it may overshoot by less than one.
         max_seconds: budget in wall seconds of training (0: no limit).
+        max_virtual_seconds: budget in simulated seconds on the virtual clock of the
+            ``sim`` runtime (0: no limit); the run stops at the first tick that reaches it.
+            The tuner's probes use it for equal-time probes (SPEC.md §3).
         eval_every_samples: evaluate the model on the full test set every this many
             training samples (0: once per epoch).
         eval_batch_size: batch size of evaluation, in samples.
@@ -374,6 +377,7 @@ class TrainConfig:
     max_epochs: float = 10.0
     max_samples: int = 0
     max_seconds: float = 0.0
+    max_virtual_seconds: float = 0.0
     eval_every_samples: int = 15000
     eval_batch_size: int = 128
     checkpoint_every_evals: int = 1
@@ -387,10 +391,12 @@ class TrainConfig:
         _check_float("train.max_epochs", self.max_epochs, 0.0)
         _check_int("train.max_samples", self.max_samples, 0)
         _check_float("train.max_seconds", self.max_seconds, 0.0)
+        _check_float("train.max_virtual_seconds", self.max_virtual_seconds, 0.0)
         if (
             self.max_epochs == 0
             and self.max_samples == 0
             and self.max_seconds == 0
+            and self.max_virtual_seconds == 0
             and (self.target_accuracy == 0 or not self.stop_at_target)
         ):
             _fail(
