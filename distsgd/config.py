@@ -29,6 +29,7 @@ __all__ = [
     "ScheduleConfig",
     "ClusterConfig",
     "TrainConfig",
+    "TuneConfig",
     "RunConfig",
     "PROTOCOLS",
     "DATASETS",
@@ -415,6 +416,94 @@ class TrainConfig:
             _fail("train.tensorboard", self.tensorboard, "true or false")
 
 
+TUNE_FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")
+
+
+def _check_list(key: str, value: Any, kind: type, minimum: float, maximum: float) -> None:
+    if (
+        not isinstance(value, list)
+        or not value
+        or any(
+            not isinstance(v, int | float if kind is float else kind)
+            or isinstance(v, bool)
+            or not minimum <= v <= maximum
+            for v in value
+        )
+    ):
+        what = "integers" if kind is int else "numbers"
+        _fail(key, value, f"a non-empty list of {what} in [{minimum}, {maximum}]")
+
+
+@dataclass
+class TuneConfig:
+    """Settings of ``distsgd tune``, the Omnivore optimizer (SPEC.md §3) and its joint search.
+
+    Attributes:
+        budget_s: search budget in wall seconds (``--budget`` overrides it); the search
+            stops probing when it is spent and plans with what it has.
+        probe_seconds: length of every probe: simulated seconds on the virtual clock of the
+            ``sim`` runtime (equal-time probes in simulated time), wall seconds on real
+            processes.
+        score_window: a probe's score is the mean of its last this many training losses
+            (Omnivore: 10).
+        lrs: the cold-start learning-rate grid η at g = 1 (Omnivore: 0.1 … 0.0001).
+        momenta: the momentum grid μ for g > 1 and in steady state (Omnivore: 0, .3, .6, .9).
+        cold_momentum: μ probed at g = 1 (Omnivore: 0.9).
+        max_groups: largest number of compute groups g tried (0: up to λ).
+        tie_buffer: scores within this relative distance of the best tie; ties prefer
+            larger η, then larger μ (Omnivore: 1% in steady state).
+        he_gain: more groups are accepted only if seconds per iteration improve by at
+            least this fraction (Omnivore: 10%).
+        families: protocol families of the joint search beyond Omnivore's groups:
+            ``hardsync``, ``compute_groups``, ``softsync`` (n-softsync, parameter server),
+            ``sma`` (k replicas per device).
+        batch_sizes: per-learner batch sizes of the joint search.
+        extra_probes: unprobed configurations of the joint search probed, best predicted
+            first (0: Omnivore's search only).
+        segment_fraction: share of the budget for the long run of the best configuration
+            (Omnivore's "run for a long period with snapshots") before steady state.
+        noise_scale: B_noise of the batch-size law in samples (0: estimate from probes).
+    """
+
+    budget_s: float = 600.0
+    probe_seconds: float = 2.0
+    score_window: int = 10
+    lrs: list[float] = field(default_factory=lambda: [0.1, 0.01, 0.001, 0.0001])
+    momenta: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.6, 0.9])
+    cold_momentum: float = 0.9
+    max_groups: int = 0
+    tie_buffer: float = 0.01
+    he_gain: float = 0.1
+    families: list[str] = field(default_factory=lambda: list(TUNE_FAMILIES))
+    batch_sizes: list[int] = field(default_factory=lambda: [16, 32, 64])
+    extra_probes: int = 3
+    segment_fraction: float = 0.35
+    noise_scale: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_float("tune.budget_s", self.budget_s, 0.0, min_inclusive=False)
+        _check_float("tune.probe_seconds", self.probe_seconds, 0.0, min_inclusive=False)
+        _check_int("tune.score_window", self.score_window, 1)
+        _check_list("tune.lrs", self.lrs, float, 1e-8, 10.0)
+        _check_list("tune.momenta", self.momenta, float, 0.0, 0.99)
+        _check_float("tune.cold_momentum", self.cold_momentum, 0.0, 0.99)
+        _check_int("tune.max_groups", self.max_groups, 0)
+        _check_float("tune.tie_buffer", self.tie_buffer, 0.0, 1.0)
+        _check_float("tune.he_gain", self.he_gain, 0.0, 1.0)
+        if (
+            not isinstance(self.families, list)
+            or not self.families
+            or any(f not in TUNE_FAMILIES for f in self.families)
+        ):
+            _fail(
+                "tune.families", self.families, "a non-empty list from " + ", ".join(TUNE_FAMILIES)
+            )
+        _check_list("tune.batch_sizes", self.batch_sizes, int, 1, 65536)
+        _check_int("tune.extra_probes", self.extra_probes, 0)
+        _check_float("tune.segment_fraction", self.segment_fraction, 0.0, 0.9)
+        _check_float("tune.noise_scale", self.noise_scale, 0.0)
+
+
 _SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
@@ -423,6 +512,7 @@ _SECTIONS: dict[str, type] = {
     "schedule": ScheduleConfig,
     "cluster": ClusterConfig,
     "train": TrainConfig,
+    "tune": TuneConfig,
 }
 
 
@@ -444,6 +534,7 @@ class RunConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
     def __post_init__(self) -> None:
         _check_choice("runtime", self.runtime, RUNTIMES)

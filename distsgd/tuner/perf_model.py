@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -146,14 +147,15 @@ def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
 
 
 def straggler_factor(m: int, jitter: float) -> float:
-    """Expected slowest of m compute times relative to the mean: ``1 + s·sqrt(2 ln m)``.
+    """Expected slowest of m compute times relative to the mean: ``1 + s · z_m``.
 
-    The Gaussian approximation of the expected maximum of m draws with relative spread s
+    z_m is Blom's approximation of the expected maximum of m standard normal draws,
+    ``Φ⁻¹((m − 0.375) / (m + 0.25))`` (Blom 1958), and s the relative spread
     (``jitter``); 1 for m = 1 or s = 0. Non-decreasing in m and s.
     """
     if m <= 1 or jitter <= 0:
         return 1.0
-    return 1.0 + jitter * math.sqrt(2.0 * math.log(m))
+    return 1.0 + jitter * NormalDist().inv_cdf((m - 0.375) / (m + 0.25))
 
 
 def samples_per_iteration(layout: Layout) -> int:
