@@ -72,6 +72,8 @@ class Trainer:
             starts fresh.
         on_tick: called after every tick with the :class:`~distsgd.runtime.sim.Tick` and
             the trainer (e.g. to record every training loss of a tuner probe).
+        evaluate: evaluate on the test set (False: no evaluations and no metrics
+            records, e.g. for a tuner probe that only needs its training losses).
 
     Raises:
         ConfigError: ``out_dir`` already holds a run (and not resuming), or a resumed
@@ -89,12 +91,14 @@ class Trainer:
         *,
         initial_weights: torch.Tensor | None = None,
         on_tick: Callable[[Tick, Trainer], None] | None = None,
+        evaluate: bool = True,
     ) -> None:
         self.cfg = cfg
         self.out_dir = Path(out_dir)
         self.progress = progress
         self.initial_weights = initial_weights
         self.on_tick = on_tick
+        self.evaluate = evaluate
 
     # ---- set-up ------------------------------------------------------------------------
     def _build(self) -> None:
@@ -360,7 +364,7 @@ class Trainer:
                     t.max_virtual_seconds > 0 and rt.virtual_time >= t.max_virtual_seconds
                 )
                 if rt.samples >= next_eval or budget_hit or time_hit:
-                    if rt.samples != last_eval_samples:
+                    if rt.samples != last_eval_samples and self.evaluate:
                         record = self._evaluate()
                         metrics.write(record)
                         self.tensorboard.write(record)

@@ -296,3 +296,8 @@ def test_tune_end_to_end_writes_a_plan_that_train_accepts(tmp_path, capsys):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["protocol"] == RunConfig.from_toml(out / "plan.toml").protocol.name
     assert summary["reached"]
+    # the follow-up command adds the measured point to the report
+    assert main(["tune", "--verify-only", str(out), "--quiet"]) == 0
+    state = json.loads((out / "tune.json").read_text())
+    assert state["verify"]["reached"] and state["verify"]["measured_s"] > 0
+    assert "Predicted vs measured" in (out / "report.md").read_text()

@@ -134,7 +134,7 @@ class Prober:
             "max_virtual_seconds": 0.0,
             key: seconds,
             "stop_at_target": False,
-            "eval_every_samples": 10**9,  # evaluate at the start and the end only
+            "eval_every_samples": 0,
             "checkpoint_every_evals": 0,
             "tensorboard": False,
         }
@@ -169,6 +169,7 @@ class Prober:
             progress=False,
             initial_weights=self.snapshots[snapshot],
             on_tick=on_tick,
+            evaluate=kind != "probe",  # a probe's score needs training losses only
         )
         t0 = time.perf_counter()
         try:

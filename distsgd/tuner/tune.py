@@ -132,7 +132,7 @@ def predict_plan(
     losses) reaches the target loss, which :func:`fit_error_vs_loss` maps from the target
     accuracy using the segment's evaluation points (accuracy against the fitted curve's
     loss at the evaluation, which removes the lag of interval-mean losses) — falling back
-    to every probe's final evaluation when the segment has fewer than 2.
+    to the probes' final evaluations (when they were evaluated) if the segment has fewer than 2.
 
     Returns:
         dict with ``seconds_per_iteration``, ``iterations_to_target``, ``target_loss``,
