@@ -214,6 +214,10 @@ def test_joint_search_ranks_unprobed_configurations_with_the_model():
     ranked = rank_candidates(cands, chosen, 100.0, cluster, noise_scale=64)
     times = [t for t, _ in ranked]
     assert times == sorted(times) and all(t > 0 for t in times)
+    # a NaN at the smallest (η, μ) prunes every asynchronous candidate
+    search.nan_points.append((1e-9, 0.0))
+    left = {c.family for c in joint_candidates(search, chosen, TuneConfig())}
+    assert left == {"hardsync", "sma"}
 
 
 def test_parse_budget():

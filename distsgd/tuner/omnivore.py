@@ -487,11 +487,14 @@ def joint_candidates(
     * hardsync and compute groups (each g the cold start accepted, with its best η, μ)
       at every batch size of ``tune.batch_sizes``, η scaled linearly with b (Goyal et
       al. 2017, the linear scaling rule);
-    * n-softsync on the parameter server for n ∈ {1, 2} dividing λ, with the chosen η
-      and μ and Rudra's α0/n rule;
+    * n-softsync on the parameter server for n ∈ {1, 2, 4} dividing λ with n < λ
+      (n = λ is compute groups with g = λ), with the chosen η and μ and Rudra's α0/n rule;
     * SMA with k ∈ {2, 4} replicas per device on the same λ devices (λ·k learners), at
       batch sizes <= b, with η of g = 1, no replica momentum and the central model's
       Polyak momentum μ_z (Crossbow, SPEC §4).
+
+    Asynchronous candidates (compute groups, n-softsync) at or above an (η, μ) that gave
+    NaN are left out, as in the cold start.
     """
     lam = search.num_learners
     b0 = search.batch_size
@@ -507,8 +510,8 @@ def joint_candidates(
         for b in settings.batch_sizes:
             out.append(replace(c, batch_size=b, lr=c.lr * b / b0))
     if "softsync" in fams:
-        for n in (1, 2):
-            if lam % n == 0 and lam > 1:
+        for n in (1, 2, 4):
+            if lam % n == 0 and n < lam:
                 out.append(Candidate("softsync", lam, b0, chosen.lr, chosen.momentum, softsync=n))
     if "sma" in fams:
         g1 = search.best_by_g.get(1)
@@ -520,6 +523,10 @@ def joint_candidates(
     seen: set[Candidate] = set()
     uniq = []
     for c in out:
+        if c.family in ("compute_groups", "softsync") and nan_pruned(
+            c.lr, c.momentum, search.nan_points
+        ):
+            continue
         if c not in probed and c not in seen:
             seen.add(c)
             uniq.append(c)
