@@ -131,7 +131,7 @@ def main() -> None:
         f"| DDP baseline, 2 processes × 1 thread, batch 2×64, lr 0.05, μ 0.9 | "
         f"{ddp['reached']} | {s(ddp_t)} s wall (training only) | "
         f"{ddp['samples_to_accuracy']} | {ddp['total_wall_s']:.1f} s wall incl. evaluation |",
-        f"| tuned plan `{state['chosen_label']}` on the simulated cluster (2 devices) | "
+        f"| tuned plan `{state.get('plan_name') or state['chosen_label']}` on the simulated cluster (2 devices) | "
         f"{plan['reached']} | **{s(sim_t, '.2f')} s simulated** | "
         f"{plan['samples_to_accuracy']} | {s(wall_t)} s wall of one-process simulation "
         f"(all learners in turn) |",

@@ -101,7 +101,7 @@ def _print_tune(state: dict[str, Any], out: Path) -> None:
     pred = state["prediction"].get("predicted_s")
     clock = state["clock"]
     lines = [
-        f"plan          {state['chosen_label']} ({out / 'plan.toml'})",
+        f"plan          {state.get('plan_name') or state['chosen_label']} ({out / 'plan.toml'})",
         f"predicted     time to accuracy {_fmt_s(pred)} {clock}",
         f"tuning        {state['tuning_wall_s']:.1f} s wall, {len(state['probes'])} probes",
     ]

@@ -11,6 +11,7 @@ curve. Each probe writes an ordinary run directory under ``probes/``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 from pathlib import Path
@@ -179,8 +180,6 @@ class Prober:
         result.wall_s = time.perf_counter() - t0
         metrics = run_dir / "metrics.jsonl"
         if metrics.exists():
-            import json
-
             result.evals = [json.loads(x) for x in metrics.read_text().splitlines() if x]
         return result, trainer
 
@@ -190,17 +189,24 @@ class Prober:
         return result
 
     def segment(
-        self, cand: Candidate, wall_seconds: float, eval_every_samples: int, name: str
+        self,
+        cand: Candidate,
+        wall_seconds: float,
+        eval_every_samples: int,
+        name: str,
+        snapshot: str = "initial",
+        max_epochs: float | None = None,
     ) -> tuple[ProbeResult, dict[str, Any]]:
-        """Omnivore's long run of the best configuration from the initial snapshot: train
-        until the target accuracy or ``wall_seconds`` of training, evaluating every
-        ``eval_every_samples``; its final central model becomes snapshot ``name``.
+        """Omnivore's long run of the best configuration from ``snapshot``: train until the
+        target accuracy, ``max_epochs`` (default the base config's) or ``wall_seconds`` of
+        training, evaluating every ``eval_every_samples``; its final central model becomes
+        snapshot ``name``.
 
         Returns:
             (the run's ticks and evaluations, its summary).
         """
         train = {
-            "max_epochs": self.base.train.max_epochs,
+            "max_epochs": self.base.train.max_epochs if max_epochs is None else max_epochs,
             "max_samples": 0,
             "max_seconds": wall_seconds,
             "max_virtual_seconds": 0.0,
@@ -209,11 +215,9 @@ class Prober:
             "checkpoint_every_evals": 0,
             "tensorboard": False,
         }
-        result, trainer = self.run(cand, "initial", train, kind="segment")
+        result, trainer = self.run(cand, snapshot, train, kind="segment")
         if not result.diverged:
             self.snapshots[name] = trainer.runtime.eval_weights().clone()
-        import json
-
         summary_path = Path(result.run_dir) / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         return result, summary

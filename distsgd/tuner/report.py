@@ -192,9 +192,9 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
         "",
         "## Plan",
         "",
-        f"`plan.toml`: **{state['chosen_label']}**"
+        f"`plan.toml`: **{state.get('plan_name') or state['chosen_label']}**"
         + (
-            f"; steady state recommends {state['steady_state']}."
+            f" (steady state from the long run's snapshot recommended {state['steady_state']})."
             if state.get("steady_state")
             else "."
         ),
@@ -202,7 +202,11 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
         f"Predicted time to accuracy: **{_fmt(pred.get('predicted_s'), '.2f')} {clock} s** = "
         f"HE {_fmt((pred.get('seconds_per_iteration') or math.nan) * 1e3, '.3f')} ms per "
         f"iteration × SE {_fmt(pred.get('iterations_to_target'), '.0f')} iterations (target "
-        f"training loss {_fmt(pred.get('target_loss'), '.4f')} nats).",
+        f"training loss {_fmt(pred.get('target_loss'), '.4f')} nats, from the fitted loss "
+        f"curve of the last of {pred.get('segments', 1)} long run(s)).",
+        "",
+        f"The tuner's own long runs reached the target after "
+        f"{_fmt(pred.get('tuner_measured_s'), '.2f')} {clock} s.",
         "",
     ]
     v = state.get("verify")

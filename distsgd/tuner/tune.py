@@ -122,56 +122,67 @@ def _binned(x: list[float], y: list[float], bins: int = 200) -> tuple[np.ndarray
     return np.array([xa[i].mean() for i in idx]), np.array([ya[i].mean() for i in idx])
 
 
-def predict_plan(
-    segment: ProbeResult, probes: list[ProbeResult], target_accuracy: float
-) -> dict[str, Any]:
-    """Predicted time to accuracy of the segment's configuration from scratch: HE · SE.
+def predict_plan(segments: list[ProbeResult], target_accuracy: float) -> dict[str, Any]:
+    """Predicted time to accuracy of the plan from scratch: HE · SE.
 
-    HE: the segment's measured seconds per iteration. SE: iterations until the fitted
-    loss curve (:func:`~distsgd.tuner.perf_model.fit_loss_curve` on the segment's tick
-    losses) reaches the target loss, which :func:`fit_error_vs_loss` maps from the target
-    accuracy using the segment's evaluation points (accuracy against the fitted curve's
-    loss at the evaluation, which removes the lag of interval-mean losses) — falling back
-    to the probes' final evaluations (when they were evaluated) if the segment has fewer than 2.
+    ``segments`` are the long runs in order (the first from the initial weights, each next
+    one from the previous one's snapshot, possibly at a lower η). HE: their measured
+    seconds per iteration (total seconds / total iterations). SE: the iterations of every
+    segment but the last, plus the iterations until the last segment's fitted loss curve
+    (:func:`~distsgd.tuner.perf_model.fit_loss_curve` on its tick losses, iterations
+    counted from its start) reaches the target loss. :func:`fit_error_vs_loss` maps the
+    target accuracy to that loss from every segment's evaluation points, each taken as
+    (its own fitted curve's loss at the evaluation, accuracy), which removes the lag of
+    interval-mean training losses.
 
     Returns:
         dict with ``seconds_per_iteration``, ``iterations_to_target``, ``target_loss``,
-        ``curve`` (L_inf, A, beta, rmse), ``predicted_s``; values are NaN/inf when the data
-        do not determine them.
+        ``curve`` (of the last segment: L_inf, A, beta, rmse), ``predicted_s``; values are
+        NaN/inf when the data do not determine them.
     """
+    iters = sum(s.iterations[-1] for s in segments if s.iterations)
+    secs = sum(s.virtual_s[-1] for s in segments if s.virtual_s)
+    he = secs / iters if iters else math.nan
     out: dict[str, Any] = {
-        "seconds_per_iteration": segment.seconds_per_iteration,
+        "seconds_per_iteration": he,
         "iterations_to_target": math.nan,
         "target_loss": math.nan,
         "curve": None,
         "predicted_s": math.nan,
+        "segments": len(segments),
     }
-    if segment.diverged or len(segment.losses) < 3:
+    curves = []
+    for seg in segments:
+        if seg.diverged or len(seg.losses) < 3:
+            curves.append(None)
+            continue
+        xs, ys = _binned(seg.iterations, seg.losses)
+        curves.append(pm.fit_loss_curve(xs, ys))
+    while len(curves) > 1 and curves[-1] is None:  # a last run too short to fit
+        curves.pop()
+        segments = segments[:-1]
+    last = curves[-1] if curves else None
+    if last is None:
         return out
-    xs, ys = _binned(segment.iterations, segment.losses)
-    curve = pm.fit_loss_curve(xs, ys)
-    out["curve"] = dataclasses.asdict(curve)
+    out["curve"] = dataclasses.asdict(last)
     pts = [
         (float(curve(e["iterations"])), e["test_accuracy"])
-        for e in segment.evals
+        for seg, curve in zip(segments, curves, strict=True)
+        if curve is not None
+        for e in seg.evals
         if e.get("iterations", 0) > 0
     ]
-    if len(pts) < 2:
-        pts += [
-            (p.evals[-1]["train_loss"], p.evals[-1]["test_accuracy"])
-            for p in probes
-            if p.evals and p.evals[-1].get("train_loss") is not None and not p.diverged
-        ]
     try:
         ev = pm.fit_error_vs_loss(np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
     except ValueError:
         return out
     target_loss = ev.target_loss(target_accuracy)
-    se = pm.iterations_to_loss(curve, target_loss)
+    before = sum(s.iterations[-1] for s in segments[:-1] if s.iterations)
+    se = before + pm.iterations_to_loss(last, target_loss)
     out.update(
         target_loss=target_loss,
         iterations_to_target=se,
-        predicted_s=pm.time_to_accuracy(segment.seconds_per_iteration, se),
+        predicted_s=pm.time_to_accuracy(he, se),
         error_vs_loss={"e0": ev.e0, "s": ev.s},
     )
     return out
@@ -194,7 +205,7 @@ def _plan_config(
             log(
                 "plan",
                 f"step η {cand.lr:g} → {steady.lr:g} at epoch {seg_epochs:.3f}",
-                "steady state preferred η/10 from the segment's snapshot",
+                "steady state preferred η/10 from the long run's snapshot",
             )
         else:
             log(
@@ -212,7 +223,10 @@ def _plan_config(
         max_epochs=t.max_epochs or 10.0,
         eval_every_samples=min(t.eval_every_samples or _PLAN_EVAL_EVERY, _PLAN_EVAL_EVERY),
     )
-    return cfg.replace(name=f"tuned {cand.shape()}", schedule=schedule, train=train)
+    name = f"tuned {cand.shape()} η={cand.lr:g} μ={cand.momentum:g}"
+    if schedule.kind == "step":
+        name += f" (η×{schedule.decay_factor:g} at epoch {schedule.decay_epochs[0]:g})"
+    return cfg.replace(name=name, schedule=schedule, train=train)
 
 
 def verify_plan(tune_dir: Path, progress: bool = True) -> dict[str, Any]:
@@ -431,16 +445,16 @@ def tune(
             )
 
     # ---- the long run of the best configuration ---------------------------------------
-    seg_wall = max(budget * (1 - _STEADY_SHARE) - elapsed(), 0.0)
-    seg_wall = min(seg_wall, max(budget * settings.segment_fraction, budget - elapsed() - 1))
-    seg_wall = max(seg_wall, 1.0)
+    seg_share = budget * settings.segment_fraction
+    reserve = budget * _STEADY_SHARE + 0.4 * seg_share  # steady state and the second run
+    seg_wall = max(0.6 * seg_share, budget - reserve - elapsed(), 1.0)
     eval_every = min(cfg.train.eval_every_samples or _PLAN_EVAL_EVERY, _PLAN_EVAL_EVERY)
     log(
         "segment",
         f"train {chosen.candidate.label()} from the initial weights",
         f"until {100 * cfg.train.target_accuracy:g}% test accuracy or {seg_wall:.0f} wall "
-        f"seconds, evaluating every {eval_every} samples (Omnivore's long run; it gives "
-        "the steady-state snapshot and the loss curve for the SE fit)",
+        f"seconds of training, evaluating every {eval_every} samples (Omnivore's long run; "
+        "it gives the steady-state snapshot and the loss curve for the SE fit)",
     )
     tick_bar("segment", chosen.candidate.label())
     segment, seg_summary = prober.segment(chosen.candidate, seg_wall, eval_every, "segment")
@@ -450,30 +464,72 @@ def tune(
         "segment",
         "reached the target" if seg_summary.get("reached") else "stopped before the target",
         f"best accuracy {seg_summary.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} "
-        f"epochs, {seg_summary.get('virtual_s', 0):.1f} simulated s, "
-        f"{seg_summary.get('train_wall_s', 0):.1f} wall s",
+        f"epochs, {seg_summary.get('virtual_s', 0):.2f} {clock} s, "
+        f"{seg_summary.get('train_wall_s', 0):.1f} wall s of training",
     )
+    segments = [segment]
+    summaries = [seg_summary]
 
-    # ---- steady state -------------------------------------------------------------------
+    # ---- steady state and the run after it ----------------------------------------------
     steady: Candidate | None = None
+    switch: Candidate | None = None
     if segment.diverged:
-        log("steady state", "skipped", "the segment diverged; no snapshot")
-    elif elapsed() >= budget:
-        log("steady state", "skipped", "search budget spent")
+        log("steady state", "skipped", "the long run diverged; no snapshot")
+    elif seg_summary.get("reached"):
+        log("steady state", "skipped", "the long run reached the target: the plan is that run")
     else:
-        search.out_of_budget = lambda: elapsed() >= budget
+        steady_end = elapsed() + budget * _STEADY_SHARE
+        search.out_of_budget = lambda: elapsed() >= steady_end
         steady = search.steady_state(chosen.candidate, "segment")
+        switch = dataclasses.replace(chosen.candidate, lr=steady.lr)
+        if switch != steady:
+            log(
+                "steady state",
+                f"continue with {switch.label()}",
+                f"steady state recommends {steady.label()}; a run config can change only η "
+                "mid-run (a step of the schedule), so the family, layout and μ stay",
+            )
+        wall2 = max(0.4 * seg_share, budget - elapsed(), 1.0)
+        left = max((cfg.train.max_epochs or 10.0) - seg_epochs, 0.01)
+        log(
+            "segment",
+            f"train {switch.label()} from the long run's snapshot",
+            f"until the target, {left:.2f} more epochs or {wall2:.0f} wall seconds of training "
+            "(the plan's second phase; it measures the time to accuracy with the step)",
+        )
+        tick_bar("segment 2", switch.label())
+        seg2, sum2 = prober.segment(
+            switch, wall2, eval_every, "segment2", snapshot="segment", max_epochs=left
+        )
+        tick_bar("segment 2")
+        segments.append(seg2)
+        summaries.append(sum2)
+        log(
+            "segment",
+            "reached the target" if sum2.get("reached") else "stopped before the target",
+            f"best accuracy {sum2.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} + "
+            f"{float(sum2.get('epochs', 0) or 0):.3f} epochs",
+        )
+    measured_chain = None
+    last = summaries[-1]
+    if last.get("reached"):
+        key = "time_to_accuracy_virtual_s" if prober.simulated else "time_to_accuracy_s"
+        earlier = sum(
+            float(x.get("virtual_s" if prober.simulated else "train_wall_s", 0) or 0)
+            for x in summaries[:-1]
+        )
+        measured_chain = earlier + float(last[key])
 
     # ---- plan, prediction, report ---------------------------------------------------------
-    plan = _plan_config(cfg, chosen.candidate, steady, seg_epochs, log)
+    plan = _plan_config(cfg, chosen.candidate, switch, seg_epochs, log)
     (out / "plan.toml").write_text(plan.to_toml())
-    prediction = predict_plan(segment, search.results, cfg.train.target_accuracy)
+    prediction = predict_plan(segments, cfg.train.target_accuracy)
+    prediction["tuner_measured_s"] = measured_chain
     log(
         "plan",
-        f"plan {chosen.candidate.label()}: predicted time to accuracy "
-        f"{prediction['predicted_s']:.2f} {clock} s",
+        f"plan {plan.name}: predicted time to accuracy {prediction['predicted_s']:.2f} {clock} s",
         f"HE {prediction['seconds_per_iteration'] * 1e3:.3f} ms per iteration (measured in the "
-        f"segment) × SE {prediction['iterations_to_target']:.0f} iterations (fitted loss "
+        f"long runs) × SE {prediction['iterations_to_target']:.0f} iterations (fitted loss "
         f"curve reaching the target loss {prediction['target_loss']:.4f})",
     )
     # what the model expects on larger clusters (simulated runtime only)
@@ -525,9 +581,13 @@ def tune(
         "noise_scale": noise,
         "chosen": dataclasses.asdict(chosen.candidate),
         "chosen_label": chosen.candidate.label(),
+        "plan_name": plan.name,
+        "plan_schedule": dataclasses.asdict(plan.schedule),
         "steady_state": None if steady is None else steady.label(),
         "prediction": prediction,
-        "segment": {**segment.to_json(), "summary": seg_summary},
+        "segments": [
+            {**sg.to_json(), "summary": sm} for sg, sm in zip(segments, summaries, strict=True)
+        ],
         "probes": [r.to_json() for r in search.results],
         "best_by_g": {str(g): r.candidate.label() for g, r in search.best_by_g.items()},
         "ranking": [{"label": c.label(), "predicted_relative": t} for t, c in ranked],
