@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 
 def _env() -> dict[str, str]:
@@ -41,12 +42,12 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run_ddp(out: Path, eval_every: int) -> dict:
+def run_ddp(out: Path, eval_every: int, target: float = 0.9) -> dict:
     res = out / "ddp.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "bench" / "ddp_baseline.py"), "--batch", "64", "--lr", "0.05",
-        "--momentum", "0.9", "--target", "0.9", "--eval-every", str(eval_every),
+        "--momentum", "0.9", "--target", str(target), "--eval-every", str(eval_every),
         "--out", str(res),
     ]  # fmt: skip
     t0 = time.perf_counter()
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/out/tune_vs_ddp"))
     ap.add_argument("--results", type=Path, default=Path("bench/results/tune_vs_ddp"))
     ap.add_argument("--skip-ddp", action="store_true", help="reuse OUT/ddp.json")
+    ap.add_argument("--ddp-target", type=float, default=0.9, help="(smoke tests only)")
     args = ap.parse_args()
     out = args.out
     if out.exists() and not args.skip_ddp:
@@ -74,19 +76,36 @@ def main() -> None:
     ddp = (
         json.loads((out / "ddp.json").read_text())
         if args.skip_ddp
-        else run_ddp(out, args.eval_every)
+        else run_ddp(out, args.eval_every, args.ddp_target)
     )
     print(f"DDP: {ddp['time_to_accuracy_s']} s to {ddp['target_accuracy']}", flush=True)
 
+    # The simulated devices run at the speed the DDP processes actually ran in this run:
+    # the configured one-thread profile scaled so one minibatch of 64 takes DDP's measured
+    # seconds per step (which include its all-reduce, so the simulated device is if
+    # anything slower than DDP's).
+    from distsgd.config import RunConfig  # noqa: PLC0415
+
+    base = RunConfig.from_toml(args.config)
+    per_step = ddp["time_to_accuracy_s"] / (ddp["samples_to_accuracy"] / ddp["global_batch"])
+    quiet = base.cluster.seconds_per_batch + 64 * base.cluster.seconds_per_sample
+    scale = per_step / quiet if quiet > 0 else 1.0
+    profile = [
+        f"cluster.seconds_per_batch={base.cluster.seconds_per_batch * scale}",
+        f"cluster.seconds_per_sample={base.cluster.seconds_per_sample * scale}",
+        # probes keep the length in iterations they have on the configured profile
+        f"tune.probe_seconds={base.tune.probe_seconds * scale}",
+    ]
+    print(f"DDP seconds per step {per_step * 1e3:.2f} ms; device profile × {scale:.3f}", flush=True)
     tune_dir = out / "tune"
     if tune_dir.exists():
         shutil.rmtree(tune_dir)
     t0 = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-m", "distsgd", "tune", args.config, "--budget", args.budget,
-         "--out", str(tune_dir), "--quiet"],
-        check=True, env=_env(), cwd=ROOT,
-    )  # fmt: skip
+    cmd = [sys.executable, "-m", "distsgd", "tune", args.config, "--budget", args.budget,
+           "--out", str(tune_dir), "--quiet"]  # fmt: skip
+    for o in profile:
+        cmd += ["--set", o]
+    subprocess.run(cmd, check=True, env=_env(), cwd=ROOT)
     tuning_wall = time.perf_counter() - t0
     state = json.loads((tune_dir / "tune.json").read_text())
 
@@ -126,6 +145,11 @@ def main() -> None:
         "",
         f"Machine load (1/5/15 min) before: {load_before}; after: {load_after}.",
         "",
+        f"DDP ran at {per_step * 1e3:.2f} ms per step (2 × 64 samples); the simulated devices "
+        f"were given the config's one-thread profile × {scale:.3f} so that a minibatch of 64 "
+        "takes exactly that long (the simulated time is then on devices as fast as DDP's "
+        "processes were in this run).",
+        "",
         "| what | reached | time to 90% | samples to 90% | note |",
         "|---|---|---|---|---|",
         f"| DDP baseline, 2 processes × 1 thread, batch 2×64, lr 0.05, μ 0.9 | "
@@ -158,6 +182,8 @@ def main() -> None:
                 "ddp": {k: v for k, v in ddp.items() if k != "history"},
                 "plan_summary": plan,
                 "tuning_wall_s": tuning_wall,
+                "ddp_seconds_per_step": per_step,
+                "profile_scale": scale,
                 "predicted_s": pred,
                 "load_before": load_before,
                 "load_after": load_after,

@@ -174,7 +174,7 @@ def test_steady_state_halves_groups_while_best_momentum_is_zero():
     assert all(s == "segment" for *_, s in probe.calls)
     # each round probes μ × {η, η/10}
     assert [c[:3] for c in probe.calls[:8]] == [
-        (8, lr, mu) for lr in (0.01, 0.001) for mu in (0.9, 0.6, 0.3, 0.0)
+        (8, lr, mu) for mu in (0.9, 0.6, 0.3, 0.0) for lr in (0.01, 0.001)
     ]
     halvings = [e["decision"] for e in search.log.entries if "halve" in e["decision"]]
     assert halvings == [

@@ -446,8 +446,10 @@ class OmnivoreSearch:
         cand = current
         while True:
             results = []
-            for lr in (cand.lr, cand.lr / 10):
-                for mu in sorted(s.momenta, reverse=True):
+            # μ from large to small, both η at each μ: a budget cut short still compares
+            # η with η/10
+            for mu in sorted(s.momenta, reverse=True):
+                for lr in (cand.lr, cand.lr / 10):
                     r = self._run("steady state", replace(cand, lr=lr, momentum=mu), snapshot)
                     if r is not None:
                         results.append(r)
