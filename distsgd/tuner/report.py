@@ -100,7 +100,8 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
                     ax.text(xi, 0, "n/a", ha="center", va="bottom", fontsize=7)
             ax.set_xticks(x, [r["shape"] for r in rows], rotation=60, ha="right", fontsize=7)
             ax.set_ylabel(ylabel)
-            ax.set_yscale("log") if all(v > 0 for v in vals) else None
+            if all(v > 0 for v in vals) and max(vals) > 20 * min(vals):
+                ax.set_yscale("log")  # values spanning orders of magnitude
             ax.grid(alpha=0.3, axis="y")
         axes[1].set_title("the tradeoff space: HE × SE = time to accuracy (best η, μ per shape)")
         fig.tight_layout()
