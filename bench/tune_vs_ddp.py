@@ -65,6 +65,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/out/tune_vs_ddp"))
     ap.add_argument("--results", type=Path, default=Path("bench/results/tune_vs_ddp"))
     ap.add_argument("--skip-ddp", action="store_true", help="reuse OUT/ddp.json")
+    ap.add_argument(
+        "--tune-dir",
+        default=None,
+        help="reuse this finished tune (its tune.json, plan.toml and tuning time) instead of tuning",
+    )
     ap.add_argument("--ddp-target", type=float, default=0.9, help="(smoke tests only)")
     args = ap.parse_args()
     out = args.out
@@ -97,17 +102,25 @@ def main() -> None:
         f"tune.probe_seconds={base.tune.probe_seconds * scale}",
     ]
     print(f"DDP seconds per step {per_step * 1e3:.2f} ms; device profile × {scale:.3f}", flush=True)
-    tune_dir = out / "tune"
-    if tune_dir.exists():
-        shutil.rmtree(tune_dir)
-    t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "distsgd", "tune", args.config, "--budget", args.budget,
-           "--out", str(tune_dir), "--quiet"]  # fmt: skip
-    for o in profile:
-        cmd += ["--set", o]
-    subprocess.run(cmd, check=True, env=_env(), cwd=ROOT)
-    tuning_wall = time.perf_counter() - t0
-    state = json.loads((tune_dir / "tune.json").read_text())
+    if args.tune_dir:  # reuse a finished tune: its plan runs on its own device profile
+        tune_dir = Path(args.tune_dir)
+        state = json.loads((tune_dir / "tune.json").read_text())
+        tuning_wall = state["tuning_wall_s"]
+    else:
+        tune_dir = out / "tune"
+        if tune_dir.exists():
+            shutil.rmtree(tune_dir)
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "distsgd", "tune", args.config, "--budget", args.budget,
+               "--out", str(tune_dir), "--quiet"]  # fmt: skip
+        for o in profile:
+            cmd += ["--set", o]
+        subprocess.run(cmd, check=True, env=_env(), cwd=ROOT)
+        tuning_wall = time.perf_counter() - t0
+        state = json.loads((tune_dir / "tune.json").read_text())
+    prof = state["device_profile"]
+    plan_step = prof["seconds_per_batch"] + 64 * prof["seconds_per_sample"]
+    speed = per_step / plan_step  # > 1: DDP's processes were slower than the plan's devices
 
     plan_dir = out / "plan"
     if plan_dir.exists():
@@ -141,7 +154,8 @@ def main() -> None:
         "",
         "Command (one run, side by side):",
         "",
-        f"    flock /tmp/distsgd-bench.lock python bench/tune_vs_ddp.py --budget {args.budget}",
+        "    flock /tmp/distsgd-bench.lock python bench/tune_vs_ddp.py "
+        + (f"--tune-dir {args.tune_dir}" if args.tune_dir else f"--budget {args.budget}"),
         "",
         f"Machine load (1/5/15 min) before: {load_before}; after: {load_after}.",
         "",
@@ -159,12 +173,17 @@ def main() -> None:
         f"{plan['reached']} | **{s(sim_t, '.2f')} s simulated** | "
         f"{plan['samples_to_accuracy']} | {s(wall_t)} s wall of one-process simulation "
         f"(all learners in turn) |",
-        f"| tuning (`distsgd tune --budget {args.budget}`) | | {tuning_wall:.1f} s wall | | "
+        f"| tuning (`distsgd tune`, budget {state['budget_s']:.0f} s) | | {tuning_wall:.1f} s wall | | "
         f"{len(state['probes'])} probes + 1 long run |",
         "",
         f"- **Ratio plan / DDP: {ratio(sim_t, ddp_t)}** (simulated seconds of the plan on two "
         "simulated one-thread devices over DDP's wall seconds on two one-thread processes; "
         "target ≤ 0.5).",
+        f"- Device speed: DDP ran at {per_step * 1e3:.2f} ms per step of 64 samples per "
+        f"process; the plan's simulated devices take {plan_step * 1e3:.2f} ms for 64 samples "
+        f"(factor {speed:.3f}). Plan / DDP with the plan's time rescaled to DDP's device "
+        f"speed: **{ratio((sim_t or 0) * speed, ddp_t) if sim_t else '-'}** (compute scales "
+        "with the factor; the simulated network does not, so this is approximate).",
         f"- Ratio of the one-process simulation's wall time to DDP: {ratio(wall_t, ddp_t)}.",
         f"- Ratio (tuning + plan in simulated time) / DDP: "
         f"{ratio((sim_t or 0) + tuning_wall, ddp_t) if sim_t else '-'} (tuning is wall time).",
@@ -184,6 +203,8 @@ def main() -> None:
                 "tuning_wall_s": tuning_wall,
                 "ddp_seconds_per_step": per_step,
                 "profile_scale": scale,
+                "speed_factor": speed,
+                "tune_dir": str(tune_dir),
                 "predicted_s": pred,
                 "load_before": load_before,
                 "load_after": load_after,
