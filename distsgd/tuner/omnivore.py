@@ -220,7 +220,7 @@ class DecisionLog:
         self.entries.append(entry)
         if self.path is not None:
             with self.path.open("a") as f:
-                f.write(json.dumps(entry, default=str) + "\n")
+                f.write(json.dumps(entry, default=str, ensure_ascii=False) + "\n")
         if self.echo is not None:
             self.echo(f"[{phase}] {decision} — {reason}")
 
