@@ -341,3 +341,38 @@ def test_prediction_recovers_the_time_of_a_known_run():
     # SE = (A / (L* − L_inf))^(1/β) amplifies that 1% about (L*/(L* − L_inf))/β ≈ 9×
     assert pred["iterations_to_target"] == pytest.approx(expected_it, rel=0.1)
     assert pred["predicted_s"] == pytest.approx(he * pred["iterations_to_target"])
+
+
+def test_candidate_config_maps_every_family_to_a_valid_run_config():
+    from distsgd.tuner.probes import candidate_config
+
+    base = small_config(
+        protocol={"num_learners": 4}, schedule={"kind": "step", "decay_epochs": [1.0]}
+    )
+    cases = {
+        Candidate("hardsync", 4, 8, 0.1, 0.9): ("hardsync", {}),
+        Candidate("compute_groups", 4, 8, 0.1, 0.6, num_groups=2): (
+            "compute_groups",
+            {"num_groups": 2, "staleness_lr": "none", "momentum_compensation": False},
+        ),
+        Candidate("softsync", 4, 8, 0.1, 0.9, softsync=2): (
+            "parameter_server",
+            {"mode": "softsync", "softsync": 2, "staleness_lr": "softsync"},
+        ),
+        Candidate("sma", 8, 8, 0.1, 0.0, replicas_per_device=2): (
+            "sma",
+            {"replicas_per_device": 2, "alpha": 0.0},
+        ),
+    }
+    for cand, (name, fields) in cases.items():
+        cfg = candidate_config(base, cand)
+        p = cfg.protocol
+        assert p.name == name
+        assert (p.num_learners, p.batch_size) == (cand.num_learners, cand.batch_size)
+        assert (cfg.optimizer.lr, cfg.optimizer.momentum) == (cand.lr, cand.momentum)
+        assert cfg.schedule.kind == "constant"  # probes run at one η
+        for k, v in fields.items():
+            assert getattr(p, k) == v, (name, k)
+        import tomllib
+
+        assert RunConfig.from_dict(tomllib.loads(cfg.to_toml())) == cfg
