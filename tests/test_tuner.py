@@ -4,6 +4,7 @@ accepts as is."""
 
 import json
 import math
+import tomllib
 
 import pytest
 import torch
@@ -373,6 +374,4 @@ def test_candidate_config_maps_every_family_to_a_valid_run_config():
         assert cfg.schedule.kind == "constant"  # probes run at one η
         for k, v in fields.items():
             assert getattr(p, k) == v, (name, k)
-        import tomllib
-
-        assert RunConfig.from_dict(tomllib.loads(cfg.to_toml())) == cfg
+        assert RunConfig.from_dict(tomllib.loads(cfg.to_toml())) == cfg  # round trip
