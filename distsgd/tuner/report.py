@@ -122,7 +122,8 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
     ax.plot([], [], "k:", label="steady-state probes (from the segment's snapshot)")
     ax.set_xlabel(f"{clock} seconds since the probe's snapshot")
     ax.set_ylabel("training loss (per tick)")
-    ax.set_ylim(0, None)
+    ok = [x for p in state["probes"] if not p["diverged"] for x in p["losses"] if x is not None]
+    ax.set_ylim(0, 1.05 * max(ok) if ok else None)  # a diverged probe would hide the rest
     ax.set_title(f"every probe's loss curve ({len(state['probes'])} probes; x = diverged)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
