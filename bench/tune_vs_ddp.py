@@ -159,10 +159,16 @@ def main() -> None:
         "",
         f"Machine load (1/5/15 min) before: {load_before}; after: {load_after}.",
         "",
-        f"DDP ran at {per_step * 1e3:.2f} ms per step (2 × 64 samples); the simulated devices "
-        f"were given the config's one-thread profile × {scale:.3f} so that a minibatch of 64 "
-        "takes exactly that long (the simulated time is then on devices as fast as DDP's "
-        "processes were in this run).",
+        (
+            f"DDP ran at {per_step * 1e3:.2f} ms per step (2 × 64 samples). The plan runs on "
+            f"the tune's own device profile ({plan_step * 1e3:.2f} ms per 64 samples, from "
+            f"{tune_dir / 'tune.json'}); compare with the speed-adjusted ratio below."
+            if args.tune_dir
+            else f"DDP ran at {per_step * 1e3:.2f} ms per step (2 × 64 samples); the simulated "
+            f"devices were given the config's one-thread profile × {scale:.3f} so that a "
+            "minibatch of 64 takes exactly that long (the simulated time is then on devices "
+            "as fast as DDP's processes were in this run)."
+        ),
         "",
         "| what | reached | time to 90% | samples to 90% | note |",
         "|---|---|---|---|---|",
