@@ -94,6 +94,53 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from distsgd.config import RunConfig
+    from distsgd.tuner.tune import parse_budget, tune, verify_plan
+
+    if args.verify_only:
+        if args.config or args.out or args.verify:
+            raise ValueError("--verify-only DIR takes no config, --out or --verify")
+        state = verify_plan(Path(args.verify_only), progress=not args.quiet)
+        _print_tune(state, Path(args.verify_only))
+        return 0
+    if args.config is None:
+        raise ValueError("distsgd tune needs a CONFIG.toml (or --verify-only DIR)")
+    budget = parse_budget(args.budget) if args.budget is not None else None
+    overrides = list(args.set)
+    if args.runtime:
+        overrides.append(f"runtime={args.runtime}")
+    cfg = RunConfig.from_toml(args.config, overrides)
+    out = Path(args.out) if args.out else Path("runs") / ("tune-" + Path(args.config).stem)
+    args.out_dir = out
+    state = tune(cfg, out, budget_s=budget, progress=not args.quiet, verify=args.verify)
+    _print_tune(state, out)
+    return 0
+
+
+def _print_tune(state: dict[str, Any], out: Path) -> None:
+    pred = state["prediction"].get("predicted_s")
+    clock = state["clock"]
+    lines = [
+        f"plan          {state.get('plan_name') or state['chosen_label']} ({out / 'plan.toml'})",
+        f"predicted     time to accuracy {_fmt_s(pred)} {clock}",
+        f"tuning        {state['tuning_wall_s']:.1f} s wall, {len(state['probes'])} probes",
+    ]
+    v = state.get("verify")
+    if v:
+        lines.append(
+            f"measured      time to accuracy {_fmt_s(v['measured_s'])} {clock} "
+            f"(reached: {v['reached']}; predicted/measured "
+            + (
+                f"{v['ratio_predicted_to_measured']:.3f})"
+                if v["ratio_predicted_to_measured"]
+                else "-)"
+            )
+        )
+    lines.append(f"report        {out / 'report.md'}")
+    print("\n".join(lines))
+
+
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -167,6 +214,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="report", help="report folder (default report/, created if missing)"
     )
     r.set_defaults(func=_cmd_report)
+    u = sub.add_parser(
+        "tune",
+        help="search protocol, layout, batch size, learning rate and momentum for the least "
+        "time to accuracy (Omnivore's optimizer and a performance model)",
+    )
+    u.add_argument("config", nargs="?", default=None, help="base TOML config ([tune] settings)")
+    u.add_argument(
+        "--budget", default=None, help="search budget, e.g. 90s, 10m, 1h (default tune.budget_s)"
+    )
+    u.add_argument(
+        "--runtime", default=None, help="runtime the probes run on: sim (default) or dist"
+    )
+    u.add_argument("--out", default=None, help="tune directory (default runs/tune-<config>)")
+    u.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting"
+    )
+    u.add_argument(
+        "--verify", action="store_true", help="train the plan afterwards and add the measured point"
+    )
+    u.add_argument(
+        "--verify-only",
+        default=None,
+        metavar="TUNE_DIR",
+        help="train TUNE_DIR/plan.toml and add its measured time to accuracy to the report",
+    )
+    u.add_argument("--quiet", action="store_true", help="no progress bar or decision lines")
+    u.set_defaults(func=_cmd_tune)
     return parser
 
 

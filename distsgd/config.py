@@ -30,6 +30,7 @@ __all__ = [
     "ClusterConfig",
     "TrainConfig",
     "DistConfig",
+    "TuneConfig",
     "RunConfig",
     "PROTOCOLS",
     "DATASETS",
@@ -359,6 +360,9 @@ class TrainConfig:
         max_samples: budget in training samples (0: no limit); a run stops at the first
             iteration (or push) that reaches it, so it may overshoot by less than one.
         max_seconds: budget in wall seconds of training (0: no limit).
+        max_virtual_seconds: budget in simulated seconds on the virtual clock of the
+            ``sim`` runtime (0: no limit); the run stops at the first tick that reaches it.
+            The tuner's probes use it for equal-time probes (SPEC.md §3).
         eval_every_samples: evaluate the model on the full test set every this many
             training samples (0: once per epoch).
         eval_batch_size: batch size of evaluation, in samples.
@@ -376,6 +380,7 @@ class TrainConfig:
     max_epochs: float = 10.0
     max_samples: int = 0
     max_seconds: float = 0.0
+    max_virtual_seconds: float = 0.0
     eval_every_samples: int = 15000
     eval_batch_size: int = 128
     checkpoint_every_evals: int = 1
@@ -389,10 +394,12 @@ class TrainConfig:
         _check_float("train.max_epochs", self.max_epochs, 0.0)
         _check_int("train.max_samples", self.max_samples, 0)
         _check_float("train.max_seconds", self.max_seconds, 0.0)
+        _check_float("train.max_virtual_seconds", self.max_virtual_seconds, 0.0)
         if (
             self.max_epochs == 0
             and self.max_samples == 0
             and self.max_seconds == 0
+            and self.max_virtual_seconds == 0
             and (self.target_accuracy == 0 or not self.stop_at_target)
         ):
             _fail(
@@ -490,6 +497,94 @@ def _layout_hint(cfg: RunConfig, n: int) -> str:
     return ""
 
 
+TUNE_FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")
+
+
+def _check_list(key: str, value: Any, kind: type, minimum: float, maximum: float) -> None:
+    if (
+        not isinstance(value, list)
+        or not value
+        or any(
+            not isinstance(v, int | float if kind is float else kind)
+            or isinstance(v, bool)
+            or not minimum <= v <= maximum
+            for v in value
+        )
+    ):
+        what = "integers" if kind is int else "numbers"
+        _fail(key, value, f"a non-empty list of {what} in [{minimum}, {maximum}]")
+
+
+@dataclass
+class TuneConfig:
+    """Settings of ``distsgd tune``, the Omnivore optimizer (SPEC.md §3) and its joint search.
+
+    Attributes:
+        budget_s: search budget in wall seconds (``--budget`` overrides it); the search
+            stops probing when it is spent and plans with what it has.
+        probe_seconds: length of every probe: simulated seconds on the virtual clock of the
+            ``sim`` runtime (equal-time probes in simulated time), wall seconds on real
+            processes.
+        score_window: a probe's score is the mean of its last this many training losses
+            (Omnivore: 10).
+        lrs: the cold-start learning-rate grid η at g = 1 (Omnivore: 0.1 … 0.0001).
+        momenta: the momentum grid μ for g > 1 and in steady state (Omnivore: 0, .3, .6, .9).
+        cold_momentum: μ probed at g = 1 (Omnivore: 0.9).
+        max_groups: largest number of compute groups g tried (0: up to λ).
+        tie_buffer: scores within this relative distance of the best tie; ties prefer
+            larger η, then larger μ (Omnivore: 1% in steady state).
+        he_gain: more groups are accepted only if seconds per iteration improve by at
+            least this fraction (Omnivore: 10%).
+        families: protocol families of the joint search beyond Omnivore's groups:
+            ``hardsync``, ``compute_groups``, ``softsync`` (n-softsync, parameter server),
+            ``sma`` (k replicas per device).
+        batch_sizes: per-learner batch sizes of the joint search.
+        extra_probes: unprobed configurations of the joint search probed, best predicted
+            first (0: Omnivore's search only).
+        segment_fraction: share of the budget for the long run of the best configuration
+            (Omnivore's "run for a long period with snapshots") before steady state.
+        noise_scale: B_noise of the batch-size law in samples (0: estimate from probes).
+    """
+
+    budget_s: float = 600.0
+    probe_seconds: float = 2.0
+    score_window: int = 10
+    lrs: list[float] = field(default_factory=lambda: [0.1, 0.01, 0.001, 0.0001])
+    momenta: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.6, 0.9])
+    cold_momentum: float = 0.9
+    max_groups: int = 0
+    tie_buffer: float = 0.01
+    he_gain: float = 0.1
+    families: list[str] = field(default_factory=lambda: list(TUNE_FAMILIES))
+    batch_sizes: list[int] = field(default_factory=lambda: [16, 32, 64])
+    extra_probes: int = 3
+    segment_fraction: float = 0.35
+    noise_scale: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_float("tune.budget_s", self.budget_s, 0.0, min_inclusive=False)
+        _check_float("tune.probe_seconds", self.probe_seconds, 0.0, min_inclusive=False)
+        _check_int("tune.score_window", self.score_window, 1)
+        _check_list("tune.lrs", self.lrs, float, 1e-8, 10.0)
+        _check_list("tune.momenta", self.momenta, float, 0.0, 0.99)
+        _check_float("tune.cold_momentum", self.cold_momentum, 0.0, 0.99)
+        _check_int("tune.max_groups", self.max_groups, 0)
+        _check_float("tune.tie_buffer", self.tie_buffer, 0.0, 1.0)
+        _check_float("tune.he_gain", self.he_gain, 0.0, 1.0)
+        if (
+            not isinstance(self.families, list)
+            or not self.families
+            or any(f not in TUNE_FAMILIES for f in self.families)
+        ):
+            _fail(
+                "tune.families", self.families, "a non-empty list from " + ", ".join(TUNE_FAMILIES)
+            )
+        _check_list("tune.batch_sizes", self.batch_sizes, int, 1, 65536)
+        _check_int("tune.extra_probes", self.extra_probes, 0)
+        _check_float("tune.segment_fraction", self.segment_fraction, 0.0, 0.9)
+        _check_float("tune.noise_scale", self.noise_scale, 0.0)
+
+
 _SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
@@ -499,6 +594,7 @@ _SECTIONS: dict[str, type] = {
     "cluster": ClusterConfig,
     "train": TrainConfig,
     "dist": DistConfig,
+    "tune": TuneConfig,
 }
 
 
@@ -522,6 +618,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
     def __post_init__(self) -> None:
         _check_choice("runtime", self.runtime, RUNTIMES)

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from distsgd.metrics import MetricsWriter, TensorBoardWriter, write_json
 from distsgd.models import build_model
 from distsgd.protocols import build_protocol
 from distsgd.protocols.base import AsynchronousProtocol
-from distsgd.runtime.sim import DeviceProfile, SimRuntime, TrainingDiverged, calibrate
+from distsgd.runtime.sim import DeviceProfile, SimRuntime, Tick, TrainingDiverged, calibrate
 
 __all__ = ["train", "Trainer", "CHECKPOINT_FORMAT"]
 
@@ -66,6 +67,13 @@ class Trainer:
         cfg: the run's configuration.
         out_dir: run directory (created if missing).
         progress: show a progress bar on stderr.
+        initial_weights: start from these weights ``[P]`` (e.g. a tuner snapshot) instead
+            of the model's seeded initialisation; protocol state (momentum, versions)
+            starts fresh.
+        on_tick: called after every tick with the :class:`~distsgd.runtime.sim.Tick` and
+            the trainer (e.g. to record every training loss of a tuner probe).
+        evaluate: evaluate on the test set (False: no evaluations and no metrics
+            records, e.g. for a tuner probe that only needs its training losses).
 
     Raises:
         ConfigError: ``out_dir`` already holds a run (and not resuming), or a resumed
@@ -75,11 +83,23 @@ class Trainer:
             checkpoint is kept).
     """
 
-    def __init__(self, cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        out_dir: str | Path,
+        progress: bool = True,
+        *,
+        initial_weights: torch.Tensor | None = None,
+        on_tick: Callable[[Tick, Trainer], None] | None = None,
+        evaluate: bool = True,
+    ) -> None:
         self.cfg = cfg
         self.out_dir = Path(out_dir)
         self.progress = progress
         self.is_writer = True  # the dist runtime: rank 0 (coordinating server) only
+        self.initial_weights = initial_weights
+        self.on_tick = on_tick
+        self.evaluate = evaluate
 
     # ---- set-up ------------------------------------------------------------------------
     def _build(self) -> None:
@@ -120,7 +140,15 @@ class Trainer:
         )
         torch.manual_seed(cfg.train.seed)  # same seed => same initial weights
         self.engine = GradientEngine(build_model(cfg.model.name, shape, classes))
-        self.protocol = build_protocol(cfg, self.engine.initial_weights())
+        initial = self.engine.initial_weights()
+        if self.initial_weights is not None:
+            if self.initial_weights.shape != initial.shape:
+                raise ConfigError(
+                    f"initial weights have shape {tuple(self.initial_weights.shape)}, the "
+                    f"model {cfg.model.name!r} has {tuple(initial.shape)}"
+                )
+            initial = self.initial_weights.to(initial.dtype).clone()
+        self.protocol = build_protocol(cfg, initial)
         p = cfg.protocol
         k = p.replicas_per_device if p.name in ("sma", "local_sgd") else 1
         self.runtime = SimRuntime(
@@ -460,10 +488,13 @@ class Trainer:
             while True:
                 budget_hit = budget is not None and rt.samples >= budget
                 time_hit = t.max_seconds > 0 and c["train_wall_s"] >= t.max_seconds
-                if is_dist and t.max_seconds > 0:
+                time_hit = time_hit or (
+                    t.max_virtual_seconds > 0 and rt.virtual_time >= t.max_virtual_seconds
+                )
+                if is_dist and (t.max_seconds > 0 or t.max_virtual_seconds > 0):
                     time_hit = rt.any_rank(time_hit)
                 if rt.samples >= next_eval or budget_hit or time_hit:
-                    if rt.samples != last_eval_samples:
+                    if rt.samples != last_eval_samples and self.evaluate:
                         record = self._evaluate()
                         last_eval_samples = rt.samples
                         if record is not None and metrics is not None:
@@ -483,7 +514,11 @@ class Trainer:
                     elif budget_hit:
                         c["stop_reason"] = "max_epochs/max_samples"
                     elif time_hit:
-                        c["stop_reason"] = "max_seconds"
+                        c["stop_reason"] = (
+                            "max_seconds"
+                            if t.max_seconds > 0 and c["train_wall_s"] >= t.max_seconds
+                            else "max_virtual_seconds"
+                        )
                     if is_dist:
                         c["stop_reason"] = rt.share(c["stop_reason"])
                     c["next_eval"] = next_eval
@@ -499,6 +534,8 @@ class Trainer:
                 c["train_wall_s"] += time.perf_counter() - t0
                 c["loss_sum"] += sum(tick.losses)
                 c["loss_count"] += len(tick.losses)
+                if self.on_tick is not None:
+                    self.on_tick(tick, self)
                 bar.update(
                     tick.samples if budget is None else max(0, min(tick.samples, budget - bar.n))
                 )
@@ -595,6 +632,7 @@ RESUMABLE_SETTINGS = frozenset(
         "max_epochs",
         "max_samples",
         "max_seconds",
+        "max_virtual_seconds",
         "checkpoint_every_evals",
         "num_threads",
         "stop_at_target",

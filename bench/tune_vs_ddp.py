@@ -1,0 +1,225 @@
+"""Tuned plan vs the DDP baseline: time to 90% test accuracy on Fashion-MNIST ``cnn``,
+side by side in one run, with the tuning time next to it.
+
+1. the baseline: plain PyTorch DDP (``bench/ddp_baseline.py``), 2 processes × 1 thread,
+   global batch 128, lr 0.05, momentum 0.9, launched with ``torch.distributed.run``;
+2. ``distsgd tune CONFIG --budget B`` on the simulated runtime (2 simulated devices with
+   this machine's one-thread device profile);
+3. ``distsgd train plan.toml``: its time to accuracy in **simulated** seconds (2 devices)
+   and the **wall** seconds the one-process simulation took, both reported, labelled.
+
+Writes ``RESULTS/README.md`` (table, ratios, predicted vs measured time to accuracy,
+machine load) and copies the tune report, its figures, ``plan.toml`` and
+``decisions.jsonl`` beside it.
+
+    flock /tmp/distsgd-bench.lock python bench/tune_vs_ddp.py --budget 10m \\
+        --out bench/out/tune_vs_ddp --results bench/results/tune_vs_ddp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_ddp(out: Path, eval_every: int, target: float = 0.9) -> dict:
+    res = out / "ddp.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(ROOT / "bench" / "ddp_baseline.py"), "--batch", "64", "--lr", "0.05",
+        "--momentum", "0.9", "--target", str(target), "--eval-every", str(eval_every),
+        "--out", str(res),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=_env(), cwd=ROOT)
+    r = json.loads(res.read_text())
+    r["launcher_wall_s"] = time.perf_counter() - t0
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="tuned plan vs DDP, time to 90%")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tune_fashion_mnist.toml"))
+    ap.add_argument("--budget", default="10m")
+    ap.add_argument("--eval-every", type=int, default=5000)
+    ap.add_argument("--out", type=Path, default=Path("bench/out/tune_vs_ddp"))
+    ap.add_argument("--results", type=Path, default=Path("bench/results/tune_vs_ddp"))
+    ap.add_argument("--skip-ddp", action="store_true", help="reuse OUT/ddp.json")
+    ap.add_argument(
+        "--tune-dir",
+        default=None,
+        help="reuse this finished tune (its tune.json, plan.toml and tuning time) instead of tuning",
+    )
+    ap.add_argument("--ddp-target", type=float, default=0.9, help="(smoke tests only)")
+    args = ap.parse_args()
+    out = args.out
+    if out.exists() and not args.skip_ddp:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    load_before = _load()
+
+    ddp = (
+        json.loads((out / "ddp.json").read_text())
+        if args.skip_ddp
+        else run_ddp(out, args.eval_every, args.ddp_target)
+    )
+    print(f"DDP: {ddp['time_to_accuracy_s']} s to {ddp['target_accuracy']}", flush=True)
+
+    # The simulated devices run at the speed the DDP processes actually ran in this run:
+    # the configured one-thread profile scaled so one minibatch of 64 takes DDP's measured
+    # seconds per step (which include its all-reduce, so the simulated device is if
+    # anything slower than DDP's).
+    from distsgd.config import RunConfig  # noqa: PLC0415
+
+    base = RunConfig.from_toml(args.config)
+    per_step = ddp["time_to_accuracy_s"] / (ddp["samples_to_accuracy"] / ddp["global_batch"])
+    quiet = base.cluster.seconds_per_batch + 64 * base.cluster.seconds_per_sample
+    scale = per_step / quiet if quiet > 0 else 1.0
+    profile = [
+        f"cluster.seconds_per_batch={base.cluster.seconds_per_batch * scale}",
+        f"cluster.seconds_per_sample={base.cluster.seconds_per_sample * scale}",
+        # probes keep the length in iterations they have on the configured profile
+        f"tune.probe_seconds={base.tune.probe_seconds * scale}",
+    ]
+    print(f"DDP seconds per step {per_step * 1e3:.2f} ms; device profile × {scale:.3f}", flush=True)
+    if args.tune_dir:  # reuse a finished tune: its plan runs on its own device profile
+        tune_dir = Path(args.tune_dir)
+        state = json.loads((tune_dir / "tune.json").read_text())
+        tuning_wall = state["tuning_wall_s"]
+    else:
+        tune_dir = out / "tune"
+        if tune_dir.exists():
+            shutil.rmtree(tune_dir)
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "distsgd", "tune", args.config, "--budget", args.budget,
+               "--out", str(tune_dir), "--quiet"]  # fmt: skip
+        for o in profile:
+            cmd += ["--set", o]
+        subprocess.run(cmd, check=True, env=_env(), cwd=ROOT)
+        tuning_wall = time.perf_counter() - t0
+        state = json.loads((tune_dir / "tune.json").read_text())
+    prof = state["device_profile"]
+    plan_step = prof["seconds_per_batch"] + 64 * prof["seconds_per_sample"]
+    speed = per_step / plan_step  # > 1: DDP's processes were slower than the plan's devices
+
+    plan_dir = out / "plan"
+    if plan_dir.exists():
+        shutil.rmtree(plan_dir)
+    subprocess.run(
+        [sys.executable, "-m", "distsgd", "train", str(tune_dir / "plan.toml"),
+         "--out", str(plan_dir), "--quiet"],
+        check=True, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    plan = json.loads((plan_dir / "summary.json").read_text())
+    load_after = _load()
+
+    ddp_t = ddp["time_to_accuracy_s"]
+    sim_t = plan["time_to_accuracy_virtual_s"]
+    wall_t = plan["time_to_accuracy_s"]
+    pred = (state.get("prediction") or {}).get("predicted_s")
+
+    def ratio(a, b):
+        return f"{a / b:.3f}" if a and b else "-"
+
+    def s(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+
+    args.results.mkdir(parents=True, exist_ok=True)
+    for f in ("report.md", "plan.toml", "decisions.jsonl", "tune.json"):
+        shutil.copy(tune_dir / f, args.results / f)
+    for png in tune_dir.glob("*.png"):
+        shutil.copy(png, args.results / png.name)
+    lines = [
+        "# Tuned plan vs DDP: time to 90% test accuracy, Fashion-MNIST cnn",
+        "",
+        "Command (one run, side by side):",
+        "",
+        "    flock /tmp/distsgd-bench.lock python bench/tune_vs_ddp.py "
+        + (f"--tune-dir {args.tune_dir}" if args.tune_dir else f"--budget {args.budget}"),
+        "",
+        f"Machine load (1/5/15 min) before: {load_before}; after: {load_after}.",
+        "",
+        (
+            f"DDP ran at {per_step * 1e3:.2f} ms per step (2 × 64 samples). The plan runs on "
+            f"the tune's own device profile ({plan_step * 1e3:.2f} ms per 64 samples, from "
+            f"{tune_dir / 'tune.json'}); compare with the speed-adjusted ratio below."
+            if args.tune_dir
+            else f"DDP ran at {per_step * 1e3:.2f} ms per step (2 × 64 samples); the simulated "
+            f"devices were given the config's one-thread profile × {scale:.3f} so that a "
+            "minibatch of 64 takes exactly that long (the simulated time is then on devices "
+            "as fast as DDP's processes were in this run)."
+        ),
+        "",
+        "| what | reached | time to 90% | samples to 90% | note |",
+        "|---|---|---|---|---|",
+        f"| DDP baseline, 2 processes × 1 thread, batch 2×64, lr 0.05, μ 0.9 | "
+        f"{ddp['reached']} | {s(ddp_t)} s wall (training only) | "
+        f"{ddp['samples_to_accuracy']} | {ddp['total_wall_s']:.1f} s wall incl. evaluation |",
+        f"| tuned plan `{state.get('plan_name') or state['chosen_label']}` on the simulated cluster (2 devices) | "
+        f"{plan['reached']} | **{s(sim_t, '.2f')} s simulated** | "
+        f"{plan['samples_to_accuracy']} | {s(wall_t)} s wall of one-process simulation "
+        f"(all learners in turn) |",
+        f"| tuning (`distsgd tune`, budget {state['budget_s']:.0f} s) | | {tuning_wall:.1f} s wall | | "
+        f"{len(state['probes'])} probes + 1 long run |",
+        "",
+        f"- **Ratio plan / DDP: {ratio(sim_t, ddp_t)}** (simulated seconds of the plan on two "
+        "simulated one-thread devices over DDP's wall seconds on two one-thread processes; "
+        "target ≤ 0.5).",
+        f"- Device speed: DDP ran at {per_step * 1e3:.2f} ms per step of 64 samples per "
+        f"process; the plan's simulated devices take {plan_step * 1e3:.2f} ms for 64 samples "
+        f"(factor {speed:.3f}). Plan / DDP with the plan's time rescaled to DDP's device "
+        f"speed: **{ratio((sim_t or 0) * speed, ddp_t) if sim_t else '-'}** (compute scales "
+        "with the factor; the simulated network does not, so this is approximate).",
+        f"- Ratio of the one-process simulation's wall time to DDP: {ratio(wall_t, ddp_t)}.",
+        f"- Ratio (tuning + plan in simulated time) / DDP: "
+        f"{ratio((sim_t or 0) + tuning_wall, ddp_t) if sim_t else '-'} (tuning is wall time).",
+        f"- Predicted time to accuracy of the plan: {s(pred, '.2f')} simulated s; measured "
+        f"{s(sim_t, '.2f')}; predicted / measured = **{ratio(pred, sim_t)}** (target within "
+        "±25%).",
+        "",
+        "The tune report (plan, tradeoff space, every probe, decisions): [report.md](report.md).",
+        "",
+    ]
+    (args.results / "README.md").write_text("\n".join(lines))
+    (args.results / "results.json").write_text(
+        json.dumps(
+            {
+                "ddp": {k: v for k, v in ddp.items() if k != "history"},
+                "plan_summary": plan,
+                "tuning_wall_s": tuning_wall,
+                "ddp_seconds_per_step": per_step,
+                "profile_scale": scale,
+                "speed_factor": speed,
+                "tune_dir": str(tune_dir),
+                "predicted_s": pred,
+                "load_before": load_before,
+                "load_after": load_after,
+            },
+            indent=1,
+        )
+    )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,561 @@
+"""Omnivore's optimizer and the joint search beyond it (SPEC.md §3).
+
+The search of Omnivore's public optimizer (Hadjis, Zhang, Mitliagkas, Iter, Ré,
+arXiv:1606.04487, §4 "optimizer"), as SPEC.md §3 states it:
+
+* **Cold start** (:meth:`OmnivoreSearch.cold_start`): group counts g = 1, 2, 4, … (g
+  divides λ, up to ``tune.max_groups``). At g = 1 probe μ = 0.9 with every η of
+  ``tune.lrs``; at each later g probe μ ∈ ``tune.momenta`` × η ∈ {η*_prev, η*_prev/10},
+  pruning the configurations that cannot win (:func:`cold_start_grid`): η > η*_prev;
+  η = η*_prev with μ > μ*_prev (more groups add implicit momentum); η < η*_prev with
+  μ < μ*_prev ("both lower": the step is shrunk twice), and anything at or above an
+  (η, μ) that produced NaN (:func:`nan_pruned`; a NaN at fewer groups prunes more groups
+  too, since asynchrony only adds momentum).
+* **Probes** run for the same time from the same snapshot; the score is the mean of the
+  last ``tune.score_window`` (10) training losses, so equal time folds hardware and
+  statistical efficiency into one number. Ties within ``tune.tie_buffer`` (1%) of the
+  best prefer larger η, then larger μ (:func:`pick_best`).
+* **HE rule**: g is accepted only if seconds per iteration improve on the previous g by
+  at least ``tune.he_gain`` (10%); otherwise the cold start stops.
+* **Steady state** (:meth:`OmnivoreSearch.steady_state`): from the latest snapshot
+  re-probe μ ∈ momenta × η ∈ {η_last, η_last/10}; if the best μ is 0 the asynchrony is too
+  much: halve g, set μ = 0.6 and search again (at the halved g, from the same snapshot).
+
+Choices where the paper is silent: g = 1 is probed as ``hardsync`` (all-reduce, SPEC §1;
+it equals compute groups with g = 1); across group counts the lowest score wins and ties
+within the buffer prefer fewer groups (less asynchrony); the steady state's tie buffer is
+the same setting as the cold start's.
+
+**Beyond Omnivore** (:func:`joint_candidates`, :func:`rank_candidates`): the protocol
+family (hardsync, compute groups, n-softsync, SMA with k replicas per device) and the
+per-learner batch size are searched jointly: the performance model
+(:mod:`distsgd.tuner.perf_model`) ranks unprobed configurations by predicted time to
+accuracy and the best ``tune.extra_probes`` of them are probed like the rest; a
+configuration replaces Omnivore's choice only if its equal-time score beats it by more
+than the tie buffer.
+
+Every decision is logged with its reason (:class:`DecisionLog`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from distsgd.config import TuneConfig
+from distsgd.tuner.perf_model import (
+    ClusterModel,
+    Layout,
+    samples_per_iteration,
+    scale_iterations,
+    seconds_per_iteration,
+)
+
+__all__ = [
+    "Candidate",
+    "ProbeResult",
+    "ProbeFn",
+    "DecisionLog",
+    "OmnivoreSearch",
+    "cold_start_grid",
+    "nan_pruned",
+    "pick_best",
+    "joint_candidates",
+    "rank_candidates",
+]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the search can probe.
+
+    Attributes:
+        family: ``hardsync``, ``compute_groups``, ``softsync`` or ``sma``.
+        num_learners: λ (for SMA: devices × k).
+        batch_size: b, samples per learner.
+        lr: η (α0 / γ). momentum: μ (explicit momentum of the update rule).
+        num_groups: g; softsync: n; replicas_per_device: k.
+    """
+
+    family: str
+    num_learners: int
+    batch_size: int
+    lr: float
+    momentum: float
+    num_groups: int = 1
+    softsync: int = 1
+    replicas_per_device: int = 1
+
+    def layout(self) -> Layout:
+        return Layout(
+            self.family,
+            self.num_learners,
+            self.batch_size,
+            num_groups=self.num_groups,
+            softsync=self.softsync,
+            replicas_per_device=self.replicas_per_device,
+        )
+
+    @property
+    def g(self) -> int:
+        """Compute groups in Omnivore's sense: 1 for hardsync."""
+        return self.num_groups if self.family == "compute_groups" else 1
+
+    def shape(self) -> str:
+        """The protocol and layout without η and μ, e.g. ``groups g=4 λ=8 b=16``."""
+        base = f"λ={self.num_learners} b={self.batch_size}"
+        if self.family == "compute_groups":
+            return f"groups g={self.num_groups} {base}"
+        if self.family == "softsync":
+            return f"{self.softsync}-softsync {base}"
+        if self.family == "sma":
+            return f"sma k={self.replicas_per_device} {base}"
+        return f"hardsync {base}"
+
+    def label(self) -> str:
+        return f"{self.shape()} η={self.lr:g} μ={self.momentum:g}"
+
+
+@dataclass
+class ProbeResult:
+    """What one probe measured.
+
+    Attributes:
+        candidate: the configuration probed. snapshot: name of the starting state.
+        iterations: iterations (central-model updates) after each tick, from the probe's
+            start, shape ``[T]``.
+        virtual_s: seconds on the runtime's clock after each tick, ``[T]`` (simulated
+            seconds on ``sim``, wall seconds on real processes).
+        losses: mean training loss of each tick, ``[T]`` (nats).
+        diverged: a loss became NaN/inf.
+        wall_s: wall seconds the probe took (training and evaluation).
+        evals: the probe's evaluation records (``samples``, ``test_accuracy``,
+            ``train_loss``, …).
+        score_window: losses averaged by :attr:`score`.
+        run_dir: where the probe's run directory is, if it has one.
+    """
+
+    candidate: Candidate
+    snapshot: str
+    iterations: list[int] = field(default_factory=list)
+    virtual_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    diverged: bool = False
+    wall_s: float = 0.0
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    score_window: int = 10
+    run_dir: str = ""
+
+    @property
+    def score(self) -> float:
+        """Mean of the last ``score_window`` training losses; NaN if diverged or empty."""
+        if self.diverged or not self.losses:
+            return math.nan
+        tail = self.losses[-self.score_window :]
+        s = sum(tail) / len(tail)
+        return s if math.isfinite(s) else math.nan
+
+    @property
+    def seconds_per_iteration(self) -> float:
+        """Measured hardware efficiency HE, seconds per iteration (NaN without data)."""
+        if not self.iterations or self.iterations[-1] <= 0:
+            return math.nan
+        return self.virtual_s[-1] / self.iterations[-1]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "candidate": asdict(self.candidate),
+            "label": self.candidate.label(),
+            "snapshot": self.snapshot,
+            "score": None if math.isnan(self.score) else self.score,
+            "seconds_per_iteration": (
+                None if math.isnan(self.seconds_per_iteration) else self.seconds_per_iteration
+            ),
+            "diverged": self.diverged,
+            "wall_s": self.wall_s,
+            "iterations": self.iterations,
+            "virtual_s": self.virtual_s,
+            "losses": self.losses,
+            "evals": self.evals,
+            "run_dir": self.run_dir,
+        }
+
+
+ProbeFn = Callable[[Candidate, str], ProbeResult]
+"""Runs one probe of a candidate from the named snapshot and returns its result."""
+
+
+class DecisionLog:
+    """Every decision of the search, one line each, with its reason.
+
+    Args:
+        path: ``decisions.jsonl`` to append to (None: keep in memory only).
+        echo: called with each one-line text (e.g. ``tqdm.write``); None: silent.
+    """
+
+    def __init__(
+        self, path: str | Path | None = None, echo: Callable[[str], None] | None = None
+    ) -> None:
+        self.path = Path(path) if path is not None else None
+        self.echo = echo
+        self.entries: list[dict[str, Any]] = []
+        self._t0 = time.perf_counter()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def __call__(self, phase: str, decision: str, reason: str, **data: Any) -> None:
+        entry = {
+            "t_wall_s": round(time.perf_counter() - self._t0, 3),
+            "phase": phase,
+            "decision": decision,
+            "reason": reason,
+            **data,
+        }
+        self.entries.append(entry)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(entry, default=str, ensure_ascii=False) + "\n")
+        if self.echo is not None:
+            self.echo(f"[{phase}] {decision} — {reason}")
+
+
+def nan_pruned(lr: float, momentum: float, nan_points: list[tuple[float, float]]) -> tuple | None:
+    """The (η, μ) that produced NaN at or below ``(lr, momentum)``, or None.
+
+    Omnivore prunes every configuration at or above a diverged (η, μ): a larger step or
+    more momentum cannot converge where a smaller one diverged.
+    """
+    for lr_n, mu_n in nan_points:
+        if lr >= lr_n * (1 - 1e-12) and momentum >= mu_n - 1e-12:
+            return (lr_n, mu_n)
+    return None
+
+
+def cold_start_grid(
+    g: int, prev: tuple[float, float] | None, settings: TuneConfig
+) -> tuple[list[tuple[float, float]], list[tuple[tuple[float, float], str]]]:
+    """The (η, μ) grid to probe at ``g`` groups, largest η then largest μ first.
+
+    Args:
+        g: number of compute groups.
+        prev: (η*, μ*) best at the previous group count (None at g = 1).
+        settings: ``lrs``, ``momenta``, ``cold_momentum``.
+
+    Returns:
+        (grid, pruned) where pruned lists ((η, μ), reason) for the structural pruning
+        rules of SPEC.md §3 (NaN pruning happens while probing).
+    """
+    if g == 1 or prev is None:
+        grid = [(lr, settings.cold_momentum) for lr in sorted(settings.lrs, reverse=True)]
+        return grid, []
+    lr_p, mu_p = prev
+    grid, pruned = [], []
+    for lr in (lr_p, lr_p / 10):
+        for mu in sorted(settings.momenta, reverse=True):
+            if lr == lr_p and mu > mu_p:
+                pruned.append(((lr, mu), f"η = η*_prev and μ > μ*_prev = {mu_p:g}"))
+            elif lr < lr_p and mu < mu_p:
+                pruned.append(((lr, mu), f"both lower than (η*, μ*)_prev = ({lr_p:g}, {mu_p:g})"))
+            else:
+                grid.append((lr, mu))
+    return grid, pruned
+
+
+def pick_best(results: list[ProbeResult], tie_buffer: float) -> ProbeResult | None:
+    """The lowest score; scores within ``tie_buffer`` (relative) of it tie, and ties
+    prefer larger η, then larger μ (SPEC.md §3). None if every probe diverged."""
+    ok = [r for r in results if not math.isnan(r.score)]
+    if not ok:
+        return None
+    best = min(r.score for r in ok)
+    ties = [r for r in ok if r.score <= best + tie_buffer * abs(best)]
+    return max(ties, key=lambda r: (r.candidate.lr, r.candidate.momentum))
+
+
+class OmnivoreSearch:
+    """Omnivore's cold start and steady state over a probe function.
+
+    Args:
+        probe: runs a candidate from a snapshot (real training on a runtime, or a fake in
+            tests).
+        settings: the ``[tune]`` settings.
+        num_learners: λ.
+        batch_size: b of the cold start.
+        log: the decision log.
+        out_of_budget: returns True when the search budget is spent (checked before every
+            probe).
+    """
+
+    def __init__(
+        self,
+        probe: ProbeFn,
+        settings: TuneConfig,
+        num_learners: int,
+        batch_size: int,
+        log: DecisionLog,
+        out_of_budget: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.probe = probe
+        self.settings = settings
+        self.num_learners = num_learners
+        self.batch_size = batch_size
+        self.log = log
+        self.out_of_budget = out_of_budget
+        self.results: list[ProbeResult] = []
+        self.nan_points: list[tuple[float, float]] = []
+        self.best_by_g: dict[int, ProbeResult] = {}
+        self.he_by_g: dict[int, float] = {}
+
+    def group_counts(self) -> list[int]:
+        """g = 1, 2, 4, … dividing λ, up to ``max_groups`` (0: λ)."""
+        lam = self.num_learners
+        top = self.settings.max_groups or lam
+        gs, g = [], 1
+        while g <= min(top, lam):
+            if lam % g == 0:
+                gs.append(g)
+            g *= 2
+        return gs
+
+    def candidate(self, g: int, lr: float, momentum: float, batch: int | None = None) -> Candidate:
+        b = batch or self.batch_size
+        if g == 1:
+            return Candidate("hardsync", self.num_learners, b, lr, momentum)
+        return Candidate("compute_groups", self.num_learners, b, lr, momentum, num_groups=g)
+
+    def _run(self, phase: str, cand: Candidate, snapshot: str) -> ProbeResult | None:
+        hit = nan_pruned(cand.lr, cand.momentum, self.nan_points)
+        if hit is not None:
+            self.log(
+                phase,
+                f"skip {cand.label()}",
+                f"pruned: at or above (η, μ) = ({hit[0]:g}, {hit[1]:g}), which produced NaN",
+            )
+            return None
+        if self.out_of_budget():
+            self.log(phase, f"skip {cand.label()}", "search budget spent")
+            return None
+        r = self.probe(cand, snapshot)
+        self.results.append(r)
+        if r.diverged:
+            self.nan_points.append((cand.lr, cand.momentum))
+            self.log(
+                phase,
+                f"probe {cand.label()}: NaN",
+                "the loss diverged; every (η, μ) at or above it is pruned",
+                snapshot=snapshot,
+            )
+        else:
+            self.log(
+                phase,
+                f"probe {cand.label()}: score {r.score:.4f}",
+                f"mean of the last {self.settings.score_window} training losses after "
+                f"{self.settings.probe_seconds:g} s from snapshot {snapshot!r}; "
+                f"{r.seconds_per_iteration * 1e3:.3f} ms per iteration",
+                snapshot=snapshot,
+                score=r.score,
+                seconds_per_iteration=r.seconds_per_iteration,
+            )
+        return r
+
+    def cold_start(self, snapshot: str = "initial") -> ProbeResult | None:
+        """Omnivore's cold start; returns the best probe over the accepted g (None if every
+        probe diverged or the budget allowed none)."""
+        s = self.settings
+        prev: tuple[float, float] | None = None
+        he_prev = math.nan
+        for g in self.group_counts():
+            grid, pruned = cold_start_grid(g, prev, s)
+            for (lr, mu), why in pruned:
+                self.log("cold start", f"skip g={g} η={lr:g} μ={mu:g}", f"pruned: {why}")
+            results: list[ProbeResult] = []
+            he_checked = g == 1
+            rejected = False
+            for lr, mu in grid:
+                r = self._run("cold start", self.candidate(g, lr, mu), snapshot)
+                if r is None:
+                    continue
+                results.append(r)
+                if not he_checked and not r.diverged:
+                    he_checked = True
+                    he = r.seconds_per_iteration
+                    gain = 1 - he / he_prev if he_prev > 0 else math.inf
+                    if gain < s.he_gain:
+                        self.log(
+                            "cold start",
+                            f"reject g={g}; stop adding groups",
+                            f"HE rule: {he * 1e3:.3f} ms per iteration vs {he_prev * 1e3:.3f} "
+                            f"at g={g // 2} improves by {100 * gain:.1f}% < "
+                            f"{100 * s.he_gain:.0f}%",
+                        )
+                        rejected = True
+                        break
+                    self.log(
+                        "cold start",
+                        f"accept g={g} on hardware efficiency",
+                        f"HE rule: {he * 1e3:.3f} ms per iteration improves on g={g // 2} "
+                        f"by {100 * gain:.1f}% >= {100 * s.he_gain:.0f}%",
+                    )
+            if rejected:
+                break
+            best = pick_best(results, s.tie_buffer)
+            if best is None:
+                self.log(
+                    "cold start",
+                    f"stop at g={g}",
+                    "every probe at this group count diverged or was skipped",
+                )
+                break
+            self.best_by_g[g] = best
+            self.he_by_g[g] = best.seconds_per_iteration
+            he_prev = best.seconds_per_iteration
+            prev = (best.candidate.lr, best.candidate.momentum)
+            self.log(
+                "cold start",
+                f"best at g={g}: η={prev[0]:g} μ={prev[1]:g} (score {best.score:.4f})",
+                f"lowest score; ties within {100 * s.tie_buffer:g}% prefer larger η, then μ",
+            )
+            if self.out_of_budget():
+                self.log("cold start", f"stop after g={g}", "search budget spent")
+                break
+        if not self.best_by_g:
+            return None
+        low = min(r.score for r in self.best_by_g.values())
+        ties = [
+            (g, r) for g, r in self.best_by_g.items() if r.score <= low + s.tie_buffer * abs(low)
+        ]
+        g, chosen = min(ties, key=lambda t: t[0])
+        self.log(
+            "cold start",
+            f"choose {chosen.candidate.label()}",
+            f"lowest equal-time score over g ∈ {sorted(self.best_by_g)} "
+            f"({chosen.score:.4f}); ties prefer fewer groups",
+        )
+        return chosen
+
+    def steady_state(self, current: Candidate, snapshot: str) -> Candidate:
+        """Omnivore's steady state from ``snapshot``: re-probe μ × {η, η/10}; halve g while
+        the best μ is 0 (then μ = 0.6). Returns the configuration to continue with."""
+        s = self.settings
+        cand = current
+        while True:
+            results = []
+            # μ from large to small, both η at each μ: a budget cut short still compares
+            # η with η/10
+            for mu in sorted(s.momenta, reverse=True):
+                for lr in (cand.lr, cand.lr / 10):
+                    r = self._run("steady state", replace(cand, lr=lr, momentum=mu), snapshot)
+                    if r is not None:
+                        results.append(r)
+            best = pick_best(results, s.tie_buffer)
+            if best is None:
+                self.log(
+                    "steady state",
+                    f"keep {cand.label()}",
+                    "no steady-state probe finished (diverged or budget spent)",
+                )
+                return cand
+            if best.candidate.momentum == 0 and cand.family == "compute_groups" and cand.g > 1:
+                g2 = cand.g // 2
+                new = self.candidate(g2, best.candidate.lr, 0.6, cand.batch_size)
+                self.log(
+                    "steady state",
+                    f"halve groups g={cand.g} → {g2}, μ = 0.6, search again",
+                    f"best μ is 0 ({best.candidate.label()}, score {best.score:.4f}): "
+                    "the asynchrony already gives too much momentum",
+                )
+                cand = new
+                continue
+            self.log(
+                "steady state",
+                f"continue with {best.candidate.label()}",
+                f"best steady-state score {best.score:.4f} from snapshot {snapshot!r}; "
+                f"ties within {100 * s.tie_buffer:g}% prefer larger η, then μ",
+            )
+            return best.candidate
+
+
+def joint_candidates(
+    search: OmnivoreSearch, chosen: Candidate, settings: TuneConfig
+) -> list[Candidate]:
+    """Configurations of the joint search beyond Omnivore's groups (not yet probed).
+
+    * hardsync and compute groups (each g the cold start accepted, with its best η, μ)
+      at every batch size of ``tune.batch_sizes``, η scaled linearly with b (Goyal et
+      al. 2017, the linear scaling rule);
+    * n-softsync on the parameter server for n ∈ {1, 2, 4} dividing λ with n < λ
+      (n = λ is compute groups with g = λ), with the chosen η and μ and Rudra's α0/n rule;
+    * SMA with k ∈ {2, 4} replicas per device on the same λ devices (λ·k learners), at
+      batch sizes <= b, with η of g = 1, no replica momentum and the central model's
+      Polyak momentum μ_z (Crossbow, SPEC §4).
+
+    Asynchronous candidates (compute groups, n-softsync) at or above an (η, μ) that gave
+    NaN are left out, as in the cold start.
+    """
+    lam = search.num_learners
+    b0 = search.batch_size
+    probed = {r.candidate for r in search.results}
+    out: list[Candidate] = []
+    fams = settings.families
+    bests = dict(search.best_by_g) or {chosen.g: None}
+    for g, r in bests.items():
+        c = r.candidate if r is not None else chosen
+        fam = "hardsync" if g == 1 else "compute_groups"
+        if fam not in fams:
+            continue
+        for b in settings.batch_sizes:
+            out.append(replace(c, batch_size=b, lr=c.lr * b / b0))
+    if "softsync" in fams:
+        for n in (1, 2, 4):
+            if lam % n == 0 and n < lam:
+                out.append(Candidate("softsync", lam, b0, chosen.lr, chosen.momentum, softsync=n))
+    if "sma" in fams:
+        g1 = search.best_by_g.get(1)
+        lr1 = g1.candidate.lr if g1 is not None else chosen.lr
+        for k in (2, 4):
+            for b in settings.batch_sizes:
+                if b <= b0:
+                    out.append(Candidate("sma", lam * k, b, lr1, 0.0, replicas_per_device=k))
+    seen: set[Candidate] = set()
+    uniq = []
+    for c in out:
+        if c.family in ("compute_groups", "softsync") and nan_pruned(
+            c.lr, c.momentum, search.nan_points
+        ):
+            continue
+        if c not in probed and c not in seen:
+            seen.add(c)
+            uniq.append(c)
+    return uniq
+
+
+def rank_candidates(
+    candidates: list[Candidate],
+    reference: Candidate,
+    reference_iterations: float,
+    cluster: ClusterModel,
+    noise_scale: float,
+) -> list[tuple[float, Candidate]]:
+    """Predicted time to accuracy ``HE · SE`` of each candidate, fastest first.
+
+    HE comes from the cluster's timing model (:func:`seconds_per_iteration`); SE carries
+    the reference's iterations to the target to the candidate's samples per iteration
+    with the batch-size law (:func:`scale_iterations`, ``noise_scale`` = B_noise). With
+    momentum retuned per g, Omnivore finds statistical efficiency nearly independent of
+    asynchrony, so no staleness term is added; an SMA device computing k replicas counts
+    its devices' samples per iteration.
+    """
+    b_ref = samples_per_iteration(reference.layout())
+    ranked = []
+    for c in candidates:
+        b = samples_per_iteration(c.layout())
+        se = scale_iterations(reference_iterations, b_ref, b, noise_scale)
+        ranked.append((seconds_per_iteration(c.layout(), cluster) * se, c))
+    ranked.sort(key=lambda t: t[0])
+    return ranked

@@ -1,0 +1,364 @@
+"""The tuner's performance model: time to accuracy = HE × SE (pure numerics, numpy only).
+
+Omnivore (Hadjis, Zhang, Mitliagkas, Iter, Ré, arXiv:1606.04487, SPEC.md §3) splits the
+time a configuration needs to reach a target accuracy into
+
+* **hardware efficiency** HE — seconds per iteration (one update of the central model),
+  measured by a probe or predicted from the simulated cluster's device profile and network
+  model (:func:`seconds_per_iteration`), which extrapolates to clusters larger than the
+  machine at hand; and
+* **statistical efficiency** SE — iterations to the target, fitted from the probes' loss
+  curves (:func:`fit_loss_curve`, :func:`iterations_to_loss`) with the target accuracy
+  mapped to a target training loss through the probes' evaluation points
+  (:func:`fit_error_vs_loss`), and carried to unprobed batch sizes with the
+  gradient-noise-scale law (:func:`scale_iterations`),
+
+so that ``time_to_accuracy = HE · SE`` (:func:`time_to_accuracy`).
+
+Units: seconds are virtual seconds on the simulated runtime and wall seconds on real
+processes; an iteration is an update of the central model (a synchronous step, or a
+parameter-server version); losses are mean cross-entropy in nats.
+
+Example::
+
+    from distsgd.tuner.perf_model import ClusterModel, Layout, seconds_per_iteration
+    c = ClusterModel(t_batch=0.9e-3, t_sample=486e-6, latency_s=50e-6,
+                     bandwidth_gbps=10.0, num_parameters=421642)
+    seconds_per_iteration(Layout("compute_groups", num_learners=8, batch_size=16,
+                                 num_groups=4), c)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+import numpy as np
+
+__all__ = [
+    "FAMILIES",
+    "ClusterModel",
+    "Layout",
+    "LossCurve",
+    "ErrorVsLoss",
+    "allreduce_seconds",
+    "compute_seconds",
+    "fit_error_vs_loss",
+    "fit_loss_curve",
+    "iterations_to_loss",
+    "estimate_noise_scale",
+    "samples_per_iteration",
+    "scale_iterations",
+    "seconds_per_iteration",
+    "straggler_factor",
+    "time_to_accuracy",
+]
+
+FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A protocol family and its layout (SPEC.md notation).
+
+    Attributes:
+        family: ``hardsync`` (§1), ``compute_groups`` (§3, g groups), ``softsync`` (§2,
+            Rudra n-softsync on a parameter server) or ``sma`` (§4, k replicas per device).
+        num_learners: λ.
+        batch_size: b, samples per learner per gradient.
+        num_groups: g (compute groups only), divides λ.
+        softsync: n (softsync only), divides λ.
+        replicas_per_device: k (SMA only), divides λ; the cluster has λ/k devices.
+
+    Raises:
+        ValueError: unknown family or a count that does not divide λ.
+    """
+
+    family: str
+    num_learners: int
+    batch_size: int
+    num_groups: int = 1
+    softsync: int = 1
+    replicas_per_device: int = 1
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family = {self.family!r} is not one of {FAMILIES}")
+        lam = self.num_learners
+        if lam < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"num_learners = {lam} and batch_size = {self.batch_size} must be >= 1"
+            )
+        for name in ("num_groups", "softsync", "replicas_per_device"):
+            v = getattr(self, name)
+            if v < 1 or lam % v:
+                raise ValueError(f"{name} = {v} must divide num_learners = {lam}")
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """The simulated cluster's timing model (see :mod:`distsgd.runtime.sim`).
+
+    Attributes:
+        t_batch: fixed compute seconds per minibatch on one device (``seconds_per_batch``).
+        t_sample: compute seconds per sample (``seconds_per_sample``).
+        latency_s: one-way message latency, seconds.
+        bandwidth_gbps: link bandwidth in Gb/s; 0 means infinite.
+        num_parameters: P, float32 values per message.
+        jitter: relative spread of compute times (log-normal, mean 1); synchronous steps
+            wait for the slowest of m devices (:func:`straggler_factor`).
+        t_server: parameter-server seconds per pushed gradient (0: the server never
+            saturates, as on the simulated runtime); an asynchronous protocol cannot apply
+            gradients faster than ``1 / t_server`` per second.
+    """
+
+    t_batch: float
+    t_sample: float
+    latency_s: float = 50e-6
+    bandwidth_gbps: float = 10.0
+    num_parameters: int = 0
+    jitter: float = 0.0
+    t_server: float = 0.0
+
+    @property
+    def message_seconds(self) -> float:
+        """One message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``."""
+        return self.latency_s + self.transfer_seconds
+
+    @property
+    def transfer_seconds(self) -> float:
+        bw = self.bandwidth_gbps
+        return 0.0 if bw == 0 else 32.0 * self.num_parameters / (bw * 1e9)
+
+
+def compute_seconds(batch_size: int | float, cluster: ClusterModel) -> float:
+    """Seconds for one device to compute one minibatch of b samples: ``t_batch + b·t_sample``."""
+    return cluster.t_batch + batch_size * cluster.t_sample
+
+
+def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
+    """Ring all-reduce of P float32 values among m participants:
+    ``2(m−1)·latency + 2(m−1)/m · 32P/bandwidth`` (0 for m <= 1)."""
+    m = participants
+    if m <= 1:
+        return 0.0
+    return 2 * (m - 1) * cluster.latency_s + 2 * (m - 1) / m * cluster.transfer_seconds
+
+
+def straggler_factor(m: int, jitter: float) -> float:
+    """Expected slowest of m compute times relative to the mean: ``1 + s · z_m``.
+
+    z_m is Blom's approximation of the expected maximum of m standard normal draws,
+    ``Φ⁻¹((m − 0.375) / (m + 0.25))`` (Blom 1958), and s the relative spread
+    (``jitter``); 1 for m = 1 or s = 0. Non-decreasing in m and s.
+    """
+    if m <= 1 or jitter <= 0:
+        return 1.0
+    return 1.0 + jitter * NormalDist().inv_cdf((m - 0.375) / (m + 0.25))
+
+
+def samples_per_iteration(layout: Layout) -> int:
+    """Samples whose gradients go into one update: λb (hardsync, SMA), (λ/g)b (compute
+    groups: one group's step) or (λ/n)b (n-softsync: c = λ/n gradients per update)."""
+    lam, b = layout.num_learners, layout.batch_size
+    if layout.family == "compute_groups":
+        return lam // layout.num_groups * b
+    if layout.family == "softsync":
+        return lam // layout.softsync * b
+    return lam * b
+
+
+def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
+    """Hardware efficiency HE: seconds per update of the central model.
+
+    With t_c = ``compute_seconds(b)``, m the message time, AR(m) the ring all-reduce and
+    J(m) the straggler factor:
+
+    * hardsync: ``J(λ)·t_c + AR(λ)`` (every learner, then one all-reduce; SPEC §1);
+    * SMA, k replicas per device: ``J(λ/k)·k·t_c + AR(λ/k)`` (a device computes its k
+      learners in turn; devices all-reduce their corrections; Crossbow, SPEC §4);
+    * compute groups: a group's cycle is ``2m + J(λ/g)·t_c + AR(λ/g)`` and the g groups run
+      concurrently, so ``max(cycle / g, t_server)``: HE falls about as ``1/g`` until the
+      parameter server saturates at ``t_server`` per push (Omnivore, SPEC §3);
+    * n-softsync: every learner cycles in ``2m + t_c``; λ pushes per cycle and c = λ/n
+      pushes per update give ``max(cycle / n, c·t_server)`` (Rudra, SPEC §2).
+
+    Returns:
+        seconds (> 0 whenever t_batch + b·t_sample > 0).
+    """
+    lam, b = layout.num_learners, layout.batch_size
+    tc = compute_seconds(b, cluster)
+    s = cluster.jitter
+    if layout.family == "hardsync":
+        return straggler_factor(lam, s) * tc + allreduce_seconds(lam, cluster)
+    if layout.family == "sma":
+        k = layout.replicas_per_device
+        devices = lam // k
+        return straggler_factor(devices, s) * k * tc + allreduce_seconds(devices, cluster)
+    m = cluster.message_seconds
+    if layout.family == "compute_groups":
+        g = layout.num_groups
+        size = lam // g
+        cycle = 2 * m + straggler_factor(size, s) * tc + allreduce_seconds(size, cluster)
+        return max(cycle / g, cluster.t_server)
+    n = layout.softsync
+    cycle = 2 * m + tc
+    return max(cycle / n, (lam // n) * cluster.t_server)
+
+
+@dataclass(frozen=True)
+class LossCurve:
+    """Training loss against iterations: ``L(i) = L_inf + A · (i + 1)^(−β)``.
+
+    A power-law decay to a floor, the shape SGD loss curves take over the range a tuner
+    sees (e.g. Hestness et al. 2017, "Deep learning scaling is predictable"); i counts
+    iterations (updates) from the start of training.
+
+    Attributes:
+        L_inf: asymptotic loss (>= 0). A: amplitude (>= 0). beta: decay exponent (> 0).
+        rmse: root-mean-square residual of the fit, in nats.
+    """
+
+    L_inf: float
+    A: float
+    beta: float
+    rmse: float = 0.0
+
+    def __call__(self, iterations: np.ndarray | float) -> np.ndarray | float:
+        return self.L_inf + self.A * np.power(np.asarray(iterations, dtype=float) + 1.0, -self.beta)
+
+
+def _fit_given_beta(x: np.ndarray, y: np.ndarray, beta: float) -> tuple[float, float, float]:
+    """Least squares of y ≈ L_inf + A·(x+1)^(−β) for fixed β with L_inf, A >= 0."""
+    z = np.power(x + 1.0, -beta)
+    zm, ym = z.mean(), y.mean()
+    var = ((z - zm) ** 2).sum()
+    a = ((z - zm) * (y - ym)).sum() / var if var > 0 else 0.0
+    a = max(a, 0.0)
+    c = ym - a * zm
+    if c < 0:  # floor at 0: refit A through the origin
+        c = 0.0
+        zz = (z * z).sum()
+        a = max((z * y).sum() / zz, 0.0) if zz > 0 else 0.0
+    sse = float(((c + a * z - y) ** 2).sum())
+    return c, a, sse
+
+
+def fit_loss_curve(iterations: np.ndarray, losses: np.ndarray) -> LossCurve:
+    """Fit :class:`LossCurve` to ``(iterations, losses)`` (both shape ``[N]``, N >= 3).
+
+    For every β on a log grid in [0.01, 4] (then a finer grid around the best) L_inf and
+    A follow by linear least squares (clamped at 0); the β with the least squared error
+    wins. Non-finite losses are dropped.
+
+    Raises:
+        ValueError: fewer than 3 finite points, or shapes differ.
+    """
+    x = np.asarray(iterations, dtype=float)
+    y = np.asarray(losses, dtype=float)
+    if x.shape != y.shape:
+        raise ValueError(f"iterations {x.shape} and losses {y.shape} differ in shape")
+    ok = np.isfinite(x) & np.isfinite(y) & (x >= 0)
+    x, y = x[ok], y[ok]
+    if x.size < 3:
+        raise ValueError(f"need at least 3 finite loss points to fit a curve, got {x.size}")
+    betas = np.logspace(-2, np.log10(4.0), 120)
+    best = min(((_fit_given_beta(x, y, b), b) for b in betas), key=lambda t: t[0][2])
+    b0 = best[1]
+    fine = b0 * np.logspace(-0.05, 0.05, 41)
+    (c, a, sse), beta = min(((_fit_given_beta(x, y, b), b) for b in fine), key=lambda t: t[0][2])
+    return LossCurve(float(c), float(a), float(beta), math.sqrt(sse / x.size))
+
+
+def iterations_to_loss(curve: LossCurve, target_loss: float) -> float:
+    """Statistical efficiency SE: iterations until ``curve`` reaches ``target_loss``.
+
+    Solves ``L_inf + A (i+1)^(−β) = L*``: ``i = (A / (L* − L_inf))^(1/β) − 1``, at least 0;
+    ``inf`` when ``L* <= L_inf`` (the curve never gets there). Non-increasing in ``L*``.
+    """
+    if target_loss <= curve.L_inf:
+        return math.inf
+    if curve.A <= 0:
+        return 0.0
+    ratio = curve.A / (target_loss - curve.L_inf)
+    return max(ratio ** (1.0 / curve.beta) - 1.0, 0.0)
+
+
+@dataclass(frozen=True)
+class ErrorVsLoss:
+    """Test error against training loss: ``1 − accuracy = e0 + s · loss`` (s > 0).
+
+    Maps a target accuracy to the training loss a loss curve must reach
+    (:meth:`target_loss`). Fitted over the evaluation points nearest the target, where the
+    relation is close to linear on classification tasks.
+    """
+
+    e0: float
+    s: float
+
+    def target_loss(self, target_accuracy: float) -> float:
+        """Training loss (nats) at which test accuracy reaches ``target_accuracy``."""
+        return (1.0 - target_accuracy - self.e0) / self.s
+
+
+def fit_error_vs_loss(
+    train_losses: np.ndarray, accuracies: np.ndarray, keep: int = 6
+) -> ErrorVsLoss:
+    """Fit :class:`ErrorVsLoss` on the ``keep`` points with the highest accuracy.
+
+    Args:
+        train_losses: mean training loss of each evaluation interval, shape ``[N]``.
+        accuracies: test accuracy at the end of that interval, in [0, 1], shape ``[N]``.
+        keep: points used (those nearest a high target).
+
+    Raises:
+        ValueError: fewer than 2 finite points, or all losses equal.
+    """
+    x = np.asarray(train_losses, dtype=float)
+    e = 1.0 - np.asarray(accuracies, dtype=float)
+    ok = np.isfinite(x) & np.isfinite(e)
+    x, e = x[ok], e[ok]
+    if x.size < 2:
+        raise ValueError(f"need at least 2 evaluation points, got {x.size}")
+    order = np.argsort(e)[:keep]
+    x, e = x[order], e[order]
+    if np.ptp(x) <= 0:
+        raise ValueError("all training losses are equal; cannot relate loss to accuracy")
+    s, e0 = np.polyfit(x, e, 1)
+    if s <= 0:  # noise made the slope non-positive: use the ratio through the origin
+        s, e0 = float((e / np.maximum(x, 1e-9)).mean()), 0.0
+    return ErrorVsLoss(float(e0), float(s))
+
+
+def scale_iterations(
+    iterations_ref: float, batch_ref: float, batch: float, noise_scale: float
+) -> float:
+    """Iterations to the same loss at another samples-per-iteration B.
+
+    The empirical model of large-batch training (McCandlish, Kaplan, Amodei, OpenAI 2018):
+    ``S(B) = S_min · (1 + B_noise / B)``, so ``S(B) = S(B_ref) · (1 + B_noise/B) /
+    (1 + B_noise/B_ref)``. Non-increasing in B, bounded below by ``S_min``; samples
+    ``B·S(B)`` are non-decreasing in B.
+
+    Args:
+        iterations_ref: S at ``batch_ref`` samples per iteration.
+        batch_ref, batch: B_ref and B, samples per iteration (> 0).
+        noise_scale: B_noise, samples (>= 0).
+    """
+    return iterations_ref * (1.0 + noise_scale / batch) / (1.0 + noise_scale / batch_ref)
+
+
+def estimate_noise_scale(b1: float, s1: float, b2: float, s2: float) -> float:
+    """B_noise from iterations S1, S2 at two batch sizes B1 != B2 (inverting
+    :func:`scale_iterations`), clamped to ``[0, 1e6]``; ``nan`` when undetermined."""
+    # S1 (1 + Bn/B2) = S2 (1 + Bn/B1)  =>  Bn = (S2 − S1) / (S1/B2 − S2/B1)
+    den = s1 / b2 - s2 / b1
+    if b1 == b2 or den == 0 or not all(map(math.isfinite, (s1, s2))):
+        return math.nan
+    return float(min(max((s2 - s1) / den, 0.0), 1e6))
+
+
+def time_to_accuracy(seconds_per_iter: float, iterations: float) -> float:
+    """Predicted time to accuracy: ``HE · SE`` seconds (``inf`` if SE is)."""
+    return seconds_per_iter * iterations

@@ -1,0 +1,224 @@
+"""Probes: short real training runs of candidate configurations through the Trainer.
+
+A probe is ``distsgd train`` of a candidate's config (:func:`candidate_config`), started
+from a snapshot's weights (``Trainer(initial_weights=...)``) and stopped after a fixed
+time on the runtime's clock: ``train.max_virtual_seconds`` (simulated seconds) on the
+``sim`` runtime, ``train.max_seconds`` (wall seconds of training) on real processes. Every
+tick's training loss is recorded (``Trainer(on_tick=...)``) for the score and the loss
+curve. Each probe writes an ordinary run directory under ``probes/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distsgd.config import ConfigError, RunConfig
+from distsgd.runtime.sim import TrainingDiverged
+from distsgd.trainer import Trainer
+from distsgd.tuner.omnivore import Candidate, ProbeResult
+
+__all__ = ["candidate_config", "Prober", "check_runtime"]
+
+
+def check_runtime(runtime: str) -> None:
+    """Raise ConfigError when the tuner cannot probe on ``runtime``.
+
+    Probes start from an in-memory snapshot inside this process, which the simulated
+    runtime supports; probing on real processes (``dist``) is not supported yet: tune on
+    ``sim`` (its device profile is calibrated on this machine) and train the plan with
+    ``--runtime dist``.
+    """
+    if runtime != "sim":
+        raise ConfigError(
+            f"runtime = {runtime!r} is not allowed for distsgd tune: expected 'sim' "
+            "(probes run on the simulated cluster; train the plan with --runtime dist)"
+        )
+
+
+def candidate_config(base: RunConfig, cand: Candidate) -> RunConfig:
+    """``base`` with the candidate's protocol, layout, η and μ (schedule constant).
+
+    Mapping: ``hardsync`` → protocol ``hardsync``; ``compute_groups`` → ``compute_groups``
+    with g groups and Rudra's α0/n learning-rate rule off (momentum is what Omnivore
+    tunes); ``softsync`` → ``parameter_server`` in n-softsync with ``staleness_lr =
+    softsync`` (α0/n); ``sma`` → ``sma`` with k replicas per device, α = 1/k.
+    """
+    p = base.protocol
+    common = {
+        "num_learners": cand.num_learners,
+        "batch_size": cand.batch_size,
+        "momentum_compensation": False,
+        "staleness_lr": "none",
+    }
+    if cand.family == "hardsync":
+        proto = dataclasses.replace(p, name="hardsync", **common)
+    elif cand.family == "compute_groups":
+        proto = dataclasses.replace(p, name="compute_groups", num_groups=cand.num_groups, **common)
+    elif cand.family == "softsync":
+        proto = dataclasses.replace(
+            p,
+            name="parameter_server",
+            mode="softsync",
+            softsync=cand.softsync,
+            server_optimizer="sgd",
+            **{**common, "staleness_lr": "softsync"},
+        )
+    elif cand.family == "sma":
+        proto = dataclasses.replace(
+            p,
+            name="sma",
+            replicas_per_device=cand.replicas_per_device,
+            alpha=0.0,
+            **common,
+        )
+    else:  # pragma: no cover - Candidate families are fixed
+        raise AssertionError(cand.family)
+    opt = dataclasses.replace(base.optimizer, lr=cand.lr, momentum=cand.momentum, nesterov=False)
+    cluster = base.cluster
+    if cluster.speed_factors and len(cluster.speed_factors) != cand.num_learners:
+        cluster = dataclasses.replace(cluster, speed_factors=[])
+    return base.replace(
+        protocol=proto,
+        optimizer=opt,
+        schedule=dataclasses.replace(base.schedule, kind="constant", warmup_epochs=0.0),
+        cluster=cluster,
+    )
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_")
+
+
+class Prober:
+    """Runs probes and segments of candidates from named snapshots.
+
+    Args:
+        base: the base config (device profile already fixed, so every probe shares it).
+        out_dir: the tune directory; probes go to ``out_dir/probes/NNN-<label>``.
+        probe_seconds: probe length on the runtime's clock.
+        score_window: losses averaged by the score.
+        initial: the cold-start snapshot's weights ``[P]``.
+    """
+
+    def __init__(
+        self,
+        base: RunConfig,
+        out_dir: Path,
+        probe_seconds: float,
+        score_window: int,
+        initial: torch.Tensor,
+    ) -> None:
+        check_runtime(base.runtime)
+        self.base = base
+        self.out_dir = Path(out_dir)
+        self.probe_seconds = probe_seconds
+        self.score_window = score_window
+        self.snapshots: dict[str, torch.Tensor] = {"initial": initial}
+        self.count = 0
+
+    @property
+    def simulated(self) -> bool:
+        return self.base.runtime == "sim"
+
+    def _train_settings(self, seconds: float) -> dict[str, Any]:
+        key = "max_virtual_seconds" if self.simulated else "max_seconds"
+        return {
+            "max_epochs": 0.0,
+            "max_samples": 0,
+            "max_seconds": 0.0,
+            "max_virtual_seconds": 0.0,
+            key: seconds,
+            "stop_at_target": False,
+            "eval_every_samples": 0,
+            "checkpoint_every_evals": 0,
+            "tensorboard": False,
+        }
+
+    def run(
+        self,
+        cand: Candidate,
+        snapshot: str,
+        train: dict[str, Any],
+        kind: str = "probe",
+    ) -> tuple[ProbeResult, Trainer]:
+        """Train ``cand`` from ``snapshot`` with ``train`` settings; record every tick."""
+        cfg = candidate_config(self.base, cand)
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, **train))
+        self.count += 1
+        run_dir = self.out_dir / "probes" / f"{self.count:03d}-{kind}-{_safe(cand.label())}"
+        result = ProbeResult(cand, snapshot, score_window=self.score_window, run_dir=str(run_dir))
+
+        def on_tick(tick: Any, trainer: Trainer) -> None:
+            if tick.losses:
+                result.losses.append(sum(tick.losses) / len(tick.losses))
+                result.iterations.append(trainer._iterations())
+                result.virtual_s.append(
+                    trainer.runtime.virtual_time
+                    if self.simulated
+                    else trainer.counters["train_wall_s"]
+                )
+
+        trainer = Trainer(
+            cfg,
+            run_dir,
+            progress=False,
+            initial_weights=self.snapshots[snapshot],
+            on_tick=on_tick,
+            evaluate=kind != "probe",  # a probe's score needs training losses only
+        )
+        t0 = time.perf_counter()
+        try:
+            trainer.run()
+        except TrainingDiverged:
+            result.diverged = True
+        result.wall_s = time.perf_counter() - t0
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists():
+            result.evals = [json.loads(x) for x in metrics.read_text().splitlines() if x]
+        return result, trainer
+
+    def __call__(self, cand: Candidate, snapshot: str) -> ProbeResult:
+        """One equal-time probe (the :data:`~distsgd.tuner.omnivore.ProbeFn` interface)."""
+        result, _ = self.run(cand, snapshot, self._train_settings(self.probe_seconds))
+        return result
+
+    def segment(
+        self,
+        cand: Candidate,
+        wall_seconds: float,
+        eval_every_samples: int,
+        name: str,
+        snapshot: str = "initial",
+        max_epochs: float | None = None,
+    ) -> tuple[ProbeResult, dict[str, Any]]:
+        """Omnivore's long run of the best configuration from ``snapshot``: train until the
+        target accuracy, ``max_epochs`` (default the base config's) or ``wall_seconds`` of
+        training, evaluating every ``eval_every_samples``; its final central model becomes
+        snapshot ``name``.
+
+        Returns:
+            (the run's ticks and evaluations, its summary).
+        """
+        train = {
+            "max_epochs": self.base.train.max_epochs if max_epochs is None else max_epochs,
+            "max_samples": 0,
+            "max_seconds": wall_seconds,
+            "max_virtual_seconds": 0.0,
+            "stop_at_target": True,
+            "eval_every_samples": eval_every_samples,
+            "checkpoint_every_evals": 0,
+            "tensorboard": False,
+        }
+        result, trainer = self.run(cand, snapshot, train, kind="segment")
+        if not result.diverged:
+            self.snapshots[name] = trainer.runtime.eval_weights().clone()
+        summary_path = Path(result.run_dir) / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        return result, summary

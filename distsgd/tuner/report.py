@@ -1,0 +1,295 @@
+"""The tune report: ``report.md`` and its figures, written from ``tune.json``.
+
+Figures:
+
+* ``tradeoff.png`` — for every configuration shape probed from the initial weights (its
+  best probe): seconds per iteration (HE, measured), iterations to the target (SE, from
+  the probe's fitted loss curve and the plan's target loss) and their product, the
+  predicted time to accuracy, against g and protocol;
+* ``probes.png`` — every probe's training-loss curve against the runtime's clock;
+* ``extrapolation.png`` — predicted time to accuracy on larger simulated clusters;
+* ``verify.png`` — predicted against measured time to accuracy of the plan (after
+  ``--verify``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distsgd.tuner import perf_model as pm
+
+__all__ = ["write_report"]
+
+_COLORS = {
+    "hardsync": "tab:blue",
+    "compute_groups": "tab:orange",
+    "softsync": "tab:green",
+    "sma": "tab:purple",
+}
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return format(v, spec)
+
+
+def _shape_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Best initial-snapshot probe of every shape, with HE, SE and predicted time."""
+    target_loss = (state.get("prediction") or {}).get("target_loss")
+    best: dict[str, dict[str, Any]] = {}
+    for p in state["probes"]:
+        if p["snapshot"] != "initial" or p["score"] is None:
+            continue
+        shape = p["label"].rsplit(" η=", 1)[0]
+        if shape not in best or p["score"] < best[shape]["score"]:
+            best[shape] = p
+    rows = []
+    for shape, p in best.items():
+        se = math.nan
+        if target_loss is not None and len(p["losses"]) >= 3:
+            try:
+                curve = pm.fit_loss_curve(np.array(p["iterations"]), np.array(p["losses"]))
+                se = pm.iterations_to_loss(curve, target_loss)
+            except ValueError:
+                pass
+        he = p["seconds_per_iteration"] or math.nan
+        rows.append(
+            {
+                "shape": shape,
+                "family": p["candidate"]["family"],
+                "g": p["candidate"]["num_groups"]
+                if p["candidate"]["family"] == "compute_groups"
+                else 1,
+                "label": p["label"],
+                "score": p["score"],
+                "he": he,
+                "se": se,
+                "predicted": he * se,
+            }
+        )
+    rows.sort(key=lambda r: (list(_COLORS).index(r["family"]), r["g"], r["shape"]))
+    return rows
+
+
+def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clock = state["clock"]
+    figs = []
+    if rows:
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+        x = np.arange(len(rows))
+        colors = [_COLORS[r["family"]] for r in rows]
+        for ax, key, ylabel in (
+            (axes[0], "he", f"{clock} seconds per iteration (HE)"),
+            (axes[1], "se", "iterations to target (SE, fitted)"),
+            (axes[2], "predicted", f"predicted time to accuracy ({clock} s)"),
+        ):
+            vals = [r[key] if math.isfinite(r[key]) else 0.0 for r in rows]
+            ax.bar(x, vals, color=colors)
+            for xi, r in zip(x, rows, strict=True):
+                if not math.isfinite(r[key]):
+                    ax.text(xi, 0, "n/a", ha="center", va="bottom", fontsize=7)
+            ax.set_xticks(x, [r["shape"] for r in rows], rotation=60, ha="right", fontsize=7)
+            ax.set_ylabel(ylabel)
+            if all(v > 0 for v in vals) and max(vals) > 20 * min(vals):
+                ax.set_yscale("log")  # values spanning orders of magnitude
+            ax.grid(alpha=0.3, axis="y")
+        axes[1].set_title("the tradeoff space: HE × SE = time to accuracy (best η, μ per shape)")
+        fig.tight_layout()
+        fig.savefig(out / "tradeoff.png", dpi=100)
+        plt.close(fig)
+        figs.append("tradeoff.png")
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for p in state["probes"]:
+        if not p["losses"]:
+            continue
+        fam = p["candidate"]["family"]
+        ls = "-" if p["snapshot"] == "initial" else ":"
+        ax.plot(p["virtual_s"], p["losses"], ls, color=_COLORS[fam], alpha=0.35, lw=0.8)
+        if p["diverged"]:
+            ax.plot(p["virtual_s"][-1:], [min(p["losses"][-1], 5.0)], "kx")
+    for fam, col in _COLORS.items():
+        ax.plot([], [], color=col, label=fam)
+    ax.plot([], [], "k:", label="steady-state probes (from the segment's snapshot)")
+    ax.set_xlabel(f"{clock} seconds since the probe's snapshot")
+    ax.set_ylabel("training loss (per tick)")
+    ok = [x for p in state["probes"] if not p["diverged"] for x in p["losses"] if x is not None]
+    ax.set_ylim(0, 1.05 * max(ok) if ok else None)  # a diverged probe would hide the rest
+    ax.set_title(f"every probe's loss curve ({len(state['probes'])} probes; x = diverged)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "probes.png", dpi=100)
+    plt.close(fig)
+    figs.append("probes.png")
+    ext = state.get("extrapolation") or []
+    if ext:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for g in sorted({e["g"] for e in ext}):
+            es = [e for e in ext if e["g"] == g]
+            ax.plot(
+                [e["num_learners"] for e in es],
+                [e["predicted_s"] for e in es],
+                "o-",
+                label=f"g = {g}",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("learners λ (simulated devices)")
+        ax.set_ylabel(f"predicted time to accuracy ({clock} s)")
+        ax.set_title("performance model on larger clusters (plan's b, η, μ)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "extrapolation.png", dpi=100)
+        plt.close(fig)
+        figs.append("extrapolation.png")
+    v = state.get("verify")
+    pred = (state.get("prediction") or {}).get("predicted_s")
+    if v and v.get("measured_s") and pred:
+        fig, ax = plt.subplots(figsize=(5, 4.5))
+        m = v["measured_s"]
+        ax.bar([0, 1], [pred, m], color=["tab:gray", "tab:blue"])
+        ax.axhspan(0.75 * m, 1.25 * m, color="tab:blue", alpha=0.1, label="measured ± 25%")
+        ax.set_xticks([0, 1], ["predicted", "measured"])
+        ax.set_ylabel(f"time to {100 * state['target_accuracy']:g}% ({clock} s)")
+        ax.set_title("plan: predicted vs measured time to accuracy")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "verify.png", dpi=100)
+        plt.close(fig)
+        figs.append("verify.png")
+    return figs
+
+
+def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
+    """Write ``report.md`` and the figures into ``out_dir`` from the tune ``state``."""
+    out = Path(out_dir)
+    rows = _shape_rows(state)
+    figs = _plots(out, state, rows)
+    clock = state["clock"]
+    pred = state.get("prediction") or {}
+    lines = [
+        "# distsgd tune report",
+        "",
+        f"Target: {100 * state['target_accuracy']:g}% test accuracy on the `{state['runtime']}` "
+        f"runtime, λ = {state['num_learners']} devices; search budget {state['budget_s']:.0f} s, "
+        f"tuning took {state['tuning_wall_s']:.1f} wall s.",
+        "",
+        f"Times are **{clock} seconds**"
+        + (
+            " (the simulated cluster's virtual clock; probes were equal in simulated time)."
+            if clock == "simulated"
+            else "."
+        ),
+        "",
+        "## Plan",
+        "",
+        f"`plan.toml`: **{state.get('plan_name') or state['chosen_label']}**"
+        + (
+            f" (steady state from the long run's snapshot recommended {state['steady_state']})."
+            if state.get("steady_state")
+            else "."
+        ),
+        "",
+        f"Predicted time to accuracy: **{_fmt(pred.get('predicted_s'), '.2f')} {clock} s** = "
+        f"HE {_fmt((pred.get('seconds_per_iteration') or math.nan) * 1e3, '.3f')} ms per "
+        f"iteration × SE {_fmt(pred.get('iterations_to_target'), '.0f')} iterations (target "
+        f"training loss {_fmt(pred.get('target_loss'), '.4f')} nats, from the fitted loss "
+        f"curve of the last of {pred.get('segments', 1)} long run(s)).",
+        "",
+        f"The tuner's own long runs reached the target after "
+        f"{_fmt(pred.get('tuner_measured_s'), '.2f')} {clock} s.",
+        "",
+    ]
+    v = state.get("verify")
+    if v:
+        ratio = v.get("ratio_predicted_to_measured")
+        lines += [
+            "## Predicted vs measured",
+            "",
+            f"Training the plan (`{v['run_dir']}`): reached = {v['reached']}, measured time "
+            f"to accuracy **{_fmt(v['measured_s'], '.2f')} {clock} s**"
+            + (
+                f" ({_fmt(v.get('measured_wall_s'), '.1f')} wall s of training)"
+                if clock == "simulated"
+                else ""
+            )
+            + f"; predicted / measured = **{_fmt(ratio, '.3f')}**"
+            + (
+                f" ({'within' if ratio and abs(ratio - 1) <= 0.25 else 'outside'} ±25%)."
+                if ratio
+                else "."
+            ),
+            "",
+        ]
+    else:
+        lines += [
+            "Measure it: `distsgd tune --verify-only DIR` trains `plan.toml` into `DIR/verify` "
+            "and adds the measured point here (or run `distsgd tune ... --verify`).",
+            "",
+        ]
+    lines += [
+        "## Tradeoff space (best η, μ of each shape probed from the initial weights)",
+        "",
+        f"| configuration | score | {clock} s / iteration (HE) | iterations to target (SE) | "
+        f"predicted time to accuracy ({clock} s) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r['score']:.4f} | {_fmt(r['he'] * 1e3, '.3f')} ms | "
+            f"{_fmt(r['se'], '.0f')} | {_fmt(r['predicted'], '.2f')} |"
+        )
+    lines += [
+        "",
+        "SE of a short probe is an extrapolation of its fitted loss curve "
+        "(L(i) = L_inf + A (i+1)^-β) to the plan's target loss; the equal-time score is what "
+        "the search decides on.",
+        "",
+    ]
+    for f in figs:
+        lines += [f"![{f}]({f})", ""]
+    lines += [
+        "## Probes",
+        "",
+        "| # | configuration | snapshot | score | ms / iteration | wall s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, p in enumerate(state["probes"], 1):
+        score = "NaN" if p["diverged"] else _fmt(p["score"], ".4f")
+        he = p["seconds_per_iteration"]
+        lines.append(
+            f"| {i} | {p['label']} | {p['snapshot']} | {score} | "
+            f"{_fmt(he * 1e3 if he else None, '.3f')} | {p['wall_s']:.1f} |"
+        )
+    ext = state.get("extrapolation") or []
+    if ext:
+        lines += [
+            "",
+            "## Larger clusters (performance model)",
+            "",
+            "HE from the simulated cluster's timing model, SE carried from the plan with the "
+            f"batch-size law (B_noise = {state['noise_scale']:g} samples).",
+            "",
+            f"| λ | g | {clock} s / iteration | iterations to target | predicted ({clock} s) |",
+            "|---|---|---|---|---|",
+        ]
+        for e in ext:
+            lines.append(
+                f"| {e['num_learners']} | {e['g']} | {_fmt(e['seconds_per_iteration'] * 1e3, '.3f')} ms | "
+                f"{_fmt(e['iterations_to_target'], '.0f')} | {_fmt(e['predicted_s'], '.2f')} |"
+            )
+    lines += ["", "Every decision with its reason: `decisions.jsonl`.", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,602 @@
+"""``distsgd tune``: find the configuration that reaches the target accuracy soonest.
+
+Phases (SPEC.md §3; every decision goes to ``decisions.jsonl`` with its reason):
+
+1. fix the device profile once (calibrated on this machine unless the config gives it),
+   so every probe runs on the same simulated cluster;
+2. Omnivore's cold start from the initial weights (:class:`OmnivoreSearch`);
+3. the joint search beyond Omnivore: the performance model ranks unprobed protocol
+   families, layouts and batch sizes, the best ``tune.extra_probes`` are probed;
+4. the long run of the best configuration ("segment") until the target accuracy or its
+   share of the budget, which gives the snapshot for steady state and the loss curve and
+   evaluation points the statistical-efficiency fit needs;
+5. Omnivore's steady state from that snapshot;
+6. the plan (``plan.toml``, a config ``distsgd train`` accepts as is), its predicted time
+   to accuracy ``HE · SE``, the report; with ``verify`` the plan is trained and its
+   measured time to accuracy added.
+
+Budget: the cold start and joint search may use up to ``1 − segment_fraction − 0.15`` of
+``tune.budget_s``, the segment ``segment_fraction``, steady state the rest; a phase that
+finishes early leaves its time to the next. Probes on the ``sim`` runtime are equal in
+*simulated* time (``tune.probe_seconds`` on the virtual clock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from distsgd.config import ConfigError, RunConfig
+from distsgd.data import load_dataset
+from distsgd.engine import GradientEngine
+from distsgd.models import build_model
+from distsgd.runtime.sim import calibrate
+from distsgd.tuner import perf_model as pm
+from distsgd.tuner.omnivore import (
+    Candidate,
+    DecisionLog,
+    OmnivoreSearch,
+    ProbeResult,
+    joint_candidates,
+    pick_best,
+    rank_candidates,
+)
+from distsgd.tuner.probes import Prober, candidate_config, check_runtime
+
+__all__ = ["tune", "parse_budget", "predict_plan", "verify_plan"]
+
+_STEADY_SHARE = 0.15
+_PLAN_EVAL_EVERY = 5000
+
+
+def parse_budget(text: str) -> float:
+    """Seconds in a budget like ``90s``, ``10m``, ``1h`` or ``45`` (seconds).
+
+    Raises:
+        ConfigError: anything else, or a budget that is not > 0.
+    """
+    t = str(text).strip().lower()
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    unit = t[-1:] if t[-1:] in scale else "s"
+    num = t[:-1] if t[-1:] in scale else t
+    try:
+        value = float(num) * scale[unit]
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"--budget {text!r} is not allowed: expected a duration > 0 such as 90s, 10m or 1h"
+        )
+    return value
+
+
+def _fixed_profile(cfg: RunConfig) -> tuple[RunConfig, torch.Tensor, int]:
+    """Calibrate once (if needed) and make the seeded initial weights ``[P]``."""
+    torch.set_num_threads(cfg.train.num_threads or (os.cpu_count() or 1))
+    torch.manual_seed(cfg.train.seed)
+    ds = load_dataset(cfg.data, seed=cfg.train.seed)
+    if cfg.cluster.needs_calibration:
+        prof = calibrate(
+            GradientEngine(build_model(cfg.model.name, ds.input_shape, ds.num_classes)), ds
+        )
+        cfg = cfg.replace(
+            cluster=dataclasses.replace(
+                cfg.cluster,
+                seconds_per_sample=prof.seconds_per_sample,
+                seconds_per_batch=prof.seconds_per_batch,
+            )
+        )
+    torch.manual_seed(cfg.train.seed)  # the same initial weights as distsgd train
+    engine = GradientEngine(build_model(cfg.model.name, ds.input_shape, ds.num_classes))
+    return cfg, engine.initial_weights(), engine.num_parameters
+
+
+def cluster_model(cfg: RunConfig, num_parameters: int) -> pm.ClusterModel:
+    """The simulated cluster's timing model from the config's ``[cluster]`` section."""
+    c = cfg.cluster
+    return pm.ClusterModel(
+        t_batch=c.seconds_per_batch,
+        t_sample=c.seconds_per_sample,
+        latency_s=c.latency_s,
+        bandwidth_gbps=c.bandwidth_gbps,
+        num_parameters=num_parameters,
+        jitter=c.jitter,
+    )
+
+
+def _binned(x: list[float], y: list[float], bins: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    """Mean of y over ``bins`` equal runs of consecutive points (smooths tick noise)."""
+    xa, ya = np.asarray(x, float), np.asarray(y, float)
+    if xa.size <= bins:
+        return xa, ya
+    idx = np.array_split(np.arange(xa.size), bins)
+    return np.array([xa[i].mean() for i in idx]), np.array([ya[i].mean() for i in idx])
+
+
+def predict_plan(segments: list[ProbeResult], target_accuracy: float) -> dict[str, Any]:
+    """Predicted time to accuracy of the plan from scratch: HE · SE.
+
+    ``segments`` are the long runs in order (the first from the initial weights, each next
+    one from the previous one's snapshot, possibly at a lower η). HE: their measured
+    seconds per iteration (total seconds / total iterations). SE: the iterations of every
+    segment but the last, plus the iterations until the last segment's fitted loss curve
+    (:func:`~distsgd.tuner.perf_model.fit_loss_curve` on its tick losses, iterations
+    counted from its start) reaches the target loss. :func:`fit_error_vs_loss` maps the
+    target accuracy to that loss from every segment's evaluation points, each taken as
+    (its own fitted curve's loss at the evaluation, accuracy), which removes the lag of
+    interval-mean training losses.
+
+    Returns:
+        dict with ``seconds_per_iteration``, ``iterations_to_target``, ``target_loss``,
+        ``curve`` (of the last segment: L_inf, A, beta, rmse), ``predicted_s``; values are
+        NaN/inf when the data do not determine them.
+    """
+    iters = sum(s.iterations[-1] for s in segments if s.iterations)
+    secs = sum(s.virtual_s[-1] for s in segments if s.virtual_s)
+    he = secs / iters if iters else math.nan
+    out: dict[str, Any] = {
+        "seconds_per_iteration": he,
+        "iterations_to_target": math.nan,
+        "target_loss": math.nan,
+        "curve": None,
+        "predicted_s": math.nan,
+        "segments": len(segments),
+    }
+    curves = []
+    for seg in segments:
+        if seg.diverged or len(seg.losses) < 3:
+            curves.append(None)
+            continue
+        xs, ys = _binned(seg.iterations, seg.losses)
+        curves.append(pm.fit_loss_curve(xs, ys))
+    while len(curves) > 1 and curves[-1] is None:  # a last run too short to fit
+        curves.pop()
+        segments = segments[:-1]
+    last = curves[-1] if curves else None
+    if last is None:
+        return out
+    out["curve"] = dataclasses.asdict(last)
+    pts = [
+        (float(curve(e["iterations"])), e["test_accuracy"])
+        for seg, curve in zip(segments, curves, strict=True)
+        if curve is not None
+        for e in seg.evals
+        if e.get("iterations", 0) > 0
+    ]
+    try:
+        ev = pm.fit_error_vs_loss(np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
+    except ValueError:
+        return out
+    target_loss = ev.target_loss(target_accuracy)
+    before = sum(s.iterations[-1] for s in segments[:-1] if s.iterations)
+    se = before + pm.iterations_to_loss(last, target_loss)
+    out.update(
+        target_loss=target_loss,
+        iterations_to_target=se,
+        predicted_s=pm.time_to_accuracy(he, se),
+        error_vs_loss={"e0": ev.e0, "s": ev.s},
+    )
+    return out
+
+
+def _plan_config(
+    base: RunConfig, cand: Candidate, steady: Candidate | None, seg_epochs: float, log: DecisionLog
+) -> RunConfig:
+    cfg = candidate_config(base, cand)
+    schedule = dataclasses.replace(base.schedule, kind="constant", warmup_epochs=0.0)
+    if steady is not None and steady != cand:
+        same_shape = dataclasses.replace(steady, lr=cand.lr) == cand
+        if same_shape and steady.lr < cand.lr and seg_epochs > 0:
+            schedule = dataclasses.replace(
+                schedule,
+                kind="step",
+                decay_epochs=[round(seg_epochs, 4)],
+                decay_factor=steady.lr / cand.lr,
+            )
+            log(
+                "plan",
+                f"step η {cand.lr:g} → {steady.lr:g} at epoch {seg_epochs:.3f}",
+                "steady state preferred η/10 from the long run's snapshot",
+            )
+        else:
+            log(
+                "plan",
+                f"keep {cand.label()} for the whole run",
+                f"steady state recommends {steady.label()} after epoch {seg_epochs:.3f}; "
+                "a run config holds one layout and momentum, so the plan keeps the first phase",
+            )
+    t = base.train
+    train = dataclasses.replace(
+        t,
+        stop_at_target=True,
+        max_seconds=0.0,
+        max_virtual_seconds=0.0,
+        max_epochs=t.max_epochs or 10.0,
+        eval_every_samples=min(t.eval_every_samples or _PLAN_EVAL_EVERY, _PLAN_EVAL_EVERY),
+    )
+    name = f"tuned {cand.shape()} η={cand.lr:g} μ={cand.momentum:g}"
+    if schedule.kind == "step":
+        name += f" (η×{schedule.decay_factor:g} at epoch {schedule.decay_epochs[0]:g})"
+    return cfg.replace(name=name, schedule=schedule, train=train)
+
+
+def verify_plan(tune_dir: Path, progress: bool = True) -> dict[str, Any]:
+    """Train ``tune_dir/plan.toml`` into ``tune_dir/verify`` and add the measured time to
+    accuracy next to the prediction in ``tune.json`` and the report.
+
+    Raises:
+        ConfigError: no plan in ``tune_dir``, or ``verify/`` already holds a run.
+    """
+    from distsgd.trainer import Trainer
+    from distsgd.tuner.report import write_report
+
+    tune_dir = Path(tune_dir)
+    plan = tune_dir / "plan.toml"
+    if not plan.exists():
+        raise ConfigError(f"{plan} does not exist: run distsgd tune first")
+    cfg = RunConfig.from_toml(plan)
+    summary = Trainer(cfg, tune_dir / "verify", progress=progress).run()
+    state = json.loads((tune_dir / "tune.json").read_text())
+    key = "time_to_accuracy_virtual_s" if cfg.runtime == "sim" else "time_to_accuracy_s"
+    measured = summary.get(key)
+    pred = state["prediction"]["predicted_s"]
+    state["verify"] = {
+        "run_dir": str(tune_dir / "verify"),
+        "reached": summary["reached"],
+        "measured_s": measured,
+        "measured_wall_s": summary.get("time_to_accuracy_s"),
+        "measured_iterations": None,
+        "samples_to_accuracy": summary.get("samples_to_accuracy"),
+        "ratio_predicted_to_measured": (
+            pred / measured if measured and pred and math.isfinite(pred) else None
+        ),
+    }
+    recs = [json.loads(x) for x in (tune_dir / "verify" / "metrics.jsonl").read_text().splitlines()]
+    hit = [r for r in recs if r["test_accuracy"] >= cfg.train.target_accuracy]
+    if hit:
+        state["verify"]["measured_iterations"] = hit[0]["iterations"]
+    (tune_dir / "tune.json").write_text(json.dumps(state, indent=1, default=_json_default))
+    write_report(tune_dir, state)
+    return state
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, np.floating | np.integer):
+        return o.item()
+    return str(o)
+
+
+def _clean(o: Any) -> Any:
+    """NaN/inf → None (strict JSON), numpy scalars → Python."""
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_clean(v) for v in o]
+    if isinstance(o, np.floating | np.integer):
+        o = o.item()
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return o
+
+
+def tune(
+    config: RunConfig,
+    out_dir: str | Path,
+    *,
+    budget_s: float | None = None,
+    progress: bool = True,
+    verify: bool = False,
+) -> dict[str, Any]:
+    """Run the search and write the tune directory; returns the state saved in ``tune.json``.
+
+    Args:
+        config: base config: model, data, target accuracy, the cluster (``protocol.
+            num_learners`` = λ devices, ``protocol.batch_size`` = b of the cold start),
+            ``[tune]`` settings.
+        out_dir: the tune directory (created; must not hold a tune already).
+        budget_s: overrides ``tune.budget_s`` (wall seconds).
+        progress: show a progress bar over the budget and one line per decision.
+        verify: train the plan afterwards and add the measured point (:func:`verify_plan`).
+
+    Writes ``plan.toml``, ``report.md`` and figures, ``decisions.jsonl``, ``tune.json``,
+    ``probes/`` (one run directory per probe and the segment).
+
+    Raises:
+        ConfigError: bad settings, an unavailable runtime, an occupied ``out_dir``, or a
+            cold start in which every probe diverged.
+    """
+    from distsgd.tuner.report import write_report
+
+    check_runtime(config.runtime)
+    settings = config.tune
+    if budget_s is not None:
+        settings = dataclasses.replace(settings, budget_s=budget_s)
+        config = config.replace(tune=settings)
+    out = Path(out_dir)
+    if (out / "plan.toml").exists() or (out / "decisions.jsonl").exists():
+        raise ConfigError(
+            f"output directory {str(out)!r} already holds a tune; choose another --out"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    budget = settings.budget_s
+    cfg, initial, num_params = _fixed_profile(config)
+    bar = tqdm(
+        total=round(budget),
+        unit="s",
+        desc="tune",
+        disable=not progress,
+        dynamic_ncols=True,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total} s budget {postfix}",
+    )
+    log = DecisionLog(out / "decisions.jsonl", echo=tqdm.write if progress else None)
+    c = cfg.cluster
+    log(
+        "setup",
+        f"device profile {c.seconds_per_batch * 1e3:.3f} ms/batch + "
+        f"{c.seconds_per_sample * 1e6:.1f} µs/sample, λ = {cfg.protocol.num_learners}",
+        "calibrated once on this machine so every probe runs on the same simulated cluster"
+        if config.cluster.needs_calibration
+        else "given by the config",
+    )
+    prober = Prober(cfg, out, settings.probe_seconds, settings.score_window, initial)
+    clock = "simulated" if prober.simulated else "wall"
+
+    def elapsed() -> float:
+        return time.perf_counter() - t0
+
+    def tick_bar(phase: str, extra: str = "") -> None:
+        bar.n = min(round(elapsed()), bar.total)
+        bar.set_postfix_str(f"{phase} {extra}".strip(), refresh=True)
+
+    def probe(cand: Candidate, snapshot: str) -> ProbeResult:
+        tick_bar("probe", cand.label())
+        r = prober(cand, snapshot)
+        tick_bar("probe", cand.label())
+        return r
+
+    search_end = budget * (1 - settings.segment_fraction - _STEADY_SHARE)
+    search = OmnivoreSearch(
+        probe,
+        settings,
+        cfg.protocol.num_learners,
+        cfg.protocol.batch_size,
+        log,
+        out_of_budget=lambda: elapsed() >= search_end,
+    )
+    log(
+        "setup",
+        f"probes of {settings.probe_seconds:g} {clock} seconds each",
+        "equal-time probes from the same snapshot fold hardware and statistical efficiency "
+        "into one score (Omnivore)",
+    )
+    best = search.cold_start("initial")
+    if best is None:
+        raise ConfigError(
+            "tune.lrs = "
+            f"{settings.lrs!r} is not allowed: every cold-start probe diverged or none ran; "
+            "expected smaller learning rates or a larger budget"
+        )
+    chosen = best
+
+    # ---- beyond Omnivore: joint search ranked by the performance model ----------------
+    cluster = cluster_model(cfg, num_params)
+    ref = chosen.candidate
+    b_ref = pm.samples_per_iteration(ref.layout())
+    noise = settings.noise_scale or float(b_ref)
+    ranked: list[tuple[float, Candidate]] = []
+    if settings.extra_probes > 0:
+        cands = joint_candidates(search, ref, settings)
+        ranked = rank_candidates(cands, ref, 1.0, cluster, noise)
+        ref_time = pm.seconds_per_iteration(ref.layout(), cluster)
+        log(
+            "joint",
+            f"ranked {len(ranked)} unprobed configurations by predicted time to accuracy",
+            f"HE from the cluster model × SE carried from {ref.shape()} with the batch-size "
+            f"law, B_noise = {noise:g} samples"
+            + (" (tune.noise_scale)" if settings.noise_scale else " (= its samples per iteration)"),
+            ranking=[{"label": c.label(), "relative_time": t / ref_time} for t, c in ranked[:10]],
+        )
+        extra: list[ProbeResult] = []
+        for t_pred, cand in ranked[: settings.extra_probes]:
+            if elapsed() >= search_end:
+                log("joint", f"skip {cand.label()}", "search budget spent")
+                continue
+            log(
+                "joint",
+                f"probe {cand.label()}",
+                f"predicted {t_pred / ref_time:.2f}× the time of {ref.shape()}",
+            )
+            r = probe(cand, "initial")
+            search.results.append(r)
+            extra.append(r)
+            log(
+                "joint",
+                f"probed {cand.label()}: " + ("NaN" if r.diverged else f"score {r.score:.4f}"),
+                f"equal-time score against {chosen.score:.4f} for {ref.label()}",
+                score=None if r.diverged else r.score,
+            )
+        better = pick_best(extra, settings.tie_buffer)
+        if better is not None and better.score < chosen.score * (1 - settings.tie_buffer):
+            log(
+                "joint",
+                f"choose {better.candidate.label()}",
+                f"its score {better.score:.4f} beats {chosen.score:.4f} by more than "
+                f"{100 * settings.tie_buffer:g}%",
+            )
+            chosen = better
+        else:
+            log(
+                "joint",
+                f"keep {chosen.candidate.label()}",
+                "no configuration of the joint search beat its equal-time score by more than "
+                f"{100 * settings.tie_buffer:g}%",
+            )
+
+    # ---- the long run of the best configuration ---------------------------------------
+    seg_share = budget * settings.segment_fraction
+    reserve = budget * _STEADY_SHARE + 0.4 * seg_share  # steady state and the second run
+    seg_wall = max(0.6 * seg_share, budget - reserve - elapsed(), 1.0)
+    eval_every = min(cfg.train.eval_every_samples or _PLAN_EVAL_EVERY, _PLAN_EVAL_EVERY)
+    log(
+        "segment",
+        f"train {chosen.candidate.label()} from the initial weights",
+        f"until {100 * cfg.train.target_accuracy:g}% test accuracy or {seg_wall:.0f} wall "
+        f"seconds of training, evaluating every {eval_every} samples (Omnivore's long run; "
+        "it gives the steady-state snapshot and the loss curve for the SE fit)",
+    )
+    tick_bar("segment", chosen.candidate.label())
+    segment, seg_summary = prober.segment(chosen.candidate, seg_wall, eval_every, "segment")
+    tick_bar("segment")
+    seg_epochs = float(seg_summary.get("epochs", 0.0) or 0.0)
+    log(
+        "segment",
+        "reached the target" if seg_summary.get("reached") else "stopped before the target",
+        f"best accuracy {seg_summary.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} "
+        f"epochs, {seg_summary.get('virtual_s', 0):.2f} {clock} s, "
+        f"{seg_summary.get('train_wall_s', 0):.1f} wall s of training",
+    )
+    segments = [segment]
+    summaries = [seg_summary]
+
+    # ---- steady state and the run after it ----------------------------------------------
+    steady: Candidate | None = None
+    switch: Candidate | None = None
+    if segment.diverged:
+        log("steady state", "skipped", "the long run diverged; no snapshot")
+    elif seg_summary.get("reached"):
+        log("steady state", "skipped", "the long run reached the target: the plan is that run")
+    else:
+        steady_end = elapsed() + budget * _STEADY_SHARE
+        search.out_of_budget = lambda: elapsed() >= steady_end
+        steady = search.steady_state(chosen.candidate, "segment")
+        switch = dataclasses.replace(chosen.candidate, lr=steady.lr)
+        if switch != steady:
+            log(
+                "steady state",
+                f"continue with {switch.label()}",
+                f"steady state recommends {steady.label()}; a run config can change only η "
+                "mid-run (a step of the schedule), so the family, layout and μ stay",
+            )
+        wall2 = max(0.4 * seg_share, budget - elapsed(), 1.0)
+        left = max((cfg.train.max_epochs or 10.0) - seg_epochs, 0.01)
+        log(
+            "segment",
+            f"train {switch.label()} from the long run's snapshot",
+            f"until the target, {left:.2f} more epochs or {wall2:.0f} wall seconds of training "
+            "(the plan's second phase; it measures the time to accuracy with the step)",
+        )
+        tick_bar("segment 2", switch.label())
+        seg2, sum2 = prober.segment(
+            switch, wall2, eval_every, "segment2", snapshot="segment", max_epochs=left
+        )
+        tick_bar("segment 2")
+        segments.append(seg2)
+        summaries.append(sum2)
+        log(
+            "segment",
+            "reached the target" if sum2.get("reached") else "stopped before the target",
+            f"best accuracy {sum2.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} + "
+            f"{float(sum2.get('epochs', 0) or 0):.3f} epochs",
+        )
+    measured_chain = None
+    last = summaries[-1]
+    if last.get("reached"):
+        key = "time_to_accuracy_virtual_s" if prober.simulated else "time_to_accuracy_s"
+        earlier = sum(
+            float(x.get("virtual_s" if prober.simulated else "train_wall_s", 0) or 0)
+            for x in summaries[:-1]
+        )
+        measured_chain = earlier + float(last[key])
+
+    # ---- plan, prediction, report ---------------------------------------------------------
+    plan = _plan_config(cfg, chosen.candidate, switch, seg_epochs, log)
+    (out / "plan.toml").write_text(plan.to_toml())
+    prediction = predict_plan(segments, cfg.train.target_accuracy)
+    prediction["tuner_measured_s"] = measured_chain
+    log(
+        "plan",
+        f"plan {plan.name}: predicted time to accuracy {prediction['predicted_s']:.2f} {clock} s",
+        f"HE {prediction['seconds_per_iteration'] * 1e3:.3f} ms per iteration (measured in the "
+        f"long runs) × SE {prediction['iterations_to_target']:.0f} iterations (fitted loss "
+        f"curve reaching the target loss {prediction['target_loss']:.4f})",
+    )
+    # what the model expects on larger clusters (simulated runtime only)
+    extrapolation = []
+    se_ref = prediction["iterations_to_target"]
+    if math.isfinite(se_ref):
+        lam = cfg.protocol.num_learners
+        b_plan = pm.samples_per_iteration(chosen.candidate.layout())
+        for mult in (1, 2, 4, 8):
+            lam2 = lam * mult
+            for g in sorted({1, 2, 4, lam2 // 4, lam2} - {0}):
+                if lam2 % g:
+                    continue
+                c2 = Candidate(
+                    "hardsync" if g == 1 else "compute_groups",
+                    lam2,
+                    chosen.candidate.batch_size,
+                    chosen.candidate.lr,
+                    chosen.candidate.momentum,
+                    num_groups=g,
+                )
+                he = pm.seconds_per_iteration(c2.layout(), cluster)
+                se = pm.scale_iterations(
+                    se_ref, b_plan, pm.samples_per_iteration(c2.layout()), noise
+                )
+                extrapolation.append(
+                    {
+                        "num_learners": lam2,
+                        "g": g,
+                        "seconds_per_iteration": he,
+                        "iterations_to_target": se,
+                        "predicted_s": he * se,
+                    }
+                )
+    bar.n = min(round(elapsed()), bar.total)
+    bar.close()
+    state = {
+        "config": str(config.name),
+        "runtime": cfg.runtime,
+        "clock": clock,
+        "budget_s": budget,
+        "tuning_wall_s": elapsed(),
+        "target_accuracy": cfg.train.target_accuracy,
+        "num_learners": cfg.protocol.num_learners,
+        "device_profile": {
+            "seconds_per_batch": cfg.cluster.seconds_per_batch,
+            "seconds_per_sample": cfg.cluster.seconds_per_sample,
+        },
+        "noise_scale": noise,
+        "chosen": dataclasses.asdict(chosen.candidate),
+        "chosen_label": chosen.candidate.label(),
+        "plan_name": plan.name,
+        "plan_schedule": dataclasses.asdict(plan.schedule),
+        "steady_state": None if steady is None else steady.label(),
+        "prediction": prediction,
+        "segments": [
+            {**sg.to_json(), "summary": sm} for sg, sm in zip(segments, summaries, strict=True)
+        ],
+        "probes": [r.to_json() for r in search.results],
+        "best_by_g": {str(g): r.candidate.label() for g, r in search.best_by_g.items()},
+        "ranking": [{"label": c.label(), "predicted_relative": t} for t, c in ranked],
+        "extrapolation": extrapolation,
+        "decisions": len(log.entries),
+    }
+    state = _clean(state)
+    (out / "tune.json").write_text(json.dumps(state, indent=1, default=_json_default))
+    write_report(out, state)
+    if verify:
+        state = verify_plan(out, progress=progress)
+    return state

@@ -1,0 +1,377 @@
+"""The tuner: Omnivore's search on a fake probe function (deterministic), the probes'
+Trainer hooks, and one tiny end-to-end ``distsgd tune`` whose plan ``distsgd train``
+accepts as is."""
+
+import json
+import math
+import tomllib
+
+import pytest
+import torch
+
+from distsgd.cli import main
+from distsgd.config import ConfigError, RunConfig, TuneConfig
+from distsgd.trainer import Trainer
+from distsgd.tuner.omnivore import (
+    Candidate,
+    DecisionLog,
+    OmnivoreSearch,
+    ProbeResult,
+    cold_start_grid,
+    joint_candidates,
+    nan_pruned,
+    pick_best,
+    rank_candidates,
+)
+from distsgd.tuner.perf_model import ClusterModel
+from distsgd.tuner.tune import parse_budget
+
+from .conftest import small_config
+
+
+def fake_result(cand, snapshot, score, he=1.0, diverged=False):
+    n = 20
+    return ProbeResult(
+        cand,
+        snapshot,
+        iterations=list(range(1, n + 1)),
+        virtual_s=[he * i for i in range(1, n + 1)],
+        losses=[score + 1.0] * (n - 10) + [score] * 10,  # only the last 10 count
+        diverged=diverged,
+    )
+
+
+class FakeProbe:
+    """Scores from a table: score(g, η, μ, snapshot); HE per g; NaN where told."""
+
+    def __init__(self, score, he=lambda g: 1.0 / g, nan=lambda c: False):
+        self.score, self.he, self.nan = score, he, nan
+        self.calls = []
+
+    def __call__(self, cand, snapshot):
+        self.calls.append((cand.g, cand.lr, cand.momentum, snapshot))
+        return fake_result(
+            cand, snapshot, self.score(cand, snapshot), self.he(cand.g), diverged=self.nan(cand)
+        )
+
+
+def make_search(probe, lam=8, **settings):
+    s = TuneConfig(**{"lrs": [0.1, 0.01, 0.001, 0.0001], **settings})
+    return OmnivoreSearch(probe, s, lam, 16, DecisionLog())
+
+
+def test_cold_start_grid_follows_omnivore():
+    s = TuneConfig()
+    grid, pruned = cold_start_grid(1, None, s)
+    assert grid == [(0.1, 0.9), (0.01, 0.9), (0.001, 0.9), (0.0001, 0.9)]
+    assert pruned == []
+    grid, pruned = cold_start_grid(2, (0.01, 0.6), s)
+    # η*_prev with μ <= μ*_prev, then η*_prev/10 with μ >= μ*_prev, largest first
+    assert grid == [(0.01, 0.6), (0.01, 0.3), (0.01, 0.0), (0.001, 0.9), (0.001, 0.6)]
+    assert [p for p, _ in pruned] == [(0.01, 0.9), (0.001, 0.3), (0.001, 0.0)]
+    assert "μ > μ*_prev" in pruned[0][1] and "both lower" in pruned[1][1]
+
+
+def test_nan_pruning_covers_everything_at_or_above():
+    pts = [(0.01, 0.6)]
+    assert nan_pruned(0.01, 0.6, pts) == (0.01, 0.6)
+    assert nan_pruned(0.1, 0.9, pts) == (0.01, 0.6)
+    assert nan_pruned(0.01, 0.3, pts) is None
+    assert nan_pruned(0.001, 0.9, pts) is None
+
+
+def test_tie_rule_prefers_larger_lr_then_larger_momentum():
+    c = Candidate("hardsync", 4, 16, 0.01, 0.6)
+    rs = [
+        fake_result(c, "s", 1.000),
+        fake_result(Candidate("hardsync", 4, 16, 0.1, 0.3), "s", 1.009),  # within 1%
+        fake_result(Candidate("hardsync", 4, 16, 0.1, 0.6), "s", 1.0099),  # within 1%
+        fake_result(Candidate("hardsync", 4, 16, 1.0, 0.9), "s", 1.02),  # outside
+        fake_result(Candidate("hardsync", 4, 16, 2.0, 0.9), "s", 0.5, diverged=True),
+    ]
+    best = pick_best(rs, 0.01)
+    assert (best.candidate.lr, best.candidate.momentum) == (0.1, 0.6)
+    assert pick_best(rs, 0.0).candidate.lr == 0.01  # no buffer: the lowest score
+    assert pick_best(rs[-1:], 0.01) is None  # all diverged
+
+
+def test_score_is_the_mean_of_the_last_ten_losses():
+    r = fake_result(Candidate("hardsync", 1, 8, 0.1, 0.9), "s", 0.25)
+    assert r.score == pytest.approx(0.25)
+    r.losses = [1.0] * 5 + [0.1 * i for i in range(10)]
+    assert r.score == pytest.approx(0.45)
+
+
+def test_cold_start_probes_in_order_prunes_nan_and_picks_per_g():
+    # the best η is 0.01 at every g; the best μ falls with g (Omnivore's finding)
+    best_mu = {1: 0.9, 2: 0.6, 4: 0.3, 8: 0.0}
+
+    def score(c, snap):
+        return 1.0 + abs(math.log10(c.lr) + 2) + abs(c.momentum - best_mu[c.g])
+
+    probe = FakeProbe(score, nan=lambda c: c.lr >= 0.1 and c.momentum >= 0.9)
+    search = make_search(probe)
+    chosen = search.cold_start()
+    assert probe.calls[:4] == [(1, lr, 0.9, "initial") for lr in (0.1, 0.01, 0.001, 0.0001)]
+    # g = 2 probes η*=0.01 with μ <= 0.9, then η*/10 with μ >= 0.9
+    assert probe.calls[4:9] == [
+        (2, 0.01, 0.9, "initial"),
+        (2, 0.01, 0.6, "initial"),
+        (2, 0.01, 0.3, "initial"),
+        (2, 0.01, 0.0, "initial"),
+        (2, 0.001, 0.9, "initial"),
+    ]
+    assert {g: (r.candidate.lr, r.candidate.momentum) for g, r in search.best_by_g.items()} == {
+        1: (0.01, 0.9),
+        2: (0.01, 0.6),
+        4: (0.01, 0.3),
+        8: (0.01, 0.0),
+    }
+    assert search.nan_points == [(0.1, 0.9)]
+    # every g scores 1.0 at its best: the tie prefers fewer groups
+    assert chosen.candidate.g == 1
+    assert chosen.candidate.family == "hardsync"
+
+
+def test_nan_at_fewer_groups_prunes_more_groups():
+    probe = FakeProbe(
+        lambda c, s: 1.0 + c.momentum * 0.01 - c.lr,  # larger η better while it converges
+        nan=lambda c: c.lr >= 0.1 and c.momentum >= 0.6,
+    )
+    search = make_search(probe, max_groups=2)
+    search.cold_start()
+    # g=1: 0.1@0.9 diverges; best is 0.01@0.9; g=2 never probes (0.1, ≥0.6)
+    assert (2, 0.1, 0.6, "initial") not in probe.calls
+    assert not [c for c in probe.calls if c[0] == 2 and c[1] >= 0.1 and c[2] >= 0.6]
+
+
+def test_he_rule_rejects_groups_that_do_not_speed_up_iterations_by_ten_percent():
+    he = {1: 1.0, 2: 0.5, 4: 0.46, 8: 0.2}  # g=4 improves by 8% only
+    probe = FakeProbe(lambda c, s: 1.0 + c.momentum, he=lambda g: he[g])
+    search = make_search(probe)
+    search.cold_start()
+    assert sorted(search.best_by_g) == [1, 2]
+    assert [c for c in probe.calls if c[0] == 4] == [probe.calls[-1]]  # one probe, then stop
+    assert not [c for c in probe.calls if c[0] == 8]
+    reasons = [e["reason"] for e in search.log.entries if "reject g=4" in e["decision"]]
+    assert reasons and "8.0% < 10%" in reasons[0]
+
+
+def test_lowest_score_across_groups_wins():
+    probe = FakeProbe(lambda c, s: {1: 1.0, 2: 0.8, 4: 0.9, 8: 2.0}[c.g] + 0.001 * c.momentum)
+    search = make_search(probe)
+    chosen = search.cold_start()
+    assert chosen.candidate.g == 2
+
+
+def test_steady_state_halves_groups_while_best_momentum_is_zero():
+    # at g=8 and g=4 the best μ is 0; at g=2 it is 0.3
+    best_mu = {8: 0.0, 4: 0.0, 2: 0.3}
+    probe = FakeProbe(lambda c, s: 1.0 + abs(c.momentum - best_mu[c.g]) + (c.lr < 0.01))
+    search = make_search(probe)
+    cur = Candidate("compute_groups", 8, 16, 0.01, 0.3, num_groups=8)
+    final = search.steady_state(cur, "segment")
+    assert (final.g, final.lr, final.momentum) == (2, 0.01, 0.3)
+    assert all(s == "segment" for *_, s in probe.calls)
+    # each round probes μ × {η, η/10}
+    assert [c[:3] for c in probe.calls[:8]] == [
+        (8, lr, mu) for mu in (0.9, 0.6, 0.3, 0.0) for lr in (0.01, 0.001)
+    ]
+    halvings = [e["decision"] for e in search.log.entries if "halve" in e["decision"]]
+    assert halvings == [
+        "halve groups g=8 → 4, μ = 0.6, search again",
+        "halve groups g=4 → 2, μ = 0.6, search again",
+    ]
+
+
+def test_steady_state_stops_halving_at_one_group():
+    probe = FakeProbe(lambda c, s: 1.0 + c.momentum)  # μ = 0 always best
+    search = make_search(probe)
+    final = search.steady_state(Candidate("compute_groups", 8, 16, 0.01, 0.3, num_groups=2), "s")
+    assert final.family == "hardsync" and final.momentum == 0.0
+
+
+def test_budget_stops_the_search_before_probing():
+    probe = FakeProbe(lambda c, s: 1.0)
+    search = make_search(probe)
+    search.out_of_budget = lambda: True
+    assert search.cold_start() is None
+    assert probe.calls == []
+
+
+def test_joint_search_ranks_unprobed_configurations_with_the_model():
+    probe = FakeProbe(lambda c, s: 1.0 + abs(c.momentum - 0.6))
+    search = make_search(probe, lam=4, max_groups=2)
+    chosen = search.cold_start().candidate
+    cands = joint_candidates(search, chosen, TuneConfig())
+    probed = {r.candidate for r in search.results}
+    assert cands and not probed & set(cands)
+    fams = {c.family for c in cands}
+    assert fams == {"hardsync", "compute_groups", "softsync", "sma"}
+    # linear scaling of η with b
+    hs = [c for c in cands if c.family == "hardsync" and c.batch_size == 32]
+    assert hs and hs[0].lr == pytest.approx(chosen.lr * 2)
+    cluster = ClusterModel(1e-3, 1e-4, num_parameters=1000)
+    ranked = rank_candidates(cands, chosen, 100.0, cluster, noise_scale=64)
+    times = [t for t, _ in ranked]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    # a NaN at the smallest (η, μ) prunes every asynchronous candidate
+    search.nan_points.append((1e-9, 0.0))
+    left = {c.family for c in joint_candidates(search, chosen, TuneConfig())}
+    assert left == {"hardsync", "sma"}
+
+
+def test_parse_budget():
+    assert parse_budget("90s") == 90
+    assert parse_budget("10m") == 600
+    assert parse_budget("1h") == 3600
+    assert parse_budget("45") == 45
+    for bad in ("abc", "-5m", "0s", "10x", ""):
+        with pytest.raises(ConfigError, match="--budget"):
+            parse_budget(bad)
+
+
+def test_tune_settings_are_validated():
+    with pytest.raises(ConfigError, match="tune.probe_seconds = 0"):
+        RunConfig.from_dict({"tune": {"probe_seconds": 0}})
+    with pytest.raises(ConfigError, match="tune.families"):
+        RunConfig.from_dict({"tune": {"families": ["ddp"]}})
+    with pytest.raises(ConfigError, match="tune.momenta"):
+        RunConfig.from_dict({"tune": {"momenta": [1.5]}})
+
+
+def test_trainer_stops_at_virtual_time_and_starts_from_given_weights(tmp_path):
+    cfg = small_config(
+        train={"max_epochs": 0, "max_virtual_seconds": 0.05}, cluster={"jitter": 0.0}
+    )
+    ticks = []
+    tr = Trainer(cfg, tmp_path / "a", progress=False, on_tick=lambda t, trainer: ticks.append(t))
+    s = tr.run()
+    assert s["stop_reason"] == "max_virtual_seconds"
+    # the first tick at or past the budget stops it: at most one tick (1 ms + 32 · 0.1 ms,
+    # no jitter) over
+    assert 0.05 <= s["virtual_s"] < 0.05 + 0.0042 + 1e-9
+    assert len(ticks) == s["iterations"]
+    w = tr.protocol.eval_weights().clone()
+    tr2 = Trainer(cfg, tmp_path / "b", progress=False, initial_weights=w)
+    tr2.run()
+    first = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
+    last = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert first["test_accuracy"] == last["test_accuracy"]  # evaluated at the same weights
+    with pytest.raises(ConfigError, match="initial weights"):
+        Trainer(cfg, tmp_path / "c", progress=False, initial_weights=torch.zeros(3)).run()
+
+
+def test_runtime_not_in_this_build_is_one_line_exit_2(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(small_config().to_toml())
+    assert main(["tune", str(cfg), "--runtime", "dist", "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "runtime = 'dist'" in err
+    assert main(["tune", str(cfg), "--budget", "ten minutes"]) == 2
+    assert "--budget 'ten minutes'" in capsys.readouterr().err
+
+
+def test_tune_end_to_end_writes_a_plan_that_train_accepts(tmp_path, capsys):
+    base = small_config(
+        protocol={"num_learners": 2, "batch_size": 16},
+        train={"target_accuracy": 0.7, "max_epochs": 2, "eval_every_samples": 256},
+        tune={
+            "probe_seconds": 0.03,
+            "lrs": [0.1, 0.01],
+            "momenta": [0.0, 0.9],
+            "batch_sizes": [16],
+            "extra_probes": 1,
+        },
+    )
+    cfg = tmp_path / "base.toml"
+    cfg.write_text(base.to_toml())
+    out = tmp_path / "tune"
+    assert main(["tune", str(cfg), "--budget", "40s", "--out", str(out), "--quiet"]) == 0
+    for f in ("plan.toml", "report.md", "decisions.jsonl", "tune.json", "probes.png"):
+        assert (out / f).exists(), f
+    decisions = [json.loads(x) for x in (out / "decisions.jsonl").read_text().splitlines()]
+    assert all(d["reason"] for d in decisions)
+    assert any(d["phase"] == "cold start" for d in decisions)
+    state = json.loads((out / "tune.json").read_text())
+    assert state["probes"] and state["clock"] == "simulated"
+    # the plan runs as is
+    capsys.readouterr()
+    assert main(["train", str(out / "plan.toml"), "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["protocol"] == RunConfig.from_toml(out / "plan.toml").protocol.name
+    assert summary["reached"]
+    # the follow-up command adds the measured point to the report
+    assert main(["tune", "--verify-only", str(out), "--quiet"]) == 0
+    state = json.loads((out / "tune.json").read_text())
+    assert state["verify"]["reached"] and state["verify"]["measured_s"] > 0
+    assert "Predicted vs measured" in (out / "report.md").read_text()
+
+
+def test_prediction_recovers_the_time_of_a_known_run():
+    """Two long runs whose losses follow known curves and whose accuracies follow
+    1 − acc = 0.02 + 0.25 · loss: HE · SE must give the time the second run reaches 90%."""
+    from distsgd.tuner.perf_model import LossCurve
+    from distsgd.tuner.tune import predict_plan
+
+    c1, c2 = LossCurve(0.3, 2.0, 0.5), LossCurve(0.25, 1.5, 0.5)
+    he = 0.02  # seconds per iteration
+
+    def run(curve, n):
+        it = list(range(1, n + 1))
+        r = ProbeResult(
+            Candidate("hardsync", 2, 64, 0.1, 0.9),
+            "s",
+            iterations=it,
+            virtual_s=[he * i for i in it],
+            losses=[float(curve(i)) for i in it],
+        )
+        r.evals = [
+            {"iterations": i, "test_accuracy": 1 - (0.02 + 0.25 * float(curve(i)))}
+            for i in range(50, n + 1, 50)
+        ]
+        return r
+
+    first, second = run(c1, 400), run(c2, 600)
+    pred = predict_plan([first, second], 0.9)
+    target_loss = (0.1 - 0.02) / 0.25
+    # the evaluation points enter as fitted-curve losses (binned ticks, β on a 0.25% grid),
+    # which moves the error-vs-loss line slightly: 1% on the target loss
+    assert pred["target_loss"] == pytest.approx(target_loss, rel=0.01)
+    expected_it = 400 + ((1.5 / (target_loss - 0.25)) ** (1 / 0.5) - 1)  # 400 + 458
+    # SE = (A / (L* − L_inf))^(1/β) amplifies that 1% about (L*/(L* − L_inf))/β ≈ 9×
+    assert pred["iterations_to_target"] == pytest.approx(expected_it, rel=0.1)
+    assert pred["predicted_s"] == pytest.approx(he * pred["iterations_to_target"])
+
+
+def test_candidate_config_maps_every_family_to_a_valid_run_config():
+    from distsgd.tuner.probes import candidate_config
+
+    base = small_config(
+        protocol={"num_learners": 4}, schedule={"kind": "step", "decay_epochs": [1.0]}
+    )
+    cases = {
+        Candidate("hardsync", 4, 8, 0.1, 0.9): ("hardsync", {}),
+        Candidate("compute_groups", 4, 8, 0.1, 0.6, num_groups=2): (
+            "compute_groups",
+            {"num_groups": 2, "staleness_lr": "none", "momentum_compensation": False},
+        ),
+        Candidate("softsync", 4, 8, 0.1, 0.9, softsync=2): (
+            "parameter_server",
+            {"mode": "softsync", "softsync": 2, "staleness_lr": "softsync"},
+        ),
+        Candidate("sma", 8, 8, 0.1, 0.0, replicas_per_device=2): (
+            "sma",
+            {"replicas_per_device": 2, "alpha": 0.0},
+        ),
+    }
+    for cand, (name, fields) in cases.items():
+        cfg = candidate_config(base, cand)
+        p = cfg.protocol
+        assert p.name == name
+        assert (p.num_learners, p.batch_size) == (cand.num_learners, cand.batch_size)
+        assert (cfg.optimizer.lr, cfg.optimizer.momentum) == (cand.lr, cand.momentum)
+        assert cfg.schedule.kind == "constant"  # probes run at one η
+        for k, v in fields.items():
+            assert getattr(p, k) == v, (name, k)
+        assert RunConfig.from_dict(tomllib.loads(cfg.to_toml())) == cfg  # round trip
