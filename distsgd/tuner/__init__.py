@@ -1,0 +1,1 @@
+"""Tuners: choices a run makes from its own measurements (replicas per device)."""
