@@ -8,9 +8,9 @@ picks one by :func:`choose_path`.
 
 Paths, for replica weights ``W [k, P]`` and inputs ``x [k, b, C, H, W]``:
 
-* ``"grouped"`` — ``cnn``: the k replicas' channels are stacked, ``[b, k·C, H, W]``, and
-  every convolution is one grouped convolution (``groups = k``) whose group j holds
-  replica j's filters; the fully connected layers are batched matrix products
+* ``"grouped"`` — ``cnn``: the k replicas' channels are stacked, ``[b, k·C, H, W]``
+  (channels-last in memory), and every convolution is one grouped convolution
+  (``groups = k``) whose group j holds replica j's filters; the fully connected layers are batched matrix products
   (``torch.baddbmm``, ``[k, b, in] @ [k, in, out]``).
 * ``"bmm"`` — ``mlp``: every layer is one ``torch.baddbmm``.
 * ``"vmap"`` — any model without batch-statistics layers (BatchNorm) or random layers
@@ -38,11 +38,11 @@ __all__ = ["PATHS", "choose_path", "batched_logits", "supports"]
 
 PATHS = ("auto", "loop", "grouped", "bmm", "vmap")
 
-# Rule measured by bench/replicas_throughput.py on this machine (2 threads, cnn): the
-# batched path wins for small per-replica batches and loses from b = 32 on, where one
-# replica's computation is already large enough to use the cores well (the grouped
-# convolution's backward is then slower than k ordinary ones).
-BATCHED_MAX_BATCH = 16
+# Rule measured by bench/replicas_throughput.py on this machine (cnn, b = 4…32): the
+# batched path was faster than k separate learners wherever measured; beyond b = 32 (not
+# measured) one replica's computation is large enough to use the cores well, and the
+# rule keeps the one-by-one path there.
+BATCHED_MAX_BATCH = 32
 
 
 def _has(model: nn.Module, kinds: tuple[type, ...]) -> bool:
@@ -65,7 +65,7 @@ def supports(model: nn.Module, path: str) -> bool:
 def choose_path(model: nn.Module, k: int, b: int) -> str:
     """The path ``replica_gradients`` takes for k replicas × b samples (path ``"auto"``).
 
-    Rule: ``loop`` for k = 1, for b > ``BATCHED_MAX_BATCH`` (16) and for models with
+    Rule: ``loop`` for k = 1, for b > ``BATCHED_MAX_BATCH`` (32) and for models with
     BatchNorm or Dropout; otherwise ``grouped`` for ``cnn``, ``bmm`` for ``mlp`` and
     ``vmap`` for any other model. The rule is static (no timing at run time) so that a
     run is reproducible bit for bit; its thresholds come from
@@ -85,12 +85,19 @@ def _split(weights: Tensor, model: nn.Module) -> list[Tensor]:
     params = [p for p in model.parameters() if p.requires_grad]
     k = weights.shape[0]
     parts = weights.split([p.numel() for p in params], dim=1)
-    return [part.reshape(k, *p.shape) for part, p in zip(parts, params, strict=True)]
+    # views, not copies: each part's rows are contiguous, so [k, n] → [k, *shape] is a
+    # view with batch stride P (the fully connected weights are most of P, and copying
+    # them would cost as much as the small-batch computation itself)
+    return [part.view(k, *p.shape) for part, p in zip(parts, params, strict=True)]
 
 
 def _linear(h: Tensor, w: Tensor, bias: Tensor) -> Tensor:
-    """``h [k, b, in]``, ``w [k, out, in]``, ``bias [k, out]`` → ``[k, b, out]``."""
-    return torch.baddbmm(bias.unsqueeze(1), h, w.transpose(1, 2))
+    """``h [k, b, in]``, ``w [k, out, in]``, ``bias [k, out]`` → ``[k, b, out]``.
+
+    Computed as ``(w @ hᵀ)ᵀ`` so that the weight gradient ``δᵀ h`` comes out of the
+    backward pass as ``[k, out, in]`` in the weights' own layout (no transposing copy).
+    """
+    return torch.baddbmm(bias.unsqueeze(2), w, h.transpose(1, 2)).transpose(1, 2)
 
 
 def _grouped_conv(h: Tensor, conv: nn.Conv2d, w: Tensor, bias: Tensor, k: int) -> Tensor:
@@ -116,9 +123,14 @@ def _cnn_logits(model: CNN, params: list[Tensor], x: Tensor) -> Tensor:
         model.features[3],
         model.features[5],
     )
+    # channels-last (NHWC) layout: the CPU's grouped convolutions and max-pooling are
+    # faster on it (bench/results/replicas_throughput.md); the maths is unchanged
     h = x.transpose(0, 1).reshape(b, k * x.shape[2], *x.shape[3:])
-    h = F.max_pool2d(F.relu(_grouped_conv(h, conv1, w1, b1, k)), pool1.kernel_size)
-    h = F.max_pool2d(F.relu(_grouped_conv(h, conv2, w2, b2, k)), pool2.kernel_size)
+    h = h.contiguous(memory_format=torch.channels_last)
+    # max-pool before ReLU: the same function and gradient (ReLU is monotone, and its
+    # gradient is zero wherever a window's maximum is <= 0), on a 4× smaller tensor
+    h = F.relu(F.max_pool2d(_grouped_conv(h, conv1, w1, b1, k), pool1.kernel_size))
+    h = F.relu(F.max_pool2d(_grouped_conv(h, conv2, w2, b2, k), pool2.kernel_size))
     h = h.reshape(b, k, -1).transpose(0, 1)  # [k, b, 64·H'·W'], flattened as nn.Flatten
     return _linear(F.relu(_linear(h, w3, b3)), w4, b4)
 

@@ -94,7 +94,8 @@ def test_choose_path_rule():
     cnn, mlp = _engine("cnn").model, _engine("mlp").model
     assert choose_path(cnn, 1, 8) == "loop"
     assert choose_path(cnn, 16, 8) == "grouped"
-    assert choose_path(cnn, 16, 32) == "loop"
+    assert choose_path(cnn, 16, 32) == "grouped"
+    assert choose_path(cnn, 4, 64) == "loop"
     assert choose_path(mlp, 8, 4) == "bmm"
 
 
