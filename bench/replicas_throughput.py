@@ -8,7 +8,7 @@ side by side in one process, interleaved, ``--repeats`` times each (median kept)
   convolutions + batched matrix products, :mod:`distsgd.batched`), forced for every
   (k, b) so that the rule of ``choose_path`` can be read off the table;
 * **separate**: the same k replicas one by one (what k learners sharing the device cost);
-* **one learner**: k = 1 at batch b.
+* **one learner**: k = 1 at batch b, k consecutive iterations per timing.
 
 Ratios are of samples per second. Rounds 0..S−1 (``--seeds``) repeat the whole grid with
 other model initialisations and data. Then the replicas-per-device auto-tuner
@@ -68,10 +68,14 @@ def sweep(ds, ks, batches, seed, repeats, batched_path) -> dict:
             times = {name: [] for name in fns}
             for _ in range(repeats):  # interleaved: drift of the machine hits all alike
                 for name, (ww, xx, yy, path) in fns.items():
+                    # one learner runs k consecutive iterations (as it does in training:
+                    # warm caches), so every timing covers k·b samples
+                    calls = k if name == "one" else 1
                     t0 = time.perf_counter()
-                    engine.replica_gradients(ww, xx, yy, path=path)
+                    for _ in range(calls):
+                        engine.replica_gradients(ww, xx, yy, path=path)
                     times[name].append(time.perf_counter() - t0)
-            n = {"one": b, "separate": k * b, "batched": k * b}
+            n = {"one": k * b, "separate": k * b, "batched": k * b}
             rows[(k, b)] = {name: n[name] / statistics.median(t) for name, t in times.items()}
             print(
                 f"seed {seed} k={k:2d} b={b:2d} "
