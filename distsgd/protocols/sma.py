@@ -172,12 +172,24 @@ class SMA(SynchronousProtocol):
         if lr < self._last_lr:
             self._replicas.copy_(self._z.expand_as(self._replicas))
             self._opt.state.clear()
-        corrections = (self._replicas - self._z).mul_(self.alpha)
-        optimizer_step(self._opt, self._replicas, grads, lr)
-        self._replicas.sub_(corrections)
+        r, k = self._replicas, self.replicas_per_device
+        if self.weight_decay == 0:
+            # The SGD direction does not depend on w_j, so the correction can come first,
+            # fused: w_j ← w_j + α (z − w_j) (one pass), then the SGD step; the device
+            # sums are α (Σ_j w_j − k z) from one pass over the replicas. Few passes over
+            # the [λ, P] stack matter: with k replicas of small batches it is as large as
+            # the gradient computation (same rule, other float32 rounding order).
+            sums = r.view(self.num_devices, k, -1).sum(1).sub_(self._z, alpha=k).mul_(self.alpha)
+            r.lerp_(self._z.expand_as(r), self.alpha)
+            optimizer_step(self._opt, r, grads, lr)
+        else:  # weight decay reads w_j: correct after the step, from the saved c_j
+            corrections = (r - self._z).mul_(self.alpha)
+            sums = corrections.view(self.num_devices, k, -1).sum(1)
+            optimizer_step(self._opt, r, grads, lr)
+            r.sub_(corrections)
         self._last_lr = lr
         self._pending_central = True
-        return corrections.view(self.num_devices, self.replicas_per_device, -1).sum(1)
+        return sums
 
     def apply_central(self, total_correction: Tensor) -> None:
         """``z ← z + total_correction + μ_z (z − z_prev)``; ``z_prev ←`` old z.
