@@ -387,8 +387,11 @@ class SimRuntime:
             proto.apply_mean_gradient(grad, lr)
         else:
             idx = torch.stack([self.streams[lrn].next_indices() for lrn in range(lam)])
+            stack = getattr(proto, "replicas", None)  # [λ, P] as held: no copy
+            if stack is None:
+                stack = torch.stack([proto.learner_weights(lrn) for lrn in range(lam)])
             grads, losses = self.engine.replica_gradients(
-                torch.stack([proto.learner_weights(lrn) for lrn in range(lam)]),
+                stack,
                 self.dataset.train_x[idx],
                 self.dataset.train_y[idx],
             )
