@@ -197,8 +197,10 @@ def write(args, cluster, pre, best_b, hard_dirs, sma_dirs, load_before, t0, out)
         "",
         "Command: `flock /tmp/distsgd-bench.lock python bench/crossbow_tta.py --seeds "
         + " ".join(map(str, args.seeds))
+        + " --hardsync-batches "
+        + " ".join(map(str, args.hardsync_batches))
         + f" --sma-batch {args.sma_batch} --sma-lr {args.sma_lr} --hardsync-lr "
-        f"{args.hardsync_lr} --max-epochs {args.max_epochs}`",
+        f"{args.hardsync_lr} --max-epochs {args.max_epochs} --eval-every {args.eval_every}`",
         "",
         f"Fashion-MNIST cnn, simulated runtime, one device, train.num_threads = {args.threads}, "
         "runs one after another; lr step ×0.2 at epoch 2; evaluation every "
