@@ -146,6 +146,14 @@ class ProtocolConfig:
         momentum_compensation: compute groups: explicit momentum
             μ = max(0, μ_target − (1 − 1/g)) where μ_target is ``optimizer.momentum``.
         replicas_per_device: k learners sharing one device (SMA, local SGD); must divide λ.
+            ``"auto"``: Crossbow's auto-tuner chooses k (SPEC.md §4): the run starts with
+            k = 1, so ``num_learners`` is then the number of devices, and λ grows to
+            devices × k as replicas are added (see :mod:`distsgd.tuner.replicas`).
+        autotune_threshold: with ``replicas_per_device = "auto"``: add a replica per device
+            while throughput improves by more than this fraction (0.10 = 10%), in (0, 10].
+        autotune_interval: with ``"auto"``: iterations over which each k's throughput is
+            measured, >= 1 (the first iteration after a change is not counted).
+        autotune_max_replicas: with ``"auto"``: the largest k tried, >= 1.
         alpha: SMA correction weight α (0 <= α <= 1). 0 means "use 1/k".
         central_momentum: SMA Polyak momentum μ_z on the central model, in [0, 1).
         average_every: local SGD averaging period H, in iterations.
@@ -160,10 +168,13 @@ class ProtocolConfig:
     server_optimizer: str = "sgd"
     num_groups: int = 1
     momentum_compensation: bool = False
-    replicas_per_device: int = 1
+    replicas_per_device: int | str = 1
     alpha: float = 0.1
     central_momentum: float = 0.9
     average_every: int = 8
+    autotune_threshold: float = 0.10
+    autotune_interval: int = 50
+    autotune_max_replicas: int = 16
 
     def __post_init__(self) -> None:
         _check_choice("protocol.name", self.name, PROTOCOLS)
@@ -176,7 +187,26 @@ class ProtocolConfig:
         _check_int("protocol.num_groups", self.num_groups, 1)
         if not isinstance(self.momentum_compensation, bool):
             _fail("protocol.momentum_compensation", self.momentum_compensation, "true or false")
-        _check_int("protocol.replicas_per_device", self.replicas_per_device, 1)
+        if self.replicas_per_device != "auto":
+            if (
+                not isinstance(self.replicas_per_device, int)
+                or isinstance(self.replicas_per_device, bool)
+                or self.replicas_per_device < 1
+            ):
+                _fail(
+                    "protocol.replicas_per_device",
+                    self.replicas_per_device,
+                    "an integer >= 1 or 'auto'",
+                )
+        elif self.name not in ("sma", "local_sgd"):
+            _fail(
+                "protocol.replicas_per_device",
+                self.replicas_per_device,
+                f"an integer: 'auto' needs protocol.name 'sma' or 'local_sgd', not {self.name!r}",
+            )
+        _check_float("protocol.autotune_threshold", self.autotune_threshold, 0.0, 10.0, False)
+        _check_int("protocol.autotune_interval", self.autotune_interval, 1)
+        _check_int("protocol.autotune_max_replicas", self.autotune_max_replicas, 1)
         _check_float("protocol.alpha", self.alpha, 0.0, 1.0)
         _check_float("protocol.central_momentum", self.central_momentum, 0.0, 1.0)
         if self.central_momentum >= 1.0:
@@ -198,9 +228,8 @@ class ProtocolConfig:
                 self.num_groups,
                 f"a divisor of protocol.num_learners = {lam}",
             )
-        if self.name in ("sma", "local_sgd") and (
-            self.replicas_per_device > lam or lam % self.replicas_per_device
-        ):
+        k = self.initial_replicas_per_device
+        if self.name in ("sma", "local_sgd") and (k > lam or lam % k):
             _fail(
                 "protocol.replicas_per_device",
                 self.replicas_per_device,
@@ -217,9 +246,20 @@ class ProtocolConfig:
         return self.softsync
 
     @property
+    def auto_replicas(self) -> bool:
+        """True when ``replicas_per_device = "auto"`` (the auto-tuner chooses k)."""
+        return self.replicas_per_device == "auto"
+
+    @property
+    def initial_replicas_per_device(self) -> int:
+        """k at the start of the run: 1 with ``"auto"``, else ``replicas_per_device``."""
+        return 1 if self.replicas_per_device == "auto" else int(self.replicas_per_device)
+
+    @property
     def num_devices(self) -> int:
-        """Devices for SMA / local SGD: λ / k."""
-        return self.num_learners // self.replicas_per_device
+        """Devices for SMA / local SGD: λ / k (λ itself with ``"auto"``, which starts at
+        k = 1)."""
+        return self.num_learners // self.initial_replicas_per_device
 
     @property
     def global_batch(self) -> int:
@@ -313,6 +353,13 @@ class ClusterConfig:
         seconds_per_sample: per-sample compute time in seconds; negative (-1) means
             calibrate on this machine with the configured model.
         seconds_per_batch: fixed per-minibatch overhead in seconds; negative means calibrate.
+        seconds_per_replica: SMA / local SGD only: extra seconds each further replica on a
+            device adds when the device computes its k replicas as one batched computation
+            (:meth:`distsgd.engine.GradientEngine.replica_gradients`): one device's
+            iteration takes ``seconds_per_batch + (k − 1) · seconds_per_replica +
+            k · b · seconds_per_sample`` (so ``seconds_per_replica = seconds_per_batch``
+            means k replicas cost k separate minibatches). Negative (-1) means calibrate on
+            this machine when the run has k > 1 or ``replicas_per_device = "auto"``.
         speed_factors: relative speed of each learner (e.g. ``[10, 10, 1, 1]`` for two GPUs
             and two CPUs); empty means all 1. Length must equal λ if given.
         jitter: relative spread of compute times (0 = deterministic equal-speed schedule).
@@ -322,13 +369,14 @@ class ClusterConfig:
 
     seconds_per_sample: float = -1.0
     seconds_per_batch: float = -1.0
+    seconds_per_replica: float = -1.0
     speed_factors: list[float] = field(default_factory=list)
     jitter: float = 0.1
     latency_s: float = 50e-6
     bandwidth_gbps: float = 10.0
 
     def __post_init__(self) -> None:
-        for key in ("seconds_per_sample", "seconds_per_batch"):
+        for key in ("seconds_per_sample", "seconds_per_batch", "seconds_per_replica"):
             v = getattr(self, key)
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
                 _fail(f"cluster.{key}", v, "a number of seconds >= 0, or -1 to calibrate")
@@ -635,11 +683,24 @@ class RunConfig:
                 "0 with protocol.server_optimizer = 'adagrad' (AdaGrad has no momentum)",
             )
         sf = self.cluster.speed_factors
+        if sf and self.protocol.auto_replicas:
+            _fail(
+                "cluster.speed_factors",
+                sf,
+                "[] with protocol.replicas_per_device = 'auto' (λ changes during the run)",
+            )
         if sf and len(sf) != self.protocol.num_learners:
             _fail(
                 "cluster.speed_factors",
                 sf,
                 f"a list of {self.protocol.num_learners} speeds (one per learner) or []",
+            )
+        if self.runtime == "dist" and self.protocol.auto_replicas:
+            _fail(
+                "protocol.replicas_per_device",
+                "auto",
+                "an integer with runtime = 'dist' (the auto-tuner runs on the simulated "
+                "runtime; take k from its autotune.json)",
             )
         if self.runtime == "dist":
             need, why = required_processes(self.protocol, self.dist)

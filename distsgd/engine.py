@@ -13,6 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distsgd.batched import (
+    PATHS,
+    choose_path,
+    explicit_replica_gradients,
+    supports,
+    vmap_replica_gradients,
+)
 from distsgd.data import iter_eval_batches
 
 __all__ = ["GradientEngine"]
@@ -85,22 +92,47 @@ class GradientEngine:
         return self._grad.clone(), losses
 
     def replica_gradients(
-        self, weights: Tensor, x: Tensor, y: Tensor
+        self, weights: Tensor, x: Tensor, y: Tensor, path: str = "auto"
     ) -> tuple[Tensor, list[float]]:
         """Gradients of k replicas, each at its own weights on its own minibatch.
 
         This is the hot path of "several learners per device" (Crossbow, SPEC.md §4): SMA
-        and local SGD replicas call it once per iteration for all replicas they hold.
+        and local SGD replicas call it once per iteration for all replicas they hold, and
+        it computes them as one batched forward/backward where that is faster (see
+        :mod:`distsgd.batched`: grouped convolutions for ``cnn``, batched matrix products
+        for ``mlp``, ``torch.func.vmap`` for other models, one-by-one for models with
+        BatchNorm or Dropout).
 
         Args:
             weights: shape ``[k, P]``; row j is replica j's weights.
             x: inputs ``[k, b, C, H, W]``; y: labels ``[k, b]`` (int64).
+            path: ``"auto"`` (:func:`distsgd.batched.choose_path`), ``"loop"``,
+                ``"grouped"``, ``"bmm"`` or ``"vmap"``.
 
         Returns:
             (gradients ``[k, P]`` — a new tensor, row j of the mean cross-entropy over
-            replica j's minibatch; the k losses as Python floats).
+            replica j's minibatch; the k losses as Python floats). The batched paths equal
+            the loop up to float32 summation order.
+
+        Raises:
+            ValueError: ``path`` unknown or not applicable to the model.
         """
-        k = weights.shape[0]
+        k, b = y.shape
+        if path == "auto":
+            path = choose_path(self.model, k, b)
+        elif path not in PATHS or not supports(self.model, path):
+            raise ValueError(
+                f"path = {path!r} is not allowed for {type(self.model).__name__}: expected "
+                + ", ".join(repr(p) for p in PATHS if p == "auto" or supports(self.model, p))
+            )
+        if path in ("grouped", "bmm"):
+            self.model.train()
+            grads, loss_t = explicit_replica_gradients(self.model, weights, x, y, path)
+            return grads, loss_t.tolist()
+        if path == "vmap":
+            self.model.train()
+            grads, loss_t = vmap_replica_gradients(self.model, weights, x, y)
+            return grads, loss_t.tolist()
         grads = torch.empty(k, self.num_parameters, dtype=weights.dtype)
         losses: list[float] = []
         for j in range(k):

@@ -10,13 +10,16 @@ Run directory layout (``out_dir``):
 * ``staleness.json`` — histogram of gradient staleness σ;
 * ``tb/`` — TensorBoard event files, when ``tensorboard`` is installed and
   ``train.tensorboard`` is on;
-* ``checkpoint.pt`` — the latest checkpoint (all state; loaded with ``weights_only=True``).
+* ``checkpoint.pt`` — the latest checkpoint (all state; loaded with ``weights_only=True``);
+* ``autotune.json`` — with ``protocol.replicas_per_device = "auto"``: every decision of
+  the replicas-per-device auto-tuner (see :mod:`distsgd.tuner.replicas`).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import os
 import re
@@ -36,12 +39,21 @@ from distsgd.metrics import MetricsWriter, TensorBoardWriter, write_json
 from distsgd.models import build_model
 from distsgd.protocols import build_protocol
 from distsgd.protocols.base import AsynchronousProtocol
-from distsgd.runtime.sim import DeviceProfile, SimRuntime, Tick, TrainingDiverged, calibrate
+from distsgd.runtime.sim import (
+    DeviceProfile,
+    SimRuntime,
+    Tick,
+    TrainingDiverged,
+    calibrate,
+    calibrate_replicas,
+)
+from distsgd.tuner.replicas import ReplicaAutoTuner
 
 __all__ = ["train", "Trainer", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = 1
 _RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint.pt")
+_log = logging.getLogger("distsgd.autotune")
 
 
 def _layout(cfg: RunConfig) -> str:
@@ -135,8 +147,29 @@ class Trainer:
                     seconds_per_batch=prof.seconds_per_batch,
                 )
             )
+        p = cfg.protocol
+        replicated = p.name in ("sma", "local_sgd")
+        k = p.initial_replicas_per_device if replicated else 1
+        if replicated and (k > 1 or p.auto_replicas) and cfg.cluster.seconds_per_replica < 0:
+            # the k-dependent device profile: measured where the profile is, else the
+            # profile's own "k separate minibatches"
+            r = cfg.cluster.seconds_per_batch
+            if self.profile_calibrated:
+                r = calibrate_replicas(
+                    GradientEngine(build_model(cfg.model.name, shape, classes)),
+                    self.dataset,
+                    p.batch_size,
+                    DeviceProfile(cfg.cluster.seconds_per_batch, cfg.cluster.seconds_per_sample),
+                )
+            self.cfg = cfg = cfg.replace(
+                cluster=dataclasses.replace(cfg.cluster, seconds_per_replica=r)
+            )
+        r = cfg.cluster.seconds_per_replica
         profile = DeviceProfile(
-            cfg.cluster.seconds_per_batch, cfg.cluster.seconds_per_sample, self.profile_calibrated
+            cfg.cluster.seconds_per_batch,
+            cfg.cluster.seconds_per_sample,
+            self.profile_calibrated,
+            seconds_per_replica=r if r >= 0 else None,
         )
         torch.manual_seed(cfg.train.seed)  # same seed => same initial weights
         self.engine = GradientEngine(build_model(cfg.model.name, shape, classes))
@@ -149,8 +182,13 @@ class Trainer:
                 )
             initial = self.initial_weights.to(initial.dtype).clone()
         self.protocol = build_protocol(cfg, initial)
-        p = cfg.protocol
-        k = p.replicas_per_device if p.name in ("sma", "local_sgd") else 1
+        self.tuner: ReplicaAutoTuner | None = None
+        if p.auto_replicas:
+            # the largest k whose λ·b still fits in the training set
+            fit = self.dataset.num_train // (p.num_devices * p.batch_size)
+            self.tuner = ReplicaAutoTuner(
+                p.autotune_threshold, p.autotune_interval, max(1, min(p.autotune_max_replicas, fit))
+            )
         self.runtime = SimRuntime(
             self.protocol,
             self.engine,
@@ -198,6 +236,7 @@ class Trainer:
         )
         self.protocol = self.runtime.protocol
         self.is_writer = self.runtime.is_writer
+        self.tuner = None  # replicas_per_device = "auto" is refused on this runtime
 
     # ---- checkpoints -------------------------------------------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
@@ -210,6 +249,7 @@ class Trainer:
             "buffers": self.engine.buffers_state(),
             "torch_rng": torch.get_rng_state(),
             "trainer": dict(self.counters),
+            "autotune": self.tuner.state_dict() if self.tuner is not None else None,
         }
 
     def _save_checkpoint(self) -> None:
@@ -251,6 +291,9 @@ class Trainer:
         if self.cfg.runtime == "dist" and not getattr(self.runtime, "runs_training_loop", True):
             self.runtime.load_state_dict(state["runtime"])  # a learner: its data position
             return
+        if self.tuner is not None and state.get("autotune") is not None:
+            self.tuner.load_state_dict(state["autotune"])
+            self._set_replicas(self.tuner.k)
         self.protocol.load_state_dict(state["protocol"])
         self.runtime.load_state_dict(state["runtime"])
         self.engine.load_buffers_state(state["buffers"])
@@ -530,8 +573,11 @@ class Trainer:
                         break
                 lr = self._lr()
                 t0 = time.perf_counter()
+                v0 = rt.virtual_time
                 tick = rt.advance(lr)
                 c["train_wall_s"] += time.perf_counter() - t0
+                if self.tuner is not None and not self.tuner.done:
+                    self._autotune(tick.samples, rt.virtual_time - v0)
                 c["loss_sum"] += sum(tick.losses)
                 c["loss_count"] += len(tick.losses)
                 if self.on_tick is not None:
@@ -546,6 +592,39 @@ class Trainer:
         summary = self._summary(status="completed")
         self._write_outcome(summary)
         return summary
+
+    # ---- replicas per device (auto-tuner) ----------------------------------------------
+    def _set_replicas(self, k: int) -> None:
+        """Apply k replicas per device to the protocol and the runtime (a sync point)."""
+        p = self.cfg.protocol
+        if p.name == "sma":
+            self.protocol.set_replicas_per_device(k, alpha=p.alpha if p.alpha > 0 else 1.0 / k)
+        else:
+            self.protocol.set_replicas_per_device(k)
+        self.runtime.set_replicas_per_device(k)
+
+    def _autotune(self, samples: int, seconds: float) -> None:
+        """Feed the tuner one synchronisation interval (an iteration for SMA; H iterations,
+        ending at the averaging step, for local SGD) of simulated throughput, and apply
+        its decision there (Crossbow: k changes at a synchronisation point)."""
+        c, tuner = self.counters, self.tuner
+        assert tuner is not None
+        c["autotune_samples"] = c.get("autotune_samples", 0) + samples
+        c["autotune_seconds"] = c.get("autotune_seconds", 0.0) + seconds
+        p = self.cfg.protocol
+        if p.name == "local_sgd" and self.protocol.iteration % p.average_every:
+            return
+        decision = tuner.observe(c["autotune_samples"], c["autotune_seconds"])
+        c["autotune_samples"], c["autotune_seconds"] = 0, 0.0
+        if decision is None:
+            return
+        if decision.k_after != decision.k_before:
+            self._set_replicas(decision.k_after)
+        line = decision.line()
+        _log.info(line)
+        if self.progress:
+            tqdm.write(line)
+        write_json(self.out_dir / "autotune.json", tuner.to_json())
 
     def _write_outcome(self, summary: dict[str, Any]) -> None:
         """summary.json and staleness.json, for finished, diverged and interrupted runs."""
@@ -572,9 +651,9 @@ class Trainer:
             "layout": _layout(cfg),
             "model": cfg.model.name,
             "dataset": cfg.data.dataset,
-            "num_learners": p.num_learners,
+            "num_learners": rt.num_learners,
             "batch_size": p.batch_size,
-            "global_batch": p.global_batch,
+            "global_batch": rt.num_learners * p.batch_size,
             "lr": cfg.optimizer.lr,
             "momentum": cfg.optimizer.momentum,
             "seed": cfg.train.seed,
@@ -600,10 +679,14 @@ class Trainer:
             ),
             "staleness_mean": st_mean,
             "staleness_max": st_max,
+            "replicas_per_device": (
+                self.runtime.replicas_per_device if p.name in ("sma", "local_sgd") else None
+            ),
             "num_parameters": self.engine.num_parameters,
             "device_profile": {
                 "seconds_per_batch": cfg.cluster.seconds_per_batch,
                 "seconds_per_sample": cfg.cluster.seconds_per_sample,
+                "seconds_per_replica": cfg.cluster.seconds_per_replica,
                 "calibrated": self.profile_calibrated,
             },
             "finished_at": datetime.now().isoformat(timespec="seconds"),

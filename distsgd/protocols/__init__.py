@@ -92,7 +92,7 @@ def build_protocol(cfg: RunConfig, initial: Tensor) -> SynchronousProtocol | Asy
             nesterov=o.nesterov,
         )
     if p.name == "sma":
-        k = p.replicas_per_device
+        k = p.initial_replicas_per_device
         return SMA(
             initial,
             lam,
@@ -111,5 +111,6 @@ def build_protocol(cfg: RunConfig, initial: Tensor) -> SynchronousProtocol | Asy
             momentum=o.momentum,
             weight_decay=o.weight_decay,
             nesterov=o.nesterov,
+            replicas_per_device=p.initial_replicas_per_device,
         )
     raise AssertionError(f"unhandled protocol.name {p.name!r}")  # config validates names

@@ -159,3 +159,34 @@ def load_optimizer(opt: torch.optim.Optimizer, state: Any) -> None:
     full = opt.state_dict()
     full["state"] = clone_state(state)
     opt.load_state_dict(full)
+
+
+def regroup_replicas(
+    replicas: Tensor, opt: torch.optim.Optimizer, num_devices: int, replicas_per_device: int
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Replica stack ``[D·k, P]`` regrouped to ``[D·k', P]`` (device-major rows), and the
+    SGD state (momentum buffer) regrouped alike.
+
+    Growing appends to each device copies of that device's last replica (weights and
+    momentum buffer: "a copy of an existing replica", Crossbow, SPEC.md §4); shrinking
+    drops each device's last replicas. Returns ``(new stack, new optimizer state of the
+    stack)`` for the caller to rebuild its optimizer with.
+    """
+    d = num_devices
+    k = replicas.shape[0] // d
+    k_new = replicas_per_device
+
+    def regroup(t: Tensor) -> Tensor:
+        v = t.view(d, k, -1)
+        if k_new <= k:
+            v = v[:, :k_new]
+        else:
+            v = torch.cat([v, v[:, -1:].expand(d, k_new - k, v.shape[2])], dim=1)
+        return v.reshape(d * k_new, -1).clone()
+
+    state = {
+        key: regroup(val)
+        for key, val in opt.state.get(replicas, {}).items()
+        if isinstance(val, Tensor) and val.shape == replicas.shape
+    }
+    return regroup(replicas), state

@@ -43,6 +43,7 @@ from ._util import (
     load_vector,
     optimizer_state,
     optimizer_step,
+    regroup_replicas,
 )
 from .base import SynchronousProtocol, make_sgd
 
@@ -56,6 +57,9 @@ class LocalSGD(SynchronousProtocol):
         initial: initial weights, shape ``[P]``, floating point; every replica starts here.
         num_learners: λ >= 1 replicas.
         average_every: H >= 1, averaging period in iterations.
+        replicas_per_device: k, a divisor of λ (None: λ, one device); the λ replicas sit
+            on λ/k devices of k consecutive replicas (it matters only to
+            :meth:`set_replicas_per_device`).
         momentum: local momentum μ in [0, 1) of each replica's SGD.
         weight_decay: L2 coefficient >= 0.
         nesterov: Nesterov local momentum; requires ``momentum > 0``.
@@ -72,10 +76,20 @@ class LocalSGD(SynchronousProtocol):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         nesterov: bool = False,
+        replicas_per_device: int | None = None,
     ) -> None:
         w = check_initial(initial)
         self.num_learners = check_int("num_learners", num_learners, 1)
         self.average_every = check_int("average_every", average_every, 1)
+        if replicas_per_device is None:
+            replicas_per_device = num_learners
+        self.replicas_per_device = check_int("replicas_per_device", replicas_per_device, 1)
+        if replicas_per_device > num_learners or num_learners % replicas_per_device:
+            raise ValueError(
+                f"replicas_per_device = {replicas_per_device!r} is not allowed: expected a "
+                f"divisor of num_learners = {num_learners}"
+            )
+        self.num_devices = num_learners // replicas_per_device
         self.momentum, self.weight_decay, self.nesterov = check_sgd_args(
             momentum, weight_decay, nesterov
         )
@@ -154,11 +168,45 @@ class LocalSGD(SynchronousProtocol):
             return self._replicas[0].clone()
         return self._replicas.mean(0)
 
+    def set_replicas_per_device(self, replicas_per_device: int) -> None:
+        """Change k, the replicas on each device, between iterations (Crossbow's auto-tuner,
+        SPEC.md §4): growing appends to each device copies of its last replica (weights
+        and momentum buffer), shrinking drops each device's last replicas.
+        ``num_learners`` becomes ``num_devices · k``. Called right after an averaging
+        step, every replica kept or added equals the average.
+
+        Raises:
+            ValueError: k < 1.
+        """
+        k_new = check_int("replicas_per_device", replicas_per_device, 1)
+        replicas, opt_state = regroup_replicas(self._replicas, self._opt, self.num_devices, k_new)
+        self._replicas = replicas
+        self._opt = make_sgd(replicas, 0.0, self.momentum, self.weight_decay, self.nesterov)
+        if opt_state:
+            self._opt.state[replicas].update(opt_state)
+        self.replicas_per_device = k_new
+        self.num_learners = self.num_devices * k_new
+
+    def add_replica_per_device(self) -> None:
+        """k ← k + 1 (see :meth:`set_replicas_per_device`)."""
+        self.set_replicas_per_device(self.replicas_per_device + 1)
+
+    def remove_replica_per_device(self) -> None:
+        """k ← k − 1 (see :meth:`set_replicas_per_device`).
+
+        Raises:
+            ValueError: k is already 1.
+        """
+        if self.replicas_per_device == 1:
+            raise ValueError("cannot remove a replica: each device holds only one")
+        self.set_replicas_per_device(self.replicas_per_device - 1)
+
     def _config(self) -> dict[str, Any]:
         return {
             "num_parameters": self.num_parameters,
             "num_learners": self.num_learners,
             "average_every": self.average_every,
+            "replicas_per_device": self.replicas_per_device,
             "momentum": self.momentum,
             "weight_decay": self.weight_decay,
             "nesterov": self.nesterov,

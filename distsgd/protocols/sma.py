@@ -51,6 +51,7 @@ from ._util import (
     load_vector,
     optimizer_state,
     optimizer_step,
+    regroup_replicas,
 )
 from .base import SynchronousProtocol, make_sgd
 
@@ -171,12 +172,24 @@ class SMA(SynchronousProtocol):
         if lr < self._last_lr:
             self._replicas.copy_(self._z.expand_as(self._replicas))
             self._opt.state.clear()
-        corrections = (self._replicas - self._z).mul_(self.alpha)
-        optimizer_step(self._opt, self._replicas, grads, lr)
-        self._replicas.sub_(corrections)
+        r, k = self._replicas, self.replicas_per_device
+        if self.weight_decay == 0:
+            # The SGD direction does not depend on w_j, so the correction can come first,
+            # fused: w_j ← w_j + α (z − w_j) (one pass), then the SGD step; the device
+            # sums are α (Σ_j w_j − k z) from one pass over the replicas. Few passes over
+            # the [λ, P] stack matter: with k replicas of small batches it is as large as
+            # the gradient computation (same rule, other float32 rounding order).
+            sums = r.view(self.num_devices, k, -1).sum(1).sub_(self._z, alpha=k).mul_(self.alpha)
+            r.lerp_(self._z.expand_as(r), self.alpha)
+            optimizer_step(self._opt, r, grads, lr)
+        else:  # weight decay reads w_j: correct after the step, from the saved c_j
+            corrections = (r - self._z).mul_(self.alpha)
+            sums = corrections.view(self.num_devices, k, -1).sum(1)
+            optimizer_step(self._opt, r, grads, lr)
+            r.sub_(corrections)
         self._last_lr = lr
         self._pending_central = True
-        return corrections.view(self.num_devices, self.replicas_per_device, -1).sum(1)
+        return sums
 
     def apply_central(self, total_correction: Tensor) -> None:
         """``z ← z + total_correction + μ_z (z − z_prev)``; ``z_prev ←`` old z.
@@ -210,6 +223,58 @@ class SMA(SynchronousProtocol):
             RuntimeError: called between ``local_step`` and ``apply_central``.
         """
         self.apply_central(self.local_step(grads, lr).sum(0))
+
+    def set_replicas_per_device(self, replicas_per_device: int, alpha: float | None = None) -> None:
+        """Change k, the replicas on each device, at a synchronisation point.
+
+        Crossbow's auto-tuner (SPEC.md §4; Koliousis et al., VLDB 2019, §4.3) adds one
+        learner per device as a copy of an existing replica and removes the last one added
+        when throughput stops improving. Growing appends to each device copies of its last
+        replica (weights and local momentum buffer); shrinking drops each device's last
+        replicas. z and z_prev are unchanged, so the central model, and the next
+        iteration's corrections of the replicas kept, are exactly as without the change.
+        ``num_learners`` becomes ``num_devices · k``.
+
+        Args:
+            replicas_per_device: the new k >= 1.
+            alpha: the new α in [0, 1] (None: unchanged), e.g. 1/k for the config's α = 0.
+
+        Raises:
+            ValueError: k < 1 or ``alpha`` outside [0, 1].
+            RuntimeError: called between ``local_step`` and ``apply_central``.
+        """
+        k_new = check_int("replicas_per_device", replicas_per_device, 1)
+        if alpha is not None:
+            alpha = check_float("alpha", alpha, 0.0, 1.0)
+        if self._pending_central:
+            raise RuntimeError(
+                "set_replicas_per_device called between local_step and apply_central"
+            )
+        replicas, opt_state = regroup_replicas(self._replicas, self._opt, self.num_devices, k_new)
+        self._replicas = replicas
+        self._opt = make_sgd(replicas, 0.0, self.momentum, self.weight_decay, self.nesterov)
+        if opt_state:
+            self._opt.state[replicas].update(opt_state)
+        self.replicas_per_device = k_new
+        self.num_learners = self.num_devices * k_new
+        if alpha is not None:
+            self.alpha = alpha
+
+    def add_replica_per_device(self, alpha: float | None = None) -> None:
+        """k ← k + 1: each device gets a copy of its last replica (see
+        :meth:`set_replicas_per_device`)."""
+        self.set_replicas_per_device(self.replicas_per_device + 1, alpha)
+
+    def remove_replica_per_device(self, alpha: float | None = None) -> None:
+        """k ← k − 1: each device drops its last replica (see
+        :meth:`set_replicas_per_device`).
+
+        Raises:
+            ValueError: k is already 1.
+        """
+        if self.replicas_per_device == 1:
+            raise ValueError("cannot remove a replica: each device holds only one")
+        self.set_replicas_per_device(self.replicas_per_device - 1, alpha)
 
     def _config(self) -> dict[str, Any]:
         return {

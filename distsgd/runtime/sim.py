@@ -10,6 +10,10 @@ Timing model (all in virtual seconds):
 * compute of one minibatch of b samples on learner l:
   ``(seconds_per_batch + b · seconds_per_sample) / speed_l · J`` where J is a seeded
   log-normal factor with mean 1 and relative spread ``jitter``;
+* synchronous protocols with k replicas per device (SMA, local SGD), which a device
+  computes as one batched computation: ``(seconds_per_batch + (k − 1) ·
+  seconds_per_replica + k · b · seconds_per_sample) / speed_d · J`` per device (speed_d:
+  the slowest of its learners; k = 1 is the line above);
 * one message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``;
 * ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``.
 
@@ -43,7 +47,14 @@ from distsgd.engine import GradientEngine
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol, Update
 from distsgd.protocols.hardsync import HardSync
 
-__all__ = ["DeviceProfile", "calibrate", "SimRuntime", "Tick", "TrainingDiverged"]
+__all__ = [
+    "DeviceProfile",
+    "calibrate",
+    "calibrate_replicas",
+    "SimRuntime",
+    "Tick",
+    "TrainingDiverged",
+]
 
 
 class TrainingDiverged(RuntimeError):
@@ -63,9 +74,22 @@ class DeviceProfile:
     seconds_per_batch: float
     seconds_per_sample: float
     calibrated: bool = False
+    seconds_per_replica: float | None = None
 
     def compute_seconds(self, batch_size: int) -> float:
         return self.seconds_per_batch + batch_size * self.seconds_per_sample
+
+    def device_seconds(self, replicas: int, batch_size: int) -> float:
+        """One iteration of k = ``replicas`` replicas × b = ``batch_size`` samples on one
+        device, as one batched computation: ``seconds_per_batch + (k − 1) ·
+        seconds_per_replica + k · b · seconds_per_sample`` (``seconds_per_replica`` None:
+        ``seconds_per_batch``, i.e. k separate minibatches)."""
+        r = self.seconds_per_batch if self.seconds_per_replica is None else self.seconds_per_replica
+        return (
+            self.seconds_per_batch
+            + (replicas - 1) * r
+            + replicas * batch_size * self.seconds_per_sample
+        )
 
 
 def calibrate(
@@ -110,6 +134,52 @@ def calibrate(
     per_sample = (t2 - t1) / (b2 - b1)
     per_batch = max(t1 - b1 * per_sample, 0.0)
     return DeviceProfile(per_batch, per_sample, calibrated=True)
+
+
+def calibrate_replicas(
+    engine: GradientEngine,
+    dataset: Dataset,
+    batch_size: int,
+    profile: DeviceProfile,
+    replicas: tuple[int, ...] = (2, 4, 8, 16),
+    repeats: int = 3,
+) -> float:
+    """Measure k replicas as one computation on this machine; fit ``seconds_per_replica``.
+
+    Times :meth:`GradientEngine.replica_gradients` (the path SMA and local SGD use) for
+    k = 1 and each k in ``replicas`` at ``batch_size`` b (fastest of ``repeats`` after one
+    warm-up). The model ``t(k) = t(1) + (k − 1)(r + b·s)`` (``s``:
+    ``profile.seconds_per_sample``) is fitted by least squares in r, measured against
+    t(1) of the same session, so an error of the linear profile at b cancels.
+
+    Returns:
+        ``seconds_per_replica`` r >= 0, seconds.
+    """
+    w = engine.initial_weights()
+    n = dataset.num_train
+    t1 = 0.0
+    num, den = 0.0, 0.0
+    for k in (1, *replicas):
+        if k * batch_size > n:
+            break
+        weights = w.expand(k, -1).clone()
+        x = dataset.train_x[: k * batch_size].reshape(k, batch_size, *dataset.train_x.shape[1:])
+        y = dataset.train_y[: k * batch_size].reshape(k, batch_size)
+        engine.replica_gradients(weights, x, y)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.replica_gradients(weights, x, y)
+            times.append(time.perf_counter() - t0)
+        t = min(times)
+        if k == 1:
+            t1 = t
+            continue
+        num += (k - 1) * (t - t1 - (k - 1) * batch_size * profile.seconds_per_sample)
+        den += (k - 1) ** 2
+    if den == 0:
+        return profile.seconds_per_batch
+    return max(num / den, 0.0)
 
 
 @dataclass
@@ -200,6 +270,53 @@ class SimRuntime:
         base = self.profile.compute_seconds(self.batch_size) / self.speeds[learner]
         return base * self._jitter()
 
+    def device_compute_seconds(self, device: int) -> float:
+        """Virtual seconds for ``device`` to compute one iteration of its k replicas
+        (draws jitter; k = 1 is :meth:`compute_seconds`)."""
+        k = self.replicas_per_device
+        if k == 1:
+            return self.compute_seconds(device)
+        speed = min(self.speeds[device * k : (device + 1) * k])
+        base = self.profile.device_seconds(k, self.batch_size) / speed
+        return base * self._jitter()
+
+    def set_replicas_per_device(self, replicas_per_device: int) -> None:
+        """Change k between synchronous iterations (the auto-tuner): λ becomes
+        devices × k and the data streams are re-sharded for the new λ. The epoch
+        permutation does not depend on λ, so the run continues at the first step of the
+        new layout that starts at or after the samples already drawn this epoch (at most
+        λ·b − 1 samples are skipped; none is drawn twice).
+
+        Raises:
+            ValueError: k < 1, or λ·b exceeds the training set.
+            RuntimeError: the protocol is asynchronous, or speed factors are set.
+        """
+        if self.is_async or self.cluster.speed_factors:
+            raise RuntimeError(
+                "replicas per device can change only for synchronous protocols without "
+                "cluster.speed_factors"
+            )
+        if not isinstance(replicas_per_device, int) or replicas_per_device < 1:
+            raise ValueError(
+                f"replicas_per_device = {replicas_per_device!r} is not allowed: expected an "
+                "integer >= 1"
+            )
+        devices = self.num_learners // self.replicas_per_device
+        lam = devices * replicas_per_device
+        old = self.streams[0]
+        drawn = old.step * self.sampler.global_batch
+        sampler = ShardedSampler(self.dataset.num_train, lam, self.batch_size, self.sampler.seed)
+        epoch, step = old.epoch, -(-drawn // sampler.global_batch)
+        if step >= sampler.steps_per_epoch:
+            epoch, step = epoch + 1, 0
+        self.sampler = sampler
+        self.streams = [LearnerStream(sampler, i) for i in range(lam)]
+        for st in self.streams:
+            st.epoch, st.step = epoch, step
+        self.num_learners = lam
+        self.replicas_per_device = replicas_per_device
+        self.speeds = [1.0] * lam
+
     def allreduce_seconds(self, participants: int) -> float:
         """Ring all-reduce of P float32 values among ``participants``."""
         m = participants
@@ -264,16 +381,17 @@ class SimRuntime:
         assert isinstance(proto, SynchronousProtocol)
         lam, k = self.num_learners, self.replicas_per_device
         step = proto.iteration
-        device_s = [0.0] * (lam // k)
-        for lrn in range(lam):
-            device_s[lrn // k] += self.compute_seconds(lrn)
+        device_s = [self.device_compute_seconds(d) for d in range(lam // k)]
         if isinstance(proto, HardSync):  # every learner holds the same weights
             grad, losses = self._mean_gradient(list(range(lam)), proto.learner_weights(0), lr, step)
             proto.apply_mean_gradient(grad, lr)
         else:
             idx = torch.stack([self.streams[lrn].next_indices() for lrn in range(lam)])
+            stack = getattr(proto, "replicas", None)  # [λ, P] as held: no copy
+            if stack is None:
+                stack = torch.stack([proto.learner_weights(lrn) for lrn in range(lam)])
             grads, losses = self.engine.replica_gradients(
-                torch.stack([proto.learner_weights(lrn) for lrn in range(lam)]),
+                stack,
                 self.dataset.train_x[idx],
                 self.dataset.train_y[idx],
             )
@@ -355,6 +473,7 @@ class SimRuntime:
             "samples": self.samples,
             "rng": self._rng.get_state(),
             "streams": [s.state_dict() for s in self.streams],
+            "replicas_per_device": self.replicas_per_device,
         }
         if self.is_async:
             state.update(
@@ -370,6 +489,9 @@ class SimRuntime:
         self.virtual_time = float(state["virtual_time"])
         self.samples = int(state["samples"])
         self._rng.set_state(state["rng"])
+        k = int(state.get("replicas_per_device", self.replicas_per_device))
+        if k != self.replicas_per_device:
+            self.set_replicas_per_device(k)
         for s, st in zip(self.streams, state["streams"], strict=True):
             s.load_state_dict(st)
         if self.is_async:
