@@ -270,6 +270,7 @@ class SyncDistRuntime(_DistBase):
             self.k = 1
             self.protocol = build_protocol(cfg, initial)
         self.learners = [self.rank * self.k + j for j in range(self.k)]
+        self.replicas_per_device = self.k
         self.sampler = ShardedSampler(
             dataset.num_train, p.num_learners, p.batch_size, cfg.train.seed
         )
