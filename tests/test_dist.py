@@ -366,3 +366,37 @@ def test_cli_process_count_that_cannot_fit_is_one_line_exit_2(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
     assert main(["train", "--resume", str(tmp_path), "--num-processes", "2"]) == 2
     assert "--num-processes cannot be used with --resume" in capsys.readouterr().err
+
+
+def test_fit_network_recovers_the_model_it_fits():
+    """Times made by the simulator's own model are fitted back to its parameters (1e-9
+    relative: float64 least squares on exact data)."""
+    from distsgd.runtime.netcal import fit_network
+
+    lat, bw = 2e-4, 3.0  # seconds, Gbit/s
+    ms = []
+    for p in (1, 1000, 100_000, 400_000):
+        bits = 32 * p
+        ms.append(
+            {"op": "send", "participants": 2, "num_values": p, "seconds": lat + bits / (bw * 1e9)}
+        )
+        ms.append(
+            {"op": "all_reduce", "participants": 2, "num_values": p, "seconds": 2 * lat + bits / (bw * 1e9)}
+        )  # fmt: skip
+    prof = fit_network(ms)
+    assert prof.latency_s == pytest.approx(lat, rel=1e-9)
+    assert prof.bandwidth_gbps == pytest.approx(bw, rel=1e-9)
+    assert prof.overrides() == [f"cluster.latency_s={prof.latency_s!r}", f"cluster.bandwidth_gbps={prof.bandwidth_gbps!r}"]  # fmt: skip
+    with pytest.raises(ValueError, match="unknown op"):
+        fit_network([{**ms[0], "op": "broadcast"}, ms[1]])
+
+
+def test_calibrate_network_measures_two_gloo_processes():
+    from distsgd.runtime.netcal import calibrate_network
+
+    prof = calibrate_network(10_000, repeats=3)
+    ops = [(m["op"], m["num_values"]) for m in prof.measurements]
+    sizes = [1, 625, 2500, 10_000]
+    assert ops == [(op, p) for p in sizes for op in ("send", "all_reduce")]
+    assert all(m["seconds"] > 0 for m in prof.measurements)
+    assert prof.latency_s >= 0 and prof.bandwidth_gbps >= 0
