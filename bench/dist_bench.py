@@ -15,8 +15,14 @@ and learning rate everywhere:
    iteration predicted by the simulated cluster calibrated on this machine (virtual
    seconds / iterations) vs measured on real processes (training wall seconds /
    iterations; for async an iteration is one update, i.e. one push) (target within ±20%).
+   Calibration, with one thread per process as the dist runs: the device profile (median
+   of 20 repeats) alone, and again while another process computes the same model (the
+   2-learner runs compute two at a time on this machine's cores; they are predicted
+   with that profile); the network by :func:`distsgd.runtime.netcal.calibrate_network`
+   (gloo send/recv and all-reduce between two processes on loopback, least squares).
 
     flock /tmp/distsgd-bench.lock python bench/dist_bench.py --out bench/results/dist
+    flock /tmp/distsgd-bench.lock python bench/dist_bench.py --skip-to-target  # fidelity only
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -164,8 +171,31 @@ def plain_ddp(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return json.loads(result.read_text())
 
 
-def calibrated_profile() -> list[str]:
-    """One calibration (1 thread, 20 repeats, fastest taken) for every simulated run."""
+def busy_worker() -> None:
+    """Compute the cnn's gradients with one thread until terminated (the other learner
+    process of a 2-process run, for calibrating the device profile under contention)."""
+    import torch
+
+    from distsgd.config import DataConfig
+    from distsgd.data import load_dataset
+    from distsgd.engine import GradientEngine
+    from distsgd.models import build_model
+
+    torch.set_num_threads(1)
+    ds = load_dataset(DataConfig())
+    engine = GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes))
+    w = engine.initial_weights()
+    print("ready", flush=True)
+    while True:
+        engine.gradient(w, ds.train_x[:64], ds.train_y[:64])
+
+
+def calibrated_profile(concurrent: bool = False) -> dict[str, float]:
+    """The device profile of one learner process: 1 thread (as every dist process in this
+    benchmark), median of 20 repeats (the measured runs' mean includes the machine's
+    ordinary disturbances, which the fastest repeat hides). ``concurrent``: while another
+    process computes the same model with one thread (as the other learner of a
+    2-process run does)."""
     import torch
 
     from distsgd.config import DataConfig
@@ -174,20 +204,63 @@ def calibrated_profile() -> list[str]:
     from distsgd.models import build_model
     from distsgd.runtime.sim import calibrate
 
-    torch.set_num_threads(1)
-    ds = load_dataset(DataConfig())
-    torch.manual_seed(0)
-    engine = GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes))
-    prof = calibrate(engine, ds, repeats=20)
+    busy = None
+    if concurrent:
+        busy = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--busy-worker"],
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert busy.stdout is not None and busy.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # let it reach its steady loop
+    try:
+        torch.set_num_threads(1)
+        ds = load_dataset(DataConfig())
+        torch.manual_seed(0)
+        engine = GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes))
+        prof = calibrate(engine, ds, repeats=20, statistic=statistics.median)
+    finally:
+        if busy is not None:
+            busy.terminate()
+            busy.wait()
+    return {
+        "seconds_per_sample": prof.seconds_per_sample,
+        "seconds_per_batch": prof.seconds_per_batch,
+        "num_parameters": engine.num_parameters,
+    }
+
+
+def profile_overrides(profile: dict[str, float]) -> list[str]:
     return [
-        f"cluster.seconds_per_sample={prof.seconds_per_sample!r}",
-        f"cluster.seconds_per_batch={prof.seconds_per_batch!r}",
+        f"cluster.seconds_per_sample={profile['seconds_per_sample']!r}",
+        f"cluster.seconds_per_batch={profile['seconds_per_batch']!r}",
     ]
 
 
-def fidelity(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Predicted vs measured seconds per iteration; the simulator calibrated on this
+    machine: device profile alone and under contention, network by gloo measurement."""
+    from distsgd.runtime.netcal import calibrate_network
+
+    alone = calibrated_profile()
+    contended = calibrated_profile(concurrent=True)
+    network = calibrate_network(int(alone["num_parameters"]))
+    calibration = {
+        "profile_alone": alone,
+        "profile_contended": contended,
+        "contention_factor_batch": (
+            (contended["seconds_per_batch"] + args.batch_size * contended["seconds_per_sample"])
+            / (alone["seconds_per_batch"] + args.batch_size * alone["seconds_per_sample"])
+        ),
+        "network": {
+            "latency_s": network.latency_s,
+            "bandwidth_gbps": network.bandwidth_gbps,
+            "measurements": network.measurements,
+        },
+    }
+    print(json.dumps(calibration), flush=True)
     rows = []
-    profile = calibrated_profile()
     for name, proto in (
         ("hardsync", ["protocol.name=hardsync"]),
         ("async", ["protocol.name=parameter_server", "protocol.mode=async"]),
@@ -201,24 +274,33 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
                 f"train.eval_every_samples={args.fidelity_samples}",
             ]
             base = common(args) + layout + budget
-            sim_settings = [*base, *profile, "runtime=sim", "cluster.jitter=0"]
-            sim = distsgd_run(sim_settings, tmp / f"sim-{name}{lam}")
+            sim_base = [*base, *network.overrides(), "runtime=sim", "cluster.jitter=0"]
+            # one learner computes alone; two learner processes compute at the same time
+            profiles = {"alone": alone} if lam == 1 else {"alone": alone, "contended": contended}
+            predicted = {}
+            for key, prof in profiles.items():
+                sim = distsgd_run(
+                    [*sim_base, *profile_overrides(prof)], tmp / f"sim-{name}{lam}{key}"
+                )
+                predicted[key] = sim["virtual_s"] / sim["iterations"]
             real = distsgd_run([*base, "runtime=dist"], tmp / f"dist-{name}{lam}")
-            predicted = sim["virtual_s"] / sim["iterations"]
             measured = real["train_wall_s"] / real["iterations"]
+            used = "alone" if lam == 1 else "contended"
             rows.append(
                 {
                     "protocol": name,
                     "num_learners": lam,
                     "iterations": real["iterations"],
-                    "predicted_s_per_iteration": predicted,
+                    "profile": used,
+                    "predicted_s_per_iteration": predicted[used],
+                    "predicted_alone_s_per_iteration": predicted["alone"],
                     "measured_s_per_iteration": measured,
-                    "ratio_measured_over_predicted": measured / predicted,
-                    "device_profile": sim["device_profile"],
+                    "ratio_measured_over_predicted": measured / predicted[used],
+                    "ratio_measured_over_predicted_alone": measured / predicted["alone"],
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
-    return rows
+    return {"calibration": calibration, "rows": rows}
 
 
 def load() -> str:
@@ -228,6 +310,7 @@ def load() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--plain-ddp-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--busy-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
     ap.add_argument("--batch-size", type=int, default=64, help="per learner")
     ap.add_argument("--lr", type=float, default=0.05)
@@ -237,15 +320,32 @@ def main() -> None:
     ap.add_argument("--max-epochs", type=float, default=3.0)
     ap.add_argument("--eval-every", type=int, default=10000, help="samples")
     ap.add_argument("--fidelity-samples", type=int, default=12800)
-    ap.add_argument("--skip-to-target", action="store_true", help="only the fidelity part")
+    ap.add_argument(
+        "--skip-to-target",
+        action="store_true",
+        help="only the fidelity part; the to-target part of <out>/results.json is kept",
+    )
     ap.add_argument("--out", default="bench/results/dist")
     args = ap.parse_args()
     if args.plain_ddp_worker:
         plain_ddp_worker(args)
         return
+    if args.busy_worker:
+        busy_worker()
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"settings": vars(args), "load_before": load()}
+    previous = out / "results.json"
+    if args.skip_to_target and previous.exists():  # keep the earlier to-target figures
+        old = json.loads(previous.read_text())
+        if "to_target" in old:
+            keep = ("to_target", "ratio_hardsync_over_plain_ddp", "ratio_async_over_hardsync")
+            report["to_target_run"] = old.get("to_target_run") or {
+                "load_before": old["load_before"],
+                "load_after": old["load_after"],
+            }
+            report.update({k: old[k] for k in keep})
     with tempfile.TemporaryDirectory(prefix="dist-bench-") as tmp_name:
         tmp = Path(tmp_name)
         if not args.skip_to_target:
@@ -289,6 +389,15 @@ def markdown(r: dict[str, Any]) -> str:
             f"## To {s['target']:.0%} test accuracy (at most {s['max_epochs']} epochs, "
             f"evaluated every {s['eval_every']} samples)",
             "",
+        ]
+        if "to_target_run" in r:
+            t = r["to_target_run"]
+            lines += [
+                "(From an earlier run of the full benchmark; load average before: "
+                f"{t['load_before']}; after: {t['load_after']}.)",
+                "",
+            ]
+        lines += [
             "| run | samples | training wall s | throughput samples/s | time to target s |",
             "|---|---|---|---|---|",
         ]
@@ -306,18 +415,40 @@ def markdown(r: dict[str, Any]) -> str:
             f"**{r['ratio_async_over_hardsync']:.3f}** (target >= 0.9)",
             "",
         ]
+    fid = r["fidelity"]
+    cal = fid["calibration"]
+    net = cal["network"]
+    a, c = cal["profile_alone"], cal["profile_contended"]
     lines += [
         f"## Simulation fidelity ({s['fidelity_samples']} samples per run)",
         "",
-        "| protocol | λ | iterations | predicted s/iteration (sim) | measured s/iteration "
-        "(dist) | measured / predicted |",
-        "|---|---|---|---|---|---|",
+        "Calibration (one thread per process, as in the dist runs; medians): device profile alone "
+        f"{a['seconds_per_batch'] * 1e3:.2f} ms + {a['seconds_per_sample'] * 1e3:.3f} ms/sample; "
+        "while another process computes the same model "
+        f"{c['seconds_per_batch'] * 1e3:.2f} ms + {c['seconds_per_sample'] * 1e3:.3f} ms/sample "
+        f"(×{cal['contention_factor_batch']:.2f} at batch {s['batch_size']}); network "
+        "(gloo, 2 processes on loopback, median of 20, least-squares fit, "
+        "distsgd.runtime.netcal): "
+        f"latency {net['latency_s'] * 1e6:.0f} µs, bandwidth {net['bandwidth_gbps']:.2f} Gbit/s.",
+        "",
+        "| operation | float32 values | median ms |",
+        "|---|---|---|",
     ]
-    for f in r["fidelity"]:
+    for m in net["measurements"]:
+        lines.append(f"| {m['op']} | {m['num_values']} | {m['seconds'] * 1e3:.3f} |")
+    lines += [
+        "",
+        "| protocol | λ | iterations | device profile | predicted s/iteration (sim) | "
+        "measured s/iteration (dist) | measured / predicted | measured / predicted with "
+        "the profile alone |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in fid["rows"]:
         lines.append(
-            f"| {f['protocol']} | {f['num_learners']} | {f['iterations']} | "
+            f"| {f['protocol']} | {f['num_learners']} | {f['iterations']} | {f['profile']} | "
             f"{f['predicted_s_per_iteration']:.4f} | {f['measured_s_per_iteration']:.4f} | "
-            f"{f['ratio_measured_over_predicted']:.2f} |"
+            f"**{f['ratio_measured_over_predicted']:.2f}** | "
+            f"{f['ratio_measured_over_predicted_alone']:.2f} |"
         )
     lines += ["", "Target: measured within ±20% of predicted (ratio 0.8–1.2).", ""]
     return "\n".join(lines)

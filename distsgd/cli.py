@@ -9,6 +9,7 @@ exits with status 1 after writing its summary.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -81,6 +82,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         summary = train(resume=args.resume, overrides=args.set, progress=not args.quiet)
     else:
         cfg = RunConfig.from_toml(args.config, args.set)
+        if cfg.layout_changes and os.environ.get("RANK", "0") == "0":  # once under torchrun
+            print(
+                f"dist: fitted the layout to {cfg.dist.num_processes} processes: "
+                + ", ".join(cfg.layout_changes),
+                file=sys.stderr,
+            )
         out_dir = Path(args.out) if args.out else default_out_dir(cfg)
         args.out_dir = out_dir
         if cfg.runtime == "dist":
@@ -201,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="dist runtime: processes to start (same as --set dist.num_processes=N); "
-        "must match the protocol's layout: λ for hardsync, λ/k for SMA and local SGD, "
-        "λ + dist.num_servers for the parameter server and compute groups",
+        "the layout is fitted to N (λ = N for hardsync, N·k for SMA and local SGD, "
+        "N - dist.num_servers for the parameter server and compute groups; per-learner "
+        "batch and learning rate kept) and the changes printed",
     )
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)

@@ -32,6 +32,7 @@ __all__ = [
     "DistConfig",
     "TuneConfig",
     "RunConfig",
+    "fit_layout",
     "PROTOCOLS",
     "DATASETS",
     "MODELS",
@@ -470,7 +471,8 @@ class TrainConfig:
 class DistConfig:
     """Real processes through torch.distributed (runtime ``dist`` only).
 
-    Processes a protocol needs (``num_processes`` must match, 0 takes it):
+    Processes a protocol needs (``num_processes = 0`` takes it; another number fits the
+    layout to it, see ``num_processes``):
 
     * ``hardsync`` / ``plain``: one learner per process, λ processes (DDP);
     * ``sma`` / ``local_sgd``: one process per device, λ / k processes, each holding its
@@ -480,7 +482,13 @@ class DistConfig:
 
     Attributes:
         num_processes: processes (ranks) of the run; 0 means what the protocol needs. A
-            different number is an error that names the number needed.
+            different number fits the layout to it (:func:`fit_layout`: λ and what must
+            divide it change, the per-learner batch and learning rate stay); the fitted
+            values are what the run records in its ``config.toml``, and
+            ``RunConfig.layout_changes`` lists them (the CLI prints them as one line). It
+            is an error only where no layout fits (``plain`` with more than one process,
+            a parameter server with no learner rank left). ``--num-processes N`` is this
+            setting.
         backend: c10d backend: ``gloo``, or ``auto`` (the backend for the device the
             model computes on: ``gloo`` while models train on CPU, as they do now). The
             parameter-server transport is c10d point-to-point on gloo in any case.
@@ -527,22 +535,73 @@ def required_processes(protocol: ProtocolConfig, dist: DistConfig) -> tuple[int,
     )
 
 
-def _layout_hint(cfg: RunConfig, n: int) -> str:
-    """How to change the layout so that the protocol runs on ``n`` processes."""
-    p, s = cfg.protocol, cfg.dist.num_servers
-    if p.name == "hardsync":
-        return f"; or run {n} learners: protocol.num_learners = {n}"
-    if p.name in ("sma", "local_sgd"):
-        k = p.replicas_per_device
-        return f"; or run {n} devices: protocol.num_learners = {n * k}"
-    if p.name in ("parameter_server", "compute_groups") and n > s:
-        hint = f"; or run {n - s} learners: protocol.num_learners = {n - s}"
-        if p.name == "compute_groups" and (n - s) % p.num_groups:
-            hint += " with protocol.num_groups dividing it"
-        if p.name == "parameter_server" and p.mode == "softsync" and (n - s) % p.softsync:
-            hint += " with protocol.softsync dividing it"
-        return hint
-    return ""
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` that is <= ``at_most`` (>= 1)."""
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def fit_layout(
+    protocol: ProtocolConfig, dist: DistConfig, n: int
+) -> tuple[ProtocolConfig, list[str]]:
+    """The protocol's layout fitted to ``n`` processes, and the settings that changed.
+
+    Only the number of learners and what must divide it change; the per-learner batch
+    size, the learning rate and every other setting are kept (so the global batch λ·b
+    changes with λ). Rules, by the process layout of :class:`DistConfig`:
+
+    * ``hardsync``: λ = n (one learner per process);
+    * ``sma`` / ``local_sgd``: n devices of k = ``replicas_per_device`` replicas,
+      λ = n·k (Crossbow's k learners per device, SPEC §4);
+    * ``parameter_server`` / ``compute_groups``: λ = n − ``dist.num_servers``;
+      compute groups: g = the largest divisor of the new λ that is <= the old g
+      (Omnivore's groups must partition the learners, SPEC §3); n-softsync: a fully
+      asynchronous n = λ stays n = λ, otherwise n = the largest divisor of the new λ
+      that is <= the old n (Rudra's n must divide λ, SPEC §2).
+
+    Args:
+        protocol: the configured protocol section.
+        dist: the configured dist section (``num_servers`` is read).
+        n: processes to fit, >= 1.
+
+    Returns:
+        ``(fitted, changes)``: the fitted protocol section (``protocol`` itself when it
+        already needs ``n`` processes) and one ``"key old → new"`` entry per changed
+        setting, in a fixed order.
+
+    Raises:
+        ConfigError: ``dist.num_processes`` cannot fit: protocol ``plain`` with n != 1, or
+            n <= ``dist.num_servers`` for the parameter server and compute groups.
+    """
+    need, why = required_processes(protocol, dist)
+    if n == need:
+        return protocol, []
+    p = protocol
+    changes: dict[str, int] = {}
+    if p.name == "plain":
+        _fail("dist.num_processes", n, f"1 or 0 (protocol 'plain' is one learner, {why})")
+    elif p.name == "hardsync":
+        changes["num_learners"] = n
+    elif p.name in ("sma", "local_sgd"):
+        changes["num_learners"] = n * p.replicas_per_device
+    else:
+        s = dist.num_servers
+        if n <= s:
+            _fail(
+                "dist.num_processes",
+                n,
+                f"more than dist.num_servers = {s} (at least one learner rank), or 0 "
+                f"({need} processes: {why})",
+            )
+        lam = n - s
+        changes["num_learners"] = lam
+        if p.name == "compute_groups":
+            changes["num_groups"] = _largest_divisor(lam, p.num_groups)
+        elif p.mode == "softsync":
+            fully_async = p.softsync == p.num_learners
+            changes["softsync"] = lam if fully_async else _largest_divisor(lam, p.softsync)
+    changed = {k: v for k, v in changes.items() if getattr(p, k) != v}
+    notes = [f"protocol.{k} {getattr(p, k)} → {v}" for k, v in changed.items()]
+    return dataclasses.replace(p, **changed), notes
 
 
 TUNE_FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")
@@ -654,6 +713,10 @@ class RunConfig:
         runtime: ``sim`` (deterministic simulated cluster, one process) or ``dist`` (real
             processes through torch.distributed; see :class:`DistConfig`).
         name: free-form label carried into ``summary.json`` and reports.
+
+    With ``runtime = "dist"`` and ``dist.num_processes`` set, ``protocol`` is the layout
+    fitted to that many processes (:func:`fit_layout`) and the attribute
+    ``layout_changes`` (not a setting) lists each changed setting as ``"key old → new"``.
     """
 
     runtime: str = "sim"
@@ -682,6 +745,20 @@ class RunConfig:
                 self.optimizer.momentum,
                 "0 with protocol.server_optimizer = 'adagrad' (AdaGrad has no momentum)",
             )
+        # The layout is fitted to an explicit process count before anything that depends
+        # on λ is checked; ``layout_changes`` lists what changed (empty when it fitted).
+        self.layout_changes: list[str] = []
+        if self.runtime == "dist" and self.protocol.auto_replicas:
+            _fail(
+                "protocol.replicas_per_device",
+                "auto",
+                "an integer with runtime = 'dist' (the auto-tuner runs on the simulated "
+                "runtime; take k from its autotune.json)",
+            )
+        if self.runtime == "dist" and self.dist.num_processes:
+            self.protocol, self.layout_changes = fit_layout(
+                self.protocol, self.dist, self.dist.num_processes
+            )
         sf = self.cluster.speed_factors
         if sf and self.protocol.auto_replicas:
             _fail(
@@ -695,18 +772,6 @@ class RunConfig:
                 sf,
                 f"a list of {self.protocol.num_learners} speeds (one per learner) or []",
             )
-        if self.runtime == "dist" and self.protocol.auto_replicas:
-            _fail(
-                "protocol.replicas_per_device",
-                "auto",
-                "an integer with runtime = 'dist' (the auto-tuner runs on the simulated "
-                "runtime; take k from its autotune.json)",
-            )
-        if self.runtime == "dist":
-            need, why = required_processes(self.protocol, self.dist)
-            n = self.dist.num_processes
-            if n not in (0, need):
-                _fail("dist.num_processes", n, f"{need} ({why}) or 0{_layout_hint(self, n)}")
 
     # ---- construction ------------------------------------------------------------------
     @classmethod

@@ -1,6 +1,18 @@
+import tomllib
+from dataclasses import asdict
+from pathlib import Path
+
 import pytest
 
-from distsgd.config import ConfigError, RunConfig, apply_override
+from distsgd.config import (
+    ConfigError,
+    DistConfig,
+    ProtocolConfig,
+    RunConfig,
+    apply_override,
+    fit_layout,
+    required_processes,
+)
 
 
 def test_defaults_are_valid_and_round_trip_through_toml(tmp_path):
@@ -146,3 +158,101 @@ def test_adagrad_server_rejects_momentum():
             "optimizer": {"momentum": 0.0},
         }
     )
+
+
+# ---- fitting the dist layout to an explicit process count ------------------------------
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+
+# Expected layout of each shipped config fitted to 3 processes (SPEC §1–§5 rules in
+# fit_layout's docstring): (λ, n-softsync, g, changes printed).
+FITTED_TO_3 = {
+    "async": (2, 1, 1, ["protocol.num_learners 8 → 2"]),  # mode async: n = λ implicitly
+    "groups": (2, 1, 2, ["protocol.num_learners 8 → 2"]),  # g = 2 still divides λ = 2
+    "hardsync": (3, 1, 1, ["protocol.num_learners 4 → 3"]),
+    "local_sgd": (3, 1, 1, ["protocol.num_learners 4 → 3"]),  # k = 1: 3 devices
+    "sma": (12, 1, 1, ["protocol.num_learners 4 → 12"]),  # 3 devices × k = 4
+    "softsync1": (2, 1, 1, ["protocol.num_learners 4 → 2"]),
+    "softsync4": (2, 2, 1, ["protocol.num_learners 4 → 2", "protocol.softsync 4 → 2"]),
+}
+
+
+def test_every_shipped_config_is_listed():
+    assert sorted(p.stem for p in CONFIGS) == sorted(FITTED_TO_3)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_configs_fit_three_processes(path):
+    base = RunConfig.from_toml(path, ["runtime=dist"])
+    cfg = RunConfig.from_toml(path, ["runtime=dist", "dist.num_processes=3"])
+    lam, n, g, changes = FITTED_TO_3[path.stem]
+    p = cfg.protocol
+    assert (p.num_learners, p.softsync, p.num_groups) == (lam, n, g)
+    assert cfg.layout_changes == changes
+    assert required_processes(p, cfg.dist)[0] == 3
+    # Only the layout changed: per-learner batch, lr and every other setting kept.
+    assert cfg.optimizer == base.optimizer and cfg.train == base.train
+    assert p.batch_size == base.protocol.batch_size
+    rest = {"num_learners", "softsync", "num_groups"}
+    assert {k: v for k, v in asdict(p).items() if k not in rest} == {
+        k: v for k, v in asdict(base.protocol).items() if k not in rest
+    }
+    # The fitted config written to a run's config.toml reads back equal, with no change.
+    again = RunConfig.from_dict(tomllib.loads(cfg.to_toml()))
+    assert again == cfg and again.layout_changes == []
+
+
+def test_a_fitting_process_count_changes_nothing():
+    cfg = RunConfig.from_toml(CONFIGS[0].parent / "hardsync.toml", ["runtime=dist"])
+    fitted = RunConfig.from_toml(
+        CONFIGS[0].parent / "hardsync.toml", ["runtime=dist", "dist.num_processes=4"]
+    )
+    assert fitted == cfg.replace(dist=fitted.dist) and fitted.layout_changes == []
+
+
+@pytest.mark.parametrize(
+    "protocol, n, expected",
+    [
+        # compute groups: g = largest divisor of the new λ that is <= the old g
+        ({"name": "compute_groups", "num_learners": 8, "num_groups": 4}, 7, (6, 1, 3)),
+        ({"name": "compute_groups", "num_learners": 8, "num_groups": 4}, 6, (5, 1, 1)),
+        # n-softsync: n kept when it still divides λ, else the largest divisor below it
+        ({"name": "parameter_server", "num_learners": 8, "softsync": 2}, 7, (6, 2, 1)),
+        ({"name": "parameter_server", "num_learners": 8, "softsync": 4}, 6, (5, 1, 1)),
+        ({"name": "parameter_server", "num_learners": 8, "softsync": 4}, 10, (9, 3, 1)),
+        # fully asynchronous n = λ stays n = λ (also when λ grows)
+        ({"name": "parameter_server", "num_learners": 2, "softsync": 2}, 8, (7, 7, 1)),
+    ],
+)
+def test_fit_layout_divisor_rules(protocol, n, expected):
+    p, changes = fit_layout(ProtocolConfig(**protocol), DistConfig(), n)
+    assert (p.num_learners, p.softsync, p.num_groups) == expected
+    assert changes[0].startswith("protocol.num_learners ")
+
+
+def test_fit_layout_with_server_shards_and_the_sim_runtime():
+    cfg = RunConfig.from_toml(
+        CONFIGS[0].parent / "async.toml",
+        ["runtime=dist", "dist.num_servers=2", "dist.num_processes=5"],
+    )
+    assert cfg.protocol.num_learners == 3
+    # The sim runtime ignores dist.num_processes: nothing is fitted.
+    sim = RunConfig.from_toml(CONFIGS[0].parent / "async.toml", ["dist.num_processes=5"])
+    assert sim.protocol.num_learners == 8 and sim.layout_changes == []
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["protocol.name=plain", "protocol.num_learners=1", "dist.num_processes=2"], "1 or 0"),
+        (["protocol.name=parameter_server", "dist.num_processes=1"], "more than dist.num_s"),
+        (
+            ["protocol.name=compute_groups", "dist.num_servers=2", "dist.num_processes=2"],
+            "more than dist.num_servers = 2",
+        ),
+    ],
+)
+def test_layouts_that_cannot_fit_are_config_errors(overrides, fragment):
+    with pytest.raises(ConfigError, match="dist.num_processes = ") as e:
+        RunConfig.from_toml(None, ["runtime=dist", *overrides])
+    assert fragment in str(e.value)

@@ -140,9 +140,10 @@ def test_replica_protocols_match_the_simulator(tmp_path, protocol, keys, tol):
     check_equivalent(tmp_path / "sim", tmp_path / "dist", keys, tol)
 
 
-def test_wrong_number_of_processes_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"dist.num_processes = 3 .*expected 2"):
-        train(config(HARDSYNC, "dist"), overrides=["dist.num_processes=3"], out_dir=tmp_path)
+def test_a_layout_that_cannot_fit_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"dist.num_processes = 1 .*more than dist.num_s"):
+        train(config(ASYNC, "dist"), overrides=["dist.num_processes=1"], out_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.fixture(scope="module")
@@ -326,17 +327,76 @@ def test_two_torchrun_nodes_match_the_local_launch(tmp_path, hardsync_run):
     )
 
 
-def test_cli_process_count_mismatch_is_one_line_exit_2(tmp_path, capsys):
+def test_cli_fits_the_layout_to_num_processes(tmp_path, capsys):
+    """A 4-softsync config with 4 learners (5 processes) run on 3: λ = 2, n = 2, one
+    line on stderr, the fitted values in the run's config.toml, and the run completes."""
+    from distsgd.cli import main
+    from distsgd.config import RunConfig
+
+    softsync4 = {**SOFTSYNC, "num_learners": 4, "softsync": 4}
+    cfg_path = tmp_path / "run.toml"
+    cfg_path.write_text(config(softsync4, "sim", max_epochs=0.5).to_toml())
+    out = tmp_path / "run"
+    argv = ["train", str(cfg_path), "--runtime", "dist", "--num-processes", "3", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "dist: fitted the layout to 3 processes: protocol.num_learners 4 → 2, "
+        "protocol.softsync 4 → 2"
+    ]
+    recorded = RunConfig.from_toml(out / "config.toml")
+    assert recorded.protocol.num_learners == 2 and recorded.protocol.softsync == 2
+    assert recorded.dist.num_processes == 3 and recorded.layout_changes == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["runtime"] == "dist" and summary["num_processes"] == 3
+    assert summary["status"] == "completed"
+
+
+def test_cli_process_count_that_cannot_fit_is_one_line_exit_2(tmp_path, capsys):
     from distsgd.cli import main
 
     cfg_path = tmp_path / "run.toml"
-    cfg_path.write_text(config(HARDSYNC, "sim").to_toml())
-    argv = ["train", str(cfg_path), "--runtime", "dist", "--num-processes", "3"]
+    cfg_path.write_text(config(ASYNC, "sim").to_toml())
+    argv = ["train", str(cfg_path), "--runtime", "dist", "--num-processes", "1"]
     assert main([*argv, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert "dist.num_processes = 3 is not allowed: expected 2" in err[0]
-    assert "protocol.num_learners = 3" in err[0]  # the layout that would fit
+    assert "dist.num_processes = 1 is not allowed: expected more than dist.num_servers" in err[0]
+    assert "3 processes" in err[0]  # what the layout as written needs
     assert not (tmp_path / "run").exists()
     assert main(["train", "--resume", str(tmp_path), "--num-processes", "2"]) == 2
     assert "--num-processes cannot be used with --resume" in capsys.readouterr().err
+
+
+def test_fit_network_recovers_the_model_it_fits():
+    """Times made by the simulator's own model are fitted back to its parameters (1e-9
+    relative: float64 least squares on exact data)."""
+    from distsgd.runtime.netcal import fit_network
+
+    lat, bw = 2e-4, 3.0  # seconds, Gbit/s
+    ms = []
+    for p in (1, 1000, 100_000, 400_000):
+        bits = 32 * p
+        ms.append(
+            {"op": "send", "participants": 2, "num_values": p, "seconds": lat + bits / (bw * 1e9)}
+        )
+        ms.append(
+            {"op": "all_reduce", "participants": 2, "num_values": p, "seconds": 2 * lat + bits / (bw * 1e9)}
+        )  # fmt: skip
+    prof = fit_network(ms)
+    assert prof.latency_s == pytest.approx(lat, rel=1e-9)
+    assert prof.bandwidth_gbps == pytest.approx(bw, rel=1e-9)
+    assert prof.overrides() == [f"cluster.latency_s={prof.latency_s!r}", f"cluster.bandwidth_gbps={prof.bandwidth_gbps!r}"]  # fmt: skip
+    with pytest.raises(ValueError, match="unknown op"):
+        fit_network([{**ms[0], "op": "broadcast"}, ms[1]])
+
+
+def test_calibrate_network_measures_two_gloo_processes():
+    from distsgd.runtime.netcal import calibrate_network
+
+    prof = calibrate_network(10_000, repeats=3)
+    ops = [(m["op"], m["num_values"]) for m in prof.measurements]
+    sizes = [1, 625, 2500, 10_000]
+    assert ops == [(op, p) for p in sizes for op in ("send", "all_reduce")]
+    assert all(m["seconds"] > 0 for m in prof.measurements)
+    assert prof.latency_s >= 0 and prof.bandwidth_gbps >= 0

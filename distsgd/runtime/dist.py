@@ -143,7 +143,7 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
         raise ConfigError(
             f"the launcher started {info.world_size} processes but protocol "
             f"{cfg.protocol.name!r} needs {need} ({why}); set --nproc-per-node × --nnodes "
-            f"= {need}"
+            f"= {need}, or pass --num-processes {info.world_size} to fit the layout to it"
         )
     backend = "gloo"  # models compute on CPU; the parameter-server transport needs gloo
     if not dist.is_initialized():

@@ -35,6 +35,7 @@ import heapq
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,12 +98,14 @@ def calibrate(
     dataset: Dataset,
     batch_sizes: tuple[int, int] = (16, 128),
     repeats: int = 6,
+    statistic: Callable[[list[float]], float] = min,
 ) -> DeviceProfile:
     """Measure forward+backward time of the model on this machine and fit a device profile.
 
     Times ``repeats`` minibatches at each of two batch sizes (after one warm-up each),
     takes the fastest (the least disturbed by other work on the machine, as ``timeit``
-    advises), and fits the line through the two points.
+    advises; ``statistic`` replaces it, e.g. ``statistics.median`` to predict a loaded
+    machine's typical time), and fits the line through the two points.
 
     Returns:
         DeviceProfile with non-negative coefficients, ``calibrated=True``.
@@ -119,7 +122,7 @@ def calibrate(
             t0 = time.perf_counter()
             engine.gradient(w, x, y)
             times.append(time.perf_counter() - t0)
-        best.append((b, min(times)))
+        best.append((b, statistic(times)))
     (b1, t1), (b2, t2) = best
     if b2 == b1 or t2 <= t1:
         # A larger batch measured no slower: the timings were disturbed (other load on

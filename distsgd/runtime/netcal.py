@@ -1,0 +1,225 @@
+"""Network calibration: the latency and bandwidth of c10d (gloo) between two processes here.
+
+The simulated cluster charges a message of P float32 values
+``latency_s + 32 P / (bandwidth_gbps · 1e9)`` seconds and a ring all-reduce over m
+participants ``2(m−1) · latency_s + 2(m−1)/m · 32 P / (bandwidth_gbps · 1e9)`` (see
+:mod:`distsgd.runtime.sim`; the ring all-reduce cost is Patarasuk & Yuan, "Bandwidth
+optimal all-reduce algorithms for clusters of workstations", JPDC 2009, §3).
+:func:`calibrate_network` measures both operations on real processes and fits those two
+parameters, so that the simulator predicts what the ``dist`` runtime measures on this
+machine (or on a network, if the two ranks are started there).
+
+Measurement: two ranks started by torch's launch machinery
+(:func:`torch.distributed.elastic.multiprocessing.start_processes`) rendezvous on
+loopback and join a gloo process group, one torch thread each. For each message size
+(default: 1 value and P/16, P/4, P values of float32) after one warm-up:
+
+* point-to-point: ``repeats`` ping-pongs (rank 0 sends, rank 1 receives and sends back);
+  one message is half the round trip;
+* all-reduce (sum) of the same buffer by both ranks, after a barrier.
+
+Rank 0 takes the median of the repeats (a run's mean iteration time includes the
+ordinary disturbances that the minimum would hide). Model fit: every measurement t of
+a buffer of B = 32 P bits gives one row of a linear least-squares problem in
+``(latency_s, 1 / bandwidth)``: a message ``t = latency_s + B / bw``, an all-reduce over
+m = 2 ``t = 2 latency_s + B / bw``. Negative solutions are clipped (latency to 0,
+bandwidth to infinity, i.e. ``bandwidth_gbps = 0``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+__all__ = ["NetworkProfile", "calibrate_network", "fit_network"]
+
+
+@dataclass
+class NetworkProfile:
+    """A fitted network: the simulator's ``cluster.latency_s`` and ``bandwidth_gbps``.
+
+    Attributes:
+        latency_s: one-way message latency, seconds (>= 0).
+        bandwidth_gbps: bandwidth in gigabits per second (0: infinite).
+        measurements: what was fitted: ``{"op": "send" | "all_reduce", "participants":
+            m, "num_values": P, "seconds": t}`` per operation and size (median seconds).
+    """
+
+    latency_s: float
+    bandwidth_gbps: float
+    measurements: list[dict[str, Any]] = field(default_factory=list)
+
+    def overrides(self) -> list[str]:
+        """``--set`` items that give the simulator this network."""
+        return [
+            f"cluster.latency_s={self.latency_s!r}",
+            f"cluster.bandwidth_gbps={self.bandwidth_gbps!r}",
+        ]
+
+
+def fit_network(measurements: list[dict[str, Any]]) -> NetworkProfile:
+    """Least-squares fit of the simulator's network model to measured operation times.
+
+    Args:
+        measurements: ``{"op", "participants", "num_values", "seconds"}`` items; ``op``
+            is ``send`` (one message) or ``all_reduce`` (ring over ``participants``).
+
+    Returns:
+        The profile minimising the squared error of the model's seconds (module docstring).
+
+    Raises:
+        ValueError: fewer than two measurements, or an unknown ``op``.
+    """
+    if len(measurements) < 2:
+        raise ValueError("fit_network needs at least two measurements")
+    rows, ts = [], []
+    for m in measurements:
+        bits = 32.0 * m["num_values"]
+        if m["op"] == "send":
+            rows.append([1.0, bits])
+        elif m["op"] == "all_reduce":
+            k = m["participants"]
+            rows.append([2.0 * (k - 1), 2.0 * (k - 1) / k * bits])
+        else:
+            raise ValueError(f"unknown op {m['op']!r}: expected 'send' or 'all_reduce'")
+        ts.append([m["seconds"]])
+    a = torch.tensor(rows, dtype=torch.float64)
+    scale = a.abs().amax(0)  # columns of very different magnitude: scale for lstsq
+    sol = torch.linalg.lstsq(a / scale, torch.tensor(ts, dtype=torch.float64)).solution
+    latency, inv_bw = (sol[:, 0] / scale).tolist()
+    if latency < 0:  # refit the bandwidth alone
+        latency = 0.0
+        col = a[:, 1:]
+        inv_bw = float(torch.linalg.lstsq(col, torch.tensor(ts, dtype=torch.float64)).solution)
+    bandwidth_gbps = 0.0 if inv_bw <= 0 else 1.0 / inv_bw / 1e9
+    return NetworkProfile(latency, bandwidth_gbps, list(measurements))
+
+
+def _worker(sizes: list[int], repeats: int, timeout_s: float) -> list[dict[str, Any]]:
+    """One of the two ranks: time ping-pongs and all-reduces; rank 0 returns medians."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    other = 1 - rank
+    out: list[dict[str, Any]] = []
+    try:
+        for p in sizes:
+            buf = torch.zeros(p)
+            pp, ar = [], []
+            for i in range(repeats + 1):  # the first is a warm-up
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, other)
+                    dist.recv(buf, other)
+                else:
+                    dist.recv(buf, other)
+                    dist.send(buf, other)
+                if i:
+                    pp.append((time.perf_counter() - t0) / 2)
+            for i in range(repeats + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(buf)
+                if i:
+                    ar.append(time.perf_counter() - t0)
+            for op, times in (("send", pp), ("all_reduce", ar)):
+                out.append(
+                    {
+                        "op": op,
+                        "participants": 2,
+                        "num_values": p,
+                        "seconds": statistics.median(times),
+                    }
+                )
+    finally:
+        dist.destroy_process_group()
+    return out if rank == 0 else []
+
+
+def calibrate_network(
+    num_parameters: int,
+    *,
+    sizes: list[int] | None = None,
+    repeats: int = 20,
+    master_addr: str = "127.0.0.1",
+    timeout_s: float = 60.0,
+) -> NetworkProfile:
+    """Measure gloo between two processes on this machine and fit the network model.
+
+    Args:
+        num_parameters: P, float32 values of the model's flattened parameters (the size
+            of a gradient message).
+        sizes: message sizes in float32 values; default ``[1, P//16, P//4, P]``.
+        repeats: timed repeats per operation and size (after one warm-up).
+        master_addr: rendezvous address (loopback by default).
+        timeout_s: c10d timeout of the two ranks, seconds.
+
+    Returns:
+        The fitted :class:`NetworkProfile` with its measurements.
+
+    Raises:
+        RuntimeError: a rank failed (its error is in the message).
+    """
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    if sizes is None:
+        sizes = sorted({1, max(1, num_parameters // 16), max(1, num_parameters // 4)})
+        sizes.append(num_parameters)
+    store = TCPStore(  # hosted here, as torchrun's agent hosts it (see launch.py)
+        master_addr, 0, world_size=2, is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory(prefix="distsgd-netcal-") as tmp:
+        envs = {
+            r: {
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(store.port),
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": "2",
+                "PYTHONPATH": pythonpath,
+                "OMP_NUM_THREADS": "1",
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+            }
+            for r in range(2)
+        }
+        ctx = start_processes(
+            name="distsgd-netcal",
+            entrypoint=_worker,
+            args={r: (sizes, repeats, timeout_s) for r in range(2)},
+            envs=envs,
+            logs_specs=DefaultLogsSpecs(log_dir=tmp),
+            start_method="spawn",
+        )
+        try:
+            result = ctx.wait()
+        finally:
+            ctx.close()
+        if result is None or result.is_failed():
+            failures = {} if result is None else result.failures
+            raise RuntimeError(f"network calibration failed: {failures}")
+        measurements = result.return_values[0]
+    del store
+    return fit_network(measurements)
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use: python -m distsgd.runtime.netcal P
+    prof = calibrate_network(int(sys.argv[1]) if len(sys.argv) > 1 else 431_080)
+    for m in prof.measurements:
+        print(f"{m['op']:10s} {m['num_values']:>9d} values {m['seconds'] * 1e3:8.3f} ms")
+    print(f"latency {prof.latency_s * 1e6:.1f} µs, bandwidth {prof.bandwidth_gbps:.3f} Gbit/s")
