@@ -174,6 +174,7 @@ FITTED_TO_3 = {
     "sma": (12, 1, 1, ["protocol.num_learners 4 → 12"]),  # 3 devices × k = 4
     "softsync1": (2, 1, 1, ["protocol.num_learners 4 → 2"]),
     "softsync4": (2, 2, 1, ["protocol.num_learners 4 → 2", "protocol.softsync 4 → 2"]),
+    "tune_fashion_mnist": (3, 1, 1, ["protocol.num_learners 2 → 3"]),  # base of distsgd tune
 }
 
 
