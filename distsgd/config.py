@@ -155,7 +155,8 @@ class ProtocolConfig:
         autotune_interval: with ``"auto"``: iterations over which each k's throughput is
             measured, >= 1 (the first iteration after a change is not counted).
         autotune_max_replicas: with ``"auto"``: the largest k tried, >= 1.
-        alpha: SMA correction weight α (0 <= α <= 1). 0 means "use 1/k".
+        alpha: SMA correction weight α (0 <= α <= 1). 0 means 1/λ over all
+            learners (SPEC §4: with μ_z = 0 the new z is then the mean of the replicas).
         central_momentum: SMA Polyak momentum μ_z on the central model, in [0, 1).
         average_every: local SGD averaging period H, in iterations.
     """

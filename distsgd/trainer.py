@@ -598,7 +598,9 @@ class Trainer:
         """Apply k replicas per device to the protocol and the runtime (a sync point)."""
         p = self.cfg.protocol
         if p.name == "sma":
-            self.protocol.set_replicas_per_device(k, alpha=p.alpha if p.alpha > 0 else 1.0 / k)
+            # α = 0 means 1 / (all learners) = 1 / (devices · k), SPEC §4
+            alpha = p.alpha if p.alpha > 0 else 1.0 / (p.num_devices * k)
+            self.protocol.set_replicas_per_device(k, alpha=alpha)
         else:
             self.protocol.set_replicas_per_device(k)
         self.runtime.set_replicas_per_device(k)

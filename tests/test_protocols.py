@@ -721,7 +721,8 @@ def test_build_protocol_mapping():
     assert isinstance(cg, ComputeGroups) and cg.explicit_momentum == pytest.approx(0.15)
 
     sma = build_protocol(_cfg(name="sma", num_learners=8, replicas_per_device=4, alpha=0.0), W0)
-    assert isinstance(sma, SMA) and sma.alpha == 0.25 and sma.num_devices == 2
+    # α = 0 means 1/λ over all 8 learners (SPEC §4: z becomes the replicas' mean)
+    assert isinstance(sma, SMA) and sma.alpha == 0.125 and sma.num_devices == 2
     sma = build_protocol(_cfg(name="sma", num_learners=8, replicas_per_device=4, alpha=0.3), W0)
     assert sma.alpha == 0.3 and sma.central_momentum == 0.9
 

@@ -331,3 +331,29 @@ def test_autotune_resume_continues_identically(tmp_path):
     a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["protocol"]
     b = torch.load(tmp_path / "half" / "checkpoint.pt", weights_only=True)["protocol"]
     assert torch.equal(a["central"], b["central"])
+
+
+def test_default_alpha_is_one_over_all_learners_across_devices():
+    """α = 0 means 1/λ over all learners (SPEC §4), not 1/k per device: with 2 devices of
+    2 replicas and μ_z = 0 the new z must be the mean of the 4 pre-update replicas. With
+    1/k per device the 2 device sums would move z twice as far (and diverge)."""
+    from distsgd.protocols import build_protocol
+
+    cfg = RunConfig.from_dict(
+        {
+            "protocol": {
+                "name": "sma",
+                "num_learners": 4,
+                "replicas_per_device": 2,
+                "alpha": 0.0,
+                "central_momentum": 0.0,
+            },
+            "optimizer": {"momentum": 0.0},
+        }
+    )
+    sma = build_protocol(cfg, torch.zeros(3))
+    assert sma.alpha == pytest.approx(0.25)
+    sma.step(torch.arange(12.0).view(4, 3), lr=1.0)  # replicas move apart, z stays 0
+    replicas = sma.replicas.clone()
+    sma.step(torch.zeros(4, 3), lr=1.0)
+    torch.testing.assert_close(sma.eval_weights(), replicas.mean(0))  # float32 rounding only

@@ -97,7 +97,7 @@ def build_protocol(cfg: RunConfig, initial: Tensor) -> SynchronousProtocol | Asy
             initial,
             lam,
             replicas_per_device=k,
-            alpha=p.alpha if p.alpha > 0 else 1.0 / k,
+            alpha=p.alpha if p.alpha > 0 else 1.0 / lam,  # SPEC §4: 1/k over all k learners
             central_momentum=p.central_momentum,
             momentum=o.momentum,
             weight_decay=o.weight_decay,

@@ -262,7 +262,12 @@ class SyncDistRuntime(_DistBase):
         if p.name in ("sma", "local_sgd"):
             self.k = p.replicas_per_device
             local = cfg.replace(  # this rank's k replicas, as one device
-                protocol=dataclasses.replace(p, num_learners=self.k),
+                # α = 0 means 1 / (all learners of all devices), SPEC §4, not 1 / k local
+                protocol=dataclasses.replace(
+                    p,
+                    num_learners=self.k,
+                    alpha=p.alpha if p.alpha > 0 else 1.0 / p.num_learners,
+                ),
                 dist=dataclasses.replace(cfg.dist, num_processes=0),
             )
             self.protocol = build_protocol(local, initial)
