@@ -136,6 +136,7 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
 
     from torch.distributed import TCPStore
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from distsgd.runtime import dist as rdist
 
@@ -206,6 +207,10 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
                 ):
                     break
                 time.sleep(_POLL_S)
+        except SignalException:
+            # start_processes turns SIGINT/SIGTERM into SignalException: an interrupt like
+            # Ctrl-C (every rank is stopped below; rank 0 writes its summary)
+            raise KeyboardInterrupt from None
         finally:
             # SIGTERM to every rank still running (rank 0 then writes its summary), SIGKILL
             # to any still there 5 s later
