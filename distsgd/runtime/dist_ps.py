@@ -119,6 +119,7 @@ push after ``on_push`` returns False, not to the push being handled.
 from __future__ import annotations
 
 import queue
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -401,6 +402,12 @@ class _Receiver(threading.Thread):
             self.out.put((self.worker, header, payload, None))
 
 
+def _brief(error: Exception | str) -> str:
+    """First line of a c10d error without gloo's source location and advice."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]
+
+
 def run_server(
     protocol: AsynchronousProtocol,
     layout: PSLayout,
@@ -487,7 +494,7 @@ def run_server(
             _send(header, leaders[w], links[leaders[w]], timeout_s)
         except RuntimeError as e:  # it died meanwhile; it is done either way
             if leaders[w] not in result.lost_ranks:
-                log(f"parameter server rank {rank}: learner rank {leaders[w]} lost ({e})")
+                log(f"parameter server rank {rank}: learner rank {leaders[w]} lost ({_brief(e)})")
                 result.lost_ranks.append(leaders[w])
 
     def lose(w: int, error: Exception | str) -> None:
@@ -495,7 +502,7 @@ def run_server(
         if w in waiting:
             waiting.remove(w)
         result.lost_ranks.append(leaders[w])
-        log(f"parameter server rank {rank}: learner rank {leaders[w]} lost ({error})")
+        log(f"parameter server rank {rank}: learner rank {leaders[w]} lost ({_brief(error)})")
         if gather_target is not None:  # the pushes awaited may never come
             answer_coordinator(_header(GATHER, gather_target), None)
         if barrier and not stopping:

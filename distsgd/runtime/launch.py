@@ -251,6 +251,9 @@ def _outcome(
         what = "a rank stopped without finishing the run"
     keep = (
         f"the last checkpoint in {out} is kept (continue with --resume {out})"
+        if (out / "checkpoint.pt").exists() and cfg.dist.num_servers == 1
+        else f"the last checkpoint in {out} is kept (runs with dist.num_servers > 1 "
+        "cannot be resumed yet)"
         if (out / "checkpoint.pt").exists()
         else "no checkpoint was written yet"
     )
