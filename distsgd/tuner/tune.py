@@ -62,7 +62,7 @@ def parse_budget(text: str) -> float:
     """Seconds in a budget like ``90s``, ``10m``, ``1h`` or ``45`` (seconds).
 
     Raises:
-        ConfigError: anything else, or a budget that is not > 0.
+        ConfigError: anything else, or a budget that is not > 0 and at most 7 days.
     """
     t = str(text).strip().lower()
     scale = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -72,9 +72,10 @@ def parse_budget(text: str) -> float:
         value = float(num) * scale[unit]
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(value) or value <= 0 or value > 7 * 24 * 3600:
         raise ConfigError(
-            f"--budget {text!r} is not allowed: expected a duration > 0 such as 90s, 10m or 1h"
+            f"--budget {text!r} is not allowed: expected a duration > 0 and at most 168h, "
+            "such as 90s, 10m or 1h"
         )
     return value
 
