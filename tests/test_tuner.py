@@ -375,3 +375,30 @@ def test_candidate_config_maps_every_family_to_a_valid_run_config():
         for k, v in fields.items():
             assert getattr(p, k) == v, (name, k)
         assert RunConfig.from_dict(tomllib.loads(cfg.to_toml())) == cfg  # round trip
+
+
+def test_prediction_says_why_when_the_target_loss_is_not_positive():
+    """A long run that ends far below the target maps the target accuracy to a training
+    loss <= 0 by the linear error-vs-loss fit: no prediction, and a reason for it."""
+    from types import SimpleNamespace
+
+    from distsgd.tuner.tune import predict_plan
+
+    its = list(range(1, 41))
+    losses = [2.0 * (i + 1) ** -0.5 + 0.5 for i in its]
+    # accuracy rises steeply as the loss falls: 99.9% maps to a loss below 0
+    evals = [
+        {"iterations": i, "test_accuracy": 0.5 + 0.1 * (2.5 - loss)}
+        for i, loss in zip(its[9::10], losses[9::10], strict=True)
+    ]
+    seg = SimpleNamespace(
+        iterations=its,
+        losses=losses,
+        virtual_s=[0.01 * i for i in its],
+        evals=evals,
+        diverged=False,
+    )
+    pred = predict_plan([seg], target_accuracy=0.999)
+    assert not pred["target_loss"] > 0
+    assert "too far from the target" in pred["reason"]
+    assert math.isnan(pred["predicted_s"])

@@ -205,7 +205,8 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
         f"HE {_fmt((pred.get('seconds_per_iteration') or math.nan) * 1e3, '.3f')} ms per "
         f"iteration × SE {_fmt(pred.get('iterations_to_target'), '.0f')} iterations (target "
         f"training loss {_fmt(pred.get('target_loss'), '.4f')} nats, from the fitted loss "
-        f"curve of the last of {pred.get('segments', 1)} long run(s)).",
+        f"curve of the last of {pred.get('segments', 1)} long run(s))."
+        + (f" No prediction: {pred['reason']}." if pred.get("reason") else ""),
         "",
         f"The tuner's own long runs reached the target after "
         f"{_fmt(pred.get('tuner_measured_s'), '.2f')} {clock} s.",

@@ -178,8 +178,21 @@ def predict_plan(segments: list[ProbeResult], target_accuracy: float) -> dict[st
     except ValueError:
         return out
     target_loss = ev.target_loss(target_accuracy)
+    if not target_loss > 0:  # cross-entropy is positive: the linear map does not hold there
+        out.update(
+            target_loss=target_loss,
+            reason=f"the evaluation points map the target accuracy to a training loss of "
+            f"{target_loss:.4f} <= 0: the long run ended too far from the target to "
+            "extrapolate (give a larger --budget)",
+        )
+        return out
     before = sum(s.iterations[-1] for s in segments[:-1] if s.iterations)
     se = before + pm.iterations_to_loss(last, target_loss)
+    if not math.isfinite(se):
+        out["reason"] = (
+            f"the fitted loss curve levels off at {last.L_inf:.4f}, above the target loss "
+            f"{target_loss:.4f} (give a larger --budget)"
+        )
     out.update(
         target_loss=target_loss,
         iterations_to_target=se,
@@ -526,13 +539,21 @@ def tune(
     (out / "plan.toml").write_text(plan.to_toml())
     prediction = predict_plan(segments, cfg.train.target_accuracy)
     prediction["tuner_measured_s"] = measured_chain
-    log(
-        "plan",
-        f"plan {plan.name}: predicted time to accuracy {prediction['predicted_s']:.2f} {clock} s",
-        f"HE {prediction['seconds_per_iteration'] * 1e3:.3f} ms per iteration (measured in the "
-        f"long runs) × SE {prediction['iterations_to_target']:.0f} iterations (fitted loss "
-        f"curve reaching the target loss {prediction['target_loss']:.4f})",
-    )
+    if math.isfinite(prediction["predicted_s"]):
+        log(
+            "plan",
+            f"plan {plan.name}: predicted time to accuracy {prediction['predicted_s']:.2f} "
+            f"{clock} s",
+            f"HE {prediction['seconds_per_iteration'] * 1e3:.3f} ms per iteration (measured in "
+            f"the long runs) × SE {prediction['iterations_to_target']:.0f} iterations (fitted "
+            f"loss curve reaching the target loss {prediction['target_loss']:.4f})",
+        )
+    else:
+        log(
+            "plan",
+            f"plan {plan.name}: no prediction of the time to accuracy",
+            prediction.get("reason", "too few training losses or evaluations to fit"),
+        )
     # what the model expects on larger clusters (simulated runtime only)
     extrapolation = []
     se_ref = prediction["iterations_to_target"]
