@@ -114,16 +114,13 @@ class Trainer:
         self.evaluate = evaluate
 
     # ---- set-up ------------------------------------------------------------------------
-    def _build(self) -> None:
+    def _load_data(self) -> RunConfig:
+        """Load the dataset under the run's seed, record its resolved root in the config
+        (so config.toml reproduces the run anywhere) and check it holds one iteration."""
         cfg = self.cfg
-        if cfg.runtime == "dist":
-            return self._build_dist()
-        threads = cfg.train.num_threads or (os.cpu_count() or 1)
-        torch.set_num_threads(threads)
         torch.manual_seed(cfg.train.seed)
         self.dataset = load_dataset(cfg.data, seed=cfg.train.seed)
         if cfg.data.dataset != "synthetic" and not cfg.data.root:
-            # record where the data came from, so config.toml reproduces the run anywhere
             root = str(resolve_root(cfg.data))
             self.cfg = cfg = cfg.replace(data=dataclasses.replace(cfg.data, root=root))
         if self.dataset.num_train < cfg.protocol.global_batch:
@@ -132,6 +129,15 @@ class Trainer:
                 f"{cfg.protocol.num_learners} needs {cfg.protocol.global_batch} samples per "
                 f"iteration but the training set has {self.dataset.num_train}"
             )
+        return cfg
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        if cfg.runtime == "dist":
+            return self._build_dist()
+        threads = cfg.train.num_threads or (os.cpu_count() or 1)
+        torch.set_num_threads(threads)
+        cfg = self._load_data()
         shape, classes = self.dataset.input_shape, self.dataset.num_classes
         self.profile_calibrated = self.cfg.cluster.needs_calibration
         if self.profile_calibrated:
@@ -216,17 +222,7 @@ class Trainer:
             )
         torch.set_num_threads(rdist.threads_per_process(cfg, info))
         rdist.init_process_group(cfg, info)
-        torch.manual_seed(cfg.train.seed)
-        self.dataset = load_dataset(cfg.data, seed=cfg.train.seed)
-        if cfg.data.dataset != "synthetic" and not cfg.data.root:
-            root = str(resolve_root(cfg.data))
-            self.cfg = cfg = cfg.replace(data=dataclasses.replace(cfg.data, root=root))
-        if self.dataset.num_train < cfg.protocol.global_batch:
-            raise ConfigError(
-                f"protocol.batch_size = {cfg.protocol.batch_size} with protocol.num_learners = "
-                f"{cfg.protocol.num_learners} needs {cfg.protocol.global_batch} samples per "
-                f"iteration but the training set has {self.dataset.num_train}"
-            )
+        cfg = self._load_data()
         self.profile_calibrated = False  # no simulated clock: cluster settings are unused
         torch.manual_seed(cfg.train.seed)  # same seed => same initial weights as sim
         shape, classes = self.dataset.input_shape, self.dataset.num_classes
