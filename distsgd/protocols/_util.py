@@ -190,3 +190,20 @@ def regroup_replicas(
         if isinstance(val, Tensor) and val.shape == replicas.shape
     }
     return regroup(replicas), state
+
+
+def check_replica_layout(num_learners: int, replicas_per_device: int | None) -> tuple[int, int]:
+    """``(k, devices)`` for λ replicas placed k per device (None: all on one device).
+
+    Raises:
+        ValueError: k is not an integer >= 1 dividing λ.
+    """
+    if replicas_per_device is None:
+        replicas_per_device = num_learners
+    k = check_int("replicas_per_device", replicas_per_device, 1)
+    if k > num_learners or num_learners % k:
+        raise ValueError(
+            f"replicas_per_device = {k!r} is not allowed: expected a "
+            f"divisor of num_learners = {num_learners}"
+        )
+    return k, num_learners // k

@@ -45,6 +45,7 @@ from ._util import (
     check_initial,
     check_int,
     check_lr,
+    check_replica_layout,
     check_sgd_args,
     check_vector,
     load_optimizer,
@@ -89,15 +90,9 @@ class SMA(SynchronousProtocol):
     ) -> None:
         z = check_initial(initial)
         self.num_learners = check_int("num_learners", num_learners, 1)
-        if replicas_per_device is None:
-            replicas_per_device = num_learners
-        self.replicas_per_device = check_int("replicas_per_device", replicas_per_device, 1)
-        if replicas_per_device > num_learners or num_learners % replicas_per_device:
-            raise ValueError(
-                f"replicas_per_device = {replicas_per_device!r} is not allowed: expected a "
-                f"divisor of num_learners = {num_learners}"
-            )
-        self.num_devices = num_learners // replicas_per_device
+        self.replicas_per_device, self.num_devices = check_replica_layout(
+            num_learners, replicas_per_device
+        )
         self.alpha = check_float("alpha", alpha, 0.0, 1.0)
         self.central_momentum = check_float(
             "central_momentum", central_momentum, 0.0, 1.0, hi_inclusive=False
