@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--path", default="grouped", help="batched path to force (grouped, vmap)")
     ap.add_argument("--tune-batch", type=int, default=8)
-    ap.add_argument("--tune-interval", type=int, default=10)
+    ap.add_argument("--tune-interval", type=int, default=30)
     ap.add_argument("--threshold", type=float, default=0.10)
     ap.add_argument("--out", default="bench/results/replicas_throughput.md")
     args = ap.parse_args()
@@ -217,7 +217,8 @@ def main() -> None:
         f"## auto-tuner at b = {b}",
         "",
         f"The tuner (threshold {args.threshold:.0%}, {args.tune_interval} iterations per "
-        "measurement, one warm-up iteration after each change) ran on measured wall "
+        "measurement, one warm-up iteration after each change; throughput = samples / "
+        "(median seconds per iteration × iterations)) ran on measured wall "
         'throughput of `replica_gradients(path="auto")`. Sweep argmax: the k of the highest '
         f"throughput, per k, of the path the rule of `choose_path` takes (the table above: **k = {k_best}** "
         f"({best_rule[k_best]:.0f} samples/s). Within one step of the sweep's grid "

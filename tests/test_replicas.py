@@ -240,6 +240,34 @@ def test_tuner_keeps_k_at_max_and_never_adds_without_gain():
     assert flat.k == 1 and [d.action for d in flat.decisions] == ["add", "remove"]
 
 
+def test_one_outlier_iteration_does_not_flip_a_decision():
+    """Throughput is samples / (median seconds per iteration × iterations): one
+    iteration 20× slower (an OS hiccup) inside an interval of 5 leaves every decision as
+    without it. With the plain sum of seconds the same outlier flips both cases below."""
+
+    def decisions(seconds_of_k, outlier_k):
+        tuner = ReplicaAutoTuner(0.1, interval=5, max_replicas=4, warmup=0)
+        out, at_k = [], 0
+        while not tuner.done:
+            at_k += 1
+            slow = tuner.k == outlier_k and at_k == 3  # the 3rd of the 5 iterations
+            d = tuner.observe(8 * tuner.k, seconds_of_k[tuner.k] * (20.0 if slow else 1.0))
+            if d is not None:
+                out.append((d.k_before, d.action))
+                at_k = 0
+        return out
+
+    grows = {1: 1.0, 2: 1.5, 3: 2.5}  # k = 2: +33% (add); k = 3: -10% (remove)
+    flat = {1: 1.0, 2: 2.0, 3: 3.0}  # k = 2: no gain (remove)
+    assert decisions(grows, None) == [(1, "add"), (2, "add"), (3, "remove")]
+    assert decisions(grows, 2) == decisions(grows, None)  # slow k = 2 would look like a loss
+    assert decisions(flat, None) == [(1, "add"), (2, "remove")]
+    assert decisions(flat, 1) == decisions(flat, None)  # slow k = 1 would fake a gain
+    # the plain sum would have flipped them: 5 iterations with one 20× slower
+    assert (8 * 2 * 5) / (1.5 * 24) < 1.1 * (8 * 5) / (1.0 * 5)
+    assert (8 * 2 * 5) / (2.0 * 5) > 1.1 * (8 * 5) / (1.0 * 24)
+
+
 def test_tuner_state_round_trip_and_errors():
     tuner = ReplicaAutoTuner(0.1, 2, 8, warmup=0)
     for _ in range(3):

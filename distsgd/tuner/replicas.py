@@ -6,6 +6,11 @@ per device; at every measurement interval compare the throughput with the previo
 if it improved by more than a threshold (10%), add one learner per device (a copy of an
 existing replica), otherwise remove the last one added and stop.
 
+Measurement: the throughput of an interval is ``samples / (median seconds per
+iteration × iterations)``, so one slow iteration (an OS hiccup, a page fault, another
+process taking the core) does not decide; with equal iterations it is the plain
+``samples / seconds``. The rule itself is Crossbow's, unchanged.
+
 The tuner is pure numerics: it is fed (samples, seconds) per iteration and answers with
 decisions; it never reads a clock, so it runs unchanged on the simulated cluster (virtual
 seconds from the device profile, which models throughput as a function of k) and on real
@@ -31,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,7 +51,8 @@ class Decision:
         iteration: the tuner's count of observed iterations when it decided.
         k_before: replicas per device during the measurement.
         k_after: replicas per device from the next iteration on.
-        throughput: measured samples per second at ``k_before`` (all devices together).
+        throughput: measured samples per second at ``k_before`` (all devices together):
+            samples of the interval / (median seconds per iteration × iterations).
         previous_throughput: the same at the previous k (None for the first measurement).
         gain: ``throughput / previous_throughput − 1`` (None for the first measurement).
         action: ``"add"``, ``"remove"`` or ``"keep"`` (``k_after = k_before``: stopped).
@@ -108,11 +115,12 @@ class ReplicaAutoTuner:
         self._skip = warmup
         self._count = 0
         self._samples = 0
-        self._seconds = 0.0
+        self._seconds: list[float] = []  # per counted iteration of this interval
         self._previous: float | None = None
 
     def observe(self, samples: int, seconds: float) -> Decision | None:
-        """Count one iteration: ``samples`` processed by all devices in ``seconds``.
+        """Count one iteration: ``samples`` processed by all devices in ``seconds``
+        (wall or virtual seconds of the synchronisation interval, >= 0).
 
         Returns:
             The decision taken at the end of a measurement interval, else None (also
@@ -126,10 +134,13 @@ class ReplicaAutoTuner:
             return None
         self._count += 1
         self._samples += samples
-        self._seconds += seconds
+        self._seconds.append(float(seconds))
         if self._count < self.interval:
             return None
-        throughput = self._samples / self._seconds if self._seconds > 0 else math.inf
+        # the median iteration stands for every iteration of the interval: one outlier
+        # cannot move it (samples are the same every iteration at a fixed k)
+        typical = statistics.median(self._seconds) * self._count
+        throughput = self._samples / typical if typical > 0 else math.inf
         prev = self._previous
         k = self.k
         gain = None if prev is None else throughput / prev - 1.0
@@ -150,7 +161,7 @@ class ReplicaAutoTuner:
         self.decisions.append(decision)
         self.k = k_after
         self._previous = throughput
-        self._count, self._samples, self._seconds = 0, 0, 0.0
+        self._count, self._samples, self._seconds = 0, 0, []
         self._skip = self.warmup
         return decision
 
@@ -175,7 +186,7 @@ class ReplicaAutoTuner:
             "skip": self._skip,
             "count": self._count,
             "samples": self._samples,
-            "seconds": self._seconds,
+            "seconds": list(self._seconds),
             "previous": self._previous,
         }
 
@@ -188,6 +199,6 @@ class ReplicaAutoTuner:
         self._skip = int(state["skip"])
         self._count = int(state["count"])
         self._samples = int(state["samples"])
-        self._seconds = float(state["seconds"])
+        self._seconds = [float(v) for v in state["seconds"]]
         prev = state["previous"]
         self._previous = None if prev is None else float(prev)
