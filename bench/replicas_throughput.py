@@ -141,7 +141,8 @@ def main() -> None:
         f"Command: `flock /tmp/distsgd-bench.lock python bench/replicas_throughput.py "
         f"--threads {args.threads} --seeds {' '.join(map(str, args.seeds))} "
         f"--repeats {args.repeats} --path {args.path} "
-        f"--ks {' '.join(map(str, args.ks))} --batches {' '.join(map(str, args.batches))}`",
+        f"--ks {' '.join(map(str, args.ks))} --batches {' '.join(map(str, args.batches))} "
+        f"--tune-batch {args.tune_batch} --tune-interval {args.tune_interval} --out {args.out}`",
         "",
         f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"{args.threads} threads; load average before {load_before[0]:.2f}, after "

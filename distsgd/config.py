@@ -147,7 +147,8 @@ class ProtocolConfig:
         momentum_compensation: compute groups: explicit momentum
             μ = max(0, μ_target − (1 − 1/g)) where μ_target is ``optimizer.momentum``.
         replicas_per_device: k learners sharing one device (SMA, local SGD); must divide λ.
-            ``"auto"``: Crossbow's auto-tuner chooses k (SPEC.md §4): the run starts with
+            ``"auto"``: Crossbow's auto-tuner chooses k (SPEC.md §4; simulated seconds on
+            the simulated runtime, the slowest rank's wall seconds on ``dist``): the run starts with
             k = 1, so ``num_learners`` is then the number of devices, and λ grows to
             devices × k as replicas are added (see :mod:`distsgd.tuner.replicas`).
         autotune_threshold: with ``replicas_per_device = "auto"``: add a replica per device
@@ -552,7 +553,8 @@ def fit_layout(
 
     * ``hardsync``: λ = n (one learner per process);
     * ``sma`` / ``local_sgd``: n devices of k = ``replicas_per_device`` replicas,
-      λ = n·k (Crossbow's k learners per device, SPEC §4);
+      λ = n·k (Crossbow's k learners per device, SPEC §4; with ``"auto"``, λ = n: the
+      run starts at k = 1);
     * ``parameter_server`` / ``compute_groups``: λ = n − ``dist.num_servers``;
       compute groups: g = the largest divisor of the new λ that is <= the old g
       (Omnivore's groups must partition the learners, SPEC §3); n-softsync: a fully
@@ -583,7 +585,7 @@ def fit_layout(
     elif p.name == "hardsync":
         changes["num_learners"] = n
     elif p.name in ("sma", "local_sgd"):
-        changes["num_learners"] = n * p.replicas_per_device
+        changes["num_learners"] = n * p.initial_replicas_per_device
     else:
         s = dist.num_servers
         if n <= s:
@@ -749,13 +751,6 @@ class RunConfig:
         # The layout is fitted to an explicit process count before anything that depends
         # on λ is checked; ``layout_changes`` lists what changed (empty when it fitted).
         self.layout_changes: list[str] = []
-        if self.runtime == "dist" and self.protocol.auto_replicas:
-            _fail(
-                "protocol.replicas_per_device",
-                "auto",
-                "an integer with runtime = 'dist' (the auto-tuner runs on the simulated "
-                "runtime; take k from its autotune.json)",
-            )
         if self.runtime == "dist" and self.dist.num_processes:
             self.protocol, self.layout_changes = fit_layout(
                 self.protocol, self.dist, self.dist.num_processes

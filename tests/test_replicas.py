@@ -305,6 +305,15 @@ def test_config_replicas_auto_and_errors():
     for protocol, match in bad:
         with pytest.raises(ConfigError, match=match):
             RunConfig.from_dict({"protocol": protocol})
+    # the dist runtime takes "auto": one process per device, fitted at k = 1
+    dist_auto = RunConfig.from_dict(
+        {
+            "runtime": "dist",
+            "protocol": {"name": "sma", "num_learners": 2, "replicas_per_device": "auto"},
+            "dist": {"num_processes": 3},
+        }
+    )
+    assert dist_auto.protocol.num_learners == 3 and dist_auto.protocol.auto_replicas
     with pytest.raises(ConfigError, match="cluster.speed_factors"):
         RunConfig.from_dict(
             {
