@@ -15,9 +15,11 @@ The tuner is pure numerics: it is fed (samples, seconds) per iteration and answe
 decisions; it never reads a clock, so it runs unchanged on the simulated cluster (virtual
 seconds from the device profile, which models throughput as a function of k) and on real
 processes (wall seconds). A multi-process runtime must feed every process the same
-measurement (e.g. the all-reduced maximum of the iteration's seconds) so that every
-process takes the same decision; the runtime then applies it to the protocol
-(``set_replicas_per_device``) and to its data streams at the same synchronisation point.
+measurement so that every process takes the same decision: the dist runtime feeds the
+all-reduced maximum of each synchronisation interval's wall seconds
+(``SyncDistRuntime.max_over_ranks``, called by ``Trainer._autotune``) and applies the
+decision to the protocol (``set_replicas_per_device``) and to its data streams
+(``SyncDistRuntime.set_replicas_per_device``) at the same synchronisation point.
 
 Example::
 
