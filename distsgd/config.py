@@ -43,6 +43,7 @@ DATASETS = ("fashion_mnist", "mnist", "cifar10", "synthetic")
 MODELS = ("mlp", "cnn", "lenet", "resnet20")
 PS_MODES = ("softsync", "async", "hardsync")
 STALENESS_LR = ("none", "softsync", "measured", "per_gradient")
+AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.tuner.replicas.RULES
 SERVER_OPTIMIZERS = ("sgd", "adagrad")
 SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
@@ -156,6 +157,11 @@ class ProtocolConfig:
         autotune_interval: with ``"auto"``: iterations over which each k's throughput is
             measured, >= 1 (the first iteration after a change is not counted).
         autotune_max_replicas: with ``"auto"``: the largest k tried, >= 1.
+        autotune_rule: with ``"auto"``: ``"crossbow"`` (SPEC §4: continue while the total
+            throughput gain of an added replica is above the threshold) or ``"marginal"``
+            (continue while the added replica contributes more than the threshold of an
+            average replica's throughput, (k − 1) × gain; follows slowly rising curves),
+            see :mod:`distsgd.tuner.replicas`.
         alpha: SMA correction weight α (0 <= α <= 1). 0 means 1/λ over all
             learners (SPEC §4: with μ_z = 0 the new z is then the mean of the replicas).
         central_momentum: SMA Polyak momentum μ_z on the central model, in [0, 1).
@@ -178,6 +184,7 @@ class ProtocolConfig:
     autotune_threshold: float = 0.10
     autotune_interval: int = 50
     autotune_max_replicas: int = 16
+    autotune_rule: str = "crossbow"
 
     def __post_init__(self) -> None:
         _check_choice("protocol.name", self.name, PROTOCOLS)
@@ -210,6 +217,7 @@ class ProtocolConfig:
         _check_float("protocol.autotune_threshold", self.autotune_threshold, 0.0, 10.0, False)
         _check_int("protocol.autotune_interval", self.autotune_interval, 1)
         _check_int("protocol.autotune_max_replicas", self.autotune_max_replicas, 1)
+        _check_choice("protocol.autotune_rule", self.autotune_rule, AUTOTUNE_RULES)
         _check_float("protocol.alpha", self.alpha, 0.0, 1.0)
         _check_float("protocol.central_momentum", self.central_momentum, 0.0, 1.0)
         if self.central_momentum >= 1.0:

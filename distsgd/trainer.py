@@ -236,7 +236,10 @@ class Trainer:
         # the largest k whose λ·b still fits in the training set
         fit = self.dataset.num_train // (p.num_devices * p.batch_size)
         return ReplicaAutoTuner(
-            p.autotune_threshold, p.autotune_interval, max(1, min(p.autotune_max_replicas, fit))
+            p.autotune_threshold,
+            p.autotune_interval,
+            max(1, min(p.autotune_max_replicas, fit)),
+            rule=p.autotune_rule,
         )
 
     # ---- checkpoints -------------------------------------------------------------------

@@ -240,6 +240,39 @@ def test_tuner_keeps_k_at_max_and_never_adds_without_gain():
     assert flat.k == 1 and [d.action for d in flat.decisions] == ["add", "remove"]
 
 
+def test_marginal_rule_follows_a_slowly_rising_curve_that_crossbow_stops_on():
+    # samples/s at k replicas: +30% at k = 2, then a slow rise to a maximum at k = 8 (the
+    # shape measured on a 2-core CPU, bench/results/replicas_throughput_b8.md)
+    rate = {1: 1000, 2: 1300, 3: 1400, 4: 1480, 5: 1540, 6: 1590, 7: 1630, 8: 1660}
+    rate.update({k: 1660 - 10 * (k - 8) for k in range(9, 17)})
+
+    def seconds(k):
+        return 8 * k / rate[k]
+
+    crossbow = _tune(seconds)
+    assert crossbow.k == 2  # k = 3 gains 7.7% <= 10%
+    marginal = ReplicaAutoTuner(0.1, 3, 16, warmup=1, rule="marginal")
+    for _ in range(1000):
+        if marginal.done:
+            break
+        marginal.observe(8 * marginal.k, seconds(marginal.k))
+    # the k-th replica adds (k−1)·gain: 15%, 17%, 16%, 16%, 15%, 13% up to k = 8, then < 0
+    assert marginal.k == 8 and marginal.decisions[-1].action == "remove"
+    crits = [d.criterion for d in marginal.decisions if d.criterion is not None]
+    gains = [d.gain for d in marginal.decisions if d.gain is not None]
+    assert crits == pytest.approx([g * i for i, g in enumerate(gains, start=1)])
+    assert "(k−1)·gain" in marginal.decisions[-1].reason
+    # perfect scaling: Crossbow's total gain 1/(k−1) is 14.3% <= 15% at k = 8, so it
+    # stops at 7; the marginal rule sees every replica add a whole replica's throughput
+    assert _tune(lambda k: 1.0, threshold=0.15).k == 7
+    linear = ReplicaAutoTuner(0.15, 3, 16, warmup=1, rule="marginal")
+    while not linear.done:
+        linear.observe(8 * linear.k, 1.0)
+    assert linear.k == 16 and linear.decisions[-1].action == "keep"
+    with pytest.raises(ValueError, match="rule"):
+        ReplicaAutoTuner(0.1, rule="greedy")
+
+
 def test_one_outlier_iteration_does_not_flip_a_decision():
     """Throughput is samples / (median seconds per iteration × iterations): one
     iteration 20× slower (an OS hiccup) inside an interval of 5 leaves every decision as
@@ -300,6 +333,10 @@ def test_config_replicas_auto_and_errors():
         (
             {"name": "sma", "replicas_per_device": "auto", "autotune_interval": 0},
             "autotune_interval",
+        ),
+        (
+            {"name": "sma", "replicas_per_device": "auto", "autotune_rule": "greedy"},
+            "autotune_rule",
         ),
     ]
     for protocol, match in bad:

@@ -6,6 +6,19 @@ per device; at every measurement interval compare the throughput with the previo
 if it improved by more than a threshold (10%), add one learner per device (a copy of an
 existing replica), otherwise remove the last one added and stop.
 
+Two stopping rules (``rule``):
+
+* ``"crossbow"`` (default, SPEC.md §4): continue while the total throughput improves by
+  more than ``threshold``: T(k) / T(k−1) − 1 > threshold.
+* ``"marginal"``: continue while the replica just added contributes more than
+  ``threshold`` of what an average replica contributed before it:
+  (T(k) − T(k−1)) / (T(k−1) / (k−1)) > threshold, i.e. (k−1) × gain > threshold. At
+  k = 2 both rules are the same. Crossbow's rule asks for a fixed *total* gain per added
+  replica, which even a device that scales perfectly (T ∝ k) cannot give past k = 10
+  (gain 1/k), so on a throughput curve that rises slowly (a CPU, where k = 2 already
+  fills the cores) it stops at small k although more replicas still help; the marginal
+  rule asks the same of every replica and follows such a curve to its maximum.
+
 Measurement: the throughput of an interval is ``samples / (median seconds per
 iteration × iterations)``, so one slow iteration (an OS hiccup, a page fault, another
 process taking the core) does not decide; with equal iterations it is the plain
@@ -42,7 +55,9 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Decision", "ReplicaAutoTuner"]
+__all__ = ["Decision", "ReplicaAutoTuner", "RULES"]
+
+RULES = ("crossbow", "marginal")
 
 
 @dataclass
@@ -57,6 +72,8 @@ class Decision:
             samples of the interval / (median seconds per iteration × iterations).
         previous_throughput: the same at the previous k (None for the first measurement).
         gain: ``throughput / previous_throughput − 1`` (None for the first measurement).
+        criterion: what the rule compared with the threshold: the gain (``"crossbow"``)
+            or (k_before − 1) × gain (``"marginal"``); None for the first measurement.
         action: ``"add"``, ``"remove"`` or ``"keep"`` (``k_after = k_before``: stopped).
         reason: one sentence.
     """
@@ -69,6 +86,7 @@ class Decision:
     gain: float | None
     action: str
     reason: str
+    criterion: float | None = None
 
     def line(self) -> str:
         """The decision as one log line."""
@@ -89,13 +107,20 @@ class ReplicaAutoTuner:
         max_replicas: the largest k tried (>= 1); at it the tuner keeps k and stops.
         warmup: iterations after each change that are not counted (>= 0; the first
             iteration of a new shape pays one-off costs on real hardware).
+        rule: ``"crossbow"`` (total gain > threshold) or ``"marginal"`` (the added
+            replica's share, (k − 1) × gain, > threshold); see the module docstring.
 
     Raises:
         ValueError: an argument outside the allowed values.
     """
 
     def __init__(
-        self, threshold: float = 0.10, interval: int = 50, max_replicas: int = 16, warmup: int = 1
+        self,
+        threshold: float = 0.10,
+        interval: int = 50,
+        max_replicas: int = 16,
+        warmup: int = 1,
+        rule: str = "crossbow",
     ) -> None:
         if not (isinstance(threshold, int | float) and math.isfinite(threshold) and threshold > 0):
             raise ValueError(f"threshold = {threshold!r} is not allowed: expected a number > 0")
@@ -106,6 +131,9 @@ class ReplicaAutoTuner:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < lo:
                 raise ValueError(f"{name} = {value!r} is not allowed: expected an integer >= {lo}")
+        if rule not in RULES:
+            raise ValueError(f"rule = {rule!r} is not allowed: expected one of {RULES}")
+        self.rule = rule
         self.threshold = float(threshold)
         self.interval = interval
         self.max_replicas = max_replicas
@@ -146,9 +174,16 @@ class ReplicaAutoTuner:
         prev = self._previous
         k = self.k
         gain = None if prev is None else throughput / prev - 1.0
-        if prev is not None and not gain > self.threshold:
+        crit = None
+        if gain is not None:
+            # marginal: the k-th replica's gain over an average replica at k − 1
+            crit = gain * (k - 1) if self.rule == "marginal" else gain
+        what = "gain"
+        if crit is not None and self.rule == "marginal":
+            what = f"(k−1)·gain = {k - 1} × {gain:+.1%} ="
+        if crit is not None and not crit > self.threshold:
             action, k_after, self.done = "remove", k - 1, True
-            reason = f"gain {gain:+.1%} is not above the threshold {self.threshold:.0%}"
+            reason = f"{what} {crit:+.1%} is not above the threshold {self.threshold:.0%}"
         elif k >= self.max_replicas:
             action, k_after, self.done = "keep", k, True
             reason = f"k = {k} is autotune_max_replicas"
@@ -156,10 +191,12 @@ class ReplicaAutoTuner:
             action, k_after = "add", k + 1
             reason = (
                 "first measurement"
-                if prev is None
-                else f"gain {gain:+.1%} is above the threshold {self.threshold:.0%}"
+                if crit is None
+                else f"{what} {crit:+.1%} is above the threshold {self.threshold:.0%}"
             )
-        decision = Decision(self._iteration, k, k_after, throughput, prev, gain, action, reason)
+        decision = Decision(
+            self._iteration, k, k_after, throughput, prev, gain, action, reason, crit
+        )
         self.decisions.append(decision)
         self.k = k_after
         self._previous = throughput
@@ -168,13 +205,14 @@ class ReplicaAutoTuner:
         return decision
 
     def to_json(self) -> dict[str, Any]:
-        """``{"k": final or current k, "done": bool, "threshold", "interval",
+        """``{"k": final or current k, "done": bool, "threshold", "rule", "interval",
         "max_replicas", "decisions": [Decision as dict, ...]}`` (the run directory's
         ``autotune.json``)."""
         return {
             "k": self.k,
             "done": self.done,
             "threshold": self.threshold,
+            "rule": self.rule,
             "interval": self.interval,
             "max_replicas": self.max_replicas,
             "decisions": [asdict(d) for d in self.decisions],
@@ -201,6 +239,10 @@ class ReplicaAutoTuner:
         self._skip = int(state["skip"])
         self._count = int(state["count"])
         self._samples = int(state["samples"])
-        self._seconds = [float(v) for v in state["seconds"]]
+        seconds = state["seconds"]  # a sum (older checkpoints): restart the interval
+        if isinstance(seconds, list):
+            self._seconds = [float(v) for v in seconds]
+        else:
+            self._count, self._samples, self._seconds = 0, 0, []
         prev = state["previous"]
         self._previous = None if prev is None else float(prev)
