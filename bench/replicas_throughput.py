@@ -85,18 +85,18 @@ def sweep(ds, ks, batches, seed, repeats, batched_path) -> dict:
     return rows
 
 
-def autotune(ds, b, seed, interval, threshold, max_replicas) -> ReplicaAutoTuner:
+def autotune(ds, b, seed, interval, threshold, max_replicas, rule) -> ReplicaAutoTuner:
     """The tuner fed with measured wall throughput of the run's path (``auto``)."""
     torch.manual_seed(seed)
     engine = GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes))
-    tuner = ReplicaAutoTuner(threshold, interval, max_replicas, warmup=1)
+    tuner = ReplicaAutoTuner(threshold, interval, max_replicas, warmup=1, rule=rule)
     while not tuner.done:
         w, x, y = _inputs(ds, engine, tuner.k, b, seed)
         t0 = time.perf_counter()
         engine.replica_gradients(w, x, y)
         decision = tuner.observe(tuner.k * b, time.perf_counter() - t0)
         if decision is not None:
-            print(f"seed {seed} b={b} {decision.line()}", flush=True)
+            print(f"seed {seed} b={b} {rule}: {decision.line()}", flush=True)
     return tuner
 
 
@@ -115,8 +115,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--path", default="grouped", help="batched path to force (grouped, vmap)")
     ap.add_argument("--tune-batch", type=int, default=8)
-    ap.add_argument("--tune-interval", type=int, default=10)
+    ap.add_argument("--tune-interval", type=int, default=30)
     ap.add_argument("--threshold", type=float, default=0.10)
+    ap.add_argument(
+        "--rules", nargs="+", default=["crossbow", "marginal"], help="auto-tuner stopping rules"
+    )
     ap.add_argument("--out", default="bench/results/replicas_throughput.md")
     args = ap.parse_args()
     if args.tune_batch not in args.batches:
@@ -126,9 +129,17 @@ def main() -> None:
     load_before = os.getloadavg()
     t_start = time.time()
     per_seed = [sweep(ds, args.ks, args.batches, s, args.repeats, args.path) for s in args.seeds]
+    # per seed, the rules one after the other: (seed, rule, tuner)
     tuners = [
-        autotune(ds, args.tune_batch, s, args.tune_interval, args.threshold, max(args.ks))
+        (
+            s,
+            rule,
+            autotune(
+                ds, args.tune_batch, s, args.tune_interval, args.threshold, max(args.ks), rule
+            ),
+        )
         for s in args.seeds
+        for rule in args.rules
     ]
     load_after = os.getloadavg()
 
@@ -141,7 +152,8 @@ def main() -> None:
         f"Command: `flock /tmp/distsgd-bench.lock python bench/replicas_throughput.py "
         f"--threads {args.threads} --seeds {' '.join(map(str, args.seeds))} "
         f"--repeats {args.repeats} --path {args.path} "
-        f"--ks {' '.join(map(str, args.ks))} --batches {' '.join(map(str, args.batches))}`",
+        f"--ks {' '.join(map(str, args.ks))} --batches {' '.join(map(str, args.batches))} "
+        f"--tune-batch {args.tune_batch} --tune-interval {args.tune_interval} --out {args.out}`",
         "",
         f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"{args.threads} threads; load average before {load_before[0]:.2f}, after "
@@ -209,26 +221,31 @@ def main() -> None:
     column = {k: "batched" if choose_path(model, k, b) != "loop" else "separate" for k in args.ks}
     best_rule = {k: statistics.mean(r[(k, b)][column[k]] for r in per_seed) for k in args.ks}
     k_best = max(best_rule, key=best_rule.get)
-    chosen = [t.k for t in tuners]
-    within = [abs(math.log2(k) - math.log2(k_best)) <= 1 for k in chosen]
+    within = [abs(math.log2(t.k) - math.log2(k_best)) <= 1 for _, _, t in tuners]
     headline = ratios(16, 8, "batched", "one") if (16, 8) in per_seed[0] else None
     lines += [
         "",
         f"## auto-tuner at b = {b}",
         "",
-        f"The tuner (threshold {args.threshold:.0%}, {args.tune_interval} iterations per "
-        "measurement, one warm-up iteration after each change) ran on measured wall "
+        f"The tuner (rules {', '.join(args.rules)}: see `distsgd.tuner.replicas`; threshold "
+        f"{args.threshold:.0%}, {args.tune_interval} iterations per "
+        "measurement, one warm-up iteration after each change; throughput = samples / "
+        "(median seconds per iteration × iterations)) ran on measured wall "
         'throughput of `replica_gradients(path="auto")`. Sweep argmax: the k of the highest '
         f"throughput, per k, of the path the rule of `choose_path` takes (the table above: **k = {k_best}** "
         f"({best_rule[k_best]:.0f} samples/s). Within one step of the sweep's grid "
         "means |log2 k_tuner − log2 k_best| <= 1.",
         "",
-        "| seed | tuner's k | within one step | decisions |",
-        "|---|---|---|---|",
+        "| seed | rule | tuner's k | within one step | decisions |",
+        "|---|---|---|---|---|",
     ]
-    for s, t, ok in zip(args.seeds, tuners, within, strict=True):
+    for (s, rule, t), ok in zip(tuners, within, strict=True):
         dec = "; ".join(f"k={d.k_before} {d.throughput:.0f}/s → {d.action}" for d in t.decisions)
-        lines.append(f"| {s} | {t.k} | {'yes' if ok else 'no'} | {dec} |")
+        lines.append(f"| {s} | {rule} | {t.k} | {'yes' if ok else 'no'} | {dec} |")
+    for rule in args.rules:
+        hits = [ok for (_, r, _), ok in zip(tuners, within, strict=True) if r == rule]
+        lines.append("")
+        lines.append(f"- {rule}: within one step for {sum(hits)} of {len(hits)} seeds.")
     if headline:
         lines += [
             "",
@@ -243,7 +260,7 @@ def main() -> None:
         "load_before": load_before,
         "load_after": load_after,
         "rows": [{f"{k},{b}": v for (k, b), v in r.items()} for r in per_seed],
-        "tuners": [t.to_json() for t in tuners],
+        "tuners": [{"seed": s, "rule": r, **t.to_json()} for s, r, t in tuners],
         "k_best": k_best,
     }
     out.with_suffix(".json").write_text(json.dumps(raw, indent=1))

@@ -43,6 +43,7 @@ DATASETS = ("fashion_mnist", "mnist", "cifar10", "synthetic")
 MODELS = ("mlp", "cnn", "lenet", "resnet20")
 PS_MODES = ("softsync", "async", "hardsync")
 STALENESS_LR = ("none", "softsync", "measured", "per_gradient")
+AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.tuner.replicas.RULES
 SERVER_OPTIMIZERS = ("sgd", "adagrad")
 SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
@@ -147,7 +148,8 @@ class ProtocolConfig:
         momentum_compensation: compute groups: explicit momentum
             μ = max(0, μ_target − (1 − 1/g)) where μ_target is ``optimizer.momentum``.
         replicas_per_device: k learners sharing one device (SMA, local SGD); must divide λ.
-            ``"auto"``: Crossbow's auto-tuner chooses k (SPEC.md §4): the run starts with
+            ``"auto"``: Crossbow's auto-tuner chooses k (SPEC.md §4; simulated seconds on
+            the simulated runtime, the slowest rank's wall seconds on ``dist``): the run starts with
             k = 1, so ``num_learners`` is then the number of devices, and λ grows to
             devices × k as replicas are added (see :mod:`distsgd.tuner.replicas`).
         autotune_threshold: with ``replicas_per_device = "auto"``: add a replica per device
@@ -155,6 +157,11 @@ class ProtocolConfig:
         autotune_interval: with ``"auto"``: iterations over which each k's throughput is
             measured, >= 1 (the first iteration after a change is not counted).
         autotune_max_replicas: with ``"auto"``: the largest k tried, >= 1.
+        autotune_rule: with ``"auto"``: ``"crossbow"`` (SPEC §4: continue while the total
+            throughput gain of an added replica is above the threshold) or ``"marginal"``
+            (continue while the added replica contributes more than the threshold of an
+            average replica's throughput, (k − 1) × gain; follows slowly rising curves),
+            see :mod:`distsgd.tuner.replicas`.
         alpha: SMA correction weight α (0 <= α <= 1). 0 means 1/λ over all
             learners (SPEC §4: with μ_z = 0 the new z is then the mean of the replicas).
         central_momentum: SMA Polyak momentum μ_z on the central model, in [0, 1).
@@ -177,6 +184,7 @@ class ProtocolConfig:
     autotune_threshold: float = 0.10
     autotune_interval: int = 50
     autotune_max_replicas: int = 16
+    autotune_rule: str = "crossbow"
 
     def __post_init__(self) -> None:
         _check_choice("protocol.name", self.name, PROTOCOLS)
@@ -209,6 +217,7 @@ class ProtocolConfig:
         _check_float("protocol.autotune_threshold", self.autotune_threshold, 0.0, 10.0, False)
         _check_int("protocol.autotune_interval", self.autotune_interval, 1)
         _check_int("protocol.autotune_max_replicas", self.autotune_max_replicas, 1)
+        _check_choice("protocol.autotune_rule", self.autotune_rule, AUTOTUNE_RULES)
         _check_float("protocol.alpha", self.alpha, 0.0, 1.0)
         _check_float("protocol.central_momentum", self.central_momentum, 0.0, 1.0)
         if self.central_momentum >= 1.0:
@@ -552,7 +561,8 @@ def fit_layout(
 
     * ``hardsync``: λ = n (one learner per process);
     * ``sma`` / ``local_sgd``: n devices of k = ``replicas_per_device`` replicas,
-      λ = n·k (Crossbow's k learners per device, SPEC §4);
+      λ = n·k (Crossbow's k learners per device, SPEC §4; with ``"auto"``, λ = n: the
+      run starts at k = 1);
     * ``parameter_server`` / ``compute_groups``: λ = n − ``dist.num_servers``;
       compute groups: g = the largest divisor of the new λ that is <= the old g
       (Omnivore's groups must partition the learners, SPEC §3); n-softsync: a fully
@@ -583,7 +593,7 @@ def fit_layout(
     elif p.name == "hardsync":
         changes["num_learners"] = n
     elif p.name in ("sma", "local_sgd"):
-        changes["num_learners"] = n * p.replicas_per_device
+        changes["num_learners"] = n * p.initial_replicas_per_device
     else:
         s = dist.num_servers
         if n <= s:
@@ -749,13 +759,6 @@ class RunConfig:
         # The layout is fitted to an explicit process count before anything that depends
         # on λ is checked; ``layout_changes`` lists what changed (empty when it fitted).
         self.layout_changes: list[str] = []
-        if self.runtime == "dist" and self.protocol.auto_replicas:
-            _fail(
-                "protocol.replicas_per_device",
-                "auto",
-                "an integer with runtime = 'dist' (the auto-tuner runs on the simulated "
-                "runtime; take k from its autotune.json)",
-            )
         if self.runtime == "dist" and self.dist.num_processes:
             self.protocol, self.layout_changes = fit_layout(
                 self.protocol, self.dist, self.dist.num_processes

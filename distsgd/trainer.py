@@ -188,13 +188,7 @@ class Trainer:
                 )
             initial = self.initial_weights.to(initial.dtype).clone()
         self.protocol = build_protocol(cfg, initial)
-        self.tuner: ReplicaAutoTuner | None = None
-        if p.auto_replicas:
-            # the largest k whose λ·b still fits in the training set
-            fit = self.dataset.num_train // (p.num_devices * p.batch_size)
-            self.tuner = ReplicaAutoTuner(
-                p.autotune_threshold, p.autotune_interval, max(1, min(p.autotune_max_replicas, fit))
-            )
+        self.tuner = self._replica_tuner()
         self.runtime = SimRuntime(
             self.protocol,
             self.engine,
@@ -232,7 +226,21 @@ class Trainer:
         )
         self.protocol = self.runtime.protocol
         self.is_writer = self.runtime.is_writer
-        self.tuner = None  # replicas_per_device = "auto" is refused on this runtime
+        self.tuner = self._replica_tuner()  # every rank: the same decisions
+
+    def _replica_tuner(self) -> ReplicaAutoTuner | None:
+        """The replicas-per-device auto-tuner with ``replicas_per_device = "auto"``."""
+        p = self.cfg.protocol
+        if not p.auto_replicas:
+            return None
+        # the largest k whose λ·b still fits in the training set
+        fit = self.dataset.num_train // (p.num_devices * p.batch_size)
+        return ReplicaAutoTuner(
+            p.autotune_threshold,
+            p.autotune_interval,
+            max(1, min(p.autotune_max_replicas, fit)),
+            rule=p.autotune_rule,
+        )
 
     # ---- checkpoints -------------------------------------------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
@@ -604,7 +612,9 @@ class Trainer:
     def _autotune(self, samples: int, seconds: float) -> None:
         """Feed the tuner one synchronisation interval (an iteration for SMA; H iterations,
         ending at the averaging step, for local SGD) of simulated throughput, and apply
-        its decision there (Crossbow: k changes at a synchronisation point)."""
+        its decision there (Crossbow: k changes at a synchronisation point). On the dist
+        runtime the seconds are the slowest rank's wall seconds of the interval (one
+        all-reduce), so every rank takes the same decision; rank 0 logs and writes it."""
         c, tuner = self.counters, self.tuner
         assert tuner is not None
         c["autotune_samples"] = c.get("autotune_samples", 0) + samples
@@ -612,12 +622,17 @@ class Trainer:
         p = self.cfg.protocol
         if p.name == "local_sgd" and self.protocol.iteration % p.average_every:
             return
-        decision = tuner.observe(c["autotune_samples"], c["autotune_seconds"])
+        seconds = c["autotune_seconds"]
+        if self.cfg.runtime == "dist":
+            seconds = self.runtime.max_over_ranks(seconds)
+        decision = tuner.observe(c["autotune_samples"], seconds)
         c["autotune_samples"], c["autotune_seconds"] = 0, 0.0
         if decision is None:
             return
         if decision.k_after != decision.k_before:
             self._set_replicas(decision.k_after)
+        if not self.is_writer:
+            return
         line = decision.line()
         _log.info(line)
         if self.progress:

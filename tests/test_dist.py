@@ -20,7 +20,7 @@ import torch
 
 from distsgd.config import ConfigError
 from distsgd.runtime.launch import DistRunFailed
-from distsgd.trainer import train
+from distsgd.trainer import Trainer, train
 from tests.conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -400,3 +400,72 @@ def test_calibrate_network_measures_two_gloo_processes():
     assert ops == [(op, p) for p in sizes for op in ("send", "all_reduce")]
     assert all(m["seconds"] > 0 for m in prof.measurements)
     assert prof.latency_s >= 0 and prof.bandwidth_gbps >= 0
+
+
+# ---- replicas per device chosen by the auto-tuner ---------------------------------------
+AUTO_SMA = {
+    "name": "sma",
+    "num_learners": 2,  # devices: "auto" starts at k = 1
+    "replicas_per_device": "auto",
+    "batch_size": 8,
+    "alpha": 0.0,
+    "autotune_interval": 2,
+    "autotune_max_replicas": 4,
+}
+AUTO_LOCAL_SGD = {**AUTO_SMA, "name": "local_sgd", "average_every": 2}
+
+
+@pytest.mark.parametrize("protocol", [AUTO_SMA, AUTO_LOCAL_SGD], ids=["sma", "local_sgd"])
+def test_autotune_on_two_ranks_agrees_resumes_and_replays_on_the_simulator(tmp_path, protocol):
+    """``replicas_per_device = "auto"`` on 2 device ranks, stopped after the first decision
+    (k = 1 → 2, taken by every run: the first measurement always adds) and resumed.
+
+    Wall-clock decisions are not reproducible, so the test checks agreement and replay,
+    not which k is chosen: every rank holds the k of autotune.json and (SMA) the same
+    central model, and the simulator, changing k at the iterations autotune.json names,
+    ends at the dist run's weights within 1e-6 absolute (weights O(0.1)): while k = 1 each
+    rank computes its one gradient on the plain path while the simulator computes both
+    devices' replicas as one batched product (``choose_path``: λ = 2 stacked), and local
+    SGD averages with torch.mean against an all-reduced sum: float32 summation order only
+    (<= 2e-7 seen). A k applied one iteration early or late draws other minibatches and
+    moves the weights by far more.
+    """
+    h = protocol.get("average_every", 1)
+    dist_dir = tmp_path / "dist"
+    # SMA: decision at iteration 3 (1 warm-up + 2), then k = 2: stop at 112 samples;
+    # local SGD: decision at iteration 6 (3 averaging periods), stop at 128 (iteration 7,
+    # inside an averaging period)
+    train(config(protocol, "dist", max_samples=100), out_dir=dist_dir)
+    half = torch.load(dist_dir / "checkpoint.pt", weights_only=True)
+    assert half["runtime"]["replicas_per_device"] == 2 and half["autotune"]["k"] == 2
+    assert [r["protocol"]["replicas"].shape[0] for r in half["runtime"]["ranks"]] == [2, 2]
+    summary = train(resume=dist_dir, overrides=["train.max_samples=0"])
+    assert summary["status"] == "completed" and summary["samples"] >= 1024
+
+    log = json.loads((dist_dir / "autotune.json").read_text())
+    state = torch.load(dist_dir / "checkpoint.pt", weights_only=True)
+    ranks = [r["protocol"] for r in state["runtime"]["ranks"]]
+    k = log["k"]
+    assert log["done"] and log["decisions"][0]["action"] == "add"
+    assert [r["replicas"].shape[0] for r in ranks] == [k, k]
+    assert summary["replicas_per_device"] == k and summary["num_learners"] == 2 * k
+    if protocol["name"] == "sma":
+        assert torch.equal(ranks[0]["central"], ranks[1]["central"])
+        assert torch.equal(ranks[0]["central_prev"], ranks[1]["central_prev"])
+
+    # replay: the simulator at fixed k = 1, k changed at the dist run's iterations
+    schedule = {d["iteration"] * h: d["k_after"] for d in log["decisions"]}
+
+    def replay(tick, trainer):
+        k_new = schedule.get(trainer.protocol.iteration)
+        if k_new is not None and k_new != trainer.runtime.replicas_per_device:
+            trainer._set_replicas(k_new)
+
+    sim_cfg = config({**protocol, "replicas_per_device": 1}, "sim")
+    sim = Trainer(sim_cfg, tmp_path / "sim", progress=False, on_tick=replay).run()
+    assert sim["samples"] == summary["samples"] and sim["replicas_per_device"] == k
+    assert sim["final_accuracy"] == summary["final_accuracy"]
+    for key in ["replicas", "central"] if protocol["name"] == "sma" else ["replicas"]:
+        a, b = protocol_state(tmp_path / "sim", key), protocol_state(dist_dir, key)
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)

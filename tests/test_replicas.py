@@ -240,6 +240,67 @@ def test_tuner_keeps_k_at_max_and_never_adds_without_gain():
     assert flat.k == 1 and [d.action for d in flat.decisions] == ["add", "remove"]
 
 
+def test_marginal_rule_follows_a_slowly_rising_curve_that_crossbow_stops_on():
+    # samples/s at k replicas: +30% at k = 2, then a slow rise to a maximum at k = 8 (the
+    # shape measured on a 2-core CPU, bench/results/replicas_throughput_b8.md)
+    rate = {1: 1000, 2: 1300, 3: 1400, 4: 1480, 5: 1540, 6: 1590, 7: 1630, 8: 1660}
+    rate.update({k: 1660 - 10 * (k - 8) for k in range(9, 17)})
+
+    def seconds(k):
+        return 8 * k / rate[k]
+
+    crossbow = _tune(seconds)
+    assert crossbow.k == 2  # k = 3 gains 7.7% <= 10%
+    marginal = ReplicaAutoTuner(0.1, 3, 16, warmup=1, rule="marginal")
+    for _ in range(1000):
+        if marginal.done:
+            break
+        marginal.observe(8 * marginal.k, seconds(marginal.k))
+    # the k-th replica adds (k−1)·gain: 15%, 17%, 16%, 16%, 15%, 13% up to k = 8, then < 0
+    assert marginal.k == 8 and marginal.decisions[-1].action == "remove"
+    crits = [d.criterion for d in marginal.decisions if d.criterion is not None]
+    gains = [d.gain for d in marginal.decisions if d.gain is not None]
+    assert crits == pytest.approx([g * i for i, g in enumerate(gains, start=1)])
+    assert "(k−1)·gain" in marginal.decisions[-1].reason
+    # perfect scaling: Crossbow's total gain 1/(k−1) is 14.3% <= 15% at k = 8, so it
+    # stops at 7; the marginal rule sees every replica add a whole replica's throughput
+    assert _tune(lambda k: 1.0, threshold=0.15).k == 7
+    linear = ReplicaAutoTuner(0.15, 3, 16, warmup=1, rule="marginal")
+    while not linear.done:
+        linear.observe(8 * linear.k, 1.0)
+    assert linear.k == 16 and linear.decisions[-1].action == "keep"
+    with pytest.raises(ValueError, match="rule"):
+        ReplicaAutoTuner(0.1, rule="greedy")
+
+
+def test_one_outlier_iteration_does_not_flip_a_decision():
+    """Throughput is samples / (median seconds per iteration × iterations): one
+    iteration 20× slower (an OS hiccup) inside an interval of 5 leaves every decision as
+    without it. With the plain sum of seconds the same outlier flips both cases below."""
+
+    def decisions(seconds_of_k, outlier_k):
+        tuner = ReplicaAutoTuner(0.1, interval=5, max_replicas=4, warmup=0)
+        out, at_k = [], 0
+        while not tuner.done:
+            at_k += 1
+            slow = tuner.k == outlier_k and at_k == 3  # the 3rd of the 5 iterations
+            d = tuner.observe(8 * tuner.k, seconds_of_k[tuner.k] * (20.0 if slow else 1.0))
+            if d is not None:
+                out.append((d.k_before, d.action))
+                at_k = 0
+        return out
+
+    grows = {1: 1.0, 2: 1.5, 3: 2.5}  # k = 2: +33% (add); k = 3: -10% (remove)
+    flat = {1: 1.0, 2: 2.0, 3: 3.0}  # k = 2: no gain (remove)
+    assert decisions(grows, None) == [(1, "add"), (2, "add"), (3, "remove")]
+    assert decisions(grows, 2) == decisions(grows, None)  # slow k = 2 would look like a loss
+    assert decisions(flat, None) == [(1, "add"), (2, "remove")]
+    assert decisions(flat, 1) == decisions(flat, None)  # slow k = 1 would fake a gain
+    # the plain sum would have flipped them: 5 iterations with one 20× slower
+    assert (8 * 2 * 5) / (1.5 * 24) < 1.1 * (8 * 5) / (1.0 * 5)
+    assert (8 * 2 * 5) / (2.0 * 5) > 1.1 * (8 * 5) / (1.0 * 24)
+
+
 def test_tuner_state_round_trip_and_errors():
     tuner = ReplicaAutoTuner(0.1, 2, 8, warmup=0)
     for _ in range(3):
@@ -273,10 +334,23 @@ def test_config_replicas_auto_and_errors():
             {"name": "sma", "replicas_per_device": "auto", "autotune_interval": 0},
             "autotune_interval",
         ),
+        (
+            {"name": "sma", "replicas_per_device": "auto", "autotune_rule": "greedy"},
+            "autotune_rule",
+        ),
     ]
     for protocol, match in bad:
         with pytest.raises(ConfigError, match=match):
             RunConfig.from_dict({"protocol": protocol})
+    # the dist runtime takes "auto": one process per device, fitted at k = 1
+    dist_auto = RunConfig.from_dict(
+        {
+            "runtime": "dist",
+            "protocol": {"name": "sma", "num_learners": 2, "replicas_per_device": "auto"},
+            "dist": {"num_processes": 3},
+        }
+    )
+    assert dist_auto.protocol.num_learners == 3 and dist_auto.protocol.auto_replicas
     with pytest.raises(ConfigError, match="cluster.speed_factors"):
         RunConfig.from_dict(
             {

@@ -13,7 +13,11 @@ the transport differs. Rank layout and rules (SPEC.md §1–§5):
   sums its replicas' corrections (:meth:`SMA.local_step`), the per-device sums are
   all-reduced, and every rank applies the same central update
   (:meth:`SMA.apply_central`). Local SGD all-reduces the sum of the replicas every H
-  iterations (:meth:`LocalSGD.local_step` / :meth:`LocalSGD.apply_average`).
+  iterations (:meth:`LocalSGD.local_step` / :meth:`LocalSGD.apply_average`). With
+  ``replicas_per_device = "auto"`` every rank feeds the auto-tuner the same measurement
+  (:meth:`SyncDistRuntime.max_over_ranks` of the interval's wall seconds) and so takes
+  the same decision, applied at the same synchronisation point
+  (:meth:`SyncDistRuntime.set_replicas_per_device`).
 * ``parameter_server`` / ``compute_groups`` — server ranks ``0 … S−1`` run the protocol
   object on real arrivals, learner ranks ``S … S+λ−1`` pull, compute and push over c10d
   point-to-point (:mod:`distsgd.runtime.dist_ps`); a compute group's members all-reduce
@@ -260,7 +264,7 @@ class SyncDistRuntime(_DistBase):
         p = cfg.protocol
         self.num_learners = p.num_learners
         if p.name in ("sma", "local_sgd"):
-            self.k = p.replicas_per_device
+            self.k = p.initial_replicas_per_device  # "auto" starts at k = 1
             local = cfg.replace(  # this rank's k replicas, as one device
                 # α = 0 means 1 / (all learners of all devices), SPEC §4, not 1 / k local
                 protocol=dataclasses.replace(
@@ -286,6 +290,51 @@ class SyncDistRuntime(_DistBase):
 
             # broadcast_buffers: BatchNorm statistics of rank 0, as torch DDP does
             self.ddp = DistributedDataParallel(engine.model)
+
+    def set_replicas_per_device(self, replicas_per_device: int) -> None:
+        """Change k, this rank's replicas, between synchronous iterations (the auto-tuner;
+        every rank at the same iteration): λ becomes world size × k, this rank's learners
+        ``rank·k + j`` and the data streams are re-sharded for the new λ exactly as
+        :meth:`SimRuntime.set_replicas_per_device` does (the run continues at the first
+        step of the new layout at or after the samples already drawn this epoch), so
+        learner l draws the simulator's minibatches. The protocol is changed by the
+        caller (its ``set_replicas_per_device``).
+
+        Raises:
+            ValueError: k < 1.
+            RuntimeError: the protocol holds no replicas (hardsync, plain).
+        """
+        if not isinstance(self.protocol, SMA | LocalSGD):
+            raise RuntimeError(
+                "replicas per device can change only for protocols 'sma' and 'local_sgd'"
+            )
+        if not isinstance(replicas_per_device, int) or replicas_per_device < 1:
+            raise ValueError(
+                f"replicas_per_device = {replicas_per_device!r} is not allowed: expected an "
+                "integer >= 1"
+            )
+        k = replicas_per_device
+        lam = self.world_size * k
+        old = self.streams[0]
+        drawn = old.step * self.sampler.global_batch
+        sampler = ShardedSampler(self.dataset.num_train, lam, self.batch_size, self.sampler.seed)
+        epoch, step = old.epoch, -(-drawn // sampler.global_batch)
+        if step >= sampler.steps_per_epoch:
+            epoch, step = epoch + 1, 0
+        self.sampler = sampler
+        self.k = self.replicas_per_device = k
+        self.num_learners = lam
+        self.learners = [self.rank * k + j for j in range(k)]
+        self.streams = [LearnerStream(sampler, lrn) for lrn in self.learners]
+        for st in self.streams:
+            st.epoch, st.step = epoch, step
+
+    def max_over_ranks(self, value: float) -> float:
+        """Collective: the largest ``value`` over the ranks (float64), e.g. the wall
+        seconds of a synchronisation interval, which the slowest rank sets."""
+        t = torch.tensor([value], dtype=torch.float64)
+        self._collective(dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        return float(t.item())
 
     def _minibatches(self) -> tuple[Tensor, Tensor]:
         idx = torch.stack([s.next_indices() for s in self.streams])  # [k, b]
@@ -394,6 +443,7 @@ class SyncDistRuntime(_DistBase):
             "world_size": self.world_size,
             "samples": self.samples,
             "virtual_time": self.virtual_time,
+            "replicas_per_device": self.k,
             "ranks": out,
         }
 
@@ -407,6 +457,9 @@ class SyncDistRuntime(_DistBase):
                 f"processes, this run has {self.world_size}"
             )
         mine = state["ranks"][self.rank]
+        k = int(state.get("replicas_per_device", self.k))
+        if k != self.k:  # the auto-tuner had changed k: rebuild this rank's k streams
+            self.set_replicas_per_device(k)
         self.protocol.load_state_dict(mine["protocol"])
         for s, st in zip(self.streams, mine["streams"], strict=True):
             s.load_state_dict(st)
