@@ -138,6 +138,8 @@ class ProbeResult:
             ``train_loss``, …).
         score_window: losses averaged by :attr:`score`.
         run_dir: where the probe's run directory is, if it has one.
+        train_wall_s: wall seconds of training (``wall_s`` less build and evaluations).
+        samples: training samples the probe processed.
     """
 
     candidate: Candidate
@@ -150,6 +152,8 @@ class ProbeResult:
     evals: list[dict[str, Any]] = field(default_factory=list)
     score_window: int = 10
     run_dir: str = ""
+    train_wall_s: float = 0.0
+    samples: int = 0
 
     @property
     def score(self) -> float:
@@ -178,6 +182,8 @@ class ProbeResult:
             ),
             "diverged": self.diverged,
             "wall_s": self.wall_s,
+            "train_wall_s": self.train_wall_s,
+            "samples": self.samples,
             "iterations": self.iterations,
             "virtual_s": self.virtual_s,
             "losses": self.losses,

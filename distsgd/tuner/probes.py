@@ -179,6 +179,10 @@ class Prober:
         except TrainingDiverged:
             result.diverged = True
         result.wall_s = time.perf_counter() - t0
+        counters = getattr(trainer, "counters", {})
+        result.train_wall_s = float(counters.get("train_wall_s", 0.0))
+        runtime = getattr(trainer, "runtime", None)
+        result.samples = int(getattr(runtime, "samples", 0))
         metrics = run_dir / "metrics.jsonl"
         if metrics.exists():
             result.evals = [json.loads(x) for x in metrics.read_text().splitlines() if x]

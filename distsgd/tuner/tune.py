@@ -41,6 +41,7 @@ from distsgd.engine import GradientEngine
 from distsgd.models import build_model
 from distsgd.runtime.sim import calibrate
 from distsgd.tuner import perf_model as pm
+from distsgd.tuner.budget import TuneBudget, first_probe_estimate
 from distsgd.tuner.omnivore import (
     Candidate,
     DecisionLog,
@@ -80,11 +81,15 @@ def parse_budget(text: str) -> float:
     return value
 
 
-def _fixed_profile(cfg: RunConfig) -> tuple[RunConfig, torch.Tensor, int]:
-    """Calibrate once (if needed) and make the seeded initial weights ``[P]``."""
+def _fixed_profile(cfg: RunConfig) -> tuple[RunConfig, torch.Tensor, int, dict[str, float]]:
+    """Calibrate once (if needed) and make the seeded initial weights ``[P]``; also time
+    loading the data (``build_s``) and one evaluation on the test set (``eval_s``), wall
+    seconds, for the budget (:mod:`distsgd.tuner.budget`)."""
     torch.set_num_threads(cfg.train.num_threads or (os.cpu_count() or 1))
     torch.manual_seed(cfg.train.seed)
+    t0 = time.perf_counter()
     ds = load_dataset(cfg.data, seed=cfg.train.seed)
+    build_s = time.perf_counter() - t0
     if cfg.cluster.needs_calibration:
         prof = calibrate(
             GradientEngine(build_model(cfg.model.name, ds.input_shape, ds.num_classes)), ds
@@ -97,8 +102,16 @@ def _fixed_profile(cfg: RunConfig) -> tuple[RunConfig, torch.Tensor, int]:
             )
         )
     torch.manual_seed(cfg.train.seed)  # the same initial weights as distsgd train
+    t0 = time.perf_counter()
     engine = GradientEngine(build_model(cfg.model.name, ds.input_shape, ds.num_classes))
-    return cfg, engine.initial_weights(), engine.num_parameters
+    build_s += time.perf_counter() - t0
+    initial = engine.initial_weights()
+    # one evaluation, timed on a part of the test set and scaled to all of it
+    n = min(ds.num_test, 2 * cfg.train.eval_batch_size)
+    t0 = time.perf_counter()
+    engine.evaluate(initial, ds.test_x[:n], ds.test_y[:n], cfg.train.eval_batch_size)
+    timings = {"build_s": build_s, "eval_s": (time.perf_counter() - t0) * ds.num_test / n}
+    return cfg, initial, engine.num_parameters, timings
 
 
 def cluster_model(cfg: RunConfig, num_parameters: int) -> pm.ClusterModel:
@@ -345,7 +358,29 @@ def tune(
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     budget = settings.budget_s
-    cfg, initial, num_params = _fixed_profile(config)
+    cfg, initial, num_params, timings = _fixed_profile(config)
+    cluster = cluster_model(cfg, num_params)
+    first = Candidate("hardsync", cfg.protocol.num_learners, cfg.protocol.batch_size, 0.1, 0.0)
+    wall_per_clock = 1.0
+    if cfg.runtime == "sim":  # the simulation computes every learner in this one process
+        wall_per_clock = pm.compute_seconds(
+            pm.samples_per_iteration(first.layout()), cluster
+        ) / pm.seconds_per_iteration(first.layout(), cluster)
+    costs = TuneBudget(
+        budget,
+        settings.segment_fraction,
+        _STEADY_SHARE,
+        first_probe_estimate(settings.probe_seconds, wall_per_clock, timings["build_s"]),
+        timings["eval_s"],
+        start=t0,
+    )
+    if costs.minimum_s() > budget:
+        raise ConfigError(
+            f"--budget {budget:g}s is not allowed for this config: expected at least "
+            f"{math.ceil(costs.minimum_s())}s (the setup took {costs.elapsed():.1f} s and "
+            f"one probe of {settings.probe_seconds:g} s is expected to take "
+            f"{costs.first_probe_s:.1f} s wall)"
+        )
     bar = tqdm(
         total=round(budget),
         unit="s",
@@ -368,7 +403,7 @@ def tune(
     clock = "simulated" if prober.simulated else "wall"
 
     def elapsed() -> float:
-        return time.perf_counter() - t0
+        return costs.elapsed()
 
     def tick_bar(phase: str, extra: str = "") -> None:
         bar.n = min(round(elapsed()), bar.total)
@@ -377,23 +412,35 @@ def tune(
     def probe(cand: Candidate, snapshot: str) -> ProbeResult:
         tick_bar("probe", cand.label())
         r = prober(cand, snapshot)
+        costs.record_probe(r.wall_s, r.train_wall_s)
         tick_bar("probe", cand.label())
         return r
 
-    search_end = budget * (1 - settings.segment_fraction - _STEADY_SHARE)
+    search_end = costs.search_end
     search = OmnivoreSearch(
         probe,
         settings,
         cfg.protocol.num_learners,
         cfg.protocol.batch_size,
         log,
-        out_of_budget=lambda: elapsed() >= search_end,
+        # the first probe may use the whole budget (a plan needs one), the others must be
+        # expected to end within the search's share
+        out_of_budget=lambda: not costs.may_probe(search_end if search.results else None),
     )
     log(
         "setup",
         f"probes of {settings.probe_seconds:g} {clock} seconds each",
         "equal-time probes from the same snapshot fold hardware and statistical efficiency "
         "into one score (Omnivore)",
+    )
+    log(
+        "setup",
+        f"budget {budget:g} s wall; a step starts only if its expected cost fits in the "
+        "time left to its phase",
+        f"setup took {costs.elapsed():.1f} s; first probe expected to take "
+        f"{costs.first_probe_s:.1f} s wall, later ones as long as the longest so far; "
+        f"one evaluation {timings['eval_s']:.2f} s. Slack: one step's overrun of its "
+        "expected cost, plus writing the plan and report",
     )
     best = search.cold_start("initial")
     if best is None:
@@ -405,7 +452,6 @@ def tune(
     chosen = best
 
     # ---- beyond Omnivore: joint search ranked by the performance model ----------------
-    cluster = cluster_model(cfg, num_params)
     ref = chosen.candidate
     b_ref = pm.samples_per_iteration(ref.layout())
     noise = settings.noise_scale or float(b_ref)
@@ -424,8 +470,14 @@ def tune(
         )
         extra: list[ProbeResult] = []
         for t_pred, cand in ranked[: settings.extra_probes]:
-            if elapsed() >= search_end:
-                log("joint", f"skip {cand.label()}", "search budget spent")
+            if not costs.may_probe(search_end):
+                log(
+                    "joint",
+                    f"skip {cand.label()}",
+                    f"search budget spent: a probe is expected to take "
+                    f"{costs.expected_probe_s():.1f} s, {max(costs.left(search_end), 0):.1f} s "
+                    "left to the search",
+                )
                 continue
             log(
                 "joint",
@@ -461,39 +513,58 @@ def tune(
     # ---- the long run of the best configuration ---------------------------------------
     seg_share = budget * settings.segment_fraction
     reserve = budget * _STEADY_SHARE + 0.4 * seg_share  # steady state and the second run
-    seg_wall = max(0.6 * seg_share, budget - reserve - elapsed(), 1.0)
     eval_every = min(cfg.train.eval_every_samples or _PLAN_EVAL_EVERY, _PLAN_EVAL_EVERY)
-    log(
-        "segment",
-        f"train {chosen.candidate.label()} from the initial weights",
-        f"until {100 * cfg.train.target_accuracy:g}% test accuracy or {seg_wall:.0f} wall "
-        f"seconds of training, evaluating every {eval_every} samples (Omnivore's long run; "
-        "it gives the steady-state snapshot and the loss curve for the SE fit)",
-    )
-    tick_bar("segment", chosen.candidate.label())
-    segment, seg_summary = prober.segment(chosen.candidate, seg_wall, eval_every, "segment")
-    tick_bar("segment")
-    seg_epochs = float(seg_summary.get("epochs", 0.0) or 0.0)
-    log(
-        "segment",
-        "reached the target" if seg_summary.get("reached") else "stopped before the target",
-        f"best accuracy {seg_summary.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} "
-        f"epochs, {seg_summary.get('virtual_s', 0):.2f} {clock} s, "
-        f"{seg_summary.get('train_wall_s', 0):.1f} wall s of training",
-    )
-    segments = [segment]
-    summaries = [seg_summary]
+    rate = chosen.samples / chosen.train_wall_s if chosen.train_wall_s > 0 else math.nan
+    seg_wall = costs.segment_seconds(rate, eval_every, keep_s=reserve)
+    if seg_wall <= 0:  # then without the reserve: the later phases need this run
+        seg_wall = costs.segment_seconds(rate, eval_every)
+    segments: list[ProbeResult] = []
+    summaries: list[dict[str, Any]] = []
+    seg_epochs = 0.0
+    seg_summary: dict[str, Any] = {}
+    if seg_wall <= 0:
+        log(
+            "segment",
+            "skipped the long run",
+            f"{max(costs.left(), 0):.1f} s of the budget left, less than a run of one probe's "
+            "training plus its build and evaluations; the plan is the cold start's choice "
+            "without a predicted time to accuracy",
+        )
+    else:
+        log(
+            "segment",
+            f"train {chosen.candidate.label()} from the initial weights",
+            f"until {100 * cfg.train.target_accuracy:g}% test accuracy or {seg_wall:.1f} wall "
+            f"seconds of training, evaluating every {eval_every} samples (Omnivore's long "
+            "run; it gives the steady-state snapshot and the loss curve for the SE fit; its "
+            "length is what the budget leaves after its evaluations and the later phases)",
+        )
+        tick_bar("segment", chosen.candidate.label())
+        segment, seg_summary = prober.segment(chosen.candidate, seg_wall, eval_every, "segment")
+        tick_bar("segment")
+        seg_epochs = float(seg_summary.get("epochs", 0.0) or 0.0)
+        log(
+            "segment",
+            "reached the target" if seg_summary.get("reached") else "stopped before the target",
+            f"best accuracy {seg_summary.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} "
+            f"epochs, {seg_summary.get('virtual_s', 0):.2f} {clock} s, "
+            f"{seg_summary.get('train_wall_s', 0):.1f} wall s of training",
+        )
+        segments.append(segment)
+        summaries.append(seg_summary)
 
     # ---- steady state and the run after it ----------------------------------------------
     steady: Candidate | None = None
     switch: Candidate | None = None
-    if segment.diverged:
+    if not segments:
+        log("steady state", "skipped", "no long run; no snapshot")
+    elif segments[0].diverged:
         log("steady state", "skipped", "the long run diverged; no snapshot")
     elif seg_summary.get("reached"):
         log("steady state", "skipped", "the long run reached the target: the plan is that run")
     else:
-        steady_end = elapsed() + budget * _STEADY_SHARE
-        search.out_of_budget = lambda: elapsed() >= steady_end
+        steady_end = costs.elapsed() + budget * _STEADY_SHARE
+        search.out_of_budget = lambda: not costs.may_probe(steady_end)
         steady = search.steady_state(chosen.candidate, "segment")
         switch = dataclasses.replace(chosen.candidate, lr=steady.lr)
         if switch != steady:
@@ -503,29 +574,41 @@ def tune(
                 f"steady state recommends {steady.label()}; a run config can change only η "
                 "mid-run (a step of the schedule), so the family, layout and μ stay",
             )
-        wall2 = max(0.4 * seg_share, budget - elapsed(), 1.0)
+        seg_rate = (
+            segments[0].samples / segments[0].train_wall_s if segments[0].train_wall_s > 0 else rate
+        )
+        wall2 = costs.segment_seconds(seg_rate, eval_every)
         left = max((cfg.train.max_epochs or 10.0) - seg_epochs, 0.01)
-        log(
-            "segment",
-            f"train {switch.label()} from the long run's snapshot",
-            f"until the target, {left:.2f} more epochs or {wall2:.0f} wall seconds of training "
-            "(the plan's second phase; it measures the time to accuracy with the step)",
-        )
-        tick_bar("segment 2", switch.label())
-        seg2, sum2 = prober.segment(
-            switch, wall2, eval_every, "segment2", snapshot="segment", max_epochs=left
-        )
-        tick_bar("segment 2")
-        segments.append(seg2)
-        summaries.append(sum2)
-        log(
-            "segment",
-            "reached the target" if sum2.get("reached") else "stopped before the target",
-            f"best accuracy {sum2.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} + "
-            f"{float(sum2.get('epochs', 0) or 0):.3f} epochs",
-        )
+        if wall2 <= 0:
+            log(
+                "segment",
+                f"skipped the run of {switch.label()} from the long run's snapshot",
+                f"{max(costs.left(), 0):.1f} s of the budget left, less than a run of one "
+                "probe's training plus its build and evaluations",
+            )
+        else:
+            log(
+                "segment",
+                f"train {switch.label()} from the long run's snapshot",
+                f"until the target, {left:.2f} more epochs or {wall2:.1f} wall seconds of "
+                "training (the plan's second phase; it measures the time to accuracy with "
+                "the step)",
+            )
+            tick_bar("segment 2", switch.label())
+            seg2, sum2 = prober.segment(
+                switch, wall2, eval_every, "segment2", snapshot="segment", max_epochs=left
+            )
+            tick_bar("segment 2")
+            segments.append(seg2)
+            summaries.append(sum2)
+            log(
+                "segment",
+                "reached the target" if sum2.get("reached") else "stopped before the target",
+                f"best accuracy {sum2.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} + "
+                f"{float(sum2.get('epochs', 0) or 0):.3f} epochs",
+            )
     measured_chain = None
-    last = summaries[-1]
+    last = summaries[-1] if summaries else {}
     if last.get("reached"):
         key = "time_to_accuracy_virtual_s" if prober.simulated else "time_to_accuracy_s"
         earlier = sum(
@@ -593,6 +676,12 @@ def tune(
         "runtime": cfg.runtime,
         "clock": clock,
         "budget_s": budget,
+        "budget_costs": {
+            "first_probe_expected_s": costs.first_probe_s,
+            "probe_wall_s_max": costs.expected_probe_s(),
+            "eval_s": costs.eval_s,
+            "slack": "one step's overrun of its expected cost, plus writing the plan and report",
+        },
         "tuning_wall_s": elapsed(),
         "target_accuracy": cfg.train.target_accuracy,
         "num_learners": cfg.protocol.num_learners,
