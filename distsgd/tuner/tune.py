@@ -35,10 +35,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from distsgd.config import ConfigError, RunConfig
+from distsgd.config import ConfigError, RunConfig, required_processes
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
+from distsgd.runtime.netcal import calibrate_network
 from distsgd.runtime.sim import calibrate
 from distsgd.tuner import perf_model as pm
 from distsgd.tuner.budget import TuneBudget, first_probe_estimate
@@ -47,6 +48,7 @@ from distsgd.tuner.omnivore import (
     DecisionLog,
     OmnivoreSearch,
     ProbeResult,
+    he_scales,
     joint_candidates,
     pick_best,
     rank_candidates,
@@ -81,11 +83,17 @@ def parse_budget(text: str) -> float:
     return value
 
 
-def _fixed_profile(cfg: RunConfig) -> tuple[RunConfig, torch.Tensor, int, dict[str, float]]:
+def _fixed_profile(
+    cfg: RunConfig, num_processes: int = 1
+) -> tuple[RunConfig, torch.Tensor, int, dict[str, float]]:
     """Calibrate once (if needed) and make the seeded initial weights ``[P]``; also time
     loading the data (``build_s``) and one evaluation on the test set (``eval_s``), wall
-    seconds, for the budget (:mod:`distsgd.tuner.budget`)."""
-    torch.set_num_threads(cfg.train.num_threads or (os.cpu_count() or 1))
+    seconds, for the budget (:mod:`distsgd.tuner.budget`). The device is timed with the
+    torch threads of one of ``num_processes`` processes sharing this machine
+    (``train.num_threads`` if set)."""
+    torch.set_num_threads(
+        cfg.train.num_threads or max(1, (os.cpu_count() or 1) // max(num_processes, 1))
+    )
     torch.manual_seed(cfg.train.seed)
     t0 = time.perf_counter()
     ds = load_dataset(cfg.data, seed=cfg.train.seed)
@@ -272,7 +280,12 @@ def verify_plan(tune_dir: Path, progress: bool = True) -> dict[str, Any]:
     if not plan.exists():
         raise ConfigError(f"{plan} does not exist: run distsgd tune first")
     cfg = RunConfig.from_toml(plan)
-    summary = Trainer(cfg, tune_dir / "verify", progress=progress).run()
+    if cfg.runtime == "dist":
+        from distsgd.runtime.launch import run
+
+        summary = run(cfg, tune_dir / "verify", progress=progress)
+    else:
+        summary = Trainer(cfg, tune_dir / "verify", progress=progress).run()
     state = json.loads((tune_dir / "tune.json").read_text())
     key = "time_to_accuracy_virtual_s" if cfg.runtime == "sim" else "time_to_accuracy_s"
     measured = summary.get(key)
@@ -359,9 +372,31 @@ def tune(
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     budget = settings.budget_s
-    cfg, initial, num_params, timings = _fixed_profile(config)
+    # the layouts: λ learners of hardsync (devices of SMA) and of the parameter-server
+    # layouts; on real processes both come from the N processes (a server takes one)
+    lam = ps_lam = config.protocol.num_learners
+    num_processes = 1
+    if config.runtime == "dist":
+        num_processes = (
+            config.dist.num_processes or required_processes(config.protocol, config.dist)[0]
+        )
+        lam, ps_lam = num_processes, num_processes - config.dist.num_servers
+    cfg, initial, num_params, timings = _fixed_profile(config, num_processes)
+    network = None
+    if cfg.runtime == "dist":
+        t1 = time.perf_counter()
+        network = calibrate_network(num_params, repeats=10)
+        timings["build_s"] += time.perf_counter() - t1  # a dist run starts processes too
+        cfg = cfg.replace(
+            cluster=dataclasses.replace(
+                cfg.cluster,
+                latency_s=network.latency_s,
+                bandwidth_gbps=network.bandwidth_gbps,
+                jitter=0.0,
+            )
+        )
     cluster = cluster_model(cfg, num_params)
-    first = Candidate("hardsync", cfg.protocol.num_learners, cfg.protocol.batch_size, 0.1, 0.0)
+    first = Candidate("hardsync", lam, cfg.protocol.batch_size, 0.1, 0.0)
     wall_per_clock = 1.0
     if cfg.runtime == "sim":  # the simulation computes every learner in this one process
         wall_per_clock = pm.compute_seconds(
@@ -392,14 +427,38 @@ def tune(
     )
     log = DecisionLog(out / "decisions.jsonl", echo=tqdm.write if progress else None)
     c = cfg.cluster
-    log(
-        "setup",
-        f"device profile {c.seconds_per_batch * 1e3:.3f} ms/batch + "
-        f"{c.seconds_per_sample * 1e6:.1f} µs/sample, λ = {cfg.protocol.num_learners}",
-        "calibrated once on this machine so every probe runs on the same simulated cluster"
-        if config.cluster.needs_calibration
-        else "given by the config",
-    )
+    if cfg.runtime == "dist":
+        log(
+            "setup",
+            f"probes on {num_processes} real processes (dist runtime, wall clock): hardsync "
+            f"and SMA on λ = {lam} learners (devices), the parameter-server layouts on "
+            f"λ = {ps_lam} learners and {cfg.dist.num_servers} server rank(s)",
+            "candidates are limited to layouts that fit the processes",
+        )
+        assert network is not None
+        log(
+            "setup",
+            f"cluster model of this machine: device {c.seconds_per_batch * 1e3:.3f} ms/batch "
+            f"+ {c.seconds_per_sample * 1e6:.1f} µs/sample, network latency "
+            f"{network.latency_s * 1e6:.1f} µs, bandwidth {network.bandwidth_gbps:.3f} Gbit/s",
+            (
+                "device calibrated with one process's threads"
+                if config.cluster.needs_calibration
+                else "device profile given by the config"
+            )
+            + "; network measured between two gloo processes (netcal); it predicts the "
+            "wall seconds per iteration of unprobed configurations, scaled by measured / "
+            "predicted of the probed ones",
+        )
+    else:
+        log(
+            "setup",
+            f"device profile {c.seconds_per_batch * 1e3:.3f} ms/batch + "
+            f"{c.seconds_per_sample * 1e6:.1f} µs/sample, λ = {cfg.protocol.num_learners}",
+            "calibrated once on this machine so every probe runs on the same simulated cluster"
+            if config.cluster.needs_calibration
+            else "given by the config",
+        )
     prober = Prober(cfg, out, settings.probe_seconds, settings.score_window, initial)
     clock = "simulated" if prober.simulated else "wall"
 
@@ -421,9 +480,10 @@ def tune(
     search = OmnivoreSearch(
         probe,
         settings,
-        cfg.protocol.num_learners,
+        lam,
         cfg.protocol.batch_size,
         log,
+        ps_learners=ps_lam,
         # the first probe may use the whole budget (a plan needs one), the others must be
         # expected to end within the search's share
         out_of_budget=lambda: not costs.may_probe(search_end if search.results else None),
@@ -459,7 +519,8 @@ def tune(
     ranked: list[tuple[float, Candidate]] = []
     if settings.extra_probes > 0:
         cands = joint_candidates(search, ref, settings)
-        ranked = rank_candidates(cands, ref, 1.0, cluster, noise)
+        scales = he_scales(search.results, cluster) if not prober.simulated else None
+        ranked = rank_candidates(cands, ref, 1.0, cluster, noise, he_scale=scales)
         ref_time = pm.seconds_per_iteration(ref.layout(), cluster)
         log(
             "joint",
@@ -641,11 +702,11 @@ def tune(
     # what the model expects on larger clusters (simulated runtime only)
     extrapolation = []
     se_ref = prediction["iterations_to_target"]
-    if math.isfinite(se_ref):
-        lam = cfg.protocol.num_learners
+    if math.isfinite(se_ref) and prober.simulated:  # larger simulated clusters
+        lam0 = cfg.protocol.num_learners
         b_plan = pm.samples_per_iteration(chosen.candidate.layout())
         for mult in (1, 2, 4, 8):
-            lam2 = lam * mult
+            lam2 = lam0 * mult
             for g in sorted({1, 2, 4, lam2 // 4, lam2} - {0}):
                 if lam2 % g:
                     continue
@@ -685,7 +746,9 @@ def tune(
         },
         "tuning_wall_s": elapsed(),
         "target_accuracy": cfg.train.target_accuracy,
-        "num_learners": cfg.protocol.num_learners,
+        "num_learners": lam,
+        "num_processes": num_processes if cfg.runtime == "dist" else None,
+        "network": None if network is None else dataclasses.asdict(network),
         "device_profile": {
             "seconds_per_batch": cfg.cluster.seconds_per_batch,
             "seconds_per_sample": cfg.cluster.seconds_per_sample,
