@@ -3,7 +3,9 @@
 Phases (SPEC.md §3; every decision goes to ``decisions.jsonl`` with its reason):
 
 1. fix the device profile once (calibrated on this machine unless the config gives it),
-   so every probe runs on the same simulated cluster;
+   so every probe runs on the same simulated cluster; on real processes (``--runtime
+   dist``) also measure the network (:func:`~distsgd.runtime.netcal.calibrate_network`),
+   so the cluster model predicts the wall seconds per iteration of unprobed layouts;
 2. Omnivore's cold start from the initial weights (:class:`OmnivoreSearch`);
 3. the joint search beyond Omnivore: the performance model ranks unprobed protocol
    families, layouts and batch sizes, the best ``tune.extra_probes`` are probed;
@@ -17,8 +19,18 @@ Phases (SPEC.md §3; every decision goes to ``decisions.jsonl`` with its reason)
 
 Budget: the cold start and joint search may use up to ``1 − segment_fraction − 0.15`` of
 ``tune.budget_s``, the segment ``segment_fraction``, steady state the rest; a phase that
-finishes early leaves its time to the next. Probes on the ``sim`` runtime are equal in
-*simulated* time (``tune.probe_seconds`` on the virtual clock).
+finishes early leaves its time to the next. A step starts only if its expected wall cost
+fits, so the tune ends within the budget plus one step's overrun and the report
+(:mod:`distsgd.tuner.budget`); a budget below the setup and one probe is refused.
+
+Runtimes. ``sim``: probes are equal in *simulated* time (``tune.probe_seconds`` on the
+virtual clock) and every time is simulated seconds. ``dist`` (N processes,
+``dist.num_processes`` or what the base protocol needs): probes are ordinary dist
+trainings of ``tune.probe_seconds`` wall seconds of training (:class:`Prober`), the
+candidates are the layouts that fit N processes (hardsync on N learners, SMA on N devices,
+compute groups and n-softsync on N − ``dist.num_servers`` learners), HE is measured in wall
+seconds (the model's, scaled by measured / predicted, for unprobed layouts), so the
+prediction and ``verify`` compare wall seconds with wall seconds.
 """
 
 from __future__ import annotations
