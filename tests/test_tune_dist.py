@@ -143,6 +143,12 @@ def test_tune_on_dist_writes_a_plan_that_train_dist_accepts(tmp_path, capsys):
     )
     summary = json.loads((run / "summary.json").read_text())
     assert summary["runtime"] == "dist" and summary["protocol"] == plan.protocol.name
+    # --verify-only trains the plan on real processes: wall seconds against wall seconds
+    assert main(["tune", "--verify-only", str(out), "--quiet"]) == 0
+    v = json.loads((out / "tune.json").read_text())["verify"]
+    verify = json.loads((out / "verify" / "summary.json").read_text())
+    assert verify["runtime"] == "dist"
+    assert v["measured_s"] == verify["time_to_accuracy_s"]  # wall (None if not reached)
 
 
 def test_dist_ranks_start_from_the_initial_weights_file(tmp_path):
@@ -165,3 +171,32 @@ def test_dist_ranks_start_from_the_initial_weights_file(tmp_path):
     assert first["samples"] == 0 and first["test_accuracy"] == last_sim["test_accuracy"]
     ticks = (tmp_path / "dist" / "ticks.jsonl").read_text().splitlines()
     assert len(ticks) == json.loads((tmp_path / "dist" / "summary.json").read_text())["iterations"]
+
+
+def test_a_rank_lost_after_the_run_completed_leaves_a_complete_probe(tmp_path, monkeypatch):
+    import distsgd.runtime.launch as launch
+    from distsgd.tuner.probes import Prober
+
+    status = {"value": "completed"}
+
+    def fake_run(cfg, out_dir, **kw):  # rank 0 finished and wrote its files, then a rank died
+        out_dir.mkdir(parents=True)
+        (out_dir / "ticks.jsonl").write_text(
+            "".join(
+                json.dumps({"iterations": i, "train_wall_s": 0.1 * i, "loss": 2.0 / i}) + "\n"
+                for i in range(1, 4)
+            )
+        )
+        summary = {"status": status["value"], "train_wall_s": 0.3, "samples": 96}
+        (out_dir / "summary.json").write_text(json.dumps(summary))
+        raise launch.DistRunFailed("rank 1 (learner) was killed by SIGABRT")
+
+    monkeypatch.setattr(launch, "run", fake_run)
+    base = small_config(runtime="dist", protocol={"num_learners": 2, "batch_size": 16})
+    prober = Prober(base, tmp_path, 1.0, 10, torch.zeros(3))
+    r = prober(Candidate("hardsync", 2, 16, 0.1, 0.9), "initial")
+    assert r.losses == [2.0, 1.0, 2.0 / 3] and r.iterations == [1, 2, 3]
+    assert r.samples == 96 and "SIGABRT" in r.notes[0]
+    status["value"] = "failed"  # the run itself did not complete: the failure stands
+    with pytest.raises(launch.DistRunFailed):
+        prober(Candidate("hardsync", 2, 16, 0.01, 0.9), "initial")

@@ -141,6 +141,7 @@ class ProbeResult:
         run_dir: where the probe's run directory is, if it has one.
         train_wall_s: wall seconds of training (``wall_s`` less build and evaluations).
         samples: training samples the probe processed.
+        notes: what else happened (e.g. a rank lost after the run completed).
     """
 
     candidate: Candidate
@@ -155,6 +156,7 @@ class ProbeResult:
     run_dir: str = ""
     train_wall_s: float = 0.0
     samples: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def score(self) -> float:
@@ -185,6 +187,7 @@ class ProbeResult:
             "wall_s": self.wall_s,
             "train_wall_s": self.train_wall_s,
             "samples": self.samples,
+            "notes": self.notes,
             "iterations": self.iterations,
             "virtual_s": self.virtual_s,
             "losses": self.losses,

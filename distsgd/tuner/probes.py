@@ -93,6 +93,12 @@ def candidate_config(base: RunConfig, cand: Candidate) -> RunConfig:
     )
 
 
+def _status(run_dir: Path) -> str | None:
+    """``status`` of the run's ``summary.json`` (None without one)."""
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()).get("status") if path.exists() else None
+
+
 def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_")
 
@@ -209,7 +215,7 @@ class Prober:
     def _run_dist(
         self, cfg: RunConfig, run_dir: Path, snapshot: str, kind: str, result: ProbeResult
     ) -> torch.Tensor | None:
-        from distsgd.runtime.launch import run
+        from distsgd.runtime.launch import DistRunFailed, run
 
         cfg = cfg.replace(
             train=dataclasses.replace(
@@ -223,6 +229,12 @@ class Prober:
             run(cfg, run_dir)
         except TrainingDiverged:
             result.diverged = True
+        except DistRunFailed as e:
+            # a rank lost after rank 0 completed the run and wrote its files (e.g. one
+            # that aborted while exiting) leaves a complete probe; anything else is fatal
+            if _status(run_dir) != "completed":
+                raise
+            result.notes.append(f"completed; afterwards {e}")
         ticks = run_dir / "ticks.jsonl"
         for line in ticks.read_text().splitlines() if ticks.exists() else []:
             rec = json.loads(line)

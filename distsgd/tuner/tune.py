@@ -459,8 +459,8 @@ def tune(
                 else "device profile given by the config"
             )
             + "; network measured between two gloo processes (netcal); it predicts the "
-            "wall seconds per iteration of unprobed configurations, scaled by measured / "
-            "predicted of the probed ones",
+            "wall seconds per iteration of unprobed configurations (no jitter term), scaled "
+            "by measured / predicted of the probed ones",
         )
     else:
         log(
@@ -485,6 +485,8 @@ def tune(
         tick_bar("probe", cand.label())
         r = prober(cand, snapshot)
         costs.record_probe(r.wall_s, r.train_wall_s)
+        for note in r.notes:
+            log("probe", f"note on {cand.label()}", note)
         tick_bar("probe", cand.label())
         return r
 
