@@ -117,6 +117,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     overrides = list(args.set)
     if args.runtime:
         overrides.append(f"runtime={args.runtime}")
+    if args.num_processes is not None:
+        overrides.append(f"dist.num_processes={args.num_processes}")
     cfg = RunConfig.from_toml(args.config, overrides)
     out = Path(args.out) if args.out else Path("runs") / ("tune-" + Path(args.config).stem)
     args.out_dir = out
@@ -233,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     u.add_argument(
         "--runtime", default=None, help="runtime the probes run on: sim (default) or dist"
+    )
+    u.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--runtime dist: processes each probe runs on (same as --set "
+        "dist.num_processes=N; default what the config's protocol needs)",
     )
     u.add_argument("--out", default=None, help="tune directory (default runs/tune-<config>)")
     u.add_argument(

@@ -433,6 +433,18 @@ class TrainConfig:
         tensorboard: also write TensorBoard event files (one scalar per metric, step =
             training samples) to the run directory's ``tb/``; needs the optional
             ``tensorboard`` package and is skipped silently without it.
+        initial_weights: path of a file written by ``torch.save`` holding the model's
+            flattened weights, shape ``[P]`` float32 (e.g. a tuner snapshot); the run
+            starts from them instead of the seeded initialisation (protocol state starts
+            fresh); "" (default): the seeded initialisation. Every rank of a ``dist`` run
+            reads it.
+        record_ticks: also write ``ticks.jsonl`` (per tick: iterations, samples, wall
+            seconds of training, the runtime's clock and the mean training loss of the
+            writing rank's learners) and ``final_weights.pt`` (the model of the last
+            evaluation, ``[P]``) to the run directory, for the tuner's probes on real
+            processes.
+        evaluate: evaluate on the test set (false: no evaluations and no metrics records,
+            e.g. a tuner probe that needs its training losses only).
     """
 
     target_accuracy: float = 0.9
@@ -447,6 +459,9 @@ class TrainConfig:
     num_threads: int = 0
     stop_at_target: bool = True
     tensorboard: bool = True
+    initial_weights: str = ""
+    record_ticks: bool = False
+    evaluate: bool = True
 
     def __post_init__(self) -> None:
         _check_float("train.target_accuracy", self.target_accuracy, 0.0, 1.0)
@@ -475,6 +490,11 @@ class TrainConfig:
             _fail("train.stop_at_target", self.stop_at_target, "true or false")
         if not isinstance(self.tensorboard, bool):
             _fail("train.tensorboard", self.tensorboard, "true or false")
+        if not isinstance(self.initial_weights, str):
+            _fail("train.initial_weights", self.initial_weights, 'a file path or ""')
+        for key in ("record_ticks", "evaluate"):
+            if not isinstance(getattr(self, key), bool):
+                _fail(f"train.{key}", getattr(self, key), "true or false")
 
 
 @dataclass

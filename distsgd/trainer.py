@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -111,7 +112,7 @@ class Trainer:
         self.is_writer = True  # the dist runtime: rank 0 (coordinating server) only
         self.initial_weights = initial_weights
         self.on_tick = on_tick
-        self.evaluate = evaluate
+        self.evaluate = evaluate and cfg.train.evaluate
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_data(self) -> RunConfig:
@@ -179,14 +180,7 @@ class Trainer:
         )
         torch.manual_seed(cfg.train.seed)  # same seed => same initial weights
         self.engine = GradientEngine(build_model(cfg.model.name, shape, classes))
-        initial = self.engine.initial_weights()
-        if self.initial_weights is not None:
-            if self.initial_weights.shape != initial.shape:
-                raise ConfigError(
-                    f"initial weights have shape {tuple(self.initial_weights.shape)}, the "
-                    f"model {cfg.model.name!r} has {tuple(initial.shape)}"
-                )
-            initial = self.initial_weights.to(initial.dtype).clone()
+        initial = self._start_weights(self.engine.initial_weights())
         self.protocol = build_protocol(cfg, initial)
         self.tuner = self._replica_tuner()
         self.runtime = SimRuntime(
@@ -222,7 +216,7 @@ class Trainer:
         shape, classes = self.dataset.input_shape, self.dataset.num_classes
         self.engine = GradientEngine(build_model(cfg.model.name, shape, classes))
         self.runtime = rdist.build_runtime(
-            cfg, self.engine, self.dataset, self.engine.initial_weights()
+            cfg, self.engine, self.dataset, self._start_weights(self.engine.initial_weights())
         )
         self.protocol = self.runtime.protocol
         self.is_writer = self.runtime.is_writer
@@ -241,6 +235,29 @@ class Trainer:
             max(1, min(p.autotune_max_replicas, fit)),
             rule=p.autotune_rule,
         )
+
+    def _start_weights(self, initial: torch.Tensor) -> torch.Tensor:
+        """The weights ``[P]`` the run starts from: ``initial_weights`` given to the
+        constructor, else the file ``train.initial_weights``, else ``initial`` (seeded)."""
+        given = self.initial_weights
+        path = self.cfg.train.initial_weights
+        if given is None and path:
+            try:
+                given = torch.load(path, weights_only=True)
+            except Exception as e:  # noqa: BLE001 - missing or not a tensor file
+                raise ConfigError(
+                    f"train.initial_weights = {path!r} is not allowed: expected a file written "
+                    f"by torch.save holding the flattened weights ({e})"
+                ) from None
+        if given is None:
+            return initial
+        if not isinstance(given, torch.Tensor) or given.shape != initial.shape:
+            shape = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
+            raise ConfigError(
+                f"initial weights have shape {shape}, the model {self.cfg.model.name!r} has "
+                f"{tuple(initial.shape)}"
+            )
+        return given.to(initial.dtype).clone()
 
     # ---- checkpoints -------------------------------------------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
@@ -321,6 +338,8 @@ class Trainer:
         c = self.counters
         t0 = time.perf_counter()
         weights = self.runtime.eval_weights()
+        if self.cfg.train.record_ticks and self.is_writer:
+            self._final_weights = weights.clone()  # final_weights.pt at the end of the run
         loss_sum, loss_count = c["loss_sum"], c["loss_count"]
         if self.cfg.runtime == "dist":  # every rank's learners' losses
             loss_sum, loss_count = self.runtime.reduce_losses(loss_sum, loss_count)
@@ -490,8 +509,14 @@ class Trainer:
             enabled=self.cfg.train.tensorboard,
             purge_step=(kept[-1]["samples"] + 1 if kept else 0) if resume else None,
         )
+        ticks = None
+        if self.cfg.train.record_ticks:
+            ticks = (self.out_dir / "ticks.jsonl").open("a" if resume else "w")
+            self.on_tick = self._tick_recorder(ticks, self.on_tick)
         try:
             summary = self._loop(metrics, resumed=resume)
+            if getattr(self, "_final_weights", None) is not None:
+                torch.save(self._final_weights, self.out_dir / "final_weights.pt")
         except TrainingDiverged as e:
             self.counters["stop_reason"] = "diverged"
             self._write_outcome(self._summary(status="diverged", error=str(e)))
@@ -507,7 +532,30 @@ class Trainer:
         finally:
             metrics.close()
             self.tensorboard.close()
+            if ticks is not None:
+                ticks.close()
         return summary
+
+    @staticmethod
+    def _tick_recorder(
+        f: Any, then: Callable[[Tick, Trainer], None] | None
+    ) -> Callable[[Tick, Trainer], None]:
+        """``train.record_ticks``: one ``ticks.jsonl`` line per tick with losses."""
+
+        def on_tick(tick: Tick, trainer: Trainer) -> None:
+            if tick.losses:
+                rec = {
+                    "iterations": trainer._iterations(),
+                    "samples": trainer.runtime.samples,
+                    "train_wall_s": trainer.counters["train_wall_s"],
+                    "clock_s": trainer.runtime.virtual_time,
+                    "loss": sum(tick.losses) / len(tick.losses),
+                }
+                f.write(json.dumps(rec) + "\n")
+            if then is not None:
+                then(tick, trainer)
+
+        return on_tick
 
     def _loop(self, metrics: MetricsWriter | None, resumed: bool) -> dict[str, Any]:
         """The training loop. On the dist runtime every rank of a synchronous protocol runs

@@ -181,3 +181,26 @@ def test_batch_scaling_law_bounds_and_inverse():
 def test_time_to_accuracy_is_he_times_se():
     assert time_to_accuracy(0.02, 500) == pytest.approx(10.0)
     assert time_to_accuracy(0.02, math.inf) == math.inf
+
+
+@pytest.mark.parametrize("replica_s", [2e-4, -1.0])  # measured replica cost; unset: t_batch
+@pytest.mark.parametrize("k", [2, 4])
+def test_sma_he_equals_the_simulated_runtimes_time_per_iteration(tmp_path, k, replica_s):
+    from distsgd.trainer import Trainer
+    from distsgd.tuner.tune import cluster_model
+
+    from .conftest import small_config
+
+    cfg = small_config(
+        protocol={"name": "sma", "num_learners": 2 * k, "batch_size": 8, "replicas_per_device": k},
+        cluster={"seconds_per_replica": replica_s, "jitter": 0.0, "latency_s": 2e-4},
+        train={"max_epochs": 0.25, "eval_every_samples": 0},
+    )
+    tr = Trainer(cfg, tmp_path / "run", progress=False, evaluate=False)
+    s = tr.run()
+    he = seconds_per_iteration(
+        Layout("sma", 2 * k, 8, replicas_per_device=k),
+        cluster_model(cfg, tr.engine.num_parameters),
+    )
+    # no jitter: every iteration takes the same simulated time; rel 1e-9 for float sums
+    assert s["virtual_s"] / s["iterations"] == pytest.approx(he, rel=1e-9)

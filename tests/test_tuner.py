@@ -262,12 +262,12 @@ def test_trainer_stops_at_virtual_time_and_starts_from_given_weights(tmp_path):
         Trainer(cfg, tmp_path / "c", progress=False, initial_weights=torch.zeros(3)).run()
 
 
-def test_runtime_not_in_this_build_is_one_line_exit_2(tmp_path, capsys):
+def test_unknown_runtime_and_bad_budget_are_one_line_exit_2(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text(small_config().to_toml())
-    assert main(["tune", str(cfg), "--runtime", "dist", "--out", str(tmp_path / "t")]) == 2
+    assert main(["tune", str(cfg), "--runtime", "gpu", "--out", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "runtime = 'dist'" in err
+    assert len(err.splitlines()) == 1 and "runtime = 'gpu'" in err
     assert main(["tune", str(cfg), "--budget", "ten minutes"]) == 2
     assert "--budget 'ten minutes'" in capsys.readouterr().err
 

@@ -67,6 +67,7 @@ __all__ = [
     "pick_best",
     "joint_candidates",
     "rank_candidates",
+    "he_scales",
 ]
 
 
@@ -138,6 +139,9 @@ class ProbeResult:
             ``train_loss``, …).
         score_window: losses averaged by :attr:`score`.
         run_dir: where the probe's run directory is, if it has one.
+        train_wall_s: wall seconds of training (``wall_s`` less build and evaluations).
+        samples: training samples the probe processed.
+        notes: what else happened (e.g. a rank lost after the run completed).
     """
 
     candidate: Candidate
@@ -150,6 +154,9 @@ class ProbeResult:
     evals: list[dict[str, Any]] = field(default_factory=list)
     score_window: int = 10
     run_dir: str = ""
+    train_wall_s: float = 0.0
+    samples: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def score(self) -> float:
@@ -178,6 +185,9 @@ class ProbeResult:
             ),
             "diverged": self.diverged,
             "wall_s": self.wall_s,
+            "train_wall_s": self.train_wall_s,
+            "samples": self.samples,
+            "notes": self.notes,
             "iterations": self.iterations,
             "virtual_s": self.virtual_s,
             "losses": self.losses,
@@ -290,6 +300,10 @@ class OmnivoreSearch:
         log: the decision log.
         out_of_budget: returns True when the search budget is spent (checked before every
             probe).
+        ps_learners: learners of the parameter-server layouts (compute groups g > 1,
+            n-softsync); default λ. On real processes a server rank takes one of the
+            processes, so N processes hold λ = N learners in hardsync but N − S with S
+            server ranks.
     """
 
     def __init__(
@@ -300,8 +314,10 @@ class OmnivoreSearch:
         batch_size: int,
         log: DecisionLog,
         out_of_budget: Callable[[], bool] = lambda: False,
+        ps_learners: int | None = None,
     ) -> None:
         self.probe = probe
+        self.ps_learners = ps_learners or num_learners
         self.settings = settings
         self.num_learners = num_learners
         self.batch_size = batch_size
@@ -313,10 +329,11 @@ class OmnivoreSearch:
         self.he_by_g: dict[int, float] = {}
 
     def group_counts(self) -> list[int]:
-        """g = 1, 2, 4, … dividing λ, up to ``max_groups`` (0: λ)."""
-        lam = self.num_learners
+        """g = 1, 2, 4, … (g > 1 dividing the parameter-server layouts' λ), up to
+        ``max_groups`` (0: λ)."""
+        lam = self.ps_learners
         top = self.settings.max_groups or lam
-        gs, g = [], 1
+        gs, g = [1], 2
         while g <= min(top, lam):
             if lam % g == 0:
                 gs.append(g)
@@ -327,7 +344,7 @@ class OmnivoreSearch:
         b = batch or self.batch_size
         if g == 1:
             return Candidate("hardsync", self.num_learners, b, lr, momentum)
-        return Candidate("compute_groups", self.num_learners, b, lr, momentum, num_groups=g)
+        return Candidate("compute_groups", self.ps_learners, b, lr, momentum, num_groups=g)
 
     def _run(self, phase: str, cand: Candidate, snapshot: str) -> ProbeResult | None:
         hit = nan_pruned(cand.lr, cand.momentum, self.nan_points)
@@ -499,6 +516,7 @@ def joint_candidates(
     NaN are left out, as in the cold start.
     """
     lam = search.num_learners
+    ps_lam = search.ps_learners
     b0 = search.batch_size
     probed = {r.candidate for r in search.results}
     out: list[Candidate] = []
@@ -513,8 +531,10 @@ def joint_candidates(
             out.append(replace(c, batch_size=b, lr=c.lr * b / b0))
     if "softsync" in fams:
         for n in (1, 2, 4):
-            if lam % n == 0 and n < lam:
-                out.append(Candidate("softsync", lam, b0, chosen.lr, chosen.momentum, softsync=n))
+            if ps_lam % n == 0 and n < ps_lam:
+                out.append(
+                    Candidate("softsync", ps_lam, b0, chosen.lr, chosen.momentum, softsync=n)
+                )
     if "sma" in fams:
         g1 = search.best_by_g.get(1)
         lr1 = g1.candidate.lr if g1 is not None else chosen.lr
@@ -535,12 +555,32 @@ def joint_candidates(
     return uniq
 
 
+def he_scales(results: list[ProbeResult], cluster: ClusterModel) -> dict[str, float]:
+    """Measured over predicted hardware efficiency of the probed configurations.
+
+    For each protocol family probed (and ``"*"`` over all), the geometric mean of
+    ``measured seconds per iteration / seconds_per_iteration(layout, cluster)``; on real
+    processes it carries what the cluster model misses (the runtime's own overheads) to
+    the unprobed configurations of the family. Probes without a measurement are left out.
+    """
+    logs: dict[str, list[float]] = {}
+    for r in results:
+        he = r.seconds_per_iteration
+        pred = seconds_per_iteration(r.candidate.layout(), cluster)
+        if math.isfinite(he) and he > 0 and pred > 0:
+            ratio = math.log(he / pred)
+            logs.setdefault(r.candidate.family, []).append(ratio)
+            logs.setdefault("*", []).append(ratio)
+    return {k: math.exp(sum(v) / len(v)) for k, v in logs.items()}
+
+
 def rank_candidates(
     candidates: list[Candidate],
     reference: Candidate,
     reference_iterations: float,
     cluster: ClusterModel,
     noise_scale: float,
+    he_scale: dict[str, float] | None = None,
 ) -> list[tuple[float, Candidate]]:
     """Predicted time to accuracy ``HE · SE`` of each candidate, fastest first.
 
@@ -549,13 +589,18 @@ def rank_candidates(
     with the batch-size law (:func:`scale_iterations`, ``noise_scale`` = B_noise). With
     momentum retuned per g, Omnivore finds statistical efficiency nearly independent of
     asynchrony, so no staleness term is added; an SMA device computing k replicas counts
-    its devices' samples per iteration.
+    its devices' samples per iteration. ``he_scale`` (from :func:`he_scales`) multiplies
+    the model's HE of a family by its measured/predicted ratio (the family's own, else
+    ``"*"``, else 1).
     """
     b_ref = samples_per_iteration(reference.layout())
     ranked = []
     for c in candidates:
         b = samples_per_iteration(c.layout())
         se = scale_iterations(reference_iterations, b_ref, b, noise_scale)
-        ranked.append((seconds_per_iteration(c.layout(), cluster) * se, c))
+        scale = 1.0
+        if he_scale:
+            scale = he_scale.get(c.family, he_scale.get("*", 1.0))
+        ranked.append((seconds_per_iteration(c.layout(), cluster) * scale * se, c))
     ranked.sort(key=lambda t: t[0])
     return ranked

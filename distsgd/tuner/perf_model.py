@@ -44,6 +44,7 @@ __all__ = [
     "ErrorVsLoss",
     "allreduce_seconds",
     "compute_seconds",
+    "device_seconds",
     "fit_error_vs_loss",
     "fit_loss_curve",
     "iterations_to_loss",
@@ -111,6 +112,10 @@ class ClusterModel:
         t_server: parameter-server seconds per pushed gradient (0: the server never
             saturates, as on the simulated runtime); an asynchronous protocol cannot apply
             gradients faster than ``1 / t_server`` per second.
+        t_replica: SMA only: extra seconds each further replica adds when a device computes
+            its k replicas as one batched computation (``cluster.seconds_per_replica``);
+            None: ``t_batch`` (k separate minibatches), as the simulated runtime does when
+            it is not set.
     """
 
     t_batch: float
@@ -120,6 +125,7 @@ class ClusterModel:
     num_parameters: int = 0
     jitter: float = 0.0
     t_server: float = 0.0
+    t_replica: float | None = None
 
     @property
     def message_seconds(self) -> float:
@@ -135,6 +141,15 @@ class ClusterModel:
 def compute_seconds(batch_size: int | float, cluster: ClusterModel) -> float:
     """Seconds for one device to compute one minibatch of b samples: ``t_batch + b·t_sample``."""
     return cluster.t_batch + batch_size * cluster.t_sample
+
+
+def device_seconds(replicas: int, batch_size: int | float, cluster: ClusterModel) -> float:
+    """Seconds for one device to compute k = ``replicas`` replicas of b samples as one
+    batched computation: ``t_batch + (k − 1)·t_replica + k·b·t_sample`` (the simulated
+    runtime's :meth:`~distsgd.runtime.sim.DeviceProfile.device_seconds`; Crossbow, SPEC §4);
+    k = 1 is :func:`compute_seconds`."""
+    r = cluster.t_batch if cluster.t_replica is None else cluster.t_replica
+    return cluster.t_batch + (replicas - 1) * r + replicas * batch_size * cluster.t_sample
 
 
 def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
@@ -176,8 +191,10 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
     J(m) the straggler factor:
 
     * hardsync: ``J(λ)·t_c + AR(λ)`` (every learner, then one all-reduce; SPEC §1);
-    * SMA, k replicas per device: ``J(λ/k)·k·t_c + AR(λ/k)`` (a device computes its k
-      learners in turn; devices all-reduce their corrections; Crossbow, SPEC §4);
+    * SMA, k replicas per device: ``J(λ/k)·D(k) + AR(λ/k)`` with the device time
+      ``D(k) = t_batch + (k − 1)·t_replica + k·b·t_sample`` (:func:`device_seconds`: a
+      device computes its k learners as one batched computation; devices all-reduce
+      their corrections; Crossbow, SPEC §4);
     * compute groups: a group's cycle is ``2m + J(λ/g)·t_c + AR(λ/g)`` and the g groups run
       concurrently, so ``max(cycle / g, t_server)``: HE falls about as ``1/g`` until the
       parameter server saturates at ``t_server`` per push (Omnivore, SPEC §3);
@@ -195,7 +212,9 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
     if layout.family == "sma":
         k = layout.replicas_per_device
         devices = lam // k
-        return straggler_factor(devices, s) * k * tc + allreduce_seconds(devices, cluster)
+        return straggler_factor(devices, s) * device_seconds(k, b, cluster) + allreduce_seconds(
+            devices, cluster
+        )
     m = cluster.message_seconds
     if layout.family == "compute_groups":
         g = layout.num_groups

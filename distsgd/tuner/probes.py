@@ -1,11 +1,18 @@
 """Probes: short real training runs of candidate configurations through the Trainer.
 
 A probe is ``distsgd train`` of a candidate's config (:func:`candidate_config`), started
-from a snapshot's weights (``Trainer(initial_weights=...)``) and stopped after a fixed
-time on the runtime's clock: ``train.max_virtual_seconds`` (simulated seconds) on the
-``sim`` runtime, ``train.max_seconds`` (wall seconds of training) on real processes. Every
-tick's training loss is recorded (``Trainer(on_tick=...)``) for the score and the loss
-curve. Each probe writes an ordinary run directory under ``probes/``.
+from a snapshot's weights and stopped after a fixed time on the runtime's clock:
+``train.max_virtual_seconds`` (simulated seconds) on the ``sim`` runtime,
+``train.max_seconds`` (wall seconds of training, equal-wall-time probes as in Omnivore)
+on real processes. Each probe writes an ordinary run directory under ``probes/``.
+
+* ``sim``: the Trainer runs in this process from the in-memory snapshot
+  (``Trainer(initial_weights=...)``) and records every tick's training loss
+  (``Trainer(on_tick=...)``).
+* ``dist``: an ordinary dist training (:func:`distsgd.runtime.launch.run`); the snapshot
+  goes to the ranks as a file (``train.initial_weights``, under ``snapshots/``) and rank 0
+  writes every tick's loss to the probe's ``ticks.jsonl`` and the final central model to
+  ``final_weights.pt`` (``train.record_ticks``), which are read back here.
 """
 
 from __future__ import annotations
@@ -28,17 +35,11 @@ __all__ = ["candidate_config", "Prober", "check_runtime"]
 
 
 def check_runtime(runtime: str) -> None:
-    """Raise ConfigError when the tuner cannot probe on ``runtime``.
-
-    Probes start from an in-memory snapshot inside this process, which the simulated
-    runtime supports; probing on real processes (``dist``) is not supported yet: tune on
-    ``sim`` (its device profile is calibrated on this machine) and train the plan with
-    ``--runtime dist``.
-    """
-    if runtime != "sim":
+    """Raise ConfigError when the tuner cannot probe on ``runtime`` (``sim`` and ``dist``
+    are supported)."""
+    if runtime not in ("sim", "dist"):
         raise ConfigError(
-            f"runtime = {runtime!r} is not allowed for distsgd tune: expected 'sim' "
-            "(probes run on the simulated cluster; train the plan with --runtime dist)"
+            f"runtime = {runtime!r} is not allowed for distsgd tune: expected 'sim' or 'dist'"
         )
 
 
@@ -90,6 +91,12 @@ def candidate_config(base: RunConfig, cand: Candidate) -> RunConfig:
         schedule=dataclasses.replace(base.schedule, kind="constant", warmup_epochs=0.0),
         cluster=cluster,
     )
+
+
+def _status(run_dir: Path) -> str | None:
+    """``status`` of the run's ``summary.json`` (None without one)."""
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()).get("status") if path.exists() else None
 
 
 def _safe(text: str) -> str:
@@ -147,23 +154,37 @@ class Prober:
         snapshot: str,
         train: dict[str, Any],
         kind: str = "probe",
-    ) -> tuple[ProbeResult, Trainer]:
-        """Train ``cand`` from ``snapshot`` with ``train`` settings; record every tick."""
+    ) -> tuple[ProbeResult, torch.Tensor | None]:
+        """Train ``cand`` from ``snapshot`` with ``train`` settings; record every tick.
+
+        Returns:
+            (the result, the final central model ``[P]`` of a segment that did not
+            diverge, else None).
+        """
         cfg = candidate_config(self.base, cand)
         cfg = cfg.replace(train=dataclasses.replace(cfg.train, **train))
         self.count += 1
         run_dir = self.out_dir / "probes" / f"{self.count:03d}-{kind}-{_safe(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.score_window, run_dir=str(run_dir))
+        t0 = time.perf_counter()
+        if self.simulated:
+            final = self._run_sim(cfg, run_dir, snapshot, kind, result)
+        else:
+            final = self._run_dist(cfg, run_dir, snapshot, kind, result)
+        result.wall_s = time.perf_counter() - t0
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists():
+            result.evals = [json.loads(x) for x in metrics.read_text().splitlines() if x]
+        return result, final
 
+    def _run_sim(
+        self, cfg: RunConfig, run_dir: Path, snapshot: str, kind: str, result: ProbeResult
+    ) -> torch.Tensor | None:
         def on_tick(tick: Any, trainer: Trainer) -> None:
             if tick.losses:
                 result.losses.append(sum(tick.losses) / len(tick.losses))
                 result.iterations.append(trainer._iterations())
-                result.virtual_s.append(
-                    trainer.runtime.virtual_time
-                    if self.simulated
-                    else trainer.counters["train_wall_s"]
-                )
+                result.virtual_s.append(trainer.runtime.virtual_time)
 
         trainer = Trainer(
             cfg,
@@ -173,16 +194,62 @@ class Prober:
             on_tick=on_tick,
             evaluate=kind != "probe",  # a probe's score needs training losses only
         )
-        t0 = time.perf_counter()
         try:
             trainer.run()
         except TrainingDiverged:
             result.diverged = True
-        result.wall_s = time.perf_counter() - t0
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.exists():
-            result.evals = [json.loads(x) for x in metrics.read_text().splitlines() if x]
-        return result, trainer
+        result.train_wall_s = float(trainer.counters.get("train_wall_s", 0.0))
+        result.samples = int(trainer.runtime.samples)
+        if result.diverged or kind == "probe":
+            return None
+        return trainer.runtime.eval_weights().clone()
+
+    def snapshot_file(self, name: str) -> Path:
+        """The snapshot's weights as a file for the ranks (written once)."""
+        path = self.out_dir / "snapshots" / f"{_safe(name)}.pt"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(self.snapshots[name].clone(), path)
+        return path
+
+    def _run_dist(
+        self, cfg: RunConfig, run_dir: Path, snapshot: str, kind: str, result: ProbeResult
+    ) -> torch.Tensor | None:
+        from distsgd.runtime.launch import DistRunFailed, run
+
+        cfg = cfg.replace(
+            train=dataclasses.replace(
+                cfg.train,
+                initial_weights=str(self.snapshot_file(snapshot).resolve()),
+                record_ticks=True,
+                evaluate=kind != "probe",  # a probe's score needs training losses only
+            )
+        )
+        try:
+            run(cfg, run_dir)
+        except TrainingDiverged:
+            result.diverged = True
+        except DistRunFailed as e:
+            # a rank lost after rank 0 completed the run and wrote its files (e.g. one
+            # that aborted while exiting) leaves a complete probe; anything else is fatal
+            if _status(run_dir) != "completed":
+                raise
+            result.notes.append(f"completed; afterwards {e}")
+        ticks = run_dir / "ticks.jsonl"
+        for line in ticks.read_text().splitlines() if ticks.exists() else []:
+            rec = json.loads(line)
+            result.losses.append(rec["loss"])
+            result.iterations.append(rec["iterations"])
+            result.virtual_s.append(rec["train_wall_s"])
+        summary_path = run_dir / "summary.json"
+        if summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            result.train_wall_s = float(summary.get("train_wall_s") or 0.0)
+            result.samples = int(summary.get("samples") or 0)
+        final = run_dir / "final_weights.pt"
+        if result.diverged or kind == "probe" or not final.exists():
+            return None
+        return torch.load(final, weights_only=True)
 
     def __call__(self, cand: Candidate, snapshot: str) -> ProbeResult:
         """One equal-time probe (the :data:`~distsgd.tuner.omnivore.ProbeFn` interface)."""
@@ -216,9 +283,9 @@ class Prober:
             "checkpoint_every_evals": 0,
             "tensorboard": False,
         }
-        result, trainer = self.run(cand, snapshot, train, kind="segment")
-        if not result.diverged:
-            self.snapshots[name] = trainer.runtime.eval_weights().clone()
+        result, final = self.run(cand, snapshot, train, kind="segment")
+        if final is not None:
+            self.snapshots[name] = final
         summary_path = Path(result.run_dir) / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         return result, summary

@@ -3,7 +3,9 @@
 Phases (SPEC.md §3; every decision goes to ``decisions.jsonl`` with its reason):
 
 1. fix the device profile once (calibrated on this machine unless the config gives it),
-   so every probe runs on the same simulated cluster;
+   so every probe runs on the same simulated cluster; on real processes (``--runtime
+   dist``) also measure the network (:func:`~distsgd.runtime.netcal.calibrate_network`),
+   so the cluster model predicts the wall seconds per iteration of unprobed layouts;
 2. Omnivore's cold start from the initial weights (:class:`OmnivoreSearch`);
 3. the joint search beyond Omnivore: the performance model ranks unprobed protocol
    families, layouts and batch sizes, the best ``tune.extra_probes`` are probed;
@@ -17,8 +19,18 @@ Phases (SPEC.md §3; every decision goes to ``decisions.jsonl`` with its reason)
 
 Budget: the cold start and joint search may use up to ``1 − segment_fraction − 0.15`` of
 ``tune.budget_s``, the segment ``segment_fraction``, steady state the rest; a phase that
-finishes early leaves its time to the next. Probes on the ``sim`` runtime are equal in
-*simulated* time (``tune.probe_seconds`` on the virtual clock).
+finishes early leaves its time to the next. A step starts only if its expected wall cost
+fits, so the tune ends within the budget plus one step's overrun and the report
+(:mod:`distsgd.tuner.budget`); a budget below the setup and one probe is refused.
+
+Runtimes. ``sim``: probes are equal in *simulated* time (``tune.probe_seconds`` on the
+virtual clock) and every time is simulated seconds. ``dist`` (N processes,
+``dist.num_processes`` or what the base protocol needs): probes are ordinary dist
+trainings of ``tune.probe_seconds`` wall seconds of training (:class:`Prober`), the
+candidates are the layouts that fit N processes (hardsync on N learners, SMA on N devices,
+compute groups and n-softsync on N − ``dist.num_servers`` learners), HE is measured in wall
+seconds (the model's, scaled by measured / predicted, for unprobed layouts), so the
+prediction and ``verify`` compare wall seconds with wall seconds.
 """
 
 from __future__ import annotations
@@ -35,17 +47,20 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from distsgd.config import ConfigError, RunConfig
+from distsgd.config import ConfigError, RunConfig, required_processes
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
+from distsgd.runtime.netcal import calibrate_network
 from distsgd.runtime.sim import calibrate
 from distsgd.tuner import perf_model as pm
+from distsgd.tuner.budget import TuneBudget, first_probe_estimate
 from distsgd.tuner.omnivore import (
     Candidate,
     DecisionLog,
     OmnivoreSearch,
     ProbeResult,
+    he_scales,
     joint_candidates,
     pick_best,
     rank_candidates,
@@ -80,11 +95,21 @@ def parse_budget(text: str) -> float:
     return value
 
 
-def _fixed_profile(cfg: RunConfig) -> tuple[RunConfig, torch.Tensor, int]:
-    """Calibrate once (if needed) and make the seeded initial weights ``[P]``."""
-    torch.set_num_threads(cfg.train.num_threads or (os.cpu_count() or 1))
+def _fixed_profile(
+    cfg: RunConfig, num_processes: int = 1
+) -> tuple[RunConfig, torch.Tensor, int, dict[str, float]]:
+    """Calibrate once (if needed) and make the seeded initial weights ``[P]``; also time
+    loading the data (``build_s``) and one evaluation on the test set (``eval_s``), wall
+    seconds, for the budget (:mod:`distsgd.tuner.budget`). The device is timed with the
+    torch threads of one of ``num_processes`` processes sharing this machine
+    (``train.num_threads`` if set)."""
+    torch.set_num_threads(
+        cfg.train.num_threads or max(1, (os.cpu_count() or 1) // max(num_processes, 1))
+    )
     torch.manual_seed(cfg.train.seed)
+    t0 = time.perf_counter()
     ds = load_dataset(cfg.data, seed=cfg.train.seed)
+    build_s = time.perf_counter() - t0
     if cfg.cluster.needs_calibration:
         prof = calibrate(
             GradientEngine(build_model(cfg.model.name, ds.input_shape, ds.num_classes)), ds
@@ -97,8 +122,16 @@ def _fixed_profile(cfg: RunConfig) -> tuple[RunConfig, torch.Tensor, int]:
             )
         )
     torch.manual_seed(cfg.train.seed)  # the same initial weights as distsgd train
+    t0 = time.perf_counter()
     engine = GradientEngine(build_model(cfg.model.name, ds.input_shape, ds.num_classes))
-    return cfg, engine.initial_weights(), engine.num_parameters
+    build_s += time.perf_counter() - t0
+    initial = engine.initial_weights()
+    # one evaluation, timed on a part of the test set and scaled to all of it
+    n = min(ds.num_test, 2 * cfg.train.eval_batch_size)
+    t0 = time.perf_counter()
+    engine.evaluate(initial, ds.test_x[:n], ds.test_y[:n], cfg.train.eval_batch_size)
+    timings = {"build_s": build_s, "eval_s": (time.perf_counter() - t0) * ds.num_test / n}
+    return cfg, initial, engine.num_parameters, timings
 
 
 def cluster_model(cfg: RunConfig, num_parameters: int) -> pm.ClusterModel:
@@ -111,6 +144,7 @@ def cluster_model(cfg: RunConfig, num_parameters: int) -> pm.ClusterModel:
         bandwidth_gbps=c.bandwidth_gbps,
         num_parameters=num_parameters,
         jitter=c.jitter,
+        t_replica=c.seconds_per_replica if c.seconds_per_replica >= 0 else None,
     )
 
 
@@ -258,7 +292,12 @@ def verify_plan(tune_dir: Path, progress: bool = True) -> dict[str, Any]:
     if not plan.exists():
         raise ConfigError(f"{plan} does not exist: run distsgd tune first")
     cfg = RunConfig.from_toml(plan)
-    summary = Trainer(cfg, tune_dir / "verify", progress=progress).run()
+    if cfg.runtime == "dist":
+        from distsgd.runtime.launch import run
+
+        summary = run(cfg, tune_dir / "verify", progress=progress)
+    else:
+        summary = Trainer(cfg, tune_dir / "verify", progress=progress).run()
     state = json.loads((tune_dir / "tune.json").read_text())
     key = "time_to_accuracy_virtual_s" if cfg.runtime == "sim" else "time_to_accuracy_s"
     measured = summary.get(key)
@@ -345,7 +384,51 @@ def tune(
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     budget = settings.budget_s
-    cfg, initial, num_params = _fixed_profile(config)
+    # the layouts: λ learners of hardsync (devices of SMA) and of the parameter-server
+    # layouts; on real processes both come from the N processes (a server takes one)
+    lam = ps_lam = config.protocol.num_learners
+    num_processes = 1
+    if config.runtime == "dist":
+        num_processes = (
+            config.dist.num_processes or required_processes(config.protocol, config.dist)[0]
+        )
+        lam, ps_lam = num_processes, num_processes - config.dist.num_servers
+    cfg, initial, num_params, timings = _fixed_profile(config, num_processes)
+    network = None
+    if cfg.runtime == "dist":
+        t1 = time.perf_counter()
+        network = calibrate_network(num_params, repeats=10)
+        timings["build_s"] += time.perf_counter() - t1  # a dist run starts processes too
+        cfg = cfg.replace(
+            cluster=dataclasses.replace(
+                cfg.cluster,
+                latency_s=network.latency_s,
+                bandwidth_gbps=network.bandwidth_gbps,
+                jitter=0.0,
+            )
+        )
+    cluster = cluster_model(cfg, num_params)
+    first = Candidate("hardsync", lam, cfg.protocol.batch_size, 0.1, 0.0)
+    wall_per_clock = 1.0
+    if cfg.runtime == "sim":  # the simulation computes every learner in this one process
+        wall_per_clock = pm.compute_seconds(
+            pm.samples_per_iteration(first.layout()), cluster
+        ) / pm.seconds_per_iteration(first.layout(), cluster)
+    costs = TuneBudget(
+        budget,
+        settings.segment_fraction,
+        _STEADY_SHARE,
+        first_probe_estimate(settings.probe_seconds, wall_per_clock, timings["build_s"]),
+        timings["eval_s"],
+        start=t0,
+    )
+    if costs.minimum_s() > budget:
+        raise ConfigError(
+            f"--budget {budget:g}s is not allowed for this config: expected at least "
+            f"{math.ceil(costs.minimum_s())}s (the setup took {costs.elapsed():.1f} s and "
+            f"one probe of {settings.probe_seconds:g} s is expected to take "
+            f"{costs.first_probe_s:.1f} s wall)"
+        )
     bar = tqdm(
         total=round(budget),
         unit="s",
@@ -356,19 +439,43 @@ def tune(
     )
     log = DecisionLog(out / "decisions.jsonl", echo=tqdm.write if progress else None)
     c = cfg.cluster
-    log(
-        "setup",
-        f"device profile {c.seconds_per_batch * 1e3:.3f} ms/batch + "
-        f"{c.seconds_per_sample * 1e6:.1f} µs/sample, λ = {cfg.protocol.num_learners}",
-        "calibrated once on this machine so every probe runs on the same simulated cluster"
-        if config.cluster.needs_calibration
-        else "given by the config",
-    )
+    if cfg.runtime == "dist":
+        log(
+            "setup",
+            f"probes on {num_processes} real processes (dist runtime, wall clock): hardsync "
+            f"and SMA on λ = {lam} learners (devices), the parameter-server layouts on "
+            f"λ = {ps_lam} learners and {cfg.dist.num_servers} server rank(s)",
+            "candidates are limited to layouts that fit the processes",
+        )
+        assert network is not None
+        log(
+            "setup",
+            f"cluster model of this machine: device {c.seconds_per_batch * 1e3:.3f} ms/batch "
+            f"+ {c.seconds_per_sample * 1e6:.1f} µs/sample, network latency "
+            f"{network.latency_s * 1e6:.1f} µs, bandwidth {network.bandwidth_gbps:.3f} Gbit/s",
+            (
+                "device calibrated with one process's threads"
+                if config.cluster.needs_calibration
+                else "device profile given by the config"
+            )
+            + "; network measured between two gloo processes (netcal); it predicts the "
+            "wall seconds per iteration of unprobed configurations (no jitter term), scaled "
+            "by measured / predicted of the probed ones",
+        )
+    else:
+        log(
+            "setup",
+            f"device profile {c.seconds_per_batch * 1e3:.3f} ms/batch + "
+            f"{c.seconds_per_sample * 1e6:.1f} µs/sample, λ = {cfg.protocol.num_learners}",
+            "calibrated once on this machine so every probe runs on the same simulated cluster"
+            if config.cluster.needs_calibration
+            else "given by the config",
+        )
     prober = Prober(cfg, out, settings.probe_seconds, settings.score_window, initial)
     clock = "simulated" if prober.simulated else "wall"
 
     def elapsed() -> float:
-        return time.perf_counter() - t0
+        return costs.elapsed()
 
     def tick_bar(phase: str, extra: str = "") -> None:
         bar.n = min(round(elapsed()), bar.total)
@@ -377,23 +484,38 @@ def tune(
     def probe(cand: Candidate, snapshot: str) -> ProbeResult:
         tick_bar("probe", cand.label())
         r = prober(cand, snapshot)
+        costs.record_probe(r.wall_s, r.train_wall_s)
+        for note in r.notes:
+            log("probe", f"note on {cand.label()}", note)
         tick_bar("probe", cand.label())
         return r
 
-    search_end = budget * (1 - settings.segment_fraction - _STEADY_SHARE)
+    search_end = costs.search_end
     search = OmnivoreSearch(
         probe,
         settings,
-        cfg.protocol.num_learners,
+        lam,
         cfg.protocol.batch_size,
         log,
-        out_of_budget=lambda: elapsed() >= search_end,
+        ps_learners=ps_lam,
+        # the first probe may use the whole budget (a plan needs one), the others must be
+        # expected to end within the search's share
+        out_of_budget=lambda: not costs.may_probe(search_end if search.results else None),
     )
     log(
         "setup",
         f"probes of {settings.probe_seconds:g} {clock} seconds each",
         "equal-time probes from the same snapshot fold hardware and statistical efficiency "
         "into one score (Omnivore)",
+    )
+    log(
+        "setup",
+        f"budget {budget:g} s wall; a step starts only if its expected cost fits in the "
+        "time left to its phase",
+        f"setup took {costs.elapsed():.1f} s; first probe expected to take "
+        f"{costs.first_probe_s:.1f} s wall, later ones as long as the longest so far; "
+        f"one evaluation {timings['eval_s']:.2f} s. Slack: one step's overrun of its "
+        "expected cost, plus writing the plan and report",
     )
     best = search.cold_start("initial")
     if best is None:
@@ -405,14 +527,14 @@ def tune(
     chosen = best
 
     # ---- beyond Omnivore: joint search ranked by the performance model ----------------
-    cluster = cluster_model(cfg, num_params)
     ref = chosen.candidate
     b_ref = pm.samples_per_iteration(ref.layout())
     noise = settings.noise_scale or float(b_ref)
     ranked: list[tuple[float, Candidate]] = []
     if settings.extra_probes > 0:
         cands = joint_candidates(search, ref, settings)
-        ranked = rank_candidates(cands, ref, 1.0, cluster, noise)
+        scales = he_scales(search.results, cluster) if not prober.simulated else None
+        ranked = rank_candidates(cands, ref, 1.0, cluster, noise, he_scale=scales)
         ref_time = pm.seconds_per_iteration(ref.layout(), cluster)
         log(
             "joint",
@@ -424,8 +546,14 @@ def tune(
         )
         extra: list[ProbeResult] = []
         for t_pred, cand in ranked[: settings.extra_probes]:
-            if elapsed() >= search_end:
-                log("joint", f"skip {cand.label()}", "search budget spent")
+            if not costs.may_probe(search_end):
+                log(
+                    "joint",
+                    f"skip {cand.label()}",
+                    f"search budget spent: a probe is expected to take "
+                    f"{costs.expected_probe_s():.1f} s, {max(costs.left(search_end), 0):.1f} s "
+                    "left to the search",
+                )
                 continue
             log(
                 "joint",
@@ -461,39 +589,58 @@ def tune(
     # ---- the long run of the best configuration ---------------------------------------
     seg_share = budget * settings.segment_fraction
     reserve = budget * _STEADY_SHARE + 0.4 * seg_share  # steady state and the second run
-    seg_wall = max(0.6 * seg_share, budget - reserve - elapsed(), 1.0)
     eval_every = min(cfg.train.eval_every_samples or _PLAN_EVAL_EVERY, _PLAN_EVAL_EVERY)
-    log(
-        "segment",
-        f"train {chosen.candidate.label()} from the initial weights",
-        f"until {100 * cfg.train.target_accuracy:g}% test accuracy or {seg_wall:.0f} wall "
-        f"seconds of training, evaluating every {eval_every} samples (Omnivore's long run; "
-        "it gives the steady-state snapshot and the loss curve for the SE fit)",
-    )
-    tick_bar("segment", chosen.candidate.label())
-    segment, seg_summary = prober.segment(chosen.candidate, seg_wall, eval_every, "segment")
-    tick_bar("segment")
-    seg_epochs = float(seg_summary.get("epochs", 0.0) or 0.0)
-    log(
-        "segment",
-        "reached the target" if seg_summary.get("reached") else "stopped before the target",
-        f"best accuracy {seg_summary.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} "
-        f"epochs, {seg_summary.get('virtual_s', 0):.2f} {clock} s, "
-        f"{seg_summary.get('train_wall_s', 0):.1f} wall s of training",
-    )
-    segments = [segment]
-    summaries = [seg_summary]
+    rate = chosen.samples / chosen.train_wall_s if chosen.train_wall_s > 0 else math.nan
+    seg_wall = costs.segment_seconds(rate, eval_every, keep_s=reserve)
+    if seg_wall <= 0:  # then without the reserve: the later phases need this run
+        seg_wall = costs.segment_seconds(rate, eval_every)
+    segments: list[ProbeResult] = []
+    summaries: list[dict[str, Any]] = []
+    seg_epochs = 0.0
+    seg_summary: dict[str, Any] = {}
+    if seg_wall <= 0:
+        log(
+            "segment",
+            "skipped the long run",
+            f"{max(costs.left(), 0):.1f} s of the budget left, less than a run of one probe's "
+            "training plus its build and evaluations; the plan is the cold start's choice "
+            "without a predicted time to accuracy",
+        )
+    else:
+        log(
+            "segment",
+            f"train {chosen.candidate.label()} from the initial weights",
+            f"until {100 * cfg.train.target_accuracy:g}% test accuracy or {seg_wall:.1f} wall "
+            f"seconds of training, evaluating every {eval_every} samples (Omnivore's long "
+            "run; it gives the steady-state snapshot and the loss curve for the SE fit; its "
+            "length is what the budget leaves after its evaluations and the later phases)",
+        )
+        tick_bar("segment", chosen.candidate.label())
+        segment, seg_summary = prober.segment(chosen.candidate, seg_wall, eval_every, "segment")
+        tick_bar("segment")
+        seg_epochs = float(seg_summary.get("epochs", 0.0) or 0.0)
+        log(
+            "segment",
+            "reached the target" if seg_summary.get("reached") else "stopped before the target",
+            f"best accuracy {seg_summary.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} "
+            f"epochs, {seg_summary.get('virtual_s', 0):.2f} {clock} s, "
+            f"{seg_summary.get('train_wall_s', 0):.1f} wall s of training",
+        )
+        segments.append(segment)
+        summaries.append(seg_summary)
 
     # ---- steady state and the run after it ----------------------------------------------
     steady: Candidate | None = None
     switch: Candidate | None = None
-    if segment.diverged:
+    if not segments:
+        log("steady state", "skipped", "no long run; no snapshot")
+    elif segments[0].diverged:
         log("steady state", "skipped", "the long run diverged; no snapshot")
     elif seg_summary.get("reached"):
         log("steady state", "skipped", "the long run reached the target: the plan is that run")
     else:
-        steady_end = elapsed() + budget * _STEADY_SHARE
-        search.out_of_budget = lambda: elapsed() >= steady_end
+        steady_end = costs.elapsed() + budget * _STEADY_SHARE
+        search.out_of_budget = lambda: not costs.may_probe(steady_end)
         steady = search.steady_state(chosen.candidate, "segment")
         switch = dataclasses.replace(chosen.candidate, lr=steady.lr)
         if switch != steady:
@@ -503,29 +650,41 @@ def tune(
                 f"steady state recommends {steady.label()}; a run config can change only η "
                 "mid-run (a step of the schedule), so the family, layout and μ stay",
             )
-        wall2 = max(0.4 * seg_share, budget - elapsed(), 1.0)
+        seg_rate = (
+            segments[0].samples / segments[0].train_wall_s if segments[0].train_wall_s > 0 else rate
+        )
+        wall2 = costs.segment_seconds(seg_rate, eval_every)
         left = max((cfg.train.max_epochs or 10.0) - seg_epochs, 0.01)
-        log(
-            "segment",
-            f"train {switch.label()} from the long run's snapshot",
-            f"until the target, {left:.2f} more epochs or {wall2:.0f} wall seconds of training "
-            "(the plan's second phase; it measures the time to accuracy with the step)",
-        )
-        tick_bar("segment 2", switch.label())
-        seg2, sum2 = prober.segment(
-            switch, wall2, eval_every, "segment2", snapshot="segment", max_epochs=left
-        )
-        tick_bar("segment 2")
-        segments.append(seg2)
-        summaries.append(sum2)
-        log(
-            "segment",
-            "reached the target" if sum2.get("reached") else "stopped before the target",
-            f"best accuracy {sum2.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} + "
-            f"{float(sum2.get('epochs', 0) or 0):.3f} epochs",
-        )
+        if wall2 <= 0:
+            log(
+                "segment",
+                f"skipped the run of {switch.label()} from the long run's snapshot",
+                f"{max(costs.left(), 0):.1f} s of the budget left, less than a run of one "
+                "probe's training plus its build and evaluations",
+            )
+        else:
+            log(
+                "segment",
+                f"train {switch.label()} from the long run's snapshot",
+                f"until the target, {left:.2f} more epochs or {wall2:.1f} wall seconds of "
+                "training (the plan's second phase; it measures the time to accuracy with "
+                "the step)",
+            )
+            tick_bar("segment 2", switch.label())
+            seg2, sum2 = prober.segment(
+                switch, wall2, eval_every, "segment2", snapshot="segment", max_epochs=left
+            )
+            tick_bar("segment 2")
+            segments.append(seg2)
+            summaries.append(sum2)
+            log(
+                "segment",
+                "reached the target" if sum2.get("reached") else "stopped before the target",
+                f"best accuracy {sum2.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} + "
+                f"{float(sum2.get('epochs', 0) or 0):.3f} epochs",
+            )
     measured_chain = None
-    last = summaries[-1]
+    last = summaries[-1] if summaries else {}
     if last.get("reached"):
         key = "time_to_accuracy_virtual_s" if prober.simulated else "time_to_accuracy_s"
         earlier = sum(
@@ -557,11 +716,11 @@ def tune(
     # what the model expects on larger clusters (simulated runtime only)
     extrapolation = []
     se_ref = prediction["iterations_to_target"]
-    if math.isfinite(se_ref):
-        lam = cfg.protocol.num_learners
+    if math.isfinite(se_ref) and prober.simulated:  # larger simulated clusters
+        lam0 = cfg.protocol.num_learners
         b_plan = pm.samples_per_iteration(chosen.candidate.layout())
         for mult in (1, 2, 4, 8):
-            lam2 = lam * mult
+            lam2 = lam0 * mult
             for g in sorted({1, 2, 4, lam2 // 4, lam2} - {0}):
                 if lam2 % g:
                     continue
@@ -593,9 +752,17 @@ def tune(
         "runtime": cfg.runtime,
         "clock": clock,
         "budget_s": budget,
+        "budget_costs": {
+            "first_probe_expected_s": costs.first_probe_s,
+            "probe_wall_s_max": costs.expected_probe_s(),
+            "eval_s": costs.eval_s,
+            "slack": "one step's overrun of its expected cost, plus writing the plan and report",
+        },
         "tuning_wall_s": elapsed(),
         "target_accuracy": cfg.train.target_accuracy,
-        "num_learners": cfg.protocol.num_learners,
+        "num_learners": lam,
+        "num_processes": num_processes if cfg.runtime == "dist" else None,
+        "network": None if network is None else dataclasses.asdict(network),
         "device_profile": {
             "seconds_per_batch": cfg.cluster.seconds_per_batch,
             "seconds_per_sample": cfg.cluster.seconds_per_sample,

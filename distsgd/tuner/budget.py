@@ -1,0 +1,152 @@
+"""The wall-clock budget of ``distsgd tune``: which step may still start, and how long a long
+run may train.
+
+``distsgd tune --budget B`` keeps its wall time within B plus a stated slack:
+
+* a step starts only if its **expected** wall cost fits in the time left to its phase's end
+  (:meth:`TuneBudget.may_probe`); the expected cost of a probe is the largest wall cost of
+  the probes measured so far (before the first: an estimate from the setup, see
+  :func:`first_probe_estimate`), so only a probe slower than every earlier one can
+  overrun, by its excess over that expectation;
+* a long run ("segment") trains for :meth:`TuneBudget.segment_seconds` wall seconds: what is
+  left after its build, its evaluations (each timed once in the setup) and the time kept
+  for the later phases; a segment with less than one probe's training time left is
+  skipped;
+* before the search, a budget that cannot hold the setup and one probe is refused
+  (:meth:`TuneBudget.minimum_s`, a figure computed from the measured setup and the
+  expected probe cost, named in the error).
+
+Slack (stated in the decision log and ``tune.json``): at most one step's overrun of its
+expected cost, plus writing the plan and the report after the budget.
+
+Phases (shares of B, as in :mod:`distsgd.tuner.tune`): the cold start and joint search end
+at ``(1 − segment_fraction − steady_share)·B`` (the first cold-start probe may use the whole
+budget: a plan needs one), the long run gets ``segment_fraction·B`` plus what the search
+left, steady state ``steady_share·B``, the second long run the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+__all__ = ["TuneBudget", "first_probe_estimate"]
+
+
+def first_probe_estimate(
+    probe_seconds: float, wall_per_clock_second: float, build_s: float
+) -> float:
+    """Expected wall seconds of the first probe: ``build_s + probe_seconds · wall_per_clock_second``.
+
+    Args:
+        probe_seconds: probe length on the runtime's clock (simulated or wall seconds).
+        wall_per_clock_second: wall seconds one second of that clock takes here (1 on real
+            processes; on the simulated cluster the one-process computation of every
+            learner over the simulated iteration time, from the device profile).
+        build_s: wall seconds to build a run (data, model), measured in the setup.
+    """
+    return build_s + probe_seconds * wall_per_clock_second
+
+
+class TuneBudget:
+    """Budget decisions of one tune (pure bookkeeping over a clock, so tests can drive it
+    with a fake clock).
+
+    Args:
+        total_s: the budget B, wall seconds (> 0).
+        segment_fraction: share of B for the long run (``tune.segment_fraction``).
+        steady_share: share of B for steady state.
+        first_probe_s: expected wall seconds of the first probe.
+        eval_s: wall seconds of one evaluation on the test set (measured in the setup).
+        clock: seconds, monotonic (default :func:`time.perf_counter`).
+        start: the clock's reading when the tune started (default: now).
+    """
+
+    def __init__(
+        self,
+        total_s: float,
+        segment_fraction: float,
+        steady_share: float,
+        first_probe_s: float,
+        eval_s: float,
+        clock: Callable[[], float] = time.perf_counter,
+        start: float | None = None,
+    ) -> None:
+        self.total_s = float(total_s)
+        self.segment_fraction = segment_fraction
+        self.steady_share = steady_share
+        self.first_probe_s = first_probe_s
+        self.eval_s = eval_s
+        self.clock = clock
+        self.start = clock() if start is None else start
+        self.probe_walls: list[float] = []
+        self.build_walls: list[float] = []
+
+    # ---- clock -------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        """Wall seconds since the tune started."""
+        return self.clock() - self.start
+
+    def left(self, end_s: float | None = None) -> float:
+        """Seconds until ``end_s`` (seconds from the start; default the whole budget)."""
+        return (self.total_s if end_s is None else end_s) - self.elapsed()
+
+    @property
+    def search_end(self) -> float:
+        """End of the cold start and joint search, seconds from the start."""
+        return self.total_s * (1 - self.segment_fraction - self.steady_share)
+
+    # ---- probes ------------------------------------------------------------------------
+    def record_probe(self, wall_s: float, train_wall_s: float) -> None:
+        """A finished probe: its whole wall cost and the part of it that was training."""
+        self.probe_walls.append(wall_s)
+        self.build_walls.append(max(wall_s - train_wall_s, 0.0))
+
+    def expected_probe_s(self) -> float:
+        """Expected wall seconds of the next probe: the largest measured so far (the first
+        estimate before any)."""
+        return max(self.probe_walls) if self.probe_walls else self.first_probe_s
+
+    def expected_build_s(self) -> float:
+        """Wall seconds of a run's build and end outside its training (largest measured)."""
+        return max(self.build_walls) if self.build_walls else 0.0
+
+    def may_probe(self, end_s: float | None = None) -> bool:
+        """True when the next probe is expected to finish before ``end_s`` (default: the
+        whole budget)."""
+        return self.expected_probe_s() <= self.left(end_s)
+
+    def minimum_s(self) -> float:
+        """The least budget that holds what was spent so far (the setup) and one probe."""
+        return self.elapsed() + self.first_probe_s
+
+    # ---- long runs ---------------------------------------------------------------------
+    def segment_seconds(
+        self, samples_per_s: float, eval_every_samples: int, keep_s: float = 0.0
+    ) -> float:
+        """Training wall seconds t of a long run that fit in the time left minus ``keep_s``.
+
+        The run costs ``build + t + eval_s · (2 + t · samples_per_s / eval_every_samples)``
+        (an evaluation at its start, one every ``eval_every_samples`` training samples and
+        one at its end); t solves that equal to the time available. Returns 0 when t would
+        be shorter than one probe's training (the run is then skipped).
+
+        Args:
+            samples_per_s: training throughput of the run's configuration, samples per wall
+                second (measured by its probes).
+            eval_every_samples: evaluation interval, samples (> 0).
+            keep_s: seconds kept for later phases.
+        """
+        avail = self.left() - keep_s - self.expected_build_s() - 2 * self.eval_s
+        per_s = 1.0 + (
+            self.eval_s * samples_per_s / eval_every_samples
+            if math.isfinite(samples_per_s) and samples_per_s > 0
+            else 0.0
+        )
+        t = avail / per_s
+        shortest = min(
+            (w - b for w, b in zip(self.probe_walls, self.build_walls, strict=True)),
+            default=0.0,
+        )
+        return t if t > 0 and t >= shortest else 0.0

@@ -1,0 +1,103 @@
+"""The tune's wall-clock budget, decided on a fake clock with a fake prober: the search and
+the long runs end within the budget, with at most one probe's overrun of its expected cost;
+a budget too small for the setup and one probe is refused with one line."""
+
+import pytest
+
+from distsgd.cli import main
+from distsgd.tuner.budget import TuneBudget, first_probe_estimate
+
+from .conftest import small_config
+from .test_tuner import FakeProbe, make_search
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def run_tune_steps(budget_s, probe_costs, setup_s=1.0, eval_s=0.5, build_s=0.4):
+    """The tune's phases (cold start, long run, steady state, second long run) driven by
+    the budget's decisions; every probe advances the fake clock by its cost. Returns
+    (clock seconds used, probes run, long-run training seconds) or None when refused."""
+    clock = FakeClock()
+    tb = TuneBudget(budget_s, 0.35, 0.15, first_probe_s=probe_costs(0), eval_s=eval_s, clock=clock)
+    clock.t += setup_s
+    if tb.minimum_s() > budget_s:
+        return None
+    count = [0]
+
+    def score(cand, snapshot):
+        cost = probe_costs(count[0])
+        count[0] += 1
+        clock.t += cost
+        tb.record_probe(cost, cost - build_s)
+        return 1.0 + abs(cand.momentum - 0.6) + abs(cand.lr - 0.01)
+
+    probe = FakeProbe(score)
+    search = make_search(probe, lam=4)
+    search.out_of_budget = lambda: not tb.may_probe(tb.search_end if search.results else None)
+    best = search.cold_start()
+    assert best is not None  # the first probe always fits a budget that was not refused
+    rate, every = 2000.0, 500  # samples per wall second, evaluation interval
+    trained = []
+
+    def long_run(keep_s=0.0):
+        t = tb.segment_seconds(rate, every, keep_s)
+        if t > 0:  # build, evaluations at start, every `every` samples and at the end
+            clock.t += build_s + t + eval_s * (2 + t * rate / every)
+            trained.append(t)
+
+    long_run(keep_s=budget_s * 0.15 + 0.4 * 0.35 * budget_s)
+    steady_end = tb.elapsed() + 0.15 * budget_s
+    search.out_of_budget = lambda: not tb.may_probe(steady_end)
+    search.steady_state(best.candidate, "segment")
+    long_run()
+    return clock.t - tb.start, len(probe.calls), trained
+
+
+@pytest.mark.parametrize("budget_s", [6.0, 9.0, 20.0, 90.0, 600.0])
+def test_steps_at_their_expected_cost_end_within_the_budget(budget_s):
+    out = run_tune_steps(budget_s, lambda i: 3.0)
+    assert out is not None
+    used, probes, trained = out
+    assert used <= budget_s + 1e-9
+    assert probes >= 1
+    if budget_s >= 90:  # room for the search, a long run and steady state
+        assert probes > 4 and trained
+
+
+def test_one_slow_probe_overruns_by_its_excess_only():
+    # the 4th probe takes 7 s instead of the 3 s measured so far: later probes expect 7 s
+    costs = lambda i: 7.0 if i == 3 else 3.0  # noqa: E731
+    for budget_s in (10.0, 15.0, 30.0, 90.0):
+        used, _, _ = run_tune_steps(budget_s, costs)
+        assert used <= budget_s + (7.0 - 3.0) + 1e-9
+
+
+def test_budget_below_setup_and_one_probe_is_refused():
+    assert run_tune_steps(3.9, lambda i: 3.0) is None  # 1 s setup + 3 s probe > 3.9 s
+    assert run_tune_steps(4.0, lambda i: 3.0) is not None
+
+
+def test_segment_seconds_accounts_for_build_and_evaluations():
+    clock = FakeClock()
+    tb = TuneBudget(100.0, 0.35, 0.15, first_probe_s=2.0, eval_s=1.0, clock=clock)
+    tb.record_probe(2.0, 1.5)  # build 0.5 s, 1.5 s of training
+    # 100 − 10 kept − 0.5 build − 2 evaluations = 87.5 = t (1 + 1 s · 1000/s / 1000)
+    assert tb.segment_seconds(1000.0, 1000, keep_s=10.0) == pytest.approx(87.5 / 2)
+    clock.t += 97.0  # 3 s left: less than one probe's training after build and evaluations
+    assert tb.segment_seconds(1000.0, 1000) == 0.0
+    assert first_probe_estimate(2.0, 1.5, 0.3) == pytest.approx(3.3)
+
+
+def test_tune_refuses_a_budget_below_its_computed_minimum(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(small_config(protocol={"num_learners": 2, "batch_size": 16}).to_toml())
+    assert main(["tune", str(cfg), "--budget", "0.001", "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--budget 0.001s is not allowed for this config: expected at least" in err
