@@ -51,7 +51,7 @@ def calibrated_cluster(sma_batch: int, threads: int) -> dict[str, float]:
     torch.manual_seed(0)
     engine = GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes))
     prof = calibrate(engine, ds)
-    r = calibrate_replicas(engine, ds, sma_batch, prof)
+    r, _ = calibrate_replicas(engine, ds, sma_batch, prof)
     return {
         "seconds_per_batch": prof.seconds_per_batch,
         "seconds_per_sample": prof.seconds_per_sample,

@@ -364,13 +364,17 @@ class ClusterConfig:
         seconds_per_sample: per-sample compute time in seconds; negative (-1) means
             calibrate on this machine with the configured model.
         seconds_per_batch: fixed per-minibatch overhead in seconds; negative means calibrate.
-        seconds_per_replica: SMA / local SGD only: extra seconds each further replica on a
-            device adds when the device computes its k replicas as one batched computation
-            (:meth:`distsgd.engine.GradientEngine.replica_gradients`): one device's
-            iteration takes ``seconds_per_batch + (k − 1) · seconds_per_replica +
-            k · b · seconds_per_sample`` (so ``seconds_per_replica = seconds_per_batch``
-            means k replicas cost k separate minibatches). Negative (-1) means calibrate on
-            this machine when the run has k > 1 or ``replicas_per_device = "auto"``.
+        seconds_per_replica: SMA / local SGD only: seconds each further replica (with
+            its own b samples) adds to a device that computes its k replicas as one
+            batched computation (:meth:`distsgd.engine.GradientEngine.replica_gradients`):
+            one device's iteration takes ``t(k) = t(1) + (k − 1) · seconds_per_replica``
+            with ``t(1) = seconds_per_batch + b · seconds_per_sample`` (so
+            ``seconds_per_replica = t(1)`` means k replicas cost k separate minibatches,
+            and ``0.4 · t(1)`` that each further replica costs 40% of one). Negative (-1)
+            means calibrate on this machine when the run has k > 1 or
+            ``replicas_per_device = "auto"``: t(k) is measured at the run's b for k in
+            {1, 2, 4} and the value is fitted so that the modelled t(k)/t(1) follow the
+            measured ratios (:func:`distsgd.runtime.sim.fit_seconds_per_replica`).
         speed_factors: relative speed of each learner (e.g. ``[10, 10, 1, 1]`` for two GPUs
             and two CPUs); empty means all 1. Length must equal λ if given.
         jitter: relative spread of compute times (0 = deterministic equal-speed schedule).

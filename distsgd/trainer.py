@@ -160,14 +160,21 @@ class Trainer:
         if replicated and (k > 1 or p.auto_replicas) and cfg.cluster.seconds_per_replica < 0:
             # the k-dependent device profile: measured where the profile is, else the
             # profile's own "k separate minibatches"
-            r = cfg.cluster.seconds_per_batch
+            base = DeviceProfile(cfg.cluster.seconds_per_batch, cfg.cluster.seconds_per_sample)
+            r = base.compute_seconds(p.batch_size)
             if self.profile_calibrated:
-                r = calibrate_replicas(
+                r, measured = calibrate_replicas(
                     GradientEngine(build_model(cfg.model.name, shape, classes)),
                     self.dataset,
                     p.batch_size,
-                    DeviceProfile(cfg.cluster.seconds_per_batch, cfg.cluster.seconds_per_sample),
+                    base,
                 )
+                # measured vs modelled t(k)/t(1), for summary.json
+                t1 = base.compute_seconds(p.batch_size)
+                self.replica_calibration = {
+                    "measured_ratios": {str(k): t / measured[1] for k, t in measured.items()},
+                    "modelled_ratios": {str(k): 1 + (k - 1) * r / t1 for k in measured},
+                }
             self.cfg = cfg = cfg.replace(
                 cluster=dataclasses.replace(cfg.cluster, seconds_per_replica=r)
             )
@@ -749,6 +756,7 @@ class Trainer:
                 "seconds_per_sample": cfg.cluster.seconds_per_sample,
                 "seconds_per_replica": cfg.cluster.seconds_per_replica,
                 "calibrated": self.profile_calibrated,
+                **getattr(self, "replica_calibration", {}),
             },
             "finished_at": datetime.now().isoformat(timespec="seconds"),
         }

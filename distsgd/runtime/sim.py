@@ -11,9 +11,10 @@ Timing model (all in virtual seconds):
   ``(seconds_per_batch + b · seconds_per_sample) / speed_l · J`` where J is a seeded
   log-normal factor with mean 1 and relative spread ``jitter``;
 * synchronous protocols with k replicas per device (SMA, local SGD), which a device
-  computes as one batched computation: ``(seconds_per_batch + (k − 1) ·
-  seconds_per_replica + k · b · seconds_per_sample) / speed_d · J`` per device (speed_d:
-  the slowest of its learners; k = 1 is the line above);
+  computes as one batched computation: ``(seconds_per_batch + b · seconds_per_sample +
+  (k − 1) · seconds_per_replica) / speed_d · J`` per device (speed_d: the slowest of its
+  learners; k = 1 is the line above; ``seconds_per_replica``: what one further replica
+  with its b samples adds, calibrated by :func:`calibrate_replicas`);
 * one message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``;
 * ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``.
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -52,6 +54,8 @@ __all__ = [
     "DeviceProfile",
     "calibrate",
     "calibrate_replicas",
+    "fit_seconds_per_replica",
+    "measure_replica_seconds",
     "SimRuntime",
     "Tick",
     "TrainingDiverged",
@@ -70,6 +74,9 @@ class DeviceProfile:
         seconds_per_batch: fixed cost per minibatch, seconds (>= 0).
         seconds_per_sample: marginal cost per sample, seconds (>= 0).
         calibrated: True when measured on this machine by :func:`calibrate`.
+        seconds_per_replica: seconds one further replica (with its own b samples) adds to
+            a device's batched iteration of k replicas (>= 0); None: one minibatch's
+            ``compute_seconds(b)``, i.e. k replicas cost k separate minibatches.
     """
 
     seconds_per_batch: float
@@ -82,15 +89,12 @@ class DeviceProfile:
 
     def device_seconds(self, replicas: int, batch_size: int) -> float:
         """One iteration of k = ``replicas`` replicas × b = ``batch_size`` samples on one
-        device, as one batched computation: ``seconds_per_batch + (k − 1) ·
-        seconds_per_replica + k · b · seconds_per_sample`` (``seconds_per_replica`` None:
-        ``seconds_per_batch``, i.e. k separate minibatches)."""
-        r = self.seconds_per_batch if self.seconds_per_replica is None else self.seconds_per_replica
-        return (
-            self.seconds_per_batch
-            + (replicas - 1) * r
-            + replicas * batch_size * self.seconds_per_sample
-        )
+        device, as one batched computation: ``t(k) = t(1) + (k − 1) · seconds_per_replica``
+        with ``t(1) = seconds_per_batch + b · seconds_per_sample`` (``seconds_per_replica``
+        None: ``t(1)``, i.e. k separate minibatches), seconds."""
+        t1 = self.compute_seconds(batch_size)
+        r = t1 if self.seconds_per_replica is None else self.seconds_per_replica
+        return t1 + (replicas - 1) * r
 
 
 def calibrate(
@@ -139,50 +143,105 @@ def calibrate(
     return DeviceProfile(per_batch, per_sample, calibrated=True)
 
 
+REPLICA_CALIBRATION_KS = (1, 2, 4)
+
+
+def measure_replica_seconds(
+    engine: GradientEngine,
+    dataset: Dataset,
+    batch_size: int,
+    replicas: tuple[int, ...] = REPLICA_CALIBRATION_KS,
+    repeats: int = 5,
+) -> dict[int, float]:
+    """Seconds of one iteration of k replicas × b samples on this machine, for each k.
+
+    Times :meth:`GradientEngine.replica_gradients` (the path SMA and local SGD take, so
+    for ``cnn`` at b <= 32 the batched ``grouped`` path) at ``batch_size`` b, after one
+    warm-up per k. The k are timed in turn in each of ``repeats`` rounds (so a change of
+    the machine's load during the measurement reaches every k alike) and each k's median
+    is kept (one disturbed round cannot move it). k with k·b above the training set are
+    left out.
+
+    Returns:
+        ``{k: median seconds}``, wall seconds, with k = 1 always present.
+    """
+    w = engine.initial_weights()
+    n = dataset.num_train
+    inputs = {}
+    for k in replicas:
+        if k * batch_size > n and k > 1:
+            continue
+        kb = min(k * batch_size, n)
+        x = dataset.train_x[:kb].reshape(k, kb // k, *dataset.train_x.shape[1:])
+        y = dataset.train_y[:kb].reshape(k, kb // k)
+        inputs[k] = (w.expand(k, -1).clone(), x, y)
+        engine.replica_gradients(*inputs[k])  # warm-up: one-off costs of a new shape
+    times: dict[int, list[float]] = {k: [] for k in inputs}
+    for _ in range(repeats):
+        for k, args in inputs.items():
+            t0 = time.perf_counter()
+            engine.replica_gradients(*args)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def fit_seconds_per_replica(
+    measured: dict[int, float], profile: DeviceProfile, batch_size: int
+) -> float:
+    """``seconds_per_replica`` r such that the modelled ratios t(k)/t(1) follow the
+    measured ones.
+
+    The simulated runtime charges ``t(k) = t(1) + (k − 1)·r`` with ``t(1) =
+    profile.compute_seconds(b)`` (:meth:`DeviceProfile.device_seconds`). The
+    replicas auto-tuner decides on throughput ratios T(k)/T(k−1) = k·t(k−1) / ((k−1)·t(k))
+    (Crossbow, arXiv:1901.02244, §4.3), so what the model must reproduce is the measured
+    *shape* t_m(k)/t_m(1), not the absolute seconds (t(1) comes from the large-batch
+    profile and may differ from t_m(1) at small b). With ρ_k = t_m(k)/t_m(1) the model's
+    ratio is 1 + (k − 1)·c with c = r / t(1); c is fitted by least squares,
+    c = Σ (k − 1)(ρ_k − 1) / Σ (k − 1)², which reproduces every ρ_k exactly when the
+    measured ratios lie on a line in k (always with one k > 1), and r = c·t(1).
+
+    Args:
+        measured: ``{k: seconds of one iteration of k replicas × b}`` (e.g.
+            :func:`measure_replica_seconds`), containing k = 1 and at least one k > 1.
+        profile: the run's device profile (seconds_per_batch, seconds_per_sample).
+        batch_size: b, the run's per-replica batch.
+
+    Returns:
+        r >= 0, seconds (0 when the measured ratios do not grow with k: a further replica
+        measured free).
+
+    Raises:
+        ValueError: k = 1 or every k > 1 missing, or a measured time <= 0.
+    """
+    if 1 not in measured or len(measured) < 2 or min(measured.values()) <= 0:
+        raise ValueError(f"need positive seconds at k = 1 and a k > 1, got {measured!r}")
+    t1 = measured[1]
+    num = sum((k - 1) * (t / t1 - 1.0) for k, t in measured.items() if k > 1)
+    den = sum((k - 1) ** 2 for k in measured if k > 1)
+    return max(num / den, 0.0) * profile.compute_seconds(batch_size)
+
+
 def calibrate_replicas(
     engine: GradientEngine,
     dataset: Dataset,
     batch_size: int,
     profile: DeviceProfile,
-    replicas: tuple[int, ...] = (2, 4, 8, 16),
-    repeats: int = 3,
-) -> float:
-    """Measure k replicas as one computation on this machine; fit ``seconds_per_replica``.
-
-    Times :meth:`GradientEngine.replica_gradients` (the path SMA and local SGD use) for
-    k = 1 and each k in ``replicas`` at ``batch_size`` b (fastest of ``repeats`` after one
-    warm-up). The model ``t(k) = t(1) + (k − 1)(r + b·s)`` (``s``:
-    ``profile.seconds_per_sample``) is fitted by least squares in r, measured against
-    t(1) of the same session, so an error of the linear profile at b cancels.
+    replicas: tuple[int, ...] = REPLICA_CALIBRATION_KS,
+    repeats: int = 5,
+) -> tuple[float, dict[int, float]]:
+    """Measure k replicas as one computation on this machine and fit
+    ``seconds_per_replica`` (:func:`measure_replica_seconds`, then
+    :func:`fit_seconds_per_replica`; k = 1 is always measured).
 
     Returns:
-        ``seconds_per_replica`` r >= 0, seconds.
+        (``seconds_per_replica`` r >= 0 in seconds, the measured ``{k: median seconds}``).
     """
-    w = engine.initial_weights()
-    n = dataset.num_train
-    t1 = 0.0
-    num, den = 0.0, 0.0
-    for k in (1, *replicas):
-        if k * batch_size > n:
-            break
-        weights = w.expand(k, -1).clone()
-        x = dataset.train_x[: k * batch_size].reshape(k, batch_size, *dataset.train_x.shape[1:])
-        y = dataset.train_y[: k * batch_size].reshape(k, batch_size)
-        engine.replica_gradients(weights, x, y)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            engine.replica_gradients(weights, x, y)
-            times.append(time.perf_counter() - t0)
-        t = min(times)
-        if k == 1:
-            t1 = t
-            continue
-        num += (k - 1) * (t - t1 - (k - 1) * batch_size * profile.seconds_per_sample)
-        den += (k - 1) ** 2
-    if den == 0:
-        return profile.seconds_per_batch
-    return max(num / den, 0.0)
+    ks = tuple(sorted({1, *replicas}))
+    measured = measure_replica_seconds(engine, dataset, batch_size, ks, repeats)
+    if len(measured) < 2:
+        return profile.compute_seconds(batch_size), measured
+    return fit_seconds_per_replica(measured, profile, batch_size), measured
 
 
 @dataclass

@@ -112,10 +112,10 @@ class ClusterModel:
         t_server: parameter-server seconds per pushed gradient (0: the server never
             saturates, as on the simulated runtime); an asynchronous protocol cannot apply
             gradients faster than ``1 / t_server`` per second.
-        t_replica: SMA only: extra seconds each further replica adds when a device computes
-            its k replicas as one batched computation (``cluster.seconds_per_replica``);
-            None: ``t_batch`` (k separate minibatches), as the simulated runtime does when
-            it is not set.
+        t_replica: SMA only: seconds each further replica (with its b samples) adds when
+            a device computes its k replicas as one batched computation
+            (``cluster.seconds_per_replica``); None: ``t_batch + b·t_sample`` (k separate
+            minibatches), as the simulated runtime does when it is not set.
     """
 
     t_batch: float
@@ -145,11 +145,12 @@ def compute_seconds(batch_size: int | float, cluster: ClusterModel) -> float:
 
 def device_seconds(replicas: int, batch_size: int | float, cluster: ClusterModel) -> float:
     """Seconds for one device to compute k = ``replicas`` replicas of b samples as one
-    batched computation: ``t_batch + (k − 1)·t_replica + k·b·t_sample`` (the simulated
+    batched computation: ``t_batch + b·t_sample + (k − 1)·t_replica`` (the simulated
     runtime's :meth:`~distsgd.runtime.sim.DeviceProfile.device_seconds`; Crossbow, SPEC §4);
     k = 1 is :func:`compute_seconds`."""
-    r = cluster.t_batch if cluster.t_replica is None else cluster.t_replica
-    return cluster.t_batch + (replicas - 1) * r + replicas * batch_size * cluster.t_sample
+    t1 = compute_seconds(batch_size, cluster)
+    r = t1 if cluster.t_replica is None else cluster.t_replica
+    return t1 + (replicas - 1) * r
 
 
 def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
@@ -192,7 +193,7 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
 
     * hardsync: ``J(λ)·t_c + AR(λ)`` (every learner, then one all-reduce; SPEC §1);
     * SMA, k replicas per device: ``J(λ/k)·D(k) + AR(λ/k)`` with the device time
-      ``D(k) = t_batch + (k − 1)·t_replica + k·b·t_sample`` (:func:`device_seconds`: a
+      ``D(k) = t_batch + b·t_sample + (k − 1)·t_replica`` (:func:`device_seconds`: a
       device computes its k learners as one batched computation; devices all-reduce
       their corrections; Crossbow, SPEC §4);
     * compute groups: a group's cycle is ``2m + J(λ/g)·t_c + AR(λ/g)`` and the g groups run
