@@ -469,3 +469,26 @@ def test_autotune_on_two_ranks_agrees_resumes_and_replays_on_the_simulator(tmp_p
         a, b = protocol_state(tmp_path / "sim", key), protocol_state(dist_dir, key)
         assert a.shape == b.shape
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("protocol", [AUTO_SMA, AUTO_LOCAL_SGD], ids=["sma", "local_sgd"])
+def test_autotune_ranks_decide_together_when_their_measurements_disagree(
+    tmp_path, monkeypatch, protocol
+):
+    """Rank 0 counts a constant 1 ms per iteration (alone it would add replicas up to
+    autotune_max_replicas = 4), rank 1 counts 10 ms · k² (alone it would remove the
+    second replica at once). The tuner is fed the all-reduced maximum of each interval's
+    seconds, i.e. rank 1's, so both ranks must take rank 1's decisions, add then remove,
+    and both hold k = 1 at the end (local SGD: 6 averaging periods, 288 samples, before the
+    second decision). Fed each rank's own seconds, rank 0 ends at k = 4."""
+    monkeypatch.setenv("DISTSGD_TEST_SECONDS", "0:0.001:0,1:0.01:2")
+    run = tmp_path / "dist"
+    summary = train(config(protocol, "dist", max_epochs=0.5), out_dir=run)
+    assert summary["status"] == "completed"
+    log = json.loads((run / "autotune.json").read_text())
+    assert [(d["k_before"], d["action"]) for d in log["decisions"]] == [(1, "add"), (2, "remove")]
+    assert log["decisions"][1]["gain"] == pytest.approx(-0.5)  # 2 × 10 ms / (40 ms) − 1
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    # each rank's own k: the replicas it holds
+    assert [r["protocol"]["replicas"].shape[0] for r in state["runtime"]["ranks"]] == [1, 1]
+    assert summary["replicas_per_device"] == 1 and summary["num_learners"] == 2
