@@ -155,7 +155,9 @@ class ProtocolConfig:
         autotune_threshold: with ``replicas_per_device = "auto"``: add a replica per device
             while throughput improves by more than this fraction (0.10 = 10%), in (0, 10].
         autotune_interval: with ``"auto"``: iterations over which each k's throughput is
-            measured, >= 1 (the first iteration after a change is not counted).
+            measured, >= 1 (the first iteration after a change is not counted). For local
+            SGD the tuner observes averaging periods, so this counts averaging periods of
+            H iterations (and the uncounted first one is a period too).
         autotune_max_replicas: with ``"auto"``: the largest k tried, >= 1.
         autotune_rule: with ``"auto"``: ``"crossbow"`` (SPEC §4: continue while the total
             throughput gain of an added replica is above the threshold) or ``"marginal"``

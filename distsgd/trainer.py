@@ -57,19 +57,24 @@ _RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint.pt")
 _log = logging.getLogger("distsgd.autotune")
 
 
-def _layout(cfg: RunConfig) -> str:
+def _layout(cfg: RunConfig, num_learners: int | None = None, replicas: int | None = None) -> str:
+    """The run's layout in one line, e.g. ``"λ=4 b=8 k=2"``: as configured, or with the
+    λ and k (replicas per device) the run holds now where given (``"k=2 (auto)"`` when
+    the auto-tuner chose it)."""
     p = cfg.protocol
-    base = f"λ={p.num_learners} b={p.batch_size}"
+    lam = p.num_learners if num_learners is None else num_learners
+    base = f"λ={lam} b={p.batch_size}"
+    if p.name in ("sma", "local_sgd"):
+        k = f"k={p.replicas_per_device if replicas is None else replicas}"
+        if replicas is not None and p.auto_replicas:
+            k += " (auto)"
+        return f"{base} {k}" if p.name == "sma" else f"{base} {k} H={p.average_every}"
     if p.name == "parameter_server":
         if p.mode == "softsync":
             return f"{base} {p.softsync}-softsync"
         return f"{base} {p.mode}"
     if p.name == "compute_groups":
         return f"{base} g={p.num_groups}"
-    if p.name == "sma":
-        return f"{base} k={p.replicas_per_device}"
-    if p.name == "local_sgd":
-        return f"{base} H={p.average_every}"
     return base
 
 
@@ -716,7 +721,7 @@ class Trainer:
             "stop_reason": c["stop_reason"],
             "protocol": p.name,
             "runtime": cfg.runtime,
-            "layout": _layout(cfg),
+            "layout": _layout(cfg, rt.num_learners, getattr(rt, "replicas_per_device", None)),
             "model": cfg.model.name,
             "dataset": cfg.data.dataset,
             "num_learners": rt.num_learners,

@@ -492,3 +492,30 @@ def test_autotune_ranks_decide_together_when_their_measurements_disagree(
     # each rank's own k: the replicas it holds
     assert [r["protocol"]["replicas"].shape[0] for r in state["runtime"]["ranks"]] == [1, 1]
     assert summary["replicas_per_device"] == 1 and summary["num_learners"] == 2
+
+
+# ---- ending the rank processes -------------------------------------------------------------
+def test_a_rank_aborting_after_it_finished_does_not_fail_the_run(tmp_path, monkeypatch, capfd):
+    """Rank 1 ends by SIGABRT after it has finished (as a C++ destructor aborting at
+    interpreter shutdown did): the run is complete, the launcher returns rank 0's summary
+    and names the signal as coming after the rank's part of the run, not as a loss."""
+    monkeypatch.setenv("DISTSGD_TEST_ABORT_AT_EXIT", "1")
+    sma = {"name": "sma", "num_learners": 2, "batch_size": 16, "alpha": 0.0}
+    summary = train(config(sma, "dist", max_epochs=0.25), out_dir=tmp_path / "run")
+    assert summary["status"] == "completed"
+    err = capfd.readouterr().err
+    assert "rank 1 (device" in err and "SIGABRT after it had finished its part of the run" in err
+
+
+def test_outcome_of_a_rank_that_aborts_before_or_after_it_finished(tmp_path):
+    from distsgd.metrics import write_json
+    from distsgd.runtime.launch import _outcome
+
+    cfg = config({"name": "sma", "num_learners": 2, "batch_size": 16}, "dist")
+    write_json(tmp_path / "summary.json", {"status": "completed"})
+    done = {"kind": "done", "message": ""}
+    # rank 0 wrote its summary and reported done, then died by SIGABRT: the run stands
+    assert _outcome(cfg, tmp_path, {0: -6, 1: 0}, {}, {0: done, 1: done}) == {"status": "completed"}
+    # a rank lost before it finished (no "done") fails the run, named with its signal
+    with pytest.raises(DistRunFailed, match=r"rank 1 \(device\) was killed by SIGABRT"):
+        _outcome(cfg, tmp_path, {0: 0, 1: -6}, {1: -6}, {0: done})

@@ -390,6 +390,9 @@ def test_autotune_end_to_end_on_the_simulated_cluster(tmp_path, protocol):
     expected = _tune(lambda k: prof.device_seconds(k, 8)).k
     assert log["done"] and log["k"] == expected == summary["replicas_per_device"]
     assert summary["num_learners"] == 2 * expected
+    # the layout at the end: the λ and k the run holds, not "k=auto"
+    h = " H=2" if protocol == "local_sgd" else ""
+    assert summary["layout"] == f"λ={2 * expected} b=8 k={expected} (auto){h}"
     assert {"k_before", "k_after", "throughput", "action", "reason"} <= set(log["decisions"][0])
     assert log["decisions"][-1]["action"] == "remove"
 
@@ -524,3 +527,9 @@ def test_autotune_resume_in_the_middle_of_a_measurement(tmp_path):
     wa = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["protocol"]
     wb = torch.load(tmp_path / "half" / "checkpoint.pt", weights_only=True)["protocol"]
     assert torch.equal(wa["central"], wb["central"])
+
+
+@pytest.mark.parametrize("threshold, shown", [(0.1, "10%"), (0.105, "10.5%"), (0.005, "0.5%")])
+def test_decision_reason_shows_the_threshold_as_given(threshold, shown):
+    tuner = _tune(lambda k: float(k), threshold=threshold)  # no gain: add, then remove
+    assert tuner.decisions[-1].reason.endswith(f"is not above the threshold {shown}")

@@ -40,7 +40,9 @@ computed by a learner);
 ``DISTSGD_TEST_SECONDS="<rank>:<a>:<p>[,…]"`` — on the synchronous runtime that rank counts
 ``a · k^p`` seconds for each iteration at k replicas instead of its measured wall seconds
 (so that the ranks' own measurements would lead the replicas auto-tuner to different
-decisions; the all-reduced maximum must make them agree).
+decisions; the all-reduced maximum must make them agree);
+``DISTSGD_TEST_ABORT_AT_EXIT="<rank>"`` — that rank ends by SIGABRT after finishing
+(:func:`distsgd.runtime.launch.exit_worker`).
 """
 
 from __future__ import annotations
@@ -719,4 +721,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from distsgd.runtime.launch import exit_worker
+
+    exit_worker(main)
