@@ -359,6 +359,7 @@ def exit_worker(main: Callable[[], int]) -> NoReturn:
     docstring). Test hook: ``DISTSGD_TEST_ABORT_AT_EXIT=<rank>`` makes that rank end by
     ``os.abort()`` here instead (SIGABRT after finishing, as that shutdown abort would).
     """
+    import logging
     import traceback
 
     try:
@@ -368,6 +369,7 @@ def exit_worker(main: Callable[[], int]) -> NoReturn:
     except BaseException:  # noqa: BLE001 - report any failure as status 1, as Python does
         traceback.print_exc()
         code = 1
+    logging.shutdown()  # flush log handlers: os._exit skips atexit
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
