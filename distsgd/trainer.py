@@ -41,6 +41,7 @@ from distsgd.models import build_model
 from distsgd.protocols import build_protocol
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.runtime.sim import (
+    REPLICA_CALIBRATION_MAX_K,
     DeviceProfile,
     SimRuntime,
     Tick,
@@ -162,33 +163,37 @@ class Trainer:
         p = cfg.protocol
         replicated = p.name in ("sma", "local_sgd")
         k = p.initial_replicas_per_device if replicated else 1
-        if replicated and (k > 1 or p.auto_replicas) and cfg.cluster.seconds_per_replica < 0:
-            # the k-dependent device profile: measured where the profile is, else the
-            # profile's own "k separate minibatches"
-            base = DeviceProfile(cfg.cluster.seconds_per_batch, cfg.cluster.seconds_per_sample)
-            r = base.compute_seconds(p.batch_size)
+        c = cfg.cluster
+        if (
+            replicated
+            and (k > 1 or p.auto_replicas)
+            and c.seconds_per_replica < 0
+            and not c.replica_ratios
+        ):
+            # the k-dependent device profile: t(k)/t(1) measured at the run's b where the
+            # profile is calibrated, else the profile's own "k separate minibatches"
             if self.profile_calibrated:
-                r, measured = calibrate_replicas(
+                # the fixed k, or the k the tuner is likely to try (beyond, the model
+                # continues the last measured step)
+                top = min(p.autotune_max_replicas, REPLICA_CALIBRATION_MAX_K)
+                ratios, _ = calibrate_replicas(
                     GradientEngine(build_model(cfg.model.name, shape, classes)),
                     self.dataset,
                     p.batch_size,
-                    base,
+                    max_replicas=top if p.auto_replicas else k,
                 )
-                # measured vs modelled t(k)/t(1), for summary.json
-                t1 = base.compute_seconds(p.batch_size)
-                self.replica_calibration = {
-                    "measured_ratios": {str(k): t / measured[1] for k, t in measured.items()},
-                    "modelled_ratios": {str(k): 1 + (k - 1) * r / t1 for k in measured},
-                }
-            self.cfg = cfg = cfg.replace(
-                cluster=dataclasses.replace(cfg.cluster, seconds_per_replica=r)
-            )
-        r = cfg.cluster.seconds_per_replica
+                c = dataclasses.replace(c, replica_ratios=ratios)
+            if not c.replica_ratios:
+                t1 = c.seconds_per_batch + p.batch_size * c.seconds_per_sample
+                c = dataclasses.replace(c, seconds_per_replica=t1)
+            self.cfg = cfg = cfg.replace(cluster=c)
+        r = c.seconds_per_replica
         profile = DeviceProfile(
-            cfg.cluster.seconds_per_batch,
-            cfg.cluster.seconds_per_sample,
+            c.seconds_per_batch,
+            c.seconds_per_sample,
             self.profile_calibrated,
             seconds_per_replica=r if r >= 0 else None,
+            replica_ratios=tuple(c.replica_ratios),
         )
         torch.manual_seed(cfg.train.seed)  # same seed => same initial weights
         self.engine = GradientEngine(build_model(cfg.model.name, shape, classes))
@@ -761,7 +766,7 @@ class Trainer:
                 "seconds_per_sample": cfg.cluster.seconds_per_sample,
                 "seconds_per_replica": cfg.cluster.seconds_per_replica,
                 "calibrated": self.profile_calibrated,
-                **getattr(self, "replica_calibration", {}),
+                "replica_ratios": cfg.cluster.replica_ratios,
             },
             "finished_at": datetime.now().isoformat(timespec="seconds"),
         }

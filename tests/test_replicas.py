@@ -437,73 +437,70 @@ def test_default_alpha_is_one_over_all_learners_across_devices():
 
 
 # ---- calibration of the k-replica profile (stubbed timings: no wall clock is asserted) ---
-# t(k)/t(1) of the batched path: +46% samples/s at k = 2 (t(2)/t(1) = 2/1.46) and a
-# linear continuation (cnn, b = 8, one thread, the shape measured on this machine)
-_SLOPE = 2 / 1.46 - 1
-_RATIOS = {1: 1.0, 2: 1 + _SLOPE, 4: 1 + 3 * _SLOPE}
+# t(k)/t(1) of the batched path with the shape measured on this machine (cnn, b = 8, one
+# thread, bench/results/replica_calibration.md): a second replica costs little, later
+# ones about a full replica; no single per-replica cost reproduces it
+_RATIOS = [1.0, 1.15, 1.62, 2.2]
 
 
 @pytest.mark.parametrize("t1", [3e-3, 0.5])  # the absolute seconds do not matter
-def test_fitted_replica_profile_reproduces_measured_ratios(t1):
-    from distsgd.runtime.sim import fit_seconds_per_replica
+def test_calibrated_profile_reproduces_the_measured_ratios(t1):
+    from distsgd.runtime.sim import replica_ratios
 
+    ratios = replica_ratios({k: t1 * q for k, q in enumerate(_RATIOS, 1)})
     # a large-batch profile whose t(1) at b = 8 is far from the measured t(1)
-    prof = DeviceProfile(0.0, 2e-4)
-    r = fit_seconds_per_replica({k: t1 * q for k, q in _RATIOS.items()}, prof, 8)
-    fitted = DeviceProfile(0.0, 2e-4, seconds_per_replica=r)
-    for k, q in _RATIOS.items():
-        # rel 1e-12: float rounding of the fit only
-        assert fitted.device_seconds(k, 8) / fitted.device_seconds(1, 8) == pytest.approx(
-            q, rel=1e-12
-        )
-
-
-def test_fitted_replica_profile_is_least_squares_in_the_ratios():
-    from distsgd.runtime.sim import fit_seconds_per_replica
-
-    prof = DeviceProfile(1e-3, 1e-4)
-    t1 = prof.compute_seconds(8)
-    # ratios off a line: c = Σ(k−1)(ρ−1) / Σ(k−1)² = (0.3 + 3·1.5) / 10
-    r = fit_seconds_per_replica({1: 1.0, 2: 1.3, 4: 2.5}, prof, 8)
-    assert r / t1 == pytest.approx(0.48, rel=1e-12)
-    # a further replica measured free (or faster): no negative cost
-    assert fit_seconds_per_replica({1: 1.0, 2: 0.9}, prof, 8) == 0.0
+    prof = DeviceProfile(0.0, 2e-4, replica_ratios=tuple(ratios))
+    for k, q in enumerate(_RATIOS, 1):
+        # rel 1e-12: float rounding of the division only
+        assert prof.device_seconds(k, 8) / prof.device_seconds(1, 8) == pytest.approx(q, rel=1e-12)
+    # beyond the measured k: the last measured step (2.2 − 1.62) continues
+    assert prof.device_seconds(6, 8) / prof.device_seconds(1, 8) == pytest.approx(2.2 + 2 * 0.58)
     with pytest.raises(ValueError, match="k = 1"):
-        fit_seconds_per_replica({2: 1.0, 4: 2.0}, prof, 8)
+        replica_ratios({1: 1.0, 3: 2.0})
+
+
+@pytest.mark.parametrize(
+    "value", [[1.2, 2.0], [1.0], [1.0, 0.0], [1.0, float("nan")], [1.0, True], "1,2"]
+)
+def test_replica_ratios_are_validated(value):
+    with pytest.raises(ConfigError, match="cluster.replica_ratios"):
+        small_config(cluster={"replica_ratios": value})
 
 
 def test_simulated_tuner_follows_the_calibrated_curve(tmp_path, monkeypatch):
     """Calibration (stubbed measured seconds) → simulated device profile → tuner: the
-    ratios in summary.json are the measured ones, and every decision's gain is the gain of
-    the modelled curve T(k)/T(k−1) − 1 (jitter 0: the simulated seconds are the model's)."""
+    ratios in config.toml / summary.json are the measured ones, and every decision's gain
+    is the measured curve's T(k)/T(k−1) − 1 (jitter 0: simulated seconds are the model's)."""
     import distsgd.runtime.sim as sim
 
-    monkeypatch.setattr(
-        sim, "measure_replica_seconds", lambda *a, **kw: {k: 0.01 * q for k, q in _RATIOS.items()}
-    )
-    cfg = _auto_config()
+    asked = []
+
+    def measure(engine, dataset, b, ks, repeats=5):
+        asked.append(ks)
+        return {k: 0.01 * q for k, q in zip(ks, _RATIOS, strict=False)}
+
+    monkeypatch.setattr(sim, "measure_replica_seconds", measure)
+    cfg = _auto_config(autotune_max_replicas=4)
     cfg = cfg.replace(
         cluster=dataclasses.replace(
             cfg.cluster, seconds_per_sample=-1.0, seconds_per_batch=-1.0, seconds_per_replica=-1.0
         )
     )
     summary = distsgd.train(cfg, out_dir=tmp_path / "run")
-    prof_cfg = summary["device_profile"]
-    for k, q in _RATIOS.items():
-        assert prof_cfg["measured_ratios"][str(k)] == pytest.approx(q, rel=1e-12)
-        assert prof_cfg["modelled_ratios"][str(k)] == pytest.approx(q, rel=1e-9)
-    prof = DeviceProfile(
-        prof_cfg["seconds_per_batch"],
-        prof_cfg["seconds_per_sample"],
-        seconds_per_replica=prof_cfg["seconds_per_replica"],
-    )
+    assert asked == [(1, 2, 3, 4)]  # every k up to autotune_max_replicas
+    assert summary["device_profile"]["replica_ratios"] == pytest.approx(_RATIOS, rel=1e-12)
     log = json.loads((tmp_path / "run" / "autotune.json").read_text())
+    measured_gain = {k: k * _RATIOS[k - 2] / ((k - 1) * _RATIOS[k - 1]) - 1 for k in (2, 3, 4)}
     for d in log["decisions"][1:]:
-        k = d["k_before"]
-        curve = k * prof.device_seconds(k - 1, 8) / ((k - 1) * prof.device_seconds(k, 8)) - 1
-        assert d["gain"] == pytest.approx(curve, rel=1e-6)  # float sums of virtual time
-    # +42% at k = 2, +16% at k = 3, +9% at k = 4: stops at k = 3
-    assert log["done"] and log["k"] == 3 == _tune(lambda k: prof.device_seconds(k, 8)).k
+        # rel 1e-6: float sums of virtual time over the interval
+        assert d["gain"] == pytest.approx(measured_gain[d["k_before"]], rel=1e-6)
+    # +74% at k = 2, then +6.5% at k = 3: back to k = 2, as on the measured curve
+    assert [(d["k_before"], d["action"]) for d in log["decisions"]] == [
+        (1, "add"),
+        (2, "add"),
+        (3, "remove"),
+    ]
+    assert log["k"] == 2 == _tune(lambda k: _RATIOS[k - 1], max_replicas=4).k
 
 
 def test_autotune_resume_in_the_middle_of_a_measurement(tmp_path):

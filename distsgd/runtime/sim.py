@@ -11,10 +11,11 @@ Timing model (all in virtual seconds):
   ``(seconds_per_batch + b · seconds_per_sample) / speed_l · J`` where J is a seeded
   log-normal factor with mean 1 and relative spread ``jitter``;
 * synchronous protocols with k replicas per device (SMA, local SGD), which a device
-  computes as one batched computation: ``(seconds_per_batch + b · seconds_per_sample +
-  (k − 1) · seconds_per_replica) / speed_d · J`` per device (speed_d: the slowest of its
-  learners; k = 1 is the line above; ``seconds_per_replica``: what one further replica
-  with its b samples adds, calibrated by :func:`calibrate_replicas`);
+  computes as one batched computation: ``t(1) · ρ(k) / speed_d · J`` per device, with
+  ``t(1) = seconds_per_batch + b · seconds_per_sample`` and ρ(k) the t(k)/t(1) of the
+  batched path measured on this machine at the run's b (``cluster.replica_ratios``,
+  :func:`calibrate_replicas`), or ``ρ(k) = 1 + (k − 1) · seconds_per_replica / t(1)``
+  without a measurement (speed_d: the slowest of its learners; k = 1 is the line above);
 * one message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``;
 * ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``.
 
@@ -49,13 +50,14 @@ from distsgd.data import Dataset, LearnerStream, ShardedSampler
 from distsgd.engine import GradientEngine
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol, Update
 from distsgd.protocols.hardsync import HardSync
+from distsgd.tuner.perf_model import replica_ratio
 
 __all__ = [
     "DeviceProfile",
     "calibrate",
     "calibrate_replicas",
-    "fit_seconds_per_replica",
     "measure_replica_seconds",
+    "replica_ratios",
     "SimRuntime",
     "Tick",
     "TrainingDiverged",
@@ -77,22 +79,28 @@ class DeviceProfile:
         seconds_per_replica: seconds one further replica (with its own b samples) adds to
             a device's batched iteration of k replicas (>= 0); None: one minibatch's
             ``compute_seconds(b)``, i.e. k replicas cost k separate minibatches.
+        replica_ratios: measured t(k)/t(1) for k = 1, 2, … (empty: use
+            ``seconds_per_replica``); see :func:`distsgd.tuner.perf_model.replica_ratio`.
     """
 
     seconds_per_batch: float
     seconds_per_sample: float
     calibrated: bool = False
     seconds_per_replica: float | None = None
+    replica_ratios: tuple[float, ...] = ()
 
     def compute_seconds(self, batch_size: int) -> float:
         return self.seconds_per_batch + batch_size * self.seconds_per_sample
 
     def device_seconds(self, replicas: int, batch_size: int) -> float:
         """One iteration of k = ``replicas`` replicas × b = ``batch_size`` samples on one
-        device, as one batched computation: ``t(k) = t(1) + (k − 1) · seconds_per_replica``
-        with ``t(1) = seconds_per_batch + b · seconds_per_sample`` (``seconds_per_replica``
-        None: ``t(1)``, i.e. k separate minibatches), seconds."""
+        device, as one batched computation, seconds: ``t(1) · replica_ratio(k)`` with
+        measured ``replica_ratios`` (Crossbow's learners per device, SPEC §4), else
+        ``t(k) = t(1) + (k − 1) · seconds_per_replica`` (None: ``t(1)``, i.e. k separate
+        minibatches), with ``t(1) = seconds_per_batch + b · seconds_per_sample``."""
         t1 = self.compute_seconds(batch_size)
+        if self.replica_ratios:
+            return t1 * replica_ratio(replicas, self.replica_ratios)
         r = t1 if self.seconds_per_replica is None else self.seconds_per_replica
         return t1 + (replicas - 1) * r
 
@@ -143,14 +151,14 @@ def calibrate(
     return DeviceProfile(per_batch, per_sample, calibrated=True)
 
 
-REPLICA_CALIBRATION_KS = (1, 2, 4)
+REPLICA_CALIBRATION_MAX_K = 8
 
 
 def measure_replica_seconds(
     engine: GradientEngine,
     dataset: Dataset,
     batch_size: int,
-    replicas: tuple[int, ...] = REPLICA_CALIBRATION_KS,
+    replicas: tuple[int, ...],
     repeats: int = 5,
 ) -> dict[int, float]:
     """Seconds of one iteration of k replicas × b samples on this machine, for each k.
@@ -163,19 +171,19 @@ def measure_replica_seconds(
     left out.
 
     Returns:
-        ``{k: median seconds}``, wall seconds, with k = 1 always present.
+        ``{k: median seconds}``, wall seconds.
     """
     w = engine.initial_weights()
     n = dataset.num_train
     inputs = {}
     for k in replicas:
-        if k * batch_size > n and k > 1:
+        if k * batch_size > n:
             continue
-        kb = min(k * batch_size, n)
-        x = dataset.train_x[:kb].reshape(k, kb // k, *dataset.train_x.shape[1:])
-        y = dataset.train_y[:kb].reshape(k, kb // k)
-        inputs[k] = (w.expand(k, -1).clone(), x, y)
-        engine.replica_gradients(*inputs[k])  # warm-up: one-off costs of a new shape
+        x = dataset.train_x[: k * batch_size]
+        y = dataset.train_y[: k * batch_size]
+        args = (w.expand(k, -1).clone(), x.reshape(k, batch_size, *x.shape[1:]), y.view(k, -1))
+        inputs[k] = args
+        engine.replica_gradients(*args)  # warm-up: one-off costs of a new shape
     times: dict[int, list[float]] = {k: [] for k in inputs}
     for _ in range(repeats):
         for k, args in inputs.items():
@@ -185,63 +193,47 @@ def measure_replica_seconds(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def fit_seconds_per_replica(
-    measured: dict[int, float], profile: DeviceProfile, batch_size: int
-) -> float:
-    """``seconds_per_replica`` r such that the modelled ratios t(k)/t(1) follow the
-    measured ones.
+def replica_ratios(measured: dict[int, float]) -> list[float]:
+    """``[t(1)/t(1), t(2)/t(1), …, t(n)/t(1)]`` from measured ``{k: seconds}`` of k = 1 … n.
 
-    The simulated runtime charges ``t(k) = t(1) + (k − 1)·r`` with ``t(1) =
-    profile.compute_seconds(b)`` (:meth:`DeviceProfile.device_seconds`). The
-    replicas auto-tuner decides on throughput ratios T(k)/T(k−1) = k·t(k−1) / ((k−1)·t(k))
-    (Crossbow, arXiv:1901.02244, §4.3), so what the model must reproduce is the measured
-    *shape* t_m(k)/t_m(1), not the absolute seconds (t(1) comes from the large-batch
-    profile and may differ from t_m(1) at small b). With ρ_k = t_m(k)/t_m(1) the model's
-    ratio is 1 + (k − 1)·c with c = r / t(1); c is fitted by least squares,
-    c = Σ (k − 1)(ρ_k − 1) / Σ (k − 1)², which reproduces every ρ_k exactly when the
-    measured ratios lie on a line in k (always with one k > 1), and r = c·t(1).
-
-    Args:
-        measured: ``{k: seconds of one iteration of k replicas × b}`` (e.g.
-            :func:`measure_replica_seconds`), containing k = 1 and at least one k > 1.
-        profile: the run's device profile (seconds_per_batch, seconds_per_sample).
-        batch_size: b, the run's per-replica batch.
-
-    Returns:
-        r >= 0, seconds (0 when the measured ratios do not grow with k: a further replica
-        measured free).
+    The replicas auto-tuner decides on T(k)/T(k−1) = k·t(k−1) / ((k−1)·t(k)) (Crossbow,
+    arXiv:1901.02244, §4.3), so the simulated device must reproduce the measured shape
+    t(k)/t(1) of the batched computation at the run's b, not only its absolute seconds
+    (the simulated t(1) comes from the large-batch profile, :func:`calibrate`). The ratios
+    are kept as measured, k by k: t(k)/t(1) on a CPU is far from linear in k (e.g. cnn,
+    b = 8: a second replica costs little, later ones cost about a full one), so no one
+    per-replica cost fits them.
 
     Raises:
-        ValueError: k = 1 or every k > 1 missing, or a measured time <= 0.
+        ValueError: a k in 1 … max k missing, fewer than 2 values, or a time <= 0.
     """
-    if 1 not in measured or len(measured) < 2 or min(measured.values()) <= 0:
-        raise ValueError(f"need positive seconds at k = 1 and a k > 1, got {measured!r}")
-    t1 = measured[1]
-    num = sum((k - 1) * (t / t1 - 1.0) for k, t in measured.items() if k > 1)
-    den = sum((k - 1) ** 2 for k in measured if k > 1)
-    return max(num / den, 0.0) * profile.compute_seconds(batch_size)
+    n = max(measured, default=0)
+    if n < 2 or sorted(measured) != list(range(1, n + 1)) or min(measured.values()) <= 0:
+        raise ValueError(f"need positive seconds for k = 1 … n (n >= 2), got {measured!r}")
+    return [measured[k] / measured[1] for k in range(1, n + 1)]
 
 
 def calibrate_replicas(
     engine: GradientEngine,
     dataset: Dataset,
     batch_size: int,
-    profile: DeviceProfile,
-    replicas: tuple[int, ...] = REPLICA_CALIBRATION_KS,
+    max_replicas: int = REPLICA_CALIBRATION_MAX_K,
     repeats: int = 5,
-) -> tuple[float, dict[int, float]]:
-    """Measure k replicas as one computation on this machine and fit
-    ``seconds_per_replica`` (:func:`measure_replica_seconds`, then
-    :func:`fit_seconds_per_replica`; k = 1 is always measured).
+) -> tuple[list[float], dict[int, float]]:
+    """Measure k replicas as one computation on this machine at b = ``batch_size`` for
+    k = 1 … ``max_replicas`` (those whose k·b fit the training set;
+    :func:`measure_replica_seconds`) and return their ratios (:func:`replica_ratios`),
+    the simulated device's ``cluster.replica_ratios``.
 
     Returns:
-        (``seconds_per_replica`` r >= 0 in seconds, the measured ``{k: median seconds}``).
+        (t(k)/t(1) for k = 1 … n, the measured ``{k: median seconds}``); the ratios are
+        empty when fewer than 2 k fit.
     """
-    ks = tuple(sorted({1, *replicas}))
+    ks = tuple(range(1, max(max_replicas, 2) + 1))
     measured = measure_replica_seconds(engine, dataset, batch_size, ks, repeats)
     if len(measured) < 2:
-        return profile.compute_seconds(batch_size), measured
-    return fit_seconds_per_replica(measured, profile, batch_size), measured
+        return [], measured
+    return replica_ratios(measured), measured
 
 
 @dataclass
