@@ -160,6 +160,7 @@ def measure_replica_seconds(
     batch_size: int,
     replicas: tuple[int, ...],
     repeats: int = 5,
+    statistic: Callable[[list[float]], float] = statistics.median,
 ) -> dict[int, float]:
     """Seconds of one iteration of k replicas × b samples on this machine, for each k.
 
@@ -167,8 +168,8 @@ def measure_replica_seconds(
     for ``cnn`` at b <= 32 the batched ``grouped`` path) at ``batch_size`` b, after one
     warm-up per k. The k are timed in turn in each of ``repeats`` rounds (so a change of
     the machine's load during the measurement reaches every k alike) and each k's median
-    is kept (one disturbed round cannot move it). k with k·b above the training set are
-    left out.
+    is kept (one disturbed round cannot move it; ``statistic`` replaces it, e.g. ``min``).
+    k with k·b above the training set are left out.
 
     Returns:
         ``{k: median seconds}``, wall seconds.
@@ -190,7 +191,7 @@ def measure_replica_seconds(
             t0 = time.perf_counter()
             engine.replica_gradients(*args)
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: statistic(v) for k, v in times.items()}
 
 
 def replica_ratios(measured: dict[int, float]) -> list[float]:
