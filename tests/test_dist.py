@@ -519,3 +519,23 @@ def test_outcome_of_a_rank_that_aborts_before_or_after_it_finished(tmp_path):
     # a rank lost before it finished (no "done") fails the run, named with its signal
     with pytest.raises(DistRunFailed, match=r"rank 1 \(device\) was killed by SIGABRT"):
         _outcome(cfg, tmp_path, {0: 0, 1: -6}, {1: -6}, {0: done})
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [("return 3", 3), ("raise SystemExit", 0), ("raise SystemExit(2)", 2), ("1 / 0", 1)],
+)
+def test_exit_worker_ends_with_the_status_the_interpreter_would(tmp_path, body, status):
+    """exit_worker skips interpreter shutdown but keeps its exit statuses, its traceback
+    and the streams' buffered output."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from distsgd.runtime.launch import exit_worker\n"
+        "def main():\n    print('buffered', end='')\n    " + body + "\n"
+        "exit_worker(main)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.pop("RANK", None)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert res.returncode == status and res.stdout == "buffered"
+    assert ("ZeroDivisionError" in res.stderr) == (status == 1)

@@ -364,8 +364,10 @@ def exit_worker(main: Callable[[], int]) -> NoReturn:
 
     try:
         code = main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # as the interpreter: None is 0, a message is printed and 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - report any failure as status 1, as Python does
         traceback.print_exc()
         code = 1
