@@ -6,7 +6,7 @@ Fashion-MNIST ``cnn``, one device (this machine's CPU, ``train.num_threads = 2``
 simulated runtime, every run alone on the machine (one after another):
 
 1. the device profile is calibrated once (``seconds_per_batch``, ``seconds_per_sample``
-   and, at the SMA batch, ``seconds_per_replica``) and given to every run, so simulated
+   and, at the SMA batch, ``replica_ratios``) and given to every run, so simulated
    seconds are comparable across runs;
 2. pre-sweep: hardsync (one learner) at each ``--hardsync-batches`` b, the first seed;
    the b with the least wall time to the target (if none reaches it: the best accuracy)
@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,17 +46,17 @@ from distsgd.report import make_report  # noqa: E402
 from distsgd.runtime.sim import calibrate, calibrate_replicas  # noqa: E402
 
 
-def calibrated_cluster(sma_batch: int, threads: int) -> dict[str, float]:
+def calibrated_cluster(sma_batch: int, threads: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     ds = load_dataset(DataConfig(), seed=0)
     torch.manual_seed(0)
     engine = GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes))
     prof = calibrate(engine, ds)
-    r = calibrate_replicas(engine, ds, sma_batch, prof)
+    ratios, _ = calibrate_replicas(engine, ds, sma_batch)
     return {
         "seconds_per_batch": prof.seconds_per_batch,
         "seconds_per_sample": prof.seconds_per_sample,
-        "seconds_per_replica": r,
+        "replica_ratios": ratios,
     }
 
 
@@ -206,7 +207,10 @@ def write(args, cluster, pre, best_b, hard_dirs, sma_dirs, load_before, t0, out)
         "runs one after another; lr step ×0.2 at epoch 2; evaluation every "
         f"{args.eval_every} samples (so times to accuracy are resolved to that); wall time "
         "is training only. Device profile calibrated once and given to every run: "
-        + ", ".join(f"{k} = {v:.3g}" for k, v in cluster.items())
+        + ", ".join(
+            f"{k} = {[round(x, 3) for x in v] if isinstance(v, list) else f'{v:.3g}'}"
+            for k, v in cluster.items()
+        )
         + f". Load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
         f"{time.time() - t0:.0f} s in all.",
         "",

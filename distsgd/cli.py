@@ -214,7 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
         "N - dist.num_servers for the parameter server and compute groups; per-learner "
         "batch and learning rate kept) and the changes printed",
     )
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar and no auto-tuner decision lines (they stay in autotune.json)",
+    )
     t.set_defaults(func=_cmd_train)
     r = sub.add_parser(
         "report", help="plot learning curves and staleness of runs and tabulate them"

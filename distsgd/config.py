@@ -155,7 +155,9 @@ class ProtocolConfig:
         autotune_threshold: with ``replicas_per_device = "auto"``: add a replica per device
             while throughput improves by more than this fraction (0.10 = 10%), in (0, 10].
         autotune_interval: with ``"auto"``: iterations over which each k's throughput is
-            measured, >= 1 (the first iteration after a change is not counted).
+            measured, >= 1 (the first iteration after a change is not counted). For local
+            SGD the tuner observes averaging periods, so this counts averaging periods of
+            H iterations (and the uncounted first one is a period too).
         autotune_max_replicas: with ``"auto"``: the largest k tried, >= 1.
         autotune_rule: with ``"auto"``: ``"crossbow"`` (SPEC §4: continue while the total
             throughput gain of an added replica is above the threshold) or ``"marginal"``
@@ -364,13 +366,25 @@ class ClusterConfig:
         seconds_per_sample: per-sample compute time in seconds; negative (-1) means
             calibrate on this machine with the configured model.
         seconds_per_batch: fixed per-minibatch overhead in seconds; negative means calibrate.
-        seconds_per_replica: SMA / local SGD only: extra seconds each further replica on a
-            device adds when the device computes its k replicas as one batched computation
-            (:meth:`distsgd.engine.GradientEngine.replica_gradients`): one device's
-            iteration takes ``seconds_per_batch + (k − 1) · seconds_per_replica +
-            k · b · seconds_per_sample`` (so ``seconds_per_replica = seconds_per_batch``
-            means k replicas cost k separate minibatches). Negative (-1) means calibrate on
-            this machine when the run has k > 1 or ``replicas_per_device = "auto"``.
+        seconds_per_replica: SMA / local SGD only: seconds each further replica (with
+            its own b samples) adds to a device that computes its k replicas as one
+            batched computation (:meth:`distsgd.engine.GradientEngine.replica_gradients`):
+            one device's iteration takes ``t(k) = t(1) + (k − 1) · seconds_per_replica``
+            with ``t(1) = seconds_per_batch + b · seconds_per_sample`` (so
+            ``seconds_per_replica = t(1)`` means k replicas cost k separate minibatches,
+            and ``0.4 · t(1)`` that each further replica costs 40% of one). Used only
+            while ``replica_ratios`` is empty; negative (-1) means calibrate
+            ``replica_ratios`` where the device profile is calibrated, else k separate
+            minibatches.
+        replica_ratios: SMA / local SGD only: the measured t(k)/t(1) of one device
+            computing k replicas as one batched computation, for k = 1, 2, …, n (first
+            value 1; empty: use ``seconds_per_replica``). A device's iteration then takes
+            ``t(1) · ratio(k)``, beyond n continuing the last measured step
+            (:func:`distsgd.tuner.perf_model.replica_ratio`). Calibrated (measured on this
+            machine at the run's b for k = 1 … min(8, autotune_max_replicas) or the fixed
+            k, :func:`distsgd.runtime.sim.calibrate_replicas`) when the device profile is
+            calibrated, the run has k > 1 or ``replicas_per_device = "auto"``, and
+            neither this nor ``seconds_per_replica`` is given.
         speed_factors: relative speed of each learner (e.g. ``[10, 10, 1, 1]`` for two GPUs
             and two CPUs); empty means all 1. Length must equal λ if given.
         jitter: relative spread of compute times (0 = deterministic equal-speed schedule).
@@ -381,6 +395,7 @@ class ClusterConfig:
     seconds_per_sample: float = -1.0
     seconds_per_batch: float = -1.0
     seconds_per_replica: float = -1.0
+    replica_ratios: list[float] = field(default_factory=list)
     speed_factors: list[float] = field(default_factory=list)
     jitter: float = 0.1
     latency_s: float = 50e-6
@@ -391,6 +406,26 @@ class ClusterConfig:
             v = getattr(self, key)
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
                 _fail(f"cluster.{key}", v, "a number of seconds >= 0, or -1 to calibrate")
+        rr = self.replica_ratios
+        if not isinstance(rr, list) or (
+            rr
+            and (
+                len(rr) < 2
+                or any(
+                    not isinstance(v, int | float)
+                    or isinstance(v, bool)
+                    or not math.isfinite(v)
+                    or not v > 0
+                    for v in rr
+                )
+                or rr[0] != 1
+            )
+        ):
+            _fail(
+                "cluster.replica_ratios",
+                rr,
+                "an empty list, or t(k)/t(1) for k = 1 … n: n >= 2 positive numbers, the first 1",
+            )
         if not isinstance(self.speed_factors, list) or any(
             not isinstance(s, int | float)
             or isinstance(s, bool)

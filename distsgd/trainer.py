@@ -41,6 +41,7 @@ from distsgd.models import build_model
 from distsgd.protocols import build_protocol
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.runtime.sim import (
+    REPLICA_CALIBRATION_MAX_K,
     DeviceProfile,
     SimRuntime,
     Tick,
@@ -57,19 +58,24 @@ _RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint.pt")
 _log = logging.getLogger("distsgd.autotune")
 
 
-def _layout(cfg: RunConfig) -> str:
+def _layout(cfg: RunConfig, num_learners: int | None = None, replicas: int | None = None) -> str:
+    """The run's layout in one line, e.g. ``"λ=4 b=8 k=2"``: as configured, or with the
+    λ and k (replicas per device) the run holds now where given (``"k=2 (auto)"`` when
+    the auto-tuner chose it)."""
     p = cfg.protocol
-    base = f"λ={p.num_learners} b={p.batch_size}"
+    lam = p.num_learners if num_learners is None else num_learners
+    base = f"λ={lam} b={p.batch_size}"
+    if p.name in ("sma", "local_sgd"):
+        k = f"k={p.replicas_per_device if replicas is None else replicas}"
+        if replicas is not None and p.auto_replicas:
+            k += " (auto)"
+        return f"{base} {k}" if p.name == "sma" else f"{base} {k} H={p.average_every}"
     if p.name == "parameter_server":
         if p.mode == "softsync":
             return f"{base} {p.softsync}-softsync"
         return f"{base} {p.mode}"
     if p.name == "compute_groups":
         return f"{base} g={p.num_groups}"
-    if p.name == "sma":
-        return f"{base} k={p.replicas_per_device}"
-    if p.name == "local_sgd":
-        return f"{base} H={p.average_every}"
     return base
 
 
@@ -157,26 +163,37 @@ class Trainer:
         p = cfg.protocol
         replicated = p.name in ("sma", "local_sgd")
         k = p.initial_replicas_per_device if replicated else 1
-        if replicated and (k > 1 or p.auto_replicas) and cfg.cluster.seconds_per_replica < 0:
-            # the k-dependent device profile: measured where the profile is, else the
-            # profile's own "k separate minibatches"
-            r = cfg.cluster.seconds_per_batch
+        c = cfg.cluster
+        if (
+            replicated
+            and (k > 1 or p.auto_replicas)
+            and c.seconds_per_replica < 0
+            and not c.replica_ratios
+        ):
+            # the k-dependent device profile: t(k)/t(1) measured at the run's b where the
+            # profile is calibrated, else the profile's own "k separate minibatches"
             if self.profile_calibrated:
-                r = calibrate_replicas(
+                # the fixed k, or the k the tuner is likely to try (beyond, the model
+                # continues the last measured step)
+                top = min(p.autotune_max_replicas, REPLICA_CALIBRATION_MAX_K)
+                ratios, _ = calibrate_replicas(
                     GradientEngine(build_model(cfg.model.name, shape, classes)),
                     self.dataset,
                     p.batch_size,
-                    DeviceProfile(cfg.cluster.seconds_per_batch, cfg.cluster.seconds_per_sample),
+                    max_replicas=top if p.auto_replicas else k,
                 )
-            self.cfg = cfg = cfg.replace(
-                cluster=dataclasses.replace(cfg.cluster, seconds_per_replica=r)
-            )
-        r = cfg.cluster.seconds_per_replica
+                c = dataclasses.replace(c, replica_ratios=ratios)
+            if not c.replica_ratios:
+                t1 = c.seconds_per_batch + p.batch_size * c.seconds_per_sample
+                c = dataclasses.replace(c, seconds_per_replica=t1)
+            self.cfg = cfg = cfg.replace(cluster=c)
+        r = c.seconds_per_replica
         profile = DeviceProfile(
-            cfg.cluster.seconds_per_batch,
-            cfg.cluster.seconds_per_sample,
+            c.seconds_per_batch,
+            c.seconds_per_sample,
             self.profile_calibrated,
             seconds_per_replica=r if r >= 0 else None,
+            replica_ratios=tuple(c.replica_ratios),
         )
         torch.manual_seed(cfg.train.seed)  # same seed => same initial weights
         self.engine = GradientEngine(build_model(cfg.model.name, shape, classes))
@@ -709,7 +726,7 @@ class Trainer:
             "stop_reason": c["stop_reason"],
             "protocol": p.name,
             "runtime": cfg.runtime,
-            "layout": _layout(cfg),
+            "layout": _layout(cfg, rt.num_learners, getattr(rt, "replicas_per_device", None)),
             "model": cfg.model.name,
             "dataset": cfg.data.dataset,
             "num_learners": rt.num_learners,
@@ -749,6 +766,7 @@ class Trainer:
                 "seconds_per_sample": cfg.cluster.seconds_per_sample,
                 "seconds_per_replica": cfg.cluster.seconds_per_replica,
                 "calibrated": self.profile_calibrated,
+                "replica_ratios": cfg.cluster.replica_ratios,
             },
             "finished_at": datetime.now().isoformat(timespec="seconds"),
         }

@@ -469,3 +469,73 @@ def test_autotune_on_two_ranks_agrees_resumes_and_replays_on_the_simulator(tmp_p
         a, b = protocol_state(tmp_path / "sim", key), protocol_state(dist_dir, key)
         assert a.shape == b.shape
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("protocol", [AUTO_SMA, AUTO_LOCAL_SGD], ids=["sma", "local_sgd"])
+def test_autotune_ranks_decide_together_when_their_measurements_disagree(
+    tmp_path, monkeypatch, protocol
+):
+    """Rank 0 counts a constant 1 ms per iteration (alone it would add replicas up to
+    autotune_max_replicas = 4), rank 1 counts 10 ms · k² (alone it would remove the
+    second replica at once). The tuner is fed the all-reduced maximum of each interval's
+    seconds, i.e. rank 1's, so both ranks must take rank 1's decisions, add then remove,
+    and both hold k = 1 at the end (local SGD: 6 averaging periods, 288 samples, before the
+    second decision). Fed each rank's own seconds, rank 0 ends at k = 4."""
+    monkeypatch.setenv("DISTSGD_TEST_SECONDS", "0:0.001:0,1:0.01:2")
+    run = tmp_path / "dist"
+    summary = train(config(protocol, "dist", max_epochs=0.5), out_dir=run)
+    assert summary["status"] == "completed"
+    log = json.loads((run / "autotune.json").read_text())
+    assert [(d["k_before"], d["action"]) for d in log["decisions"]] == [(1, "add"), (2, "remove")]
+    assert log["decisions"][1]["gain"] == pytest.approx(-0.5)  # 2 × 10 ms / (40 ms) − 1
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    # each rank's own k: the replicas it holds
+    assert [r["protocol"]["replicas"].shape[0] for r in state["runtime"]["ranks"]] == [1, 1]
+    assert summary["replicas_per_device"] == 1 and summary["num_learners"] == 2
+
+
+# ---- ending the rank processes -------------------------------------------------------------
+def test_a_rank_aborting_after_it_finished_does_not_fail_the_run(tmp_path, monkeypatch, capfd):
+    """Rank 1 ends by SIGABRT after it has finished (as a C++ destructor aborting at
+    interpreter shutdown did): the run is complete, the launcher returns rank 0's summary
+    and names the signal as coming after the rank's part of the run, not as a loss."""
+    monkeypatch.setenv("DISTSGD_TEST_ABORT_AT_EXIT", "1")
+    sma = {"name": "sma", "num_learners": 2, "batch_size": 16, "alpha": 0.0}
+    summary = train(config(sma, "dist", max_epochs=0.25), out_dir=tmp_path / "run")
+    assert summary["status"] == "completed"
+    err = capfd.readouterr().err
+    assert "rank 1 (device" in err and "SIGABRT after it had finished its part of the run" in err
+
+
+def test_outcome_of_a_rank_that_aborts_before_or_after_it_finished(tmp_path):
+    from distsgd.metrics import write_json
+    from distsgd.runtime.launch import _outcome
+
+    cfg = config({"name": "sma", "num_learners": 2, "batch_size": 16}, "dist")
+    write_json(tmp_path / "summary.json", {"status": "completed"})
+    done = {"kind": "done", "message": ""}
+    # rank 0 wrote its summary and reported done, then died by SIGABRT: the run stands
+    assert _outcome(cfg, tmp_path, {0: -6, 1: 0}, {}, {0: done, 1: done}) == {"status": "completed"}
+    # a rank lost before it finished (no "done") fails the run, named with its signal
+    with pytest.raises(DistRunFailed, match=r"rank 1 \(device\) was killed by SIGABRT"):
+        _outcome(cfg, tmp_path, {0: 0, 1: -6}, {1: -6}, {0: done})
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [("return 3", 3), ("raise SystemExit", 0), ("raise SystemExit(2)", 2), ("1 / 0", 1)],
+)
+def test_exit_worker_ends_with_the_status_the_interpreter_would(tmp_path, body, status):
+    """exit_worker skips interpreter shutdown but keeps its exit statuses, its traceback
+    and the streams' buffered output."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from distsgd.runtime.launch import exit_worker\n"
+        "def main():\n    print('buffered', end='')\n    " + body + "\n"
+        "exit_worker(main)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.pop("RANK", None)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert res.returncode == status and res.stdout == "buffered"
+    assert ("ZeroDivisionError" in res.stderr) == (status == 1)

@@ -183,9 +183,16 @@ def test_time_to_accuracy_is_he_times_se():
     assert time_to_accuracy(0.02, math.inf) == math.inf
 
 
-@pytest.mark.parametrize("replica_s", [2e-4, -1.0])  # measured replica cost; unset: t_batch
+@pytest.mark.parametrize(
+    "replica",
+    [  # a replica cost; unset (k separate minibatches); measured ratios (k = 4 beyond them)
+        {"seconds_per_replica": 2e-4},
+        {"seconds_per_replica": -1.0},
+        {"replica_ratios": [1.0, 1.15, 1.62]},
+    ],
+)
 @pytest.mark.parametrize("k", [2, 4])
-def test_sma_he_equals_the_simulated_runtimes_time_per_iteration(tmp_path, k, replica_s):
+def test_sma_he_equals_the_simulated_runtimes_time_per_iteration(tmp_path, k, replica):
     from distsgd.trainer import Trainer
     from distsgd.tuner.tune import cluster_model
 
@@ -193,7 +200,7 @@ def test_sma_he_equals_the_simulated_runtimes_time_per_iteration(tmp_path, k, re
 
     cfg = small_config(
         protocol={"name": "sma", "num_learners": 2 * k, "batch_size": 8, "replicas_per_device": k},
-        cluster={"seconds_per_replica": replica_s, "jitter": 0.0, "latency_s": 2e-4},
+        cluster={**replica, "jitter": 0.0, "latency_s": 2e-4},
         train={"max_epochs": 0.25, "eval_every_samples": 0},
     )
     tr = Trainer(cfg, tmp_path / "run", progress=False, evaluate=False)

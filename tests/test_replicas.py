@@ -199,9 +199,9 @@ def test_local_sgd_add_replica_after_averaging():
 
 # ---- device profile ----------------------------------------------------------------------
 def test_device_profile_of_k_replicas():
-    prof = DeviceProfile(1e-3, 1e-4, seconds_per_replica=2e-4)
+    prof = DeviceProfile(1e-3, 1e-4, seconds_per_replica=1e-3)
     assert prof.device_seconds(1, 8) == pytest.approx(prof.compute_seconds(8))
-    assert prof.device_seconds(4, 8) == pytest.approx(1e-3 + 3 * 2e-4 + 32 * 1e-4)
+    assert prof.device_seconds(4, 8) == pytest.approx(1e-3 + 8 * 1e-4 + 3 * 1e-3)
     # without a replica cost: k separate minibatches
     plain = DeviceProfile(1e-3, 1e-4)
     assert plain.device_seconds(4, 8) == pytest.approx(4 * plain.compute_seconds(8))
@@ -218,13 +218,13 @@ def _tune(seconds_of_k, threshold=0.1, max_replicas=16, interval=3):
 
 
 def test_tuner_adds_while_gain_exceeds_threshold_then_removes_the_last():
-    prof = DeviceProfile(4e-3, 5e-4, seconds_per_replica=1e-3)
+    prof = DeviceProfile(4e-3, 5e-4, seconds_per_replica=5e-3)
     tuner = _tune(lambda k: prof.device_seconds(k, 8))
     gains = [d.gain for d in tuner.decisions if d.gain is not None]
     assert [d.action for d in tuner.decisions][-1] == "remove"
     assert all(g > 0.1 for g in gains[:-1]) and gains[-1] <= 0.1
     assert tuner.k == tuner.decisions[-1].k_before - 1
-    # throughput = 8k / (a + (k-1) r + 8 k s); adding the k-th replica gains
+    # throughput = 8k / (a + 8 s + (k-1) r); adding the k-th replica gains
     # ratio(k) - 1 with the formula below: the tuner stops at the first k where it is <= 10%.
     first_small = next(
         k
@@ -372,7 +372,7 @@ def _auto_config(**protocol):
             **protocol,
         },
         cluster={
-            "seconds_per_replica": 2e-4,
+            "seconds_per_replica": 1e-3,
             "jitter": 0.0,
             "latency_s": 0.0,
             "bandwidth_gbps": 0.0,
@@ -386,10 +386,13 @@ def test_autotune_end_to_end_on_the_simulated_cluster(tmp_path, protocol):
     cfg = _auto_config(name=protocol, average_every=2)
     summary = distsgd.train(cfg, out_dir=tmp_path / "run")
     log = json.loads((tmp_path / "run" / "autotune.json").read_text())
-    prof = DeviceProfile(1e-3, 1e-4, seconds_per_replica=2e-4)  # conftest's FIXED_CLUSTER
+    prof = DeviceProfile(1e-3, 1e-4, seconds_per_replica=1e-3)  # conftest's FIXED_CLUSTER
     expected = _tune(lambda k: prof.device_seconds(k, 8)).k
     assert log["done"] and log["k"] == expected == summary["replicas_per_device"]
     assert summary["num_learners"] == 2 * expected
+    # the layout at the end: the λ and k the run holds, not "k=auto"
+    h = " H=2" if protocol == "local_sgd" else ""
+    assert summary["layout"] == f"λ={2 * expected} b=8 k={expected} (auto){h}"
     assert {"k_before", "k_after", "throughput", "action", "reason"} <= set(log["decisions"][0])
     assert log["decisions"][-1]["action"] == "remove"
 
@@ -431,3 +434,99 @@ def test_default_alpha_is_one_over_all_learners_across_devices():
     replicas = sma.replicas.clone()
     sma.step(torch.zeros(4, 3), lr=1.0)
     torch.testing.assert_close(sma.eval_weights(), replicas.mean(0))  # float32 rounding only
+
+
+# ---- calibration of the k-replica profile (stubbed timings: no wall clock is asserted) ---
+# t(k)/t(1) of the batched path with the shape measured on this machine (cnn, b = 8, one
+# thread, bench/results/replica_calibration.md): a second replica costs little, later
+# ones about a full replica; no single per-replica cost reproduces it
+_RATIOS = [1.0, 1.15, 1.62, 2.2]
+
+
+@pytest.mark.parametrize("t1", [3e-3, 0.5])  # the absolute seconds do not matter
+def test_calibrated_profile_reproduces_the_measured_ratios(t1):
+    from distsgd.runtime.sim import replica_ratios
+
+    ratios = replica_ratios({k: t1 * q for k, q in enumerate(_RATIOS, 1)})
+    # a large-batch profile whose t(1) at b = 8 is far from the measured t(1)
+    prof = DeviceProfile(0.0, 2e-4, replica_ratios=tuple(ratios))
+    for k, q in enumerate(_RATIOS, 1):
+        # rel 1e-12: float rounding of the division only
+        assert prof.device_seconds(k, 8) / prof.device_seconds(1, 8) == pytest.approx(q, rel=1e-12)
+    # beyond the measured k: the last measured step (2.2 − 1.62) continues
+    assert prof.device_seconds(6, 8) / prof.device_seconds(1, 8) == pytest.approx(2.2 + 2 * 0.58)
+    with pytest.raises(ValueError, match="k = 1"):
+        replica_ratios({1: 1.0, 3: 2.0})
+
+
+@pytest.mark.parametrize(
+    "value", [[1.2, 2.0], [1.0], [1.0, 0.0], [1.0, float("nan")], [1.0, True], "1,2"]
+)
+def test_replica_ratios_are_validated(value):
+    with pytest.raises(ConfigError, match="cluster.replica_ratios"):
+        small_config(cluster={"replica_ratios": value})
+
+
+def test_simulated_tuner_follows_the_calibrated_curve(tmp_path, monkeypatch):
+    """Calibration (stubbed measured seconds) → simulated device profile → tuner: the
+    ratios in config.toml / summary.json are the measured ones, and every decision's gain
+    is the measured curve's T(k)/T(k−1) − 1 (jitter 0: simulated seconds are the model's)."""
+    import distsgd.runtime.sim as sim
+
+    asked = []
+
+    def measure(engine, dataset, b, ks, repeats=5):
+        asked.append(ks)
+        return {k: 0.01 * q for k, q in zip(ks, _RATIOS, strict=False)}
+
+    monkeypatch.setattr(sim, "measure_replica_seconds", measure)
+    cfg = _auto_config(autotune_max_replicas=4)
+    cfg = cfg.replace(
+        cluster=dataclasses.replace(
+            cfg.cluster, seconds_per_sample=-1.0, seconds_per_batch=-1.0, seconds_per_replica=-1.0
+        )
+    )
+    summary = distsgd.train(cfg, out_dir=tmp_path / "run")
+    assert asked == [(1, 2, 3, 4)]  # every k up to autotune_max_replicas
+    assert summary["device_profile"]["replica_ratios"] == pytest.approx(_RATIOS, rel=1e-12)
+    log = json.loads((tmp_path / "run" / "autotune.json").read_text())
+    measured_gain = {k: k * _RATIOS[k - 2] / ((k - 1) * _RATIOS[k - 1]) - 1 for k in (2, 3, 4)}
+    for d in log["decisions"][1:]:
+        # rel 1e-6: float sums of virtual time over the interval
+        assert d["gain"] == pytest.approx(measured_gain[d["k_before"]], rel=1e-6)
+    # +74% at k = 2, then +6.5% at k = 3: back to k = 2, as on the measured curve
+    assert [(d["k_before"], d["action"]) for d in log["decisions"]] == [
+        (1, "add"),
+        (2, "add"),
+        (3, "remove"),
+    ]
+    assert log["k"] == 2 == _tune(lambda k: _RATIOS[k - 1], max_replicas=4).k
+
+
+def test_autotune_resume_in_the_middle_of_a_measurement(tmp_path):
+    """Interrupted while the tuner is still measuring (checkpoint: not done, an interval
+    half counted), the resumed run takes the same decisions and ends with the same
+    weights as the uninterrupted one."""
+    cfg = _auto_config()
+    full = distsgd.train(cfg, out_dir=tmp_path / "full")
+    half = cfg.replace(train=dataclasses.replace(cfg.train, max_epochs=0.125))
+    distsgd.train(half, out_dir=tmp_path / "half")
+    state = torch.load(tmp_path / "half" / "checkpoint.pt", weights_only=True)
+    assert state["autotune"]["done"] is False
+    assert state["autotune"]["decisions"]  # stopped after at least one decision …
+    assert state["autotune"]["count"] + state["autotune"]["skip"] > 0  # … mid-interval
+    resumed = distsgd.train(resume=tmp_path / "half", overrides=["train.max_epochs=1.0"])
+    a = json.loads((tmp_path / "full" / "autotune.json").read_text())
+    b = json.loads((tmp_path / "half" / "autotune.json").read_text())
+    assert a == b
+    assert resumed["replicas_per_device"] == full["replicas_per_device"]
+    assert resumed["final_accuracy"] == full["final_accuracy"]
+    wa = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["protocol"]
+    wb = torch.load(tmp_path / "half" / "checkpoint.pt", weights_only=True)["protocol"]
+    assert torch.equal(wa["central"], wb["central"])
+
+
+@pytest.mark.parametrize("threshold, shown", [(0.1, "10%"), (0.105, "10.5%"), (0.005, "0.5%")])
+def test_decision_reason_shows_the_threshold_as_given(threshold, shown):
+    tuner = _tune(lambda k: float(k), threshold=threshold)  # no gain: add, then remove
+    assert tuner.decisions[-1].reason.endswith(f"is not above the threshold {shown}")

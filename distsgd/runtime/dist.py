@@ -36,7 +36,13 @@ Test hooks (test use only, read from the environment of each rank):
 ``DISTSGD_TEST_PID_DIR`` — each rank writes its pid to ``<dir>/rank<r>.pid``;
 ``DISTSGD_TEST_KILL="<rank>:<n>"`` — that rank sends itself SIGKILL when it is about to do
 its n-th step (an iteration, a push handled by the coordinating server or a gradient
-computed by a learner).
+computed by a learner);
+``DISTSGD_TEST_SECONDS="<rank>:<a>:<p>[,…]"`` — on the synchronous runtime that rank counts
+``a · k^p`` seconds for each iteration at k replicas instead of its measured wall seconds
+(so that the ranks' own measurements would lead the replicas auto-tuner to different
+decisions; the all-reduced maximum must make them agree);
+``DISTSGD_TEST_ABORT_AT_EXIT="<rank>"`` — that rank ends by SIGABRT after finishing
+(:func:`distsgd.runtime.launch.exit_worker`).
 """
 
 from __future__ import annotations
@@ -86,6 +92,7 @@ ENV_RESUME = "DISTSGD_DIST_RESUME"
 ENV_PROGRESS = "DISTSGD_DIST_PROGRESS"
 ENV_TEST_KILL = "DISTSGD_TEST_KILL"
 ENV_TEST_PID_DIR = "DISTSGD_TEST_PID_DIR"
+ENV_TEST_SECONDS = "DISTSGD_TEST_SECONDS"
 
 
 class PeerLost(RuntimeError):
@@ -171,6 +178,15 @@ def _test_hooks(rank: int) -> int | None:
         r, n = kill.split(":")
         if int(r) == rank:
             return int(n)
+    return None
+
+
+def _test_seconds(rank: int) -> tuple[float, float] | None:
+    """Test use only: ``(a, p)`` of ``DISTSGD_TEST_SECONDS`` for this rank, else None."""
+    for part in filter(None, os.environ.get(ENV_TEST_SECONDS, "").split(",")):
+        r, a, p = part.split(":")
+        if int(r) == rank:
+            return float(a), float(p)
     return None
 
 
@@ -284,6 +300,7 @@ class SyncDistRuntime(_DistBase):
             dataset.num_train, p.num_learners, p.batch_size, cfg.train.seed
         )
         self.streams = [LearnerStream(self.sampler, lrn) for lrn in self.learners]
+        self._seconds_hook = _test_seconds(self.rank)
         self.ddp: torch.nn.Module | None = None
         if isinstance(self.protocol, HardSync):
             from torch.nn.parallel import DistributedDataParallel
@@ -371,7 +388,11 @@ class SyncDistRuntime(_DistBase):
             raise _collective_error(e) from e
         n = self.num_learners * self.batch_size
         self.samples += n
-        self.virtual_time += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if self._seconds_hook is not None:  # test use only (module docstring)
+            a, power = self._seconds_hook
+            seconds = a * self.replicas_per_device**power
+        self.virtual_time += seconds
         return Tick(n, losses)
 
     def eval_weights(self) -> Tensor:
@@ -700,4 +721,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from distsgd.runtime.launch import exit_worker
+
+    exit_worker(main)

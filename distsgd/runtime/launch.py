@@ -27,6 +27,15 @@ and applies its own failure policy, the only part it decides:
 
 In every case :func:`run` returns only after every process it started has ended.
 
+**Ending a rank.** A rank ends with ``os._exit`` once its outcome is known and written
+(:func:`exit_worker`: the process group is already destroyed, the streams are flushed),
+so no C++ static destructor or thread of torch.distributed (gloo, the store client) runs
+at interpreter shutdown, where one destroyed while still joinable aborts the process
+(``terminate called without an active exception``, SIGABRT). A rank also reports that it
+has finished (its outcome file holds ``"kind": "done"``) before it ends, so a rank that
+dies by a signal after that point is reported as such and does not fail a run that it had
+completed.
+
 **Several machines.** Start the same entry point on every machine under torchrun::
 
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 \\
@@ -46,15 +55,24 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from distsgd.config import ConfigError, RunConfig, required_processes
 from distsgd.metrics import write_json
 
-__all__ = ["DistRunFailed", "is_process_loss", "run", "run_worker", "under_launcher"]
+__all__ = [
+    "DistRunFailed",
+    "exit_worker",
+    "is_process_loss",
+    "run",
+    "run_worker",
+    "under_launcher",
+]
 
 ENV_ERROR_FILE = "DISTSGD_DIST_ERROR_FILE"
+ENV_TEST_ABORT_AT_EXIT = "DISTSGD_TEST_ABORT_AT_EXIT"
 _POLL_S = 0.1
 
 
@@ -184,14 +202,25 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
         )
         codes: dict[int, int | None] = {}
         lost: dict[int, int] = {}
+        after_done: dict[int, int] = {}  # ended with an error after reporting "done"
         fatal_since: float | None = None
         try:
             while True:
                 codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
                 for r, code in codes.items():
-                    if code not in (None, 0) and r not in lost:
-                        lost[r] = code
+                    if code not in (None, 0) and r not in lost and r not in after_done:
                         pid = ctx.subprocess_handlers[r].proc.pid
+                        if _finished(Path(tmp) / f"rank{r}.json"):
+                            # its part of the run was done: the run is not affected
+                            after_done[r] = code
+                            print(
+                                f"distsgd: rank {r} ({_role(cfg, r)}, pid {pid}) "
+                                f"{_describe_exit(code)} after it had finished its part of "
+                                "the run",
+                                file=sys.stderr,
+                            )
+                            continue
+                        lost[r] = code
                         tolerated = _tolerates_loss(cfg, r)
                         if not tolerated and fatal_since is None:
                             fatal_since = time.monotonic()
@@ -225,6 +254,14 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
     return _outcome(cfg, out, codes, lost, errors)
 
 
+def _finished(path: Path) -> bool:
+    """Whether a rank's outcome file says it finished its part of the run."""
+    try:
+        return json.loads(path.read_text()).get("kind") == "done"
+    except (OSError, ValueError):
+        return False
+
+
 def _outcome(
     cfg: RunConfig,
     out: Path,
@@ -240,7 +277,8 @@ def _outcome(
                 raise exc(errors[r]["message"])
     fatal = sorted(r for r in lost if not _tolerates_loss(cfg, r))
     summary_path = out / "summary.json"
-    if not fatal and codes.get(0) == 0 and summary_path.exists():
+    rank0_done = codes.get(0) == 0 or errors.get(0, {}).get("kind") == "done"
+    if not fatal and rank0_done and summary_path.exists():
         return json.loads(summary_path.read_text())
     # the lost ranks are those that ended without reporting a lost peer themselves
     # (killed, or failed on their own); the others stopped because of them
@@ -272,7 +310,8 @@ def run_worker(config_toml: str, out_dir: str, *, resume: bool, progress: bool) 
 
     Returns the exit status: 0 done, 1 diverged or another error, 2 a user error, 3 a
     peer lost, 130 stopped by SIGTERM. The message of a failure also goes to the file
-    ``$DISTSGD_DIST_ERROR_FILE`` for the launcher.
+    ``$DISTSGD_DIST_ERROR_FILE`` for the launcher, and so does ``{"kind": "done"}`` once
+    this rank's part of the run is finished (its outcome written).
     """
     from distsgd.config import RunConfig
     from distsgd.runtime.sim import TrainingDiverged
@@ -294,6 +333,9 @@ def run_worker(config_toml: str, out_dir: str, *, resume: bool, progress: bool) 
     try:
         cfg = RunConfig.from_dict(_toml(config_toml))
         Trainer(cfg, out_dir, progress=progress).run(resume=resume)
+        path = os.environ.get(ENV_ERROR_FILE)
+        if path:
+            Path(path).write_text(json.dumps({"kind": "done", "message": ""}))
         return 0
     except TrainingDiverged as e:
         return report("diverged", e, 1)
@@ -305,6 +347,39 @@ def run_worker(config_toml: str, out_dir: str, *, resume: bool, progress: bool) 
         if is_process_loss(e):
             return report("lost", e, 3)
         raise
+
+
+def exit_worker(main: Callable[[], int]) -> NoReturn:
+    """End a rank process with ``main()``'s exit status without interpreter shutdown.
+
+    Runs ``main`` (an uncaught exception prints its traceback, status 1), flushes stdout
+    and stderr and calls ``os._exit``: the run's outcome is already written and the
+    process group destroyed (:meth:`Trainer.run`), and skipping the shutdown keeps C++
+    destructors of torch.distributed threads from aborting the process (module
+    docstring). Test hook: ``DISTSGD_TEST_ABORT_AT_EXIT=<rank>`` makes that rank end by
+    ``os.abort()`` here instead (SIGABRT after finishing, as that shutdown abort would).
+    """
+    import logging
+    import traceback
+
+    try:
+        code = main()
+    except SystemExit as e:  # as the interpreter: None is 0, a message is printed and 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - report any failure as status 1, as Python does
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()  # flush log handlers: os._exit skips atexit
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if os.environ.get(ENV_TEST_ABORT_AT_EXIT) == os.environ.get("RANK", "?"):
+        os.abort()
+    os._exit(code)
 
 
 def _toml(text: str) -> dict[str, Any]:

@@ -11,9 +11,11 @@ Timing model (all in virtual seconds):
   ``(seconds_per_batch + b · seconds_per_sample) / speed_l · J`` where J is a seeded
   log-normal factor with mean 1 and relative spread ``jitter``;
 * synchronous protocols with k replicas per device (SMA, local SGD), which a device
-  computes as one batched computation: ``(seconds_per_batch + (k − 1) ·
-  seconds_per_replica + k · b · seconds_per_sample) / speed_d · J`` per device (speed_d:
-  the slowest of its learners; k = 1 is the line above);
+  computes as one batched computation: ``t(1) · ρ(k) / speed_d · J`` per device, with
+  ``t(1) = seconds_per_batch + b · seconds_per_sample`` and ρ(k) the t(k)/t(1) of the
+  batched path measured on this machine at the run's b (``cluster.replica_ratios``,
+  :func:`calibrate_replicas`), or ``ρ(k) = 1 + (k − 1) · seconds_per_replica / t(1)``
+  without a measurement (speed_d: the slowest of its learners; k = 1 is the line above);
 * one message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``;
 * ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -47,11 +50,14 @@ from distsgd.data import Dataset, LearnerStream, ShardedSampler
 from distsgd.engine import GradientEngine
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol, Update
 from distsgd.protocols.hardsync import HardSync
+from distsgd.tuner.perf_model import replica_ratio
 
 __all__ = [
     "DeviceProfile",
     "calibrate",
     "calibrate_replicas",
+    "measure_replica_seconds",
+    "replica_ratios",
     "SimRuntime",
     "Tick",
     "TrainingDiverged",
@@ -70,27 +76,33 @@ class DeviceProfile:
         seconds_per_batch: fixed cost per minibatch, seconds (>= 0).
         seconds_per_sample: marginal cost per sample, seconds (>= 0).
         calibrated: True when measured on this machine by :func:`calibrate`.
+        seconds_per_replica: seconds one further replica (with its own b samples) adds to
+            a device's batched iteration of k replicas (>= 0); None: one minibatch's
+            ``compute_seconds(b)``, i.e. k replicas cost k separate minibatches.
+        replica_ratios: measured t(k)/t(1) for k = 1, 2, … (empty: use
+            ``seconds_per_replica``); see :func:`distsgd.tuner.perf_model.replica_ratio`.
     """
 
     seconds_per_batch: float
     seconds_per_sample: float
     calibrated: bool = False
     seconds_per_replica: float | None = None
+    replica_ratios: tuple[float, ...] = ()
 
     def compute_seconds(self, batch_size: int) -> float:
         return self.seconds_per_batch + batch_size * self.seconds_per_sample
 
     def device_seconds(self, replicas: int, batch_size: int) -> float:
         """One iteration of k = ``replicas`` replicas × b = ``batch_size`` samples on one
-        device, as one batched computation: ``seconds_per_batch + (k − 1) ·
-        seconds_per_replica + k · b · seconds_per_sample`` (``seconds_per_replica`` None:
-        ``seconds_per_batch``, i.e. k separate minibatches)."""
-        r = self.seconds_per_batch if self.seconds_per_replica is None else self.seconds_per_replica
-        return (
-            self.seconds_per_batch
-            + (replicas - 1) * r
-            + replicas * batch_size * self.seconds_per_sample
-        )
+        device, as one batched computation, seconds: ``t(1) · replica_ratio(k)`` with
+        measured ``replica_ratios`` (Crossbow's learners per device, SPEC §4), else
+        ``t(k) = t(1) + (k − 1) · seconds_per_replica`` (None: ``t(1)``, i.e. k separate
+        minibatches), with ``t(1) = seconds_per_batch + b · seconds_per_sample``."""
+        t1 = self.compute_seconds(batch_size)
+        if self.replica_ratios:
+            return t1 * replica_ratio(replicas, self.replica_ratios)
+        r = t1 if self.seconds_per_replica is None else self.seconds_per_replica
+        return t1 + (replicas - 1) * r
 
 
 def calibrate(
@@ -139,50 +151,90 @@ def calibrate(
     return DeviceProfile(per_batch, per_sample, calibrated=True)
 
 
+REPLICA_CALIBRATION_MAX_K = 8
+
+
+def measure_replica_seconds(
+    engine: GradientEngine,
+    dataset: Dataset,
+    batch_size: int,
+    replicas: tuple[int, ...],
+    repeats: int = 5,
+    statistic: Callable[[list[float]], float] = statistics.median,
+) -> dict[int, float]:
+    """Seconds of one iteration of k replicas × b samples on this machine, for each k.
+
+    Times :meth:`GradientEngine.replica_gradients` (the path SMA and local SGD take, so
+    for ``cnn`` at b <= 32 the batched ``grouped`` path) at ``batch_size`` b, after one
+    warm-up per k. The k are timed in turn in each of ``repeats`` rounds (so a change of
+    the machine's load during the measurement reaches every k alike) and each k's median
+    is kept (one disturbed round cannot move it; ``statistic`` replaces it, e.g. ``min``).
+    k with k·b above the training set are left out.
+
+    Returns:
+        ``{k: median seconds}``, wall seconds.
+    """
+    w = engine.initial_weights()
+    n = dataset.num_train
+    inputs = {}
+    for k in replicas:
+        if k * batch_size > n:
+            continue
+        x = dataset.train_x[: k * batch_size]
+        y = dataset.train_y[: k * batch_size]
+        args = (w.expand(k, -1).clone(), x.reshape(k, batch_size, *x.shape[1:]), y.view(k, -1))
+        inputs[k] = args
+        engine.replica_gradients(*args)  # warm-up: one-off costs of a new shape
+    times: dict[int, list[float]] = {k: [] for k in inputs}
+    for _ in range(repeats):
+        for k, args in inputs.items():
+            t0 = time.perf_counter()
+            engine.replica_gradients(*args)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistic(v) for k, v in times.items()}
+
+
+def replica_ratios(measured: dict[int, float]) -> list[float]:
+    """``[t(1)/t(1), t(2)/t(1), …, t(n)/t(1)]`` from measured ``{k: seconds}`` of k = 1 … n.
+
+    The replicas auto-tuner decides on T(k)/T(k−1) = k·t(k−1) / ((k−1)·t(k)) (Crossbow,
+    arXiv:1901.02244, §4.3), so the simulated device must reproduce the measured shape
+    t(k)/t(1) of the batched computation at the run's b, not only its absolute seconds
+    (the simulated t(1) comes from the large-batch profile, :func:`calibrate`). The ratios
+    are kept as measured, k by k: t(k)/t(1) on a CPU is far from linear in k (e.g. cnn,
+    b = 8: a second replica costs little, later ones cost about a full one), so no one
+    per-replica cost fits them.
+
+    Raises:
+        ValueError: a k in 1 … max k missing, fewer than 2 values, or a time <= 0.
+    """
+    n = max(measured, default=0)
+    if n < 2 or sorted(measured) != list(range(1, n + 1)) or min(measured.values()) <= 0:
+        raise ValueError(f"need positive seconds for k = 1 … n (n >= 2), got {measured!r}")
+    return [measured[k] / measured[1] for k in range(1, n + 1)]
+
+
 def calibrate_replicas(
     engine: GradientEngine,
     dataset: Dataset,
     batch_size: int,
-    profile: DeviceProfile,
-    replicas: tuple[int, ...] = (2, 4, 8, 16),
-    repeats: int = 3,
-) -> float:
-    """Measure k replicas as one computation on this machine; fit ``seconds_per_replica``.
-
-    Times :meth:`GradientEngine.replica_gradients` (the path SMA and local SGD use) for
-    k = 1 and each k in ``replicas`` at ``batch_size`` b (fastest of ``repeats`` after one
-    warm-up). The model ``t(k) = t(1) + (k − 1)(r + b·s)`` (``s``:
-    ``profile.seconds_per_sample``) is fitted by least squares in r, measured against
-    t(1) of the same session, so an error of the linear profile at b cancels.
+    max_replicas: int = REPLICA_CALIBRATION_MAX_K,
+    repeats: int = 5,
+) -> tuple[list[float], dict[int, float]]:
+    """Measure k replicas as one computation on this machine at b = ``batch_size`` for
+    k = 1 … ``max_replicas`` (those whose k·b fit the training set;
+    :func:`measure_replica_seconds`) and return their ratios (:func:`replica_ratios`),
+    the simulated device's ``cluster.replica_ratios``.
 
     Returns:
-        ``seconds_per_replica`` r >= 0, seconds.
+        (t(k)/t(1) for k = 1 … n, the measured ``{k: median seconds}``); the ratios are
+        empty when fewer than 2 k fit.
     """
-    w = engine.initial_weights()
-    n = dataset.num_train
-    t1 = 0.0
-    num, den = 0.0, 0.0
-    for k in (1, *replicas):
-        if k * batch_size > n:
-            break
-        weights = w.expand(k, -1).clone()
-        x = dataset.train_x[: k * batch_size].reshape(k, batch_size, *dataset.train_x.shape[1:])
-        y = dataset.train_y[: k * batch_size].reshape(k, batch_size)
-        engine.replica_gradients(weights, x, y)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            engine.replica_gradients(weights, x, y)
-            times.append(time.perf_counter() - t0)
-        t = min(times)
-        if k == 1:
-            t1 = t
-            continue
-        num += (k - 1) * (t - t1 - (k - 1) * batch_size * profile.seconds_per_sample)
-        den += (k - 1) ** 2
-    if den == 0:
-        return profile.seconds_per_batch
-    return max(num / den, 0.0)
+    ks = tuple(range(1, max(max_replicas, 2) + 1))
+    measured = measure_replica_seconds(engine, dataset, batch_size, ks, repeats)
+    if len(measured) < 2:
+        return [], measured
+    return replica_ratios(measured), measured
 
 
 @dataclass

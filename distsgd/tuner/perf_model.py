@@ -112,10 +112,13 @@ class ClusterModel:
         t_server: parameter-server seconds per pushed gradient (0: the server never
             saturates, as on the simulated runtime); an asynchronous protocol cannot apply
             gradients faster than ``1 / t_server`` per second.
-        t_replica: SMA only: extra seconds each further replica adds when a device computes
-            its k replicas as one batched computation (``cluster.seconds_per_replica``);
-            None: ``t_batch`` (k separate minibatches), as the simulated runtime does when
-            it is not set.
+        t_replica: SMA only: seconds each further replica (with its b samples) adds when
+            a device computes its k replicas as one batched computation
+            (``cluster.seconds_per_replica``); None: ``t_batch + b·t_sample`` (k separate
+            minibatches), as the simulated runtime does when it is not set.
+        replica_ratios: SMA only: measured t(k)/t(1) for k = 1, 2, …
+            (``cluster.replica_ratios``); when given it replaces ``t_replica``
+            (:func:`replica_ratio`).
     """
 
     t_batch: float
@@ -126,6 +129,7 @@ class ClusterModel:
     jitter: float = 0.0
     t_server: float = 0.0
     t_replica: float | None = None
+    replica_ratios: tuple[float, ...] = ()
 
     @property
     def message_seconds(self) -> float:
@@ -143,13 +147,34 @@ def compute_seconds(batch_size: int | float, cluster: ClusterModel) -> float:
     return cluster.t_batch + batch_size * cluster.t_sample
 
 
+def replica_ratio(replicas: int, ratios: tuple[float, ...] | list[float]) -> float:
+    """t(k)/t(1) of a device computing k = ``replicas`` replicas as one batched
+    computation, from measured ratios ``ratios[j] = t(j + 1)/t(1)`` (at least 2 values,
+    the first 1): the measured value for k <= len(ratios); beyond, the last measured step
+    continues, ``ρ_n + (k − n)·max(ρ_n − ρ_{n−1}, 0)``.
+
+    Raises:
+        ValueError: fewer than 2 ratios, or k < 1.
+    """
+    n = len(ratios)
+    if n < 2 or replicas < 1:
+        raise ValueError(f"need k >= 1 and >= 2 measured ratios, got k = {replicas}, {ratios!r}")
+    if replicas <= n:
+        return float(ratios[replicas - 1])
+    return float(ratios[-1]) + (replicas - n) * max(float(ratios[-1] - ratios[-2]), 0.0)
+
+
 def device_seconds(replicas: int, batch_size: int | float, cluster: ClusterModel) -> float:
     """Seconds for one device to compute k = ``replicas`` replicas of b samples as one
-    batched computation: ``t_batch + (k − 1)·t_replica + k·b·t_sample`` (the simulated
+    batched computation: ``t(1)·replica_ratio(k)`` with measured ``replica_ratios``, else
+    ``t(1) + (k − 1)·t_replica``, with ``t(1) = t_batch + b·t_sample`` (the simulated
     runtime's :meth:`~distsgd.runtime.sim.DeviceProfile.device_seconds`; Crossbow, SPEC §4);
     k = 1 is :func:`compute_seconds`."""
-    r = cluster.t_batch if cluster.t_replica is None else cluster.t_replica
-    return cluster.t_batch + (replicas - 1) * r + replicas * batch_size * cluster.t_sample
+    t1 = compute_seconds(batch_size, cluster)
+    if cluster.replica_ratios:
+        return t1 * replica_ratio(replicas, cluster.replica_ratios)
+    r = t1 if cluster.t_replica is None else cluster.t_replica
+    return t1 + (replicas - 1) * r
 
 
 def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
@@ -192,7 +217,8 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
 
     * hardsync: ``J(λ)·t_c + AR(λ)`` (every learner, then one all-reduce; SPEC §1);
     * SMA, k replicas per device: ``J(λ/k)·D(k) + AR(λ/k)`` with the device time
-      ``D(k) = t_batch + (k − 1)·t_replica + k·b·t_sample`` (:func:`device_seconds`: a
+      ``D(k)`` of :func:`device_seconds` (t(1) times the measured t(k)/t(1), or
+      ``t_batch + b·t_sample + (k − 1)·t_replica``; a
       device computes its k learners as one batched computation; devices all-reduce
       their corrections; Crossbow, SPEC §4);
     * compute groups: a group's cycle is ``2m + J(λ/g)·t_c + AR(λ/g)`` and the g groups run

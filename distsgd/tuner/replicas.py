@@ -60,6 +60,12 @@ __all__ = ["Decision", "ReplicaAutoTuner", "RULES"]
 RULES = ("crossbow", "marginal")
 
 
+def _percent(fraction: float) -> str:
+    """A fraction as a percentage with its significant digits: 0.1 → "10%", 0.105 →
+    "10.5%", 0.005 → "0.5%"."""
+    return f"{fraction * 100:.6g}%"
+
+
 @dataclass
 class Decision:
     """One decision of the tuner.
@@ -103,10 +109,13 @@ class ReplicaAutoTuner:
     Args:
         threshold: add a replica while throughput improves by more than this fraction
             (> 0; Crossbow: 0.1).
-        interval: iterations per measurement (>= 1).
+        interval: observations per measurement (>= 1). One observation is one
+            synchronisation interval: an iteration for SMA, an averaging period of H
+            iterations for local SGD (so there ``interval`` counts averaging periods).
         max_replicas: the largest k tried (>= 1); at it the tuner keeps k and stops.
-        warmup: iterations after each change that are not counted (>= 0; the first
-            iteration of a new shape pays one-off costs on real hardware).
+        warmup: observations after each change that are not counted (>= 0; iterations for
+            SMA, averaging periods for local SGD; the first iteration of a new shape pays
+            one-off costs on real hardware).
         rule: ``"crossbow"`` (total gain > threshold) or ``"marginal"`` (the added
             replica's share, (k − 1) × gain, > threshold); see the module docstring.
 
@@ -183,7 +192,7 @@ class ReplicaAutoTuner:
             what = f"(k−1)·gain = {k - 1} × {gain:+.1%} ="
         if crit is not None and not crit > self.threshold:
             action, k_after, self.done = "remove", k - 1, True
-            reason = f"{what} {crit:+.1%} is not above the threshold {self.threshold:.0%}"
+            reason = f"{what} {crit:+.1%} is not above the threshold {_percent(self.threshold)}"
         elif k >= self.max_replicas:
             action, k_after, self.done = "keep", k, True
             reason = f"k = {k} is autotune_max_replicas"
@@ -192,7 +201,7 @@ class ReplicaAutoTuner:
             reason = (
                 "first measurement"
                 if crit is None
-                else f"{what} {crit:+.1%} is above the threshold {self.threshold:.0%}"
+                else f"{what} {crit:+.1%} is above the threshold {_percent(self.threshold)}"
             )
         decision = Decision(
             self._iteration, k, k_after, throughput, prev, gain, action, reason, crit

@@ -145,6 +145,7 @@ def cluster_model(cfg: RunConfig, num_parameters: int) -> pm.ClusterModel:
         num_parameters=num_parameters,
         jitter=c.jitter,
         t_replica=c.seconds_per_replica if c.seconds_per_replica >= 0 else None,
+        replica_ratios=tuple(c.replica_ratios),
     )
 
 
