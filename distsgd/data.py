@@ -644,3 +644,29 @@ def iter_eval_batches(x: Tensor, y: Tensor, batch_size: int) -> Iterator[tuple[T
 def _slices(x: Tensor, y: Tensor, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
     for start in range(0, x.shape[0], batch_size):
         yield x[start : start + batch_size], y[start : start + batch_size]
+
+
+def reshard_streams(
+    old: LearnerStream, num_learners: int, learners: list[int]
+) -> tuple[ShardedSampler, list[LearnerStream]]:
+    """The data streams of ``learners`` after λ changes to ``num_learners`` at a
+    synchronisation point (the replicas-per-device auto-tuner, Crossbow §4.3).
+
+    ``old`` is any stream of the old layout (all are at the same position). The epoch
+    permutation does not depend on λ, so the new layout continues at its first step that
+    starts at or after the samples already drawn this epoch (at most λ·b − 1 samples are
+    skipped; none is drawn twice), the next epoch if none is left.
+
+    Raises:
+        ValueError: λ·b exceeds the training set, or a learner is not in ``[0, λ)``.
+    """
+    prev = old.sampler
+    drawn = old.step * prev.global_batch
+    sampler = ShardedSampler(prev.num_samples, num_learners, prev.batch_size, prev.seed)
+    epoch, step = old.epoch, -(-drawn // sampler.global_batch)
+    if step >= sampler.steps_per_epoch:
+        epoch, step = epoch + 1, 0
+    streams = [LearnerStream(sampler, lrn) for lrn in learners]
+    for st in streams:
+        st.epoch, st.step = epoch, step
+    return sampler, streams

@@ -66,7 +66,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from distsgd.config import RunConfig
-from distsgd.data import Dataset, LearnerStream, ShardedSampler
+from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
 from distsgd.engine import GradientEngine
 from distsgd.protocols import build_protocol
 from distsgd.protocols.base import AsynchronousProtocol
@@ -332,19 +332,12 @@ class SyncDistRuntime(_DistBase):
             )
         k = replicas_per_device
         lam = self.world_size * k
-        old = self.streams[0]
-        drawn = old.step * self.sampler.global_batch
-        sampler = ShardedSampler(self.dataset.num_train, lam, self.batch_size, self.sampler.seed)
-        epoch, step = old.epoch, -(-drawn // sampler.global_batch)
-        if step >= sampler.steps_per_epoch:
-            epoch, step = epoch + 1, 0
-        self.sampler = sampler
+        self.sampler, self.streams = reshard_streams(
+            self.streams[0], lam, [self.rank * k + j for j in range(k)]
+        )
         self.k = self.replicas_per_device = k
         self.num_learners = lam
-        self.learners = [self.rank * k + j for j in range(k)]
-        self.streams = [LearnerStream(sampler, lrn) for lrn in self.learners]
-        for st in self.streams:
-            st.epoch, st.step = epoch, step
+        self.learners = [s.learner for s in self.streams]
 
     def max_over_ranks(self, value: float) -> float:
         """Collective: the largest ``value`` over the ranks (float64), e.g. the wall

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from distsgd.config import ClusterConfig
-from distsgd.data import Dataset, LearnerStream, ShardedSampler
+from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
 from distsgd.engine import GradientEngine
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol, Update
 from distsgd.protocols.hardsync import HardSync
@@ -358,16 +358,7 @@ class SimRuntime:
             )
         devices = self.num_learners // self.replicas_per_device
         lam = devices * replicas_per_device
-        old = self.streams[0]
-        drawn = old.step * self.sampler.global_batch
-        sampler = ShardedSampler(self.dataset.num_train, lam, self.batch_size, self.sampler.seed)
-        epoch, step = old.epoch, -(-drawn // sampler.global_batch)
-        if step >= sampler.steps_per_epoch:
-            epoch, step = epoch + 1, 0
-        self.sampler = sampler
-        self.streams = [LearnerStream(sampler, i) for i in range(lam)]
-        for st in self.streams:
-            st.epoch, st.step = epoch, step
+        self.sampler, self.streams = reshard_streams(self.streams[0], lam, list(range(lam)))
         self.num_learners = lam
         self.replicas_per_device = replicas_per_device
         self.speeds = [1.0] * lam
