@@ -242,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="--runtime dist: processes each probe runs on (same as --set "
-        "dist.num_processes=N; default what the config's protocol needs)",
+        "dist.num_processes=N; 0 or omitted: what the config's protocol needs; at most "
+        "the CPU cores of this machine)",
     )
     u.add_argument("--out", default=None, help="tune directory (default runs/tune-<config>)")
     u.add_argument(

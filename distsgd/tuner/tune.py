@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from distsgd.config import ConfigError, RunConfig, required_processes
+from distsgd.config import TUNE_STEADY_SHARE, ConfigError, RunConfig, required_processes
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
@@ -67,9 +67,9 @@ from distsgd.tuner.omnivore import (
 )
 from distsgd.tuner.probes import Prober, candidate_config, check_runtime
 
-__all__ = ["tune", "parse_budget", "predict_plan", "verify_plan"]
+__all__ = ["tune", "tune_layout", "parse_budget", "predict_plan", "verify_plan"]
 
-_STEADY_SHARE = 0.15
+_STEADY_SHARE = TUNE_STEADY_SHARE
 _PLAN_EVAL_EVERY = 5000
 
 
@@ -93,6 +93,57 @@ def parse_budget(text: str) -> float:
             "such as 90s, 10m or 1h"
         )
     return value
+
+
+def tune_layout(config: RunConfig) -> tuple[int, int, int]:
+    """The processes and learners the tune's candidates run on: ``(N, λ, λ_ps)``.
+
+    λ learners of hardsync (devices of SMA) and λ_ps of the parameter-server layouts
+    (compute groups, n-softsync). ``sim``: N = 1, λ = λ_ps = ``protocol.num_learners``.
+    ``dist``: N = ``dist.num_processes`` (0: what the base protocol needs), λ = N,
+    λ_ps = N − ``dist.num_servers`` (a server takes a process).
+
+    Raises:
+        ConfigError: on ``dist``, N larger than this machine's CPU cores (each probe
+            starts N processes; more than the cores cannot give a useful measurement and
+            may not finish within the budget); ``tune.families`` none of which these
+            layouts can probe.
+    """
+    lam = ps_lam = config.protocol.num_learners
+    num_processes = 1
+    if config.runtime == "dist":
+        num_processes = (
+            config.dist.num_processes or required_processes(config.protocol, config.dist)[0]
+        )
+        cores = os.cpu_count() or 1
+        if num_processes > cores:
+            raise ConfigError(
+                f"dist.num_processes = {num_processes} is not allowed for distsgd tune: "
+                f"expected at most {cores} (the CPU cores of this machine; 0 = what the "
+                "protocol needs)"
+            )
+        lam, ps_lam = num_processes, num_processes - config.dist.num_servers
+    s = config.tune
+    ps_ok = ps_lam >= 2 and s.max_groups != 1
+    probeable = {
+        "hardsync": lam >= 1,
+        "compute_groups": ps_ok,
+        "softsync": ps_lam >= 2,
+        "sma": any(b <= config.protocol.batch_size for b in s.batch_sizes),
+    }
+    if not any(probeable[f] for f in s.families):
+        where = (
+            f"{num_processes} processes ({lam} learners, {ps_lam} beside "
+            f"{config.dist.num_servers} server rank(s))"
+            if config.runtime == "dist"
+            else f"{lam} learners"
+        )
+        raise ConfigError(
+            f"tune.families = {s.families!r} is not allowed with {where}: expected at "
+            "least one family these layouts can probe: "
+            + ", ".join(f for f, ok in probeable.items() if ok)
+        )
+    return num_processes, lam, ps_lam
 
 
 def _fixed_profile(
@@ -377,22 +428,15 @@ def tune(
         settings = dataclasses.replace(settings, budget_s=budget_s)
         config = config.replace(tune=settings)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file: expected a directory (new or empty)")
     if (out / "plan.toml").exists() or (out / "decisions.jsonl").exists():
         raise ConfigError(
             f"output directory {str(out)!r} already holds a tune; choose another --out"
         )
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     budget = settings.budget_s
-    # the layouts: λ learners of hardsync (devices of SMA) and of the parameter-server
-    # layouts; on real processes both come from the N processes (a server takes one)
-    lam = ps_lam = config.protocol.num_learners
-    num_processes = 1
-    if config.runtime == "dist":
-        num_processes = (
-            config.dist.num_processes or required_processes(config.protocol, config.dist)[0]
-        )
-        lam, ps_lam = num_processes, num_processes - config.dist.num_servers
+    num_processes, lam, ps_lam = tune_layout(config)
     cfg, initial, num_params, timings = _fixed_profile(config, num_processes)
     network = None
     if cfg.runtime == "dist":
@@ -429,6 +473,7 @@ def tune(
             f"one probe of {settings.probe_seconds:g} s is expected to take "
             f"{costs.first_probe_s:.1f} s wall)"
         )
+    out.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no directory
     bar = tqdm(
         total=round(budget),
         unit="s",
