@@ -17,11 +17,15 @@ Phases (SPEC.md §3; every decision goes to ``decisions.jsonl`` with its reason)
    to accuracy ``HE · SE``, the report; with ``verify`` the plan is trained and its
    measured time to accuracy added.
 
-Budget: the cold start and joint search may use up to ``1 − segment_fraction − 0.15`` of
-``tune.budget_s``, the segment ``segment_fraction``, steady state the rest; a phase that
-finishes early leaves its time to the next. A step starts only if its expected wall cost
-fits, so the tune ends within the budget plus one step's overrun and the report
-(:mod:`distsgd.tuner.budget`); a budget below the setup and one probe is refused.
+Budget B = ``tune.budget_s`` (every phase decision is a method of
+:class:`~distsgd.tuner.budget.TuneBudget`): the cold start and joint search end at
+``(1 − segment_fraction − 0.15)·B``; the first long run gets what is left less a reserve of
+``(0.15 + 0.4·segment_fraction)·B`` for the later phases (all that is left if the reserve
+leaves it less than one probe's training); steady state ``0.15·B`` from its start; the
+second long run the rest; every phase ends at B at the latest, and a phase that finishes
+early leaves its time to the next. A step starts only if its expected wall cost fits, so
+the tune ends within the budget plus one step's overrun and the report; a budget below the
+setup and one probe is refused.
 
 Runtimes. ``sim``: probes are equal in *simulated* time (``tune.probe_seconds`` on the
 virtual clock) and every time is simulated seconds. ``dist`` (N processes,
@@ -545,7 +549,7 @@ def tune(
         ps_learners=ps_lam,
         # the first probe may use the whole budget (a plan needs one), the others must be
         # expected to end within the search's share
-        out_of_budget=lambda: not costs.may_probe(search_end if search.results else None),
+        out_of_budget=lambda: not costs.may_search_probe(bool(search.results)),
     )
     log(
         "setup",
@@ -591,7 +595,7 @@ def tune(
         )
         extra: list[ProbeResult] = []
         for t_pred, cand in ranked[: settings.extra_probes]:
-            if not costs.may_probe(search_end):
+            if not costs.may_search_probe(True):
                 log(
                     "joint",
                     f"skip {cand.label()}",
@@ -632,13 +636,9 @@ def tune(
             )
 
     # ---- the long run of the best configuration ---------------------------------------
-    seg_share = budget * settings.segment_fraction
-    reserve = budget * _STEADY_SHARE + 0.4 * seg_share  # steady state and the second run
     eval_every = min(cfg.train.eval_every_samples or _PLAN_EVAL_EVERY, _PLAN_EVAL_EVERY)
     rate = chosen.samples / chosen.train_wall_s if chosen.train_wall_s > 0 else math.nan
-    seg_wall = costs.segment_seconds(rate, eval_every, keep_s=reserve)
-    if seg_wall <= 0:  # then without the reserve: the later phases need this run
-        seg_wall = costs.segment_seconds(rate, eval_every)
+    seg_wall = costs.first_segment_seconds(rate, eval_every)
     segments: list[ProbeResult] = []
     summaries: list[dict[str, Any]] = []
     seg_epochs = 0.0
@@ -684,7 +684,7 @@ def tune(
     elif seg_summary.get("reached"):
         log("steady state", "skipped", "the long run reached the target: the plan is that run")
     else:
-        steady_end = costs.elapsed() + budget * _STEADY_SHARE
+        steady_end = costs.steady_end()
         search.out_of_budget = lambda: not costs.may_probe(steady_end)
         steady = search.steady_state(chosen.candidate, "segment")
         switch = dataclasses.replace(chosen.candidate, lr=steady.lr)
@@ -698,7 +698,7 @@ def tune(
         seg_rate = (
             segments[0].samples / segments[0].train_wall_s if segments[0].train_wall_s > 0 else rate
         )
-        wall2 = costs.segment_seconds(seg_rate, eval_every)
+        wall2 = costs.second_segment_seconds(seg_rate, eval_every)
         left = max((cfg.train.max_epochs or 10.0) - seg_epochs, 0.01)
         if wall2 <= 0:
             log(
