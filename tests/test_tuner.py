@@ -389,6 +389,40 @@ def test_prediction_recovers_the_time_of_a_known_run():
     assert pred["predicted_s"] == pytest.approx(he * pred["iterations_to_target"])
 
 
+def _known_run(curve, n, eval_every, he=0.02):
+    """A long run whose losses follow ``curve`` and whose accuracies follow
+    1 − acc = 0.02 + 0.25 · loss, evaluated every ``eval_every`` iterations."""
+    it = list(range(1, n + 1))
+    r = ProbeResult(
+        Candidate("hardsync", 2, 64, 0.1, 0.9),
+        "s",
+        iterations=it,
+        virtual_s=[he * i for i in it],
+        losses=[float(curve(i)) for i in it],
+    )
+    r.evals = [
+        {"iterations": i, "test_accuracy": 1 - (0.02 + 0.25 * float(curve(i)))}
+        for i in range(eval_every, n + 1, eval_every)
+    ]
+    return r
+
+
+def test_no_prediction_from_too_few_evaluations_or_too_far_an_extrapolation():
+    from distsgd.tuner.perf_model import LossCurve
+    from distsgd.tuner.tune import predict_plan
+
+    curve = LossCurve(0.25, 1.5, 0.5)  # reaches the 90% loss 0.32 at ~458 iterations
+    assert math.isfinite(predict_plan([_known_run(curve, 600, 150)], 0.9)["predicted_s"])
+    pred = predict_plan([_known_run(curve, 600, 200)], 0.9)  # 3 evaluations
+    assert math.isnan(pred["predicted_s"])
+    assert "3 evaluation(s), fewer than 4" in pred["reason"]
+    # L_inf 0.3: the loss 0.32 comes after (2 / 0.02)² = 10⁴ iterations, 250× the 40 measured
+    pred = predict_plan([_known_run(LossCurve(0.3, 2.0, 0.5), 40, 10)], 0.9)
+    assert math.isnan(pred["predicted_s"]) and math.isnan(pred["iterations_to_target"])
+    assert "more than 10× the 0.8 s the long run(s) measured" in pred["reason"]
+    assert pred["extrapolated_s"] > 10 * 0.8
+
+
 def test_candidate_config_maps_every_family_to_a_valid_run_config():
     from distsgd.tuner.probes import candidate_config
 

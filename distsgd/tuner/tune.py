@@ -75,6 +75,8 @@ __all__ = ["tune", "tune_layout", "parse_budget", "predict_plan", "verify_plan"]
 
 _STEADY_SHARE = TUNE_STEADY_SHARE
 _PLAN_EVAL_EVERY = 5000
+_MIN_EVALS = 4  # evaluations of the long runs a prediction needs
+_MAX_EXTRAPOLATION = 10.0  # a prediction beyond this many times the long runs' seconds: none
 
 
 def parse_budget(text: str) -> float:
@@ -225,6 +227,11 @@ def predict_plan(segments: list[ProbeResult], target_accuracy: float) -> dict[st
     (its own fitted curve's loss at the evaluation, accuracy), which removes the lag of
     interval-mean training losses.
 
+    No prediction (with its ``reason``) when the long runs made fewer than 4 evaluations,
+    when the target maps to a loss <= 0, when the curve levels off above the target loss,
+    or when the prediction exceeds 10× the seconds the long runs measured (extrapolated
+    that far the fit says little; the figure is kept as ``extrapolated_s``).
+
     Returns:
         dict with ``seconds_per_iteration``, ``iterations_to_target``, ``target_loss``,
         ``curve`` (of the last segment: L_inf, A, beta, rmse), ``predicted_s``; values are
@@ -262,6 +269,12 @@ def predict_plan(segments: list[ProbeResult], target_accuracy: float) -> dict[st
         for e in seg.evals
         if e.get("iterations", 0) > 0
     ]
+    if len(pts) < _MIN_EVALS:
+        out["reason"] = (
+            f"the long run(s) made {len(pts)} evaluation(s), fewer than {_MIN_EVALS}: too few "
+            "to map the target accuracy to a training loss (give a larger --budget)"
+        )
+        return out
     try:
         ev = pm.fit_error_vs_loss(np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
     except ValueError:
@@ -282,10 +295,21 @@ def predict_plan(segments: list[ProbeResult], target_accuracy: float) -> dict[st
             f"the fitted loss curve levels off at {last.L_inf:.4f}, above the target loss "
             f"{target_loss:.4f} (give a larger --budget)"
         )
+    predicted = pm.time_to_accuracy(he, se)
+    if math.isfinite(predicted) and predicted > _MAX_EXTRAPOLATION * secs:
+        out.update(
+            target_loss=target_loss,
+            error_vs_loss={"e0": ev.e0, "s": ev.s},
+            extrapolated_s=predicted,
+            reason=f"the fitted curve reaches the target loss {target_loss:.4f} after "
+            f"{predicted:.4g} s, more than {_MAX_EXTRAPOLATION:g}× the {secs:.4g} s the long "
+            "run(s) measured: too far to extrapolate (give a larger --budget)",
+        )
+        return out
     out.update(
         target_loss=target_loss,
         iterations_to_target=se,
-        predicted_s=pm.time_to_accuracy(he, se),
+        predicted_s=predicted,
         error_vs_loss={"e0": ev.e0, "s": ev.s},
     )
     return out
