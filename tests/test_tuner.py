@@ -481,3 +481,35 @@ def test_prediction_says_why_when_the_target_loss_is_not_positive():
     assert not pred["target_loss"] > 0
     assert "too far from the target" in pred["reason"]
     assert math.isnan(pred["predicted_s"])
+
+
+def test_plan_step_factor_is_rounded_and_probe_dirs_are_ascii():
+    from distsgd.tuner.probes import _safe
+    from distsgd.tuner.tune import _plan_config
+
+    base = small_config(protocol={"num_learners": 4})
+    cand = Candidate("hardsync", 4, 16, 0.1, 0.9)
+    plan = _plan_config(base, cand, replace(cand, lr=0.01), 0.5, DecisionLog())
+    assert plan.schedule.decay_factor == 0.1  # 0.01 / 0.1 = 0.09999999999999999
+    assert "decay_factor = 0.1\n" in plan.to_toml()
+    assert _safe(cand.label()) == "hardsync_lam=4_b=16_eta=0.1_mu=0.9"
+
+
+def test_interrupted_tune_says_what_it_kept(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "t"
+
+    def interrupted(cfg, out_dir, **kw):
+        for name in ("001-probe-a", "002-probe-b"):
+            (out_dir / "probes" / name).mkdir(parents=True)
+        (out_dir / "decisions.jsonl").write_text("")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("distsgd.tuner.tune.tune", interrupted)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(small_config().to_toml())
+    assert main(["tune", str(cfg), "--out", str(out), "--quiet"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"distsgd: interrupted: 2 probe run(s) in {out / 'probes'}, decisions in "
+        f"{out / 'decisions.jsonl'}, no plan"
+    )

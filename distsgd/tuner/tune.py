@@ -327,7 +327,7 @@ def _plan_config(
                 schedule,
                 kind="step",
                 decay_epochs=[round(seg_epochs, 4)],
-                decay_factor=steady.lr / cand.lr,
+                decay_factor=float(f"{steady.lr / cand.lr:.6g}"),  # 0.1, not 0.0999…
             )
             log(
                 "plan",
@@ -445,8 +445,15 @@ def tune(
     ``probes/`` (one run directory per probe and the segment).
 
     Raises:
-        ConfigError: bad settings, an unavailable runtime, an occupied ``out_dir``, or a
-            cold start in which every probe diverged.
+        ConfigError: bad settings (including ``dist.num_processes`` above this machine's
+            CPU cores and ``tune.families`` the layouts cannot probe, see
+            :func:`tune_layout`), an unavailable runtime, an ``out_dir`` that is a file or
+            holds a tune, a budget below the setup and one probe, or a cold start in which
+            every probe diverged.
+        DistRunFailed: (``dist`` runtime) a probe or long run lost a process before it
+            completed (:mod:`distsgd.runtime.launch`).
+        KeyboardInterrupt: Ctrl-C; the probes' run directories and ``decisions.jsonl``
+            written so far stay in ``out_dir``, no plan is written.
     """
     from distsgd.tuner.report import write_report
 
