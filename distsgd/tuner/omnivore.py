@@ -20,6 +20,8 @@ arXiv:1606.04487, §4 "optimizer"), as SPEC.md §3 states it:
 * **Steady state** (:meth:`OmnivoreSearch.steady_state`): from the latest snapshot
   re-probe μ ∈ momenta × η ∈ {η_last, η_last/10}; if the best μ is 0 the asynchrony is too
   much: halve g, set μ = 0.6 and search again (at the halved g, from the same snapshot).
+  The incumbent (whose long run made the snapshot) is probed first and never pruned; when
+  it could not be probed it is kept, since nothing can be compared with it.
 
 Choices where the paper is silent: g = 1 is probed as ``hardsync`` (all-reduce, SPEC §1;
 it equals compute groups with g = 1); across group counts the lowest score wins and ties
