@@ -108,7 +108,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.verify_only:
         if args.config or args.out or args.verify:
             raise ValueError("--verify-only DIR takes no config, --out or --verify")
-        state = verify_plan(Path(args.verify_only), progress=not args.quiet)
+        args.out_dir = Path(args.verify_only)
+        state = verify_plan(args.out_dir, progress=not args.quiet)
         _print_tune(state, Path(args.verify_only))
         return 0
     if args.config is None:
@@ -148,6 +149,15 @@ def _print_tune(state: dict[str, Any], out: Path) -> None:
         )
     lines.append(f"report        {out / 'report.md'}")
     print("\n".join(lines))
+
+
+def _tune_kept(out: Path) -> str:
+    """What an interrupted tune left in ``out``: its probe runs and whether a plan."""
+    probes = out / "probes"
+    n = sum(1 for p in probes.iterdir() if p.is_dir()) if probes.is_dir() else 0
+    plan = f"plan in {out / 'plan.toml'}" if (out / "plan.toml").exists() else "no plan"
+    log = f", decisions in {out / 'decisions.jsonl'}" if (out / "decisions.jsonl").exists() else ""
+    return f"{n} probe run(s) in {probes}{log}, {plan}"
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
@@ -246,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="--runtime dist: processes each probe runs on (same as --set "
-        "dist.num_processes=N; default what the config's protocol needs)",
+        "dist.num_processes=N; 0 or omitted: what the config's protocol needs; at most "
+        "the CPU cores of this machine)",
     )
     u.add_argument("--out", default=None, help="tune directory (default runs/tune-<config>)")
     u.add_argument(
@@ -292,6 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         out_dir = getattr(args, "out_dir", None) or getattr(args, "resume", None)
+        if args.command == "tune" and out_dir:
+            print(f"distsgd: interrupted: {_tune_kept(Path(out_dir))}", file=sys.stderr)
+            return 130
         if out_dir and (Path(out_dir) / "checkpoint.pt").exists():
             msg = f"the last checkpoint in {out_dir} is kept (continue with --resume {out_dir})"
         else:

@@ -671,6 +671,8 @@ def fit_layout(
 
 
 TUNE_FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")
+TUNE_STEADY_SHARE = 0.15
+"""Share of ``tune.budget_s`` kept for Omnivore's steady state (:mod:`distsgd.tuner.budget`)."""
 
 
 def _check_list(key: str, value: Any, kind: type, minimum: float, maximum: float) -> None:
@@ -715,7 +717,9 @@ class TuneConfig:
         extra_probes: unprobed configurations of the joint search probed, best predicted
             first (0: Omnivore's search only).
         segment_fraction: share of the budget for the long run of the best configuration
-            (Omnivore's "run for a long period with snapshots") before steady state.
+            (Omnivore's "run for a long period with snapshots") before steady state; with
+            steady state's share (``TUNE_STEADY_SHARE``) it must leave the search a
+            positive share (< 0.85).
         noise_scale: B_noise of the batch-size law in samples (0: estimate from probes).
     """
 
@@ -755,6 +759,13 @@ class TuneConfig:
         _check_list("tune.batch_sizes", self.batch_sizes, int, 1, 65536)
         _check_int("tune.extra_probes", self.extra_probes, 0)
         _check_float("tune.segment_fraction", self.segment_fraction, 0.0, 0.9)
+        if self.segment_fraction >= 1 - TUNE_STEADY_SHARE:
+            _fail(
+                "tune.segment_fraction",
+                self.segment_fraction,
+                f"a number >= 0 and < {1 - TUNE_STEADY_SHARE:g} (steady state takes "
+                f"{TUNE_STEADY_SHARE:g} of the budget; the search needs a positive share)",
+            )
         _check_float("tune.noise_scale", self.noise_scale, 0.0)
 
 

@@ -20,9 +20,10 @@ class FakeClock:
 
 
 def run_tune_steps(budget_s, probe_costs, setup_s=1.0, eval_s=0.5, build_s=0.4):
-    """The tune's phases (cold start, long run, steady state, second long run) driven by
-    the budget's decisions; every probe advances the fake clock by its cost. Returns
-    (clock seconds used, probes run, long-run training seconds) or None when refused."""
+    """The tune's phases (cold start, long run, steady state, second long run) in tune()'s
+    order, each decided by the same TuneBudget method tune() calls; every probe advances
+    the fake clock by its cost. Returns (clock seconds used, probes run, long-run training
+    seconds) or None when refused."""
     clock = FakeClock()
     tb = TuneBudget(budget_s, 0.35, 0.15, first_probe_s=probe_costs(0), eval_s=eval_s, clock=clock)
     clock.t += setup_s
@@ -39,23 +40,23 @@ def run_tune_steps(budget_s, probe_costs, setup_s=1.0, eval_s=0.5, build_s=0.4):
 
     probe = FakeProbe(score)
     search = make_search(probe, lam=4)
-    search.out_of_budget = lambda: not tb.may_probe(tb.search_end if search.results else None)
+    search.out_of_budget = lambda: not tb.may_search_probe(bool(search.results))
     best = search.cold_start()
     assert best is not None  # the first probe always fits a budget that was not refused
     rate, every = 2000.0, 500  # samples per wall second, evaluation interval
     trained = []
 
-    def long_run(keep_s=0.0):
-        t = tb.segment_seconds(rate, every, keep_s)
+    def long_run(t):
         if t > 0:  # build, evaluations at start, every `every` samples and at the end
             clock.t += build_s + t + eval_s * (2 + t * rate / every)
             trained.append(t)
 
-    long_run(keep_s=budget_s * 0.15 + 0.4 * 0.35 * budget_s)
-    steady_end = tb.elapsed() + 0.15 * budget_s
+    long_run(tb.first_segment_seconds(rate, every))
+    steady_end = tb.steady_end()
+    assert steady_end <= budget_s
     search.out_of_budget = lambda: not tb.may_probe(steady_end)
     search.steady_state(best.candidate, "segment")
-    long_run()
+    long_run(tb.second_segment_seconds(rate, every))
     return clock.t - tb.start, len(probe.calls), trained
 
 
@@ -101,3 +102,28 @@ def test_tune_refuses_a_budget_below_its_computed_minimum(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "--budget 0.001s is not allowed for this config: expected at least" in err
+
+
+def test_steady_state_ends_at_the_budget_when_the_long_run_used_the_reserve():
+    clock = FakeClock()
+    tb = TuneBudget(60.0, 0.35, 0.15, first_probe_s=2.0, eval_s=0.1, clock=clock)
+    tb.record_probe(2.0, 1.5)
+    clock.t += 41.0  # 19 s left: the reserve (17.4 s) leaves less than one probe's training
+    assert tb.segment_seconds(1000.0, 1000, keep_s=tb.reserve_s()) == 0.0
+    t = tb.first_segment_seconds(1000.0, 1000)
+    assert 0 < t <= 19.0  # so it takes what is left of the budget
+    clock.t += 0.5 + t + 0.1 * (2 + t)
+    # steady state ends at the budget, not 0.15·B after the long run (the overrun seen as
+    # a 60 s tune ending at 61-63 s)
+    assert tb.steady_end() == pytest.approx(60.0)
+    assert not tb.may_probe(tb.steady_end())
+    clock.t = tb.start + 10.0
+    assert tb.steady_end() == pytest.approx(10.0 + 0.15 * 60.0)  # its share from now
+
+
+@pytest.mark.parametrize("probe_s", [2.0, 5.0, 11.0])
+def test_every_phase_ends_within_the_budget_when_the_long_run_takes_the_reserve(probe_s):
+    for budget_s in (12.0, 25.0, 40.0, 60.0):
+        out = run_tune_steps(budget_s, lambda i: probe_s)
+        if out is not None:
+            assert out[0] <= budget_s + 1e-9

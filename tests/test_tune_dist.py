@@ -22,6 +22,7 @@ from distsgd.tuner.omnivore import (
     rank_candidates,
 )
 from distsgd.tuner.perf_model import ClusterModel, seconds_per_iteration
+from distsgd.tuner.tune import tune_layout
 
 from .conftest import small_config
 from .test_tuner import FakeProbe
@@ -200,3 +201,56 @@ def test_a_rank_lost_after_the_run_completed_leaves_a_complete_probe(tmp_path, m
     status["value"] = "failed"  # the run itself did not complete: the failure stands
     with pytest.raises(launch.DistRunFailed):
         prober(Candidate("hardsync", 2, 16, 0.01, 0.9), "initial")
+
+
+def _one_line_exit_2(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_tune_refuses_more_processes_than_cores_and_families_it_cannot_probe(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr("distsgd.tuner.tune.os.cpu_count", lambda: 2)
+    base = small_config(protocol={"num_learners": 2, "batch_size": 16})
+    cfg = tmp_path / "base.toml"
+    cfg.write_text(base.to_toml())
+    out = tmp_path / "t"
+    argv = ["tune", str(cfg), "--runtime", "dist", "--out", str(out), "--quiet"]
+    err = _one_line_exit_2(capsys, [*argv, "--num-processes", "99"])
+    assert "dist.num_processes = 99 is not allowed for distsgd tune: expected at most 2" in err
+    assert not out.exists()  # refused before anything was written
+    # 0 (and no flag) means what the base protocol needs: 2 learners of hardsync
+    zero = RunConfig.from_toml(cfg, ["runtime=dist", "dist.num_processes=0"])
+    assert tune_layout(zero) == (2, 2, 1)
+    # 2 processes leave one learner beside the server: no n-softsync to probe
+    err = _one_line_exit_2(
+        capsys, [*argv, "--num-processes", "2", "--set", 'tune.families=["softsync"]']
+    )
+    assert "tune.families = ['softsync'] is not allowed with 2 processes" in err
+    assert "expected at least one family these layouts can probe: hardsync, sma" in err
+    assert not out.exists()
+
+
+def test_tune_refuses_an_out_that_is_a_file_and_leaves_no_dir_after_a_failed_start(
+    tmp_path, capsys
+):
+    base = small_config(protocol={"num_learners": 2, "batch_size": 16})
+    cfg = tmp_path / "base.toml"
+    cfg.write_text(base.to_toml())
+    f = tmp_path / "file"
+    f.write_text("x")
+    err = _one_line_exit_2(capsys, ["tune", str(cfg), "--out", str(f), "--quiet"])
+    assert "is a file: expected a directory" in err
+    out = tmp_path / "t"
+    missing = ["--set", "data.dataset=fashion_mnist", "--set", f"data.root={tmp_path / 'no'}"]
+    _one_line_exit_2(capsys, ["tune", str(cfg), "--out", str(out), "--quiet", *missing])
+    assert not out.exists()
+
+
+def test_segment_fraction_must_leave_the_search_a_share():
+    TuneConfig(segment_fraction=0.8)
+    with pytest.raises(ConfigError, match=r"tune.segment_fraction = 0.85 is not allowed"):
+        TuneConfig(segment_fraction=0.85)

@@ -5,6 +5,7 @@ accepts as is."""
 import json
 import math
 import tomllib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -127,7 +128,7 @@ def test_cold_start_probes_in_order_prunes_nan_and_picks_per_g():
         4: (0.01, 0.3),
         8: (0.01, 0.0),
     }
-    assert search.nan_points == [(0.1, 0.9)]
+    assert [(d.g, d.lr, d.momentum) for d in search.diverged] == [(1, 0.1, 0.9)]
     # every g scores 1.0 at its best: the tie prefers fewer groups
     assert chosen.candidate.g == 1
     assert chosen.candidate.family == "hardsync"
@@ -143,6 +144,43 @@ def test_nan_at_fewer_groups_prunes_more_groups():
     # g=1: 0.1@0.9 diverges; best is 0.01@0.9; g=2 never probes (0.1, ≥0.6)
     assert (2, 0.1, 0.6, "initial") not in probe.calls
     assert not [c for c in probe.calls if c[0] == 2 and c[1] >= 0.1 and c[2] >= 0.6]
+
+
+def test_nan_at_two_groups_leaves_one_group_and_the_steady_state_incumbent_alone():
+    # hardsync is best at (0.1, 0.9); compute groups g=2 diverge at (0.1, 0.9)
+    probe = FakeProbe(
+        lambda c, s: 1.0 + abs(c.momentum - 0.9) + abs(math.log10(c.lr) + 1),
+        he=lambda g: 1.0 / g,
+        nan=lambda c: c.g == 2 and c.lr >= 0.1 and c.momentum >= 0.9,
+    )
+    search = make_search(probe, lam=4, max_groups=2)
+    search.cold_start()
+    assert (2, 0.1, 0.9, "initial") in probe.calls  # diverged
+    assert [(d.g, d.lr, d.momentum) for d in search.diverged] == [(2, 0.1, 0.9)]
+    hs = Candidate("hardsync", 4, 16, 0.1, 0.9)
+    assert search.nan_hit(hs) is None  # g=1 is not pruned by a NaN at g=2
+    assert search.nan_hit(Candidate("compute_groups", 4, 16, 0.1, 0.9, num_groups=2))
+    assert search.nan_hit(replace(hs, batch_size=32)) is None  # another batch
+    # steady state of the hardsync incumbent probes it (first) and keeps it: no η/10 step
+    n = len(probe.calls)
+    steady = search.steady_state(hs, "segment")
+    assert probe.calls[n] == (1, 0.1, 0.9, "segment")
+    assert steady == hs
+    # the incumbent itself is never pruned, even by a NaN at its own (η, μ) and g
+    search.diverged.append(hs)
+    n = len(probe.calls)
+    assert search.steady_state(hs, "segment") == hs
+    assert probe.calls[n] == (1, 0.1, 0.9, "segment")
+
+
+def test_steady_state_without_the_incumbent_probe_keeps_the_incumbent():
+    probe = FakeProbe(lambda c, s: 1.0 + c.lr)  # η/10 would win if compared with nothing
+    search = make_search(probe, lam=4)
+    calls = iter([True])  # the budget refuses the first probe (the incumbent) only
+    search.out_of_budget = lambda: next(calls, False)
+    inc = Candidate("hardsync", 4, 16, 0.1, 0.9)
+    assert search.steady_state(inc, "segment") == inc
+    assert "not probed" in search.log.entries[-1]["reason"]
 
 
 def test_he_rule_rejects_groups_that_do_not_speed_up_iterations_by_ten_percent():
@@ -173,9 +211,10 @@ def test_steady_state_halves_groups_while_best_momentum_is_zero():
     final = search.steady_state(cur, "segment")
     assert (final.g, final.lr, final.momentum) == (2, 0.01, 0.3)
     assert all(s == "segment" for *_, s in probe.calls)
-    # each round probes μ × {η, η/10}
-    assert [c[:3] for c in probe.calls[:8]] == [
-        (8, lr, mu) for mu in (0.9, 0.6, 0.3, 0.0) for lr in (0.01, 0.001)
+    # each round probes μ × {η, η/10}, the incumbent first
+    grid = [(8, lr, mu) for mu in (0.9, 0.6, 0.3, 0.0) for lr in (0.01, 0.001)]
+    assert [c[:3] for c in probe.calls[:8]] == [(8, 0.01, 0.3)] + [
+        c for c in grid if c != (8, 0.01, 0.3)
     ]
     halvings = [e["decision"] for e in search.log.entries if "halve" in e["decision"]]
     assert halvings == [
@@ -215,10 +254,16 @@ def test_joint_search_ranks_unprobed_configurations_with_the_model():
     ranked = rank_candidates(cands, chosen, 100.0, cluster, noise_scale=64)
     times = [t for t, _ in ranked]
     assert times == sorted(times) and all(t > 0 for t in times)
-    # a NaN at the smallest (η, μ) prunes every asynchronous candidate
-    search.nan_points.append((1e-9, 0.0))
-    left = {c.family for c in joint_candidates(search, chosen, TuneConfig())}
-    assert left == {"hardsync", "sma"}
+    # a NaN of hardsync at the smallest (η, μ) prunes compute groups at its batch only; a
+    # NaN of n-softsync prunes that n-softsync layout only
+    search.diverged.append(Candidate("hardsync", 4, 16, 1e-9, 0.0))
+    left = joint_candidates(search, chosen, TuneConfig())
+    assert not [c for c in left if c.family == "compute_groups" and c.batch_size == 16]
+    assert [c for c in left if c.family == "compute_groups" and c.batch_size == 32]
+    soft = [c for c in left if c.family == "softsync"]
+    search.diverged.append(replace(soft[0], lr=1e-9, momentum=0.0))
+    left2 = joint_candidates(search, chosen, TuneConfig())
+    assert [c for c in left2 if c.family == "softsync"] == soft[1:]
 
 
 def test_parse_budget():
@@ -344,6 +389,40 @@ def test_prediction_recovers_the_time_of_a_known_run():
     assert pred["predicted_s"] == pytest.approx(he * pred["iterations_to_target"])
 
 
+def _known_run(curve, n, eval_every, he=0.02):
+    """A long run whose losses follow ``curve`` and whose accuracies follow
+    1 − acc = 0.02 + 0.25 · loss, evaluated every ``eval_every`` iterations."""
+    it = list(range(1, n + 1))
+    r = ProbeResult(
+        Candidate("hardsync", 2, 64, 0.1, 0.9),
+        "s",
+        iterations=it,
+        virtual_s=[he * i for i in it],
+        losses=[float(curve(i)) for i in it],
+    )
+    r.evals = [
+        {"iterations": i, "test_accuracy": 1 - (0.02 + 0.25 * float(curve(i)))}
+        for i in range(eval_every, n + 1, eval_every)
+    ]
+    return r
+
+
+def test_no_prediction_from_too_few_evaluations_or_too_far_an_extrapolation():
+    from distsgd.tuner.perf_model import LossCurve
+    from distsgd.tuner.tune import predict_plan
+
+    curve = LossCurve(0.25, 1.5, 0.5)  # reaches the 90% loss 0.32 at ~458 iterations
+    assert math.isfinite(predict_plan([_known_run(curve, 600, 150)], 0.9)["predicted_s"])
+    pred = predict_plan([_known_run(curve, 600, 200)], 0.9)  # 3 evaluations
+    assert math.isnan(pred["predicted_s"])
+    assert "3 evaluation(s), fewer than 4" in pred["reason"]
+    # L_inf 0.3: the loss 0.32 comes after (2 / 0.02)² = 10⁴ iterations, 250× the 40 measured
+    pred = predict_plan([_known_run(LossCurve(0.3, 2.0, 0.5), 40, 10)], 0.9)
+    assert math.isnan(pred["predicted_s"]) and math.isnan(pred["iterations_to_target"])
+    assert "more than 10× the 0.8 s the long run(s) measured" in pred["reason"]
+    assert pred["extrapolated_s"] > 10 * 0.8
+
+
 def test_candidate_config_maps_every_family_to_a_valid_run_config():
     from distsgd.tuner.probes import candidate_config
 
@@ -402,3 +481,35 @@ def test_prediction_says_why_when_the_target_loss_is_not_positive():
     assert not pred["target_loss"] > 0
     assert "too far from the target" in pred["reason"]
     assert math.isnan(pred["predicted_s"])
+
+
+def test_plan_step_factor_is_rounded_and_probe_dirs_are_ascii():
+    from distsgd.tuner.probes import _safe
+    from distsgd.tuner.tune import _plan_config
+
+    base = small_config(protocol={"num_learners": 4})
+    cand = Candidate("hardsync", 4, 16, 0.1, 0.9)
+    plan = _plan_config(base, cand, replace(cand, lr=0.01), 0.5, DecisionLog())
+    assert plan.schedule.decay_factor == 0.1  # 0.01 / 0.1 = 0.09999999999999999
+    assert "decay_factor = 0.1\n" in plan.to_toml()
+    assert _safe(cand.label()) == "hardsync_lam=4_b=16_eta=0.1_mu=0.9"
+
+
+def test_interrupted_tune_says_what_it_kept(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "t"
+
+    def interrupted(cfg, out_dir, **kw):
+        for name in ("001-probe-a", "002-probe-b"):
+            (out_dir / "probes" / name).mkdir(parents=True)
+        (out_dir / "decisions.jsonl").write_text("")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("distsgd.tuner.tune.tune", interrupted)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(small_config().to_toml())
+    assert main(["tune", str(cfg), "--out", str(out), "--quiet"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"distsgd: interrupted: 2 probe run(s) in {out / 'probes'}, decisions in "
+        f"{out / 'decisions.jsonl'}, no plan"
+    )

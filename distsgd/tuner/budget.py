@@ -19,10 +19,13 @@ run may train.
 Slack (stated in the decision log and ``tune.json``): at most one step's overrun of its
 expected cost, plus writing the plan and the report after the budget.
 
-Phases (shares of B, as in :mod:`distsgd.tuner.tune`): the cold start and joint search end
-at ``(1 − segment_fraction − steady_share)·B`` (the first cold-start probe may use the whole
-budget: a plan needs one), the long run gets ``segment_fraction·B`` plus what the search
-left, steady state ``steady_share·B``, the second long run the rest.
+Phases (shares of B; :mod:`distsgd.tuner.tune` takes every phase decision from the methods
+here): the cold start and joint search end at ``(1 − segment_fraction − steady_share)·B``
+(:meth:`TuneBudget.may_search_probe`; the first cold-start probe may use the whole budget:
+a plan needs one), the first long run gets what is left less a reserve of
+``(steady_share + 0.4·segment_fraction)·B`` (:meth:`TuneBudget.first_segment_seconds`),
+steady state ``steady_share·B`` from its start (:meth:`TuneBudget.steady_end`), the second
+long run the rest. Every phase ends at B at the latest.
 """
 
 from __future__ import annotations
@@ -120,6 +123,34 @@ class TuneBudget:
     def minimum_s(self) -> float:
         """The least budget that holds what was spent so far (the setup) and one probe."""
         return self.elapsed() + self.first_probe_s
+
+    def may_search_probe(self, probed_any: bool) -> bool:
+        """The cold start's and joint search's rule: the first probe may use the whole
+        budget (a plan needs one), later ones must be expected to end by
+        :attr:`search_end`."""
+        return self.may_probe(self.search_end if probed_any else None)
+
+    # ---- phases after the search ---------------------------------------------------------
+    def reserve_s(self) -> float:
+        """Seconds the first long run leaves for the later phases: steady state's share and
+        0.4 of the long run's share (the second long run, from the first one's snapshot)."""
+        return self.total_s * (self.steady_share + 0.4 * self.segment_fraction)
+
+    def first_segment_seconds(self, samples_per_s: float, eval_every_samples: int) -> float:
+        """Training wall seconds of the first long run: what fits while keeping
+        :meth:`reserve_s`; if that leaves less than one probe's training, what fits in the
+        whole time left (the later phases need this run); 0: skip it."""
+        t = self.segment_seconds(samples_per_s, eval_every_samples, keep_s=self.reserve_s())
+        return t if t > 0 else self.segment_seconds(samples_per_s, eval_every_samples)
+
+    def steady_end(self) -> float:
+        """End of steady state, seconds from the start: its share of B from now, capped at
+        B (a first long run that used the reserve leaves steady state only what is left)."""
+        return min(self.elapsed() + self.steady_share * self.total_s, self.total_s)
+
+    def second_segment_seconds(self, samples_per_s: float, eval_every_samples: int) -> float:
+        """Training wall seconds of the second long run: what fits in the budget left."""
+        return self.segment_seconds(samples_per_s, eval_every_samples)
 
     # ---- long runs ---------------------------------------------------------------------
     def segment_seconds(

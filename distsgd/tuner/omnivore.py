@@ -20,6 +20,8 @@ arXiv:1606.04487, §4 "optimizer"), as SPEC.md §3 states it:
 * **Steady state** (:meth:`OmnivoreSearch.steady_state`): from the latest snapshot
   re-probe μ ∈ momenta × η ∈ {η_last, η_last/10}; if the best μ is 0 the asynchrony is too
   much: halve g, set μ = 0.6 and search again (at the halved g, from the same snapshot).
+  The incumbent (whose long run made the snapshot) is probed first and never pruned; when
+  it could not be probed it is kept, since nothing can be compared with it.
 
 Choices where the paper is silent: g = 1 is probed as ``hardsync`` (all-reduce, SPEC §1;
 it equals compute groups with g = 1); across group counts the lowest score wins and ties
@@ -64,6 +66,7 @@ __all__ = [
     "OmnivoreSearch",
     "cold_start_grid",
     "nan_pruned",
+    "nan_applies",
     "pick_best",
     "joint_candidates",
     "rank_candidates",
@@ -247,6 +250,22 @@ def nan_pruned(lr: float, momentum: float, nan_points: list[tuple[float, float]]
     return None
 
 
+def nan_applies(diverged: Candidate, cand: Candidate) -> bool:
+    """Whether the NaN of the ``diverged`` probe may prune ``cand`` (before comparing η, μ).
+
+    Omnivore prunes within one group count; asynchrony only adds implicit momentum
+    (Mitliagkas et al., arXiv:1605.09774), so a NaN also prunes more groups, never fewer.
+    Here: the same per-learner batch, and either both hardsync / compute groups with
+    ``cand.g >= diverged.g``, or the same family and layout (n-softsync's n, SMA's k, λ).
+    """
+    if diverged.batch_size != cand.batch_size:
+        return False
+    groups = ("hardsync", "compute_groups")
+    if diverged.family in groups and cand.family in groups:
+        return cand.g >= diverged.g
+    return replace(diverged, lr=0.0, momentum=0.0) == replace(cand, lr=0.0, momentum=0.0)
+
+
 def cold_start_grid(
     g: int, prev: tuple[float, float] | None, settings: TuneConfig
 ) -> tuple[list[tuple[float, float]], list[tuple[tuple[float, float], str]]]:
@@ -324,7 +343,7 @@ class OmnivoreSearch:
         self.log = log
         self.out_of_budget = out_of_budget
         self.results: list[ProbeResult] = []
-        self.nan_points: list[tuple[float, float]] = []
+        self.diverged: list[Candidate] = []  # probes that produced NaN
         self.best_by_g: dict[int, ProbeResult] = {}
         self.he_by_g: dict[int, float] = {}
 
@@ -346,8 +365,16 @@ class OmnivoreSearch:
             return Candidate("hardsync", self.num_learners, b, lr, momentum)
         return Candidate("compute_groups", self.ps_learners, b, lr, momentum, num_groups=g)
 
-    def _run(self, phase: str, cand: Candidate, snapshot: str) -> ProbeResult | None:
-        hit = nan_pruned(cand.lr, cand.momentum, self.nan_points)
+    def nan_hit(self, cand: Candidate) -> tuple[float, float] | None:
+        """The (η, μ) of a NaN that prunes ``cand`` (:func:`nan_applies`,
+        :func:`nan_pruned`), or None."""
+        pts = [(d.lr, d.momentum) for d in self.diverged if nan_applies(d, cand)]
+        return nan_pruned(cand.lr, cand.momentum, pts)
+
+    def _run(
+        self, phase: str, cand: Candidate, snapshot: str, prunable: bool = True
+    ) -> ProbeResult | None:
+        hit = self.nan_hit(cand) if prunable else None
         if hit is not None:
             self.log(
                 phase,
@@ -361,11 +388,16 @@ class OmnivoreSearch:
         r = self.probe(cand, snapshot)
         self.results.append(r)
         if r.diverged:
-            self.nan_points.append((cand.lr, cand.momentum))
+            self.diverged.append(cand)
             self.log(
                 phase,
                 f"probe {cand.label()}: NaN",
-                "the loss diverged; every (η, μ) at or above it is pruned",
+                "the loss diverged; every (η, μ) at or above it is pruned at this batch and "
+                + (
+                    "the same or more groups"
+                    if cand.family in ("hardsync", "compute_groups")
+                    else "layout"
+                ),
                 snapshot=snapshot,
             )
         else:
@@ -458,18 +490,38 @@ class OmnivoreSearch:
 
     def steady_state(self, current: Candidate, snapshot: str) -> Candidate:
         """Omnivore's steady state from ``snapshot``: re-probe μ × {η, η/10}; halve g while
-        the best μ is 0 (then μ = 0.6). Returns the configuration to continue with."""
+        the best μ is 0 (then μ = 0.6). Returns the configuration to continue with.
+
+        ``current`` (the incumbent, whose long run made the snapshot) is probed first and
+        never pruned by a NaN; if it was not probed (budget spent), no other probe can be
+        compared with it and ``current`` is kept."""
         s = self.settings
         cand = current
         while True:
             results = []
-            # μ from large to small, both η at each μ: a budget cut short still compares
-            # η with η/10
+            # the incumbent first, then μ from large to small, both η at each μ: a budget
+            # cut short still compares η with η/10
+            grid = [(cand.lr, cand.momentum)] if cand == current else []
             for mu in sorted(s.momenta, reverse=True):
                 for lr in (cand.lr, cand.lr / 10):
-                    r = self._run("steady state", replace(cand, lr=lr, momentum=mu), snapshot)
-                    if r is not None:
-                        results.append(r)
+                    if (lr, mu) not in grid:
+                        grid.append((lr, mu))
+            incumbent = None
+            for lr, mu in grid:
+                c = replace(cand, lr=lr, momentum=mu)
+                r = self._run("steady state", c, snapshot, prunable=c != current)
+                if r is not None:
+                    results.append(r)
+                    if c == current:
+                        incumbent = r
+            if cand == current and incumbent is None:
+                self.log(
+                    "steady state",
+                    f"keep {cand.label()}",
+                    "the incumbent was not probed from the snapshot (budget spent), so no "
+                    "other probe can be compared with it",
+                )
+                return cand
             best = pick_best(results, s.tie_buffer)
             if best is None:
                 self.log(
@@ -513,7 +565,7 @@ def joint_candidates(
       Polyak momentum μ_z (Crossbow, SPEC §4).
 
     Asynchronous candidates (compute groups, n-softsync) at or above an (η, μ) that gave
-    NaN are left out, as in the cold start.
+    NaN at the same kind (:func:`nan_applies`) are left out, as in the cold start.
     """
     lam = search.num_learners
     ps_lam = search.ps_learners
@@ -545,9 +597,7 @@ def joint_candidates(
     seen: set[Candidate] = set()
     uniq = []
     for c in out:
-        if c.family in ("compute_groups", "softsync") and nan_pruned(
-            c.lr, c.momentum, search.nan_points
-        ):
+        if c.family in ("compute_groups", "softsync") and search.nan_hit(c):
             continue
         if c not in probed and c not in seen:
             seen.add(c)

@@ -49,7 +49,8 @@ def candidate_config(base: RunConfig, cand: Candidate) -> RunConfig:
     Mapping: ``hardsync`` → protocol ``hardsync``; ``compute_groups`` → ``compute_groups``
     with g groups and Rudra's α0/n learning-rate rule off (momentum is what Omnivore
     tunes); ``softsync`` → ``parameter_server`` in n-softsync with ``staleness_lr =
-    softsync`` (α0/n); ``sma`` → ``sma`` with k replicas per device, α = 1/k.
+    softsync`` (α0/n); ``sma`` → ``sma`` with k replicas per device and ``alpha = 0``,
+    which the config reads as α = 1/λ over all λ learners (SPEC §4).
     """
     p = base.protocol
     common = {
@@ -99,8 +100,13 @@ def _status(run_dir: Path) -> str | None:
     return json.loads(path.read_text()).get("status") if path.exists() else None
 
 
+_ASCII = str.maketrans({"λ": "lam", "η": "eta", "μ": "mu"})
+
+
 def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_")
+    """A file name from a label: λ, η, μ spelled ``lam``, ``eta``, ``mu``, anything else
+    outside ``[A-Za-z0-9_.=-]`` replaced by ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text.translate(_ASCII)).strip("_")
 
 
 class Prober:

@@ -17,11 +17,15 @@ Phases (SPEC.md §3; every decision goes to ``decisions.jsonl`` with its reason)
    to accuracy ``HE · SE``, the report; with ``verify`` the plan is trained and its
    measured time to accuracy added.
 
-Budget: the cold start and joint search may use up to ``1 − segment_fraction − 0.15`` of
-``tune.budget_s``, the segment ``segment_fraction``, steady state the rest; a phase that
-finishes early leaves its time to the next. A step starts only if its expected wall cost
-fits, so the tune ends within the budget plus one step's overrun and the report
-(:mod:`distsgd.tuner.budget`); a budget below the setup and one probe is refused.
+Budget B = ``tune.budget_s`` (every phase decision is a method of
+:class:`~distsgd.tuner.budget.TuneBudget`): the cold start and joint search end at
+``(1 − segment_fraction − 0.15)·B``; the first long run gets what is left less a reserve of
+``(0.15 + 0.4·segment_fraction)·B`` for the later phases (all that is left if the reserve
+leaves it less than one probe's training); steady state ``0.15·B`` from its start; the
+second long run the rest; every phase ends at B at the latest, and a phase that finishes
+early leaves its time to the next. A step starts only if its expected wall cost fits, so
+the tune ends within the budget plus one step's overrun and the report; a budget below the
+setup and one probe is refused.
 
 Runtimes. ``sim``: probes are equal in *simulated* time (``tune.probe_seconds`` on the
 virtual clock) and every time is simulated seconds. ``dist`` (N processes,
@@ -47,7 +51,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from distsgd.config import ConfigError, RunConfig, required_processes
+from distsgd.config import TUNE_STEADY_SHARE, ConfigError, RunConfig, required_processes
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
@@ -67,10 +71,12 @@ from distsgd.tuner.omnivore import (
 )
 from distsgd.tuner.probes import Prober, candidate_config, check_runtime
 
-__all__ = ["tune", "parse_budget", "predict_plan", "verify_plan"]
+__all__ = ["tune", "tune_layout", "parse_budget", "predict_plan", "verify_plan"]
 
-_STEADY_SHARE = 0.15
+_STEADY_SHARE = TUNE_STEADY_SHARE
 _PLAN_EVAL_EVERY = 5000
+_MIN_EVALS = 4  # evaluations of the long runs a prediction needs
+_MAX_EXTRAPOLATION = 10.0  # a prediction beyond this many times the long runs' seconds: none
 
 
 def parse_budget(text: str) -> float:
@@ -93,6 +99,57 @@ def parse_budget(text: str) -> float:
             "such as 90s, 10m or 1h"
         )
     return value
+
+
+def tune_layout(config: RunConfig) -> tuple[int, int, int]:
+    """The processes and learners the tune's candidates run on: ``(N, λ, λ_ps)``.
+
+    λ learners of hardsync (devices of SMA) and λ_ps of the parameter-server layouts
+    (compute groups, n-softsync). ``sim``: N = 1, λ = λ_ps = ``protocol.num_learners``.
+    ``dist``: N = ``dist.num_processes`` (0: what the base protocol needs), λ = N,
+    λ_ps = N − ``dist.num_servers`` (a server takes a process).
+
+    Raises:
+        ConfigError: on ``dist``, N larger than this machine's CPU cores (each probe
+            starts N processes; more than the cores cannot give a useful measurement and
+            may not finish within the budget); ``tune.families`` none of which these
+            layouts can probe.
+    """
+    lam = ps_lam = config.protocol.num_learners
+    num_processes = 1
+    if config.runtime == "dist":
+        num_processes = (
+            config.dist.num_processes or required_processes(config.protocol, config.dist)[0]
+        )
+        cores = os.cpu_count() or 1
+        if num_processes > cores:
+            raise ConfigError(
+                f"dist.num_processes = {num_processes} is not allowed for distsgd tune: "
+                f"expected at most {cores} (the CPU cores of this machine; 0 = what the "
+                "protocol needs)"
+            )
+        lam, ps_lam = num_processes, num_processes - config.dist.num_servers
+    s = config.tune
+    ps_ok = ps_lam >= 2 and s.max_groups != 1
+    probeable = {
+        "hardsync": lam >= 1,
+        "compute_groups": ps_ok,
+        "softsync": ps_lam >= 2,
+        "sma": any(b <= config.protocol.batch_size for b in s.batch_sizes),
+    }
+    if not any(probeable[f] for f in s.families):
+        where = (
+            f"{num_processes} processes ({lam} learners, {ps_lam} beside "
+            f"{config.dist.num_servers} server rank(s))"
+            if config.runtime == "dist"
+            else f"{lam} learners"
+        )
+        raise ConfigError(
+            f"tune.families = {s.families!r} is not allowed with {where}: expected at "
+            "least one family these layouts can probe: "
+            + ", ".join(f for f, ok in probeable.items() if ok)
+        )
+    return num_processes, lam, ps_lam
 
 
 def _fixed_profile(
@@ -171,6 +228,11 @@ def predict_plan(segments: list[ProbeResult], target_accuracy: float) -> dict[st
     (its own fitted curve's loss at the evaluation, accuracy), which removes the lag of
     interval-mean training losses.
 
+    No prediction (with its ``reason``) when the long runs made fewer than 4 evaluations,
+    when the target maps to a loss <= 0, when the curve levels off above the target loss,
+    or when the prediction exceeds 10× the seconds the long runs measured (extrapolated
+    that far the fit says little; the figure is kept as ``extrapolated_s``).
+
     Returns:
         dict with ``seconds_per_iteration``, ``iterations_to_target``, ``target_loss``,
         ``curve`` (of the last segment: L_inf, A, beta, rmse), ``predicted_s``; values are
@@ -208,6 +270,12 @@ def predict_plan(segments: list[ProbeResult], target_accuracy: float) -> dict[st
         for e in seg.evals
         if e.get("iterations", 0) > 0
     ]
+    if len(pts) < _MIN_EVALS:
+        out["reason"] = (
+            f"the long run(s) made {len(pts)} evaluation(s), fewer than {_MIN_EVALS}: too few "
+            "to map the target accuracy to a training loss (give a larger --budget)"
+        )
+        return out
     try:
         ev = pm.fit_error_vs_loss(np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
     except ValueError:
@@ -228,10 +296,21 @@ def predict_plan(segments: list[ProbeResult], target_accuracy: float) -> dict[st
             f"the fitted loss curve levels off at {last.L_inf:.4f}, above the target loss "
             f"{target_loss:.4f} (give a larger --budget)"
         )
+    predicted = pm.time_to_accuracy(he, se)
+    if math.isfinite(predicted) and predicted > _MAX_EXTRAPOLATION * secs:
+        out.update(
+            target_loss=target_loss,
+            error_vs_loss={"e0": ev.e0, "s": ev.s},
+            extrapolated_s=predicted,
+            reason=f"the fitted curve reaches the target loss {target_loss:.4f} after "
+            f"{predicted:.4g} s, more than {_MAX_EXTRAPOLATION:g}× the {secs:.4g} s the long "
+            "run(s) measured: too far to extrapolate (give a larger --budget)",
+        )
+        return out
     out.update(
         target_loss=target_loss,
         iterations_to_target=se,
-        predicted_s=pm.time_to_accuracy(he, se),
+        predicted_s=predicted,
         error_vs_loss={"e0": ev.e0, "s": ev.s},
     )
     return out
@@ -249,7 +328,7 @@ def _plan_config(
                 schedule,
                 kind="step",
                 decay_epochs=[round(seg_epochs, 4)],
-                decay_factor=steady.lr / cand.lr,
+                decay_factor=float(f"{steady.lr / cand.lr:.6g}"),  # 0.1, not 0.0999…
             )
             log(
                 "plan",
@@ -367,8 +446,15 @@ def tune(
     ``probes/`` (one run directory per probe and the segment).
 
     Raises:
-        ConfigError: bad settings, an unavailable runtime, an occupied ``out_dir``, or a
-            cold start in which every probe diverged.
+        ConfigError: bad settings (including ``dist.num_processes`` above this machine's
+            CPU cores and ``tune.families`` the layouts cannot probe, see
+            :func:`tune_layout`), an unavailable runtime, an ``out_dir`` that is a file or
+            holds a tune, a budget below the setup and one probe, or a cold start in which
+            every probe diverged.
+        DistRunFailed: (``dist`` runtime) a probe or long run lost a process before it
+            completed (:mod:`distsgd.runtime.launch`).
+        KeyboardInterrupt: Ctrl-C; the probes' run directories and ``decisions.jsonl``
+            written so far stay in ``out_dir``, no plan is written.
     """
     from distsgd.tuner.report import write_report
 
@@ -378,22 +464,15 @@ def tune(
         settings = dataclasses.replace(settings, budget_s=budget_s)
         config = config.replace(tune=settings)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file: expected a directory (new or empty)")
     if (out / "plan.toml").exists() or (out / "decisions.jsonl").exists():
         raise ConfigError(
             f"output directory {str(out)!r} already holds a tune; choose another --out"
         )
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     budget = settings.budget_s
-    # the layouts: λ learners of hardsync (devices of SMA) and of the parameter-server
-    # layouts; on real processes both come from the N processes (a server takes one)
-    lam = ps_lam = config.protocol.num_learners
-    num_processes = 1
-    if config.runtime == "dist":
-        num_processes = (
-            config.dist.num_processes or required_processes(config.protocol, config.dist)[0]
-        )
-        lam, ps_lam = num_processes, num_processes - config.dist.num_servers
+    num_processes, lam, ps_lam = tune_layout(config)
     cfg, initial, num_params, timings = _fixed_profile(config, num_processes)
     network = None
     if cfg.runtime == "dist":
@@ -430,6 +509,7 @@ def tune(
             f"one probe of {settings.probe_seconds:g} s is expected to take "
             f"{costs.first_probe_s:.1f} s wall)"
         )
+    out.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no directory
     bar = tqdm(
         total=round(budget),
         unit="s",
@@ -501,7 +581,7 @@ def tune(
         ps_learners=ps_lam,
         # the first probe may use the whole budget (a plan needs one), the others must be
         # expected to end within the search's share
-        out_of_budget=lambda: not costs.may_probe(search_end if search.results else None),
+        out_of_budget=lambda: not costs.may_search_probe(bool(search.results)),
     )
     log(
         "setup",
@@ -547,7 +627,7 @@ def tune(
         )
         extra: list[ProbeResult] = []
         for t_pred, cand in ranked[: settings.extra_probes]:
-            if not costs.may_probe(search_end):
+            if not costs.may_search_probe(True):
                 log(
                     "joint",
                     f"skip {cand.label()}",
@@ -588,13 +668,9 @@ def tune(
             )
 
     # ---- the long run of the best configuration ---------------------------------------
-    seg_share = budget * settings.segment_fraction
-    reserve = budget * _STEADY_SHARE + 0.4 * seg_share  # steady state and the second run
     eval_every = min(cfg.train.eval_every_samples or _PLAN_EVAL_EVERY, _PLAN_EVAL_EVERY)
     rate = chosen.samples / chosen.train_wall_s if chosen.train_wall_s > 0 else math.nan
-    seg_wall = costs.segment_seconds(rate, eval_every, keep_s=reserve)
-    if seg_wall <= 0:  # then without the reserve: the later phases need this run
-        seg_wall = costs.segment_seconds(rate, eval_every)
+    seg_wall = costs.first_segment_seconds(rate, eval_every)
     segments: list[ProbeResult] = []
     summaries: list[dict[str, Any]] = []
     seg_epochs = 0.0
@@ -640,7 +716,7 @@ def tune(
     elif seg_summary.get("reached"):
         log("steady state", "skipped", "the long run reached the target: the plan is that run")
     else:
-        steady_end = costs.elapsed() + budget * _STEADY_SHARE
+        steady_end = costs.steady_end()
         search.out_of_budget = lambda: not costs.may_probe(steady_end)
         steady = search.steady_state(chosen.candidate, "segment")
         switch = dataclasses.replace(chosen.candidate, lr=steady.lr)
@@ -654,7 +730,7 @@ def tune(
         seg_rate = (
             segments[0].samples / segments[0].train_wall_s if segments[0].train_wall_s > 0 else rate
         )
-        wall2 = costs.segment_seconds(seg_rate, eval_every)
+        wall2 = costs.second_segment_seconds(seg_rate, eval_every)
         left = max((cfg.train.max_epochs or 10.0) - seg_epochs, 0.01)
         if wall2 <= 0:
             log(
