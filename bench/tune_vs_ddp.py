@@ -64,6 +64,35 @@ def run_ddp(out: Path, eval_every: int, target: float = 0.9) -> dict:
     return r
 
 
+def train_plan(tune_dir: Path, plan_dir: Path, *runtime: str) -> dict:
+    """``distsgd train plan.toml`` (again, from scratch); its summary.json."""
+    if plan_dir.exists():
+        shutil.rmtree(plan_dir)
+    subprocess.run(
+        [sys.executable, "-m", "distsgd", "train", str(tune_dir / "plan.toml"), *runtime,
+         "--out", str(plan_dir), "--quiet"],
+        check=True, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    return json.loads((plan_dir / "summary.json").read_text())
+
+
+def copy_tune_outputs(tune_dir: Path, results: Path) -> None:
+    """The tune's report, plan, decisions, state and figures beside the results."""
+    results.mkdir(parents=True, exist_ok=True)
+    for f in ("report.md", "plan.toml", "decisions.jsonl", "tune.json"):
+        shutil.copy(tune_dir / f, results / f)
+    for png in tune_dir.glob("*.png"):
+        shutil.copy(png, results / png.name)
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.3f}" if a and b else "-"
+
+
+def fmt(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="tuned plan vs DDP, time to 90%")
     ap.add_argument("--config", default=str(ROOT / "configs" / "tune_fashion_mnist.toml"))
@@ -146,14 +175,7 @@ def main() -> None:
     speed = per_step / plan_step  # > 1: DDP's processes were slower than the plan's devices
 
     plan_dir = out / "plan"
-    if plan_dir.exists():
-        shutil.rmtree(plan_dir)
-    subprocess.run(
-        [sys.executable, "-m", "distsgd", "train", str(tune_dir / "plan.toml"),
-         "--out", str(plan_dir), "--quiet"],
-        check=True, env=_env(), cwd=ROOT,
-    )  # fmt: skip
-    plan = json.loads((plan_dir / "summary.json").read_text())
+    plan = train_plan(tune_dir, plan_dir)
     load_after = _load()
 
     ddp_t = ddp["time_to_accuracy_s"]
@@ -161,17 +183,7 @@ def main() -> None:
     wall_t = plan["time_to_accuracy_s"]
     pred = (state.get("prediction") or {}).get("predicted_s")
 
-    def ratio(a, b):
-        return f"{a / b:.3f}" if a and b else "-"
-
-    def s(v, spec=".1f"):
-        return "-" if v is None else format(v, spec)
-
-    args.results.mkdir(parents=True, exist_ok=True)
-    for f in ("report.md", "plan.toml", "decisions.jsonl", "tune.json"):
-        shutil.copy(tune_dir / f, args.results / f)
-    for png in tune_dir.glob("*.png"):
-        shutil.copy(png, args.results / png.name)
+    copy_tune_outputs(tune_dir, args.results)
     lines = [
         "# Tuned plan vs DDP: time to 90% test accuracy, Fashion-MNIST cnn",
         "",
@@ -196,11 +208,11 @@ def main() -> None:
         "| what | reached | time to 90% | samples to 90% | note |",
         "|---|---|---|---|---|",
         f"| DDP baseline, 2 processes × 1 thread, batch 2×64, lr 0.05, μ 0.9 | "
-        f"{ddp['reached']} | {s(ddp_t)} s wall (training only) | "
+        f"{ddp['reached']} | {fmt(ddp_t)} s wall (training only) | "
         f"{ddp['samples_to_accuracy']} | {ddp['total_wall_s']:.1f} s wall incl. evaluation |",
         f"| tuned plan `{state.get('plan_name') or state['chosen_label']}` on the simulated cluster (2 devices) | "
-        f"{plan['reached']} | **{s(sim_t, '.2f')} s simulated** | "
-        f"{plan['samples_to_accuracy']} | {s(wall_t)} s wall of one-process simulation "
+        f"{plan['reached']} | **{fmt(sim_t, '.2f')} s simulated** | "
+        f"{plan['samples_to_accuracy']} | {fmt(wall_t)} s wall of one-process simulation "
         f"(all learners in turn) |",
         f"| tuning (`distsgd tune`, budget {state['budget_s']:.0f} s) | | {tuning_wall:.1f} s wall | | "
         f"{len(state['probes'])} probes + 1 long run |",
@@ -216,8 +228,8 @@ def main() -> None:
         f"- Ratio of the one-process simulation's wall time to DDP: {ratio(wall_t, ddp_t)}.",
         f"- Ratio (tuning + plan in simulated time) / DDP: "
         f"{ratio((sim_t or 0) + tuning_wall, ddp_t) if sim_t else '-'} (tuning is wall time).",
-        f"- Predicted time to accuracy of the plan: {s(pred, '.2f')} simulated s; measured "
-        f"{s(sim_t, '.2f')}; predicted / measured = **{ratio(pred, sim_t)}** (target within "
+        f"- Predicted time to accuracy of the plan: {fmt(pred, '.2f')} simulated s; measured "
+        f"{fmt(sim_t, '.2f')}; predicted / measured = **{ratio(pred, sim_t)}** (target within "
         "±25%).",
         "",
         "The tune report (plan, tradeoff space, every probe, decisions): [report.md](report.md).",
@@ -265,30 +277,13 @@ def dist_main(args: argparse.Namespace, ddp: dict, per_step: float, load_before:
         tuning_wall = time.perf_counter() - t0
         state = json.loads((tune_dir / "tune.json").read_text())
     plan_dir = out / "plan"
-    if plan_dir.exists():
-        shutil.rmtree(plan_dir)
-    subprocess.run(
-        [sys.executable, "-m", "distsgd", "train", str(tune_dir / "plan.toml"),
-         "--runtime", "dist", "--out", str(plan_dir), "--quiet"],
-        check=True, env=_env(), cwd=ROOT,
-    )  # fmt: skip
-    plan = json.loads((plan_dir / "summary.json").read_text())
+    plan = train_plan(tune_dir, plan_dir, "--runtime", "dist")
     load_after = _load()
     ddp_t = ddp["time_to_accuracy_s"]
     wall_t = plan["time_to_accuracy_s"]
     pred = (state.get("prediction") or {}).get("predicted_s")
 
-    def ratio(a, b):
-        return f"{a / b:.3f}" if a and b else "-"
-
-    def s(v, spec=".1f"):
-        return "-" if v is None else format(v, spec)
-
-    args.results.mkdir(parents=True, exist_ok=True)
-    for f in ("report.md", "plan.toml", "decisions.jsonl", "tune.json"):
-        shutil.copy(tune_dir / f, args.results / f)
-    for png in tune_dir.glob("*.png"):
-        shutil.copy(png, args.results / png.name)
+    copy_tune_outputs(tune_dir, args.results)
     extra = " ".join(f"--tune-set {o}" for o in args.tune_set)
     lines = [
         "# Tuned plan vs DDP on real processes: time to 90% test accuracy, Fashion-MNIST cnn",
@@ -308,10 +303,10 @@ def dist_main(args: argparse.Namespace, ddp: dict, per_step: float, load_before:
         "| what | reached | time to 90% | samples to 90% | note |",
         "|---|---|---|---|---|",
         f"| DDP baseline, 2 processes × 1 thread, batch 2×64, lr 0.05, μ 0.9 | "
-        f"{ddp['reached']} | {s(ddp_t)} s wall | {ddp['samples_to_accuracy']} | "
+        f"{ddp['reached']} | {fmt(ddp_t)} s wall | {ddp['samples_to_accuracy']} | "
         f"{ddp['total_wall_s']:.1f} s wall incl. evaluation |",
         f"| tuned plan `{state.get('plan_name') or state['chosen_label']}`, "
-        f"{plan.get('num_processes')} processes | {plan['reached']} | **{s(wall_t)} s wall** | "
+        f"{plan.get('num_processes')} processes | {plan['reached']} | **{fmt(wall_t)} s wall** | "
         f"{plan['samples_to_accuracy']} | {plan['train_wall_s'] + plan['eval_wall_s']:.1f} s "
         "wall incl. evaluation |",
         f"| tuning (`distsgd tune --runtime dist`, budget {state['budget_s']:.0f} s) | | "
@@ -320,8 +315,8 @@ def dist_main(args: argparse.Namespace, ddp: dict, per_step: float, load_before:
         f"- **Ratio plan / DDP: {ratio(wall_t, ddp_t)}** (wall / wall; target ≤ 0.5).",
         f"- Ratio (tuning + plan) / DDP: "
         f"{ratio((wall_t or 0) + tuning_wall, ddp_t) if wall_t else '-'}.",
-        f"- Predicted time to accuracy of the plan: {s(pred, '.2f')} wall s; measured "
-        f"{s(wall_t, '.2f')} wall s; predicted / measured = **{ratio(pred, wall_t)}** "
+        f"- Predicted time to accuracy of the plan: {fmt(pred, '.2f')} wall s; measured "
+        f"{fmt(wall_t, '.2f')} wall s; predicted / measured = **{ratio(pred, wall_t)}** "
         "(target within ±25%).",
         "",
         "The tune report (plan, tradeoff space, every probe, decisions): [report.md](report.md).",
