@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -162,15 +163,19 @@ def load_optimizer(opt: torch.optim.Optimizer, state: Any) -> None:
 
 
 def regroup_replicas(
-    replicas: Tensor, opt: torch.optim.Optimizer, num_devices: int, replicas_per_device: int
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Replica stack ``[D·k, P]`` regrouped to ``[D·k', P]`` (device-major rows), and the
-    SGD state (momentum buffer) regrouped alike.
+    replicas: Tensor,
+    opt: torch.optim.Optimizer,
+    num_devices: int,
+    replicas_per_device: int,
+    make_opt: Callable[[Tensor], torch.optim.Optimizer],
+) -> tuple[Tensor, torch.optim.Optimizer]:
+    """Replica stack ``[D·k, P]`` regrouped to ``[D·k', P]`` (device-major rows), with a
+    new optimizer over it (``make_opt(stack)``) holding the SGD state (momentum buffer)
+    regrouped alike.
 
     Growing appends to each device copies of that device's last replica (weights and
     momentum buffer: "a copy of an existing replica", Crossbow, SPEC.md §4); shrinking
-    drops each device's last replicas. Returns ``(new stack, new optimizer state of the
-    stack)`` for the caller to rebuild its optimizer with.
+    drops each device's last replicas. Returns ``(new stack, new optimizer)``.
     """
     d = num_devices
     k = replicas.shape[0] // d
@@ -189,7 +194,11 @@ def regroup_replicas(
         for key, val in opt.state.get(replicas, {}).items()
         if isinstance(val, Tensor) and val.shape == replicas.shape
     }
-    return regroup(replicas), state
+    stack = regroup(replicas)
+    new_opt = make_opt(stack)
+    if state:
+        new_opt.state[stack].update(state)
+    return stack, new_opt
 
 
 def check_replica_layout(num_learners: int, replicas_per_device: int | None) -> tuple[int, int]:

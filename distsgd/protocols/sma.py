@@ -245,11 +245,13 @@ class SMA(SynchronousProtocol):
             raise RuntimeError(
                 "set_replicas_per_device called between local_step and apply_central"
             )
-        replicas, opt_state = regroup_replicas(self._replicas, self._opt, self.num_devices, k_new)
-        self._replicas = replicas
-        self._opt = make_sgd(replicas, 0.0, self.momentum, self.weight_decay, self.nesterov)
-        if opt_state:
-            self._opt.state[replicas].update(opt_state)
+        self._replicas, self._opt = regroup_replicas(
+            self._replicas,
+            self._opt,
+            self.num_devices,
+            k_new,
+            lambda stack: make_sgd(stack, 0.0, self.momentum, self.weight_decay, self.nesterov),
+        )
         self.replicas_per_device = k_new
         self.num_learners = self.num_devices * k_new
         if alpha is not None:
