@@ -480,6 +480,10 @@ class TrainConfig:
             processes.
         evaluate: evaluate on the test set (false: no evaluations and no metrics records,
             e.g. a tuner probe that needs its training losses only).
+        save_eval_weights: also write the central model of every evaluation, ``[P]``
+            float32, to ``eval_weights/NNNN.pt`` in the run directory (NNNN = the ``eval``
+            number of its ``metrics.jsonl`` record): the tuner's snapshots along a long run,
+            from which it tries a learning-rate step.
     """
 
     target_accuracy: float = 0.9
@@ -497,6 +501,7 @@ class TrainConfig:
     initial_weights: str = ""
     record_ticks: bool = False
     evaluate: bool = True
+    save_eval_weights: bool = False
 
     def __post_init__(self) -> None:
         _check_float("train.target_accuracy", self.target_accuracy, 0.0, 1.0)
@@ -527,7 +532,7 @@ class TrainConfig:
             _fail("train.tensorboard", self.tensorboard, "true or false")
         if not isinstance(self.initial_weights, str):
             _fail("train.initial_weights", self.initial_weights, 'a file path or ""')
-        for key in ("record_ticks", "evaluate"):
+        for key in ("record_ticks", "evaluate", "save_eval_weights"):
             if not isinstance(getattr(self, key), bool):
                 _fail(f"train.{key}", getattr(self, key), "true or false")
 
@@ -721,6 +726,12 @@ class TuneConfig:
             steady state's share (``TUNE_STEADY_SHARE``) it must leave the search a
             positive share (< 0.85).
         noise_scale: B_noise of the batch-size law in samples (0: estimate from probes).
+        step_points: evaluations of the long run from which the tuner tries a learning-rate
+            step to the steady-state η (η/10 when the long run reached the target), each by
+            a run to the target from that evaluation's snapshot; the plan steps at the one
+            that reaches the target soonest (0: step only at the long run's end).
+        step_margin: an evaluation qualifies as a step point when its test accuracy is at
+            least the target minus this margin (and below the target).
     """
 
     budget_s: float = 600.0
@@ -737,6 +748,8 @@ class TuneConfig:
     extra_probes: int = 3
     segment_fraction: float = 0.35
     noise_scale: float = 0.0
+    step_points: int = 3
+    step_margin: float = 0.03
 
     def __post_init__(self) -> None:
         _check_float("tune.budget_s", self.budget_s, 0.0, min_inclusive=False)
@@ -767,6 +780,8 @@ class TuneConfig:
                 f"{TUNE_STEADY_SHARE:g} of the budget; the search needs a positive share)",
             )
         _check_float("tune.noise_scale", self.noise_scale, 0.0)
+        _check_int("tune.step_points", self.step_points, 0, 20)
+        _check_float("tune.step_margin", self.step_margin, 0.0, 1.0, min_inclusive=False)
 
 
 _SECTIONS: dict[str, type] = {

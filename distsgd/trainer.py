@@ -12,7 +12,10 @@ Run directory layout (``out_dir``):
   ``train.tensorboard`` is on;
 * ``checkpoint.pt`` — the latest checkpoint (all state; loaded with ``weights_only=True``);
 * ``autotune.json`` — with ``protocol.replicas_per_device = "auto"``: every decision of
-  the replicas-per-device auto-tuner (see :mod:`distsgd.tuner.replicas`).
+  the replicas-per-device auto-tuner (see :mod:`distsgd.tuner.replicas`);
+* ``ticks.jsonl``, ``final_weights.pt`` — with ``train.record_ticks``;
+  ``eval_weights/NNNN.pt`` — with ``train.save_eval_weights`` (see
+  :class:`~distsgd.config.TrainConfig`).
 """
 
 from __future__ import annotations
@@ -357,6 +360,10 @@ class Trainer:
         weights = self.runtime.eval_weights()
         if self.cfg.train.record_ticks and self.is_writer:
             self._final_weights = weights.clone()  # final_weights.pt at the end of the run
+        if self.cfg.train.save_eval_weights and self.is_writer:
+            snap = self.out_dir / "eval_weights" / f"{c['evals']:04d}.pt"
+            snap.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(weights.detach().clone(), snap)
         loss_sum, loss_count = c["loss_sum"], c["loss_count"]
         if self.cfg.runtime == "dist":  # every rank's learners' losses
             loss_sum, loss_count = self.runtime.reduce_losses(loss_sum, loss_count)

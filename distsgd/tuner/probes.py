@@ -270,24 +270,33 @@ class Prober:
         name: str,
         snapshot: str = "initial",
         max_epochs: float | None = None,
+        max_clock_s: float = 0.0,
+        save_eval_weights: bool = False,
     ) -> tuple[ProbeResult, dict[str, Any]]:
         """Omnivore's long run of the best configuration from ``snapshot``: train until the
-        target accuracy, ``max_epochs`` (default the base config's) or ``wall_seconds`` of
-        training, evaluating every ``eval_every_samples``; its final central model becomes
-        snapshot ``name``.
+        target accuracy, ``max_epochs`` (default the base config's), ``wall_seconds`` of
+        training or ``max_clock_s`` seconds on the runtime's clock (simulated seconds on
+        ``sim``, wall seconds of training on real processes; 0: no such limit), evaluating
+        every ``eval_every_samples``; its final central model becomes snapshot ``name``.
+        With ``save_eval_weights`` every evaluation's model is kept in the run directory
+        (:meth:`eval_snapshot` loads one).
 
         Returns:
             (the run's ticks and evaluations, its summary).
         """
+        max_seconds = wall_seconds
+        if max_clock_s > 0 and not self.simulated:
+            max_seconds = min(wall_seconds, max_clock_s)
         train = {
             "max_epochs": self.base.train.max_epochs if max_epochs is None else max_epochs,
             "max_samples": 0,
-            "max_seconds": wall_seconds,
-            "max_virtual_seconds": 0.0,
+            "max_seconds": max_seconds,
+            "max_virtual_seconds": max_clock_s if self.simulated else 0.0,
             "stop_at_target": True,
             "eval_every_samples": eval_every_samples,
             "checkpoint_every_evals": 0,
             "tensorboard": False,
+            "save_eval_weights": save_eval_weights,
         }
         result, final = self.run(cand, snapshot, train, kind="segment")
         if final is not None:
@@ -295,3 +304,13 @@ class Prober:
         summary_path = Path(result.run_dir) / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         return result, summary
+
+    def eval_snapshot(self, segment: ProbeResult, eval_index: int, name: str) -> None:
+        """Make the model of ``segment``'s evaluation number ``eval_index`` (its
+        ``eval_weights/NNNN.pt``, written with ``save_eval_weights``) snapshot ``name``.
+
+        Raises:
+            FileNotFoundError: the segment kept no weights for that evaluation.
+        """
+        path = Path(segment.run_dir) / "eval_weights" / f"{eval_index:04d}.pt"
+        self.snapshots[name] = torch.load(path, weights_only=True)

@@ -153,6 +153,42 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
         fig.savefig(out / "extrapolation.png", dpi=100)
         plt.close(fig)
         figs.append("extrapolation.png")
+    long_run = state.get("long_run")
+    if long_run and long_run.get("evals"):
+        key = "virtual_s" if clock == "simulated" else "wall_s"
+        fig, ax = plt.subplots(figsize=(8, 4.8))
+        ev = [e for e in long_run["evals"] if e.get(key) is not None]
+        ax.plot(
+            [e[key] for e in ev],
+            [e["test_accuracy"] for e in ev],
+            "o-",
+            color="tab:blue",
+            ms=3,
+            label=f"long run, η = {long_run['candidate']['lr']:g}",
+        )
+        step_at = state.get("step_at") or {}
+        for r in state.get("step_runs") or []:
+            pts = [e for e in r.get("evals") or [] if e.get("clock_s") is not None]
+            chosen = r["eval"] == step_at.get("eval")
+            ax.plot(
+                [r["clock_s"] + e["clock_s"] for e in pts],
+                [e["test_accuracy"] for e in pts],
+                ".-" if chosen else ".:",
+                color="tab:red" if chosen else "tab:gray",
+                label=f"step at epoch {r['epoch']:.2f}" + (" (plan)" if chosen else ""),
+            )
+        ax.axhline(state["target_accuracy"], color="k", lw=0.8, ls="--", label="target")
+        accs = [e["test_accuracy"] for e in ev[1:]] or [0.0]
+        ax.set_ylim(max(min(accs) - 0.02, 0.0), min(state["target_accuracy"] + 0.03, 1.0))
+        ax.set_xlabel(f"{clock} seconds of training")
+        ax.set_ylabel("test accuracy")
+        ax.set_title("where to step η: runs from the long run's snapshots")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "steps.png", dpi=100)
+        plt.close(fig)
+        figs.append("steps.png")
     v = state.get("verify")
     pred = (state.get("prediction") or {}).get("predicted_s")
     if v and v.get("measured_s") and pred:
@@ -260,6 +296,25 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
     ]
     for f in figs:
         lines += [f"![{f}]({f})", ""]
+    runs = state.get("step_runs") or []
+    if runs:
+        lines += [
+            "## Learning-rate step",
+            "",
+            "Runs at the lower η from snapshots of the long run (each until the target or until "
+            "it could no longer beat the soonest so far); the plan steps where the target came "
+            "soonest.",
+            "",
+            f"| step at epoch | accuracy there | reached | time to accuracy ({clock} s) | "
+            "best accuracy |",
+            "|---|---|---|---|---|",
+        ]
+        for r in runs:
+            lines.append(
+                f"| {r['epoch']:.3f} | {r['accuracy']:.4f} | {r['reached']} | "
+                f"{_fmt(r['time_to_accuracy_s'], '.2f')} | {_fmt(r['best_accuracy'], '.4f')} |"
+            )
+        lines.append("")
     lines += [
         "## Probes",
         "",

@@ -44,6 +44,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from distsgd.config import TUNE_STEADY_SHARE, ConfigError, RunConfig, required_processes
+from distsgd.config import (
+    TUNE_STEADY_SHARE,
+    ConfigError,
+    RunConfig,
+    TuneConfig,
+    required_processes,
+)
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
@@ -316,6 +323,199 @@ def predict_plan(segments: list[ProbeResult], target_accuracy: float) -> dict[st
     return out
 
 
+def step_points(
+    evals: list[dict[str, Any]],
+    target_accuracy: float,
+    margin: float,
+    count: int,
+    include_last: bool = False,
+) -> list[dict[str, Any]]:
+    """The evaluations of a long run from which the tuner tries a learning-rate step,
+    latest first.
+
+    Qualify: evaluations after some training (``samples > 0``) before the first one that
+    reached ``target_accuracy``, with test accuracy >= ``target_accuracy − margin``. Of
+    these, ``count`` spread evenly from the first to the last qualifying one. With
+    ``include_last`` (a long run that stopped before the target) its last evaluation is
+    always among them, qualifying or not: Omnivore's steady state steps there.
+
+    Args:
+        evals: the run's ``metrics.jsonl`` records in order (``eval``, ``samples``,
+            ``test_accuracy``, …).
+        target_accuracy: the target, in [0, 1].
+        margin: accuracy below the target that still qualifies, in (0, 1).
+        count: at most this many points (0: only the forced last one).
+
+    Returns:
+        The chosen records, latest first.
+    """
+    done = [e for e in evals if e.get("samples", 0) > 0]
+    before: list[dict[str, Any]] = []
+    for e in done:
+        if e["test_accuracy"] >= target_accuracy:
+            break
+        before.append(e)
+    ok = [e for e in before if e["test_accuracy"] >= target_accuracy - margin]
+    last = done[-1] if include_last and done else None
+    n = count
+    if last is not None:
+        ok = [e for e in ok if e is not last]
+        n = max(count - 1, 0)
+    if len(ok) > n:
+        idx = sorted({round(i) for i in np.linspace(0, len(ok) - 1, n)}) if n else []
+        ok = [ok[i] for i in idx]
+    if last is not None:
+        ok.append(last)
+    return list(reversed(ok))
+
+
+def plan_switch(
+    results: list[ProbeResult], current: Candidate, snapshot: str, settings: TuneConfig
+) -> Candidate:
+    """The η a plan continues with when steady state recommends another μ or layout: a
+    run config changes only η mid-run, so of ``current`` and ``current`` at η/10 probed
+    from ``snapshot`` the better score wins (ties within ``tie_buffer`` prefer the larger
+    η, as in Omnivore); ``current`` if neither was probed."""
+    options = (current, dataclasses.replace(current, lr=current.lr / 10))
+    probed = [r for r in results if r.snapshot == snapshot and r.candidate in options]
+    best = pick_best(probed, settings.tie_buffer)
+    return current if best is None else best.candidate
+
+
+@dataclasses.dataclass
+class StepChoice:
+    """Outcome of :func:`choose_step`.
+
+    Attributes:
+        point: the long run's evaluation record the plan steps at (None: no step).
+        seconds: time to accuracy of the plan stepping there (long run up to the point plus
+            the run from it), on the runtime's clock; inf if that run did not reach the
+            target (the steady-state fallback) or without a step, the long run's own.
+        run: the run from ``point`` (None without a step).
+        runs: one record per run tried (``eval``, ``epoch``, ``accuracy``, ``clock_s``,
+            ``reached``, ``time_to_accuracy_s``, ``best_accuracy``, ``run_dir``).
+    """
+
+    point: dict[str, Any] | None
+    seconds: float
+    run: ProbeResult | None
+    runs: list[dict[str, Any]]
+
+
+def choose_step(
+    points: list[dict[str, Any]],
+    long_run_s: float,
+    clock_key: str,
+    tta_key: str,
+    run_step: Callable[[dict[str, Any], float], tuple[ProbeResult, dict[str, Any]] | None],
+    log: DecisionLog,
+    clock: str = "simulated",
+    long_run_reached: bool = True,
+) -> StepChoice:
+    """Where the plan steps its learning rate: the point whose run reaches the target
+    soonest (beyond Omnivore, whose steady state steps wherever the long run ended).
+
+    For each point (latest first), ``run_step(point, horizon)`` trains the lower η from the
+    point's snapshot until the target or ``horizon`` seconds on the runtime's clock (the
+    soonest time to accuracy so far minus the point's time: a run that cannot beat it is
+    cut there; inf while nothing reached the target); it returns the run and its summary,
+    or None when the budget allows no more runs. A point whose horizon is <= 0 is skipped.
+    The time to accuracy of a step at the point = the point's ``clock_key`` + the run's
+    ``tta_key``.
+
+    Args:
+        points: :func:`step_points`, latest first.
+        long_run_s: the long run's own time to accuracy (inf if it stopped before).
+        clock_key: the records' clock (``virtual_s`` or ``wall_s``).
+        tta_key: the summaries' time to accuracy on that clock.
+        long_run_reached: False: if no run reaches the target the plan still steps at the
+            first point (the long run's end; Omnivore's steady state chose the lower η).
+    """
+    best_s = long_run_s
+    best: dict[str, Any] | None = None
+    best_run: ProbeResult | None = None
+    runs: list[dict[str, Any]] = []
+    first_run: ProbeResult | None = None
+    for point in points:
+        horizon = best_s - float(point[clock_key])
+        if horizon <= 0:
+            log(
+                "step",
+                f"skip the step at epoch {point['epoch']:.3f}",
+                f"the soonest time to accuracy so far ({best_s:.2f} {clock} s) comes before it",
+            )
+            continue
+        out = run_step(point, horizon)
+        if out is None:
+            break
+        run, summary = out
+        if first_run is None:
+            first_run = run
+        reached = bool(summary.get("reached")) and summary.get(tta_key) is not None
+        chain = float(point[clock_key]) + float(summary[tta_key]) if reached else math.inf
+        runs.append(
+            {
+                "eval": point["eval"],
+                "epoch": point["epoch"],
+                "accuracy": point["test_accuracy"],
+                "clock_s": point[clock_key],
+                "reached": reached,
+                "time_to_accuracy_s": chain if reached else None,
+                "best_accuracy": summary.get("best_accuracy"),
+                "run_dir": run.run_dir,
+                "evals": [
+                    {"clock_s": e.get(clock_key), "test_accuracy": e.get("test_accuracy")}
+                    for e in run.evals
+                ],
+            }
+        )
+        at = f"step at epoch {point['epoch']:.3f}"
+        if chain < best_s:
+            log(
+                "step",
+                f"{at} reaches the target after {chain:.2f} {clock} s",
+                "the soonest so far"
+                + (f" (before: {best_s:.2f} s)" if math.isfinite(best_s) else ""),
+            )
+            best_s, best, best_run = chain, point, run
+        else:
+            log(
+                "step",
+                at
+                + (
+                    f" reached the target after {chain:.2f} {clock} s"
+                    if reached
+                    else " did not reach the target within its limit"
+                )
+                + f" (best accuracy {summary.get('best_accuracy') or 0:.4f})",
+                f"not sooner than {best_s:.2f} {clock} s"
+                if math.isfinite(best_s)
+                else "no time to accuracy",
+            )
+    if best is None and not long_run_reached and first_run is not None:
+        best, best_run = points[0], first_run
+        log(
+            "step",
+            f"step at the long run's end (epoch {points[0]['epoch']:.3f}) without a measured "
+            "time to accuracy",
+            "no run reached the target; steady state chose the lower η there",
+        )
+    return StepChoice(best, best_s if best is not None else long_run_s, best_run, runs)
+
+
+def _truncate(run: ProbeResult, iterations: int) -> ProbeResult:
+    """``run`` up to ``iterations`` (its ticks and evaluations at or before it)."""
+    keep = [i for i, it in enumerate(run.iterations) if it <= iterations]
+    return dataclasses.replace(
+        run,
+        iterations=[run.iterations[i] for i in keep],
+        virtual_s=[run.virtual_s[i] for i in keep],
+        losses=[run.losses[i] for i in keep],
+        evals=[e for e in run.evals if e.get("iterations", 0) <= iterations],
+        notes=list(run.notes),
+    )
+
+
 def _plan_config(
     base: RunConfig, cand: Candidate, steady: Candidate | None, seg_epochs: float, log: DecisionLog
 ) -> RunConfig:
@@ -333,7 +533,8 @@ def _plan_config(
             log(
                 "plan",
                 f"step η {cand.lr:g} → {steady.lr:g} at epoch {seg_epochs:.3f}",
-                "steady state preferred η/10 from the long run's snapshot",
+                "the run stepping there reached the target soonest (or, if none reached it, "
+                "steady state preferred the lower η at the long run's end)",
             )
         else:
             log(
@@ -693,7 +894,9 @@ def tune(
             "length is what the budget leaves after its evaluations and the later phases)",
         )
         tick_bar("segment", chosen.candidate.label())
-        segment, seg_summary = prober.segment(chosen.candidate, seg_wall, eval_every, "segment")
+        segment, seg_summary = prober.segment(
+            chosen.candidate, seg_wall, eval_every, "segment", save_eval_weights=True
+        )
         tick_bar("segment")
         seg_epochs = float(seg_summary.get("epochs", 0.0) or 0.0)
         log(
@@ -706,74 +909,155 @@ def tune(
         segments.append(segment)
         summaries.append(seg_summary)
 
-    # ---- steady state and the run after it ----------------------------------------------
+    # ---- steady state, the step and the run after it ------------------------------------
     steady: Candidate | None = None
     switch: Candidate | None = None
+    step_at: dict[str, Any] | None = None  # the long run's evaluation the plan steps at
+    step_runs: list[dict[str, Any]] = []
+    plan_segments = list(segments)
+    measured_chain: float | None = None
+    clock_key = "virtual_s" if prober.simulated else "wall_s"
+    tta_key = "time_to_accuracy_virtual_s" if prober.simulated else "time_to_accuracy_s"
     if not segments:
         log("steady state", "skipped", "no long run; no snapshot")
     elif segments[0].diverged:
         log("steady state", "skipped", "the long run diverged; no snapshot")
-    elif seg_summary.get("reached"):
-        log("steady state", "skipped", "the long run reached the target: the plan is that run")
     else:
-        steady_end = costs.steady_end()
-        search.out_of_budget = lambda: not costs.may_probe(steady_end)
-        steady = search.steady_state(chosen.candidate, "segment")
-        switch = dataclasses.replace(chosen.candidate, lr=steady.lr)
-        if switch != steady:
+        seg = segments[0]
+        reached = bool(seg_summary.get("reached"))
+        best_s = float(seg_summary.get(tta_key) or math.inf) if reached else math.inf
+        if reached:
+            measured_chain = best_s
+            switch = dataclasses.replace(chosen.candidate, lr=chosen.candidate.lr / 10)
             log(
                 "steady state",
-                f"continue with {switch.label()}",
-                f"steady state recommends {steady.label()}; a run config can change only η "
-                "mid-run (a step of the schedule), so the family, layout and μ stay",
-            )
-        seg_rate = (
-            segments[0].samples / segments[0].train_wall_s if segments[0].train_wall_s > 0 else rate
-        )
-        wall2 = costs.second_segment_seconds(seg_rate, eval_every)
-        left = max((cfg.train.max_epochs or 10.0) - seg_epochs, 0.01)
-        if wall2 <= 0:
-            log(
-                "segment",
-                f"skipped the run of {switch.label()} from the long run's snapshot",
-                f"{max(costs.left(), 0):.1f} s of the budget left, less than a run of one "
-                "probe's training plus its build and evaluations",
+                f"skipped; try {switch.label()} from earlier snapshots",
+                f"the long run reached the target after {best_s:.2f} {clock} s; a step to "
+                "η/10 (the lower η of Omnivore's steady-state grid) at an earlier evaluation "
+                "may reach it sooner",
             )
         else:
-            log(
-                "segment",
-                f"train {switch.label()} from the long run's snapshot",
-                f"until the target, {left:.2f} more epochs or {wall2:.1f} wall seconds of "
-                "training (the plan's second phase; it measures the time to accuracy with "
-                "the step)",
+            steady_end = costs.steady_end()
+            search.out_of_budget = lambda: not costs.may_probe(steady_end)
+            steady = search.steady_state(chosen.candidate, "segment")
+            switch = steady
+            if dataclasses.replace(steady, lr=chosen.candidate.lr) != chosen.candidate:
+                switch = plan_switch(search.results, chosen.candidate, "segment", settings)
+                log(
+                    "steady state",
+                    f"continue with {switch.label()}",
+                    f"steady state recommends {steady.label()}; a run config can change only "
+                    "η mid-run (a step of the schedule), so the family, layout and μ stay and "
+                    f"η is the better of η and η/10 at μ = {chosen.candidate.momentum:g} from "
+                    "the same snapshot",
+                )
+        seg_rate = seg.samples / seg.train_wall_s if seg.train_wall_s > 0 else rate
+        max_epochs = cfg.train.max_epochs or 10.0
+        if switch.lr < chosen.candidate.lr:
+            points = step_points(
+                seg.evals,
+                cfg.train.target_accuracy,
+                settings.step_margin,
+                settings.step_points,
+                include_last=not reached,
             )
-            tick_bar("segment 2", switch.label())
-            seg2, sum2 = prober.segment(
-                switch, wall2, eval_every, "segment2", snapshot="segment", max_epochs=left
+            if not points:
+                log(
+                    "step",
+                    "no evaluation of the long run qualifies as a step point",
+                    f"none reached {100 * (cfg.train.target_accuracy - settings.step_margin):g}"
+                    "% test accuracy before the target (tune.step_margin)",
+                )
+
+            def run_step(point: dict[str, Any], horizon: float) -> tuple[ProbeResult, dict] | None:
+                at = f"epoch {point['epoch']:.3f} (accuracy {point['test_accuracy']:.4f})"
+                wall = costs.second_segment_seconds(seg_rate, eval_every)
+                if wall <= 0:
+                    log(
+                        "step",
+                        f"skip the step at {at}",
+                        f"{max(costs.left(), 0):.1f} s of the budget left, less than a run of "
+                        "one probe's training plus its build and evaluations",
+                    )
+                    return None
+                name = f"eval{point['eval']}"
+                prober.eval_snapshot(seg, int(point["eval"]), name)
+                limit = (
+                    f"within {horizon:.2f} {clock} s (to beat the soonest so far)"
+                    if math.isfinite(horizon)
+                    else f"within {wall:.1f} wall s of training"
+                )
+                log(
+                    "step",
+                    f"train {switch.label()} from the long run's {at}",
+                    f"until the target {limit}: the time to accuracy of a plan stepping η "
+                    f"{chosen.candidate.lr:g} → {switch.lr:g} there",
+                )
+                tick_bar("step", f"epoch {point['epoch']:.2f}")
+                result = prober.segment(
+                    switch,
+                    wall,
+                    eval_every,
+                    f"step-{name}",
+                    snapshot=name,
+                    max_epochs=max(max_epochs - float(point["epoch"]), 0.01),
+                    max_clock_s=horizon if math.isfinite(horizon) else 0.0,
+                )
+                tick_bar("step")
+                return result
+
+            choice = choose_step(
+                points, best_s, clock_key, tta_key, run_step, log, clock, long_run_reached=reached
             )
-            tick_bar("segment 2")
-            segments.append(seg2)
-            summaries.append(sum2)
-            log(
-                "segment",
-                "reached the target" if sum2.get("reached") else "stopped before the target",
-                f"best accuracy {sum2.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} + "
-                f"{float(sum2.get('epochs', 0) or 0):.3f} epochs",
-            )
-    measured_chain = None
-    last = summaries[-1] if summaries else {}
-    if last.get("reached"):
-        key = "time_to_accuracy_virtual_s" if prober.simulated else "time_to_accuracy_s"
-        earlier = sum(
-            float(x.get("virtual_s" if prober.simulated else "train_wall_s", 0) or 0)
-            for x in summaries[:-1]
-        )
-        measured_chain = earlier + float(last[key])
+            step_runs = choice.runs
+            if choice.point is not None:
+                step_at = choice.point
+                assert choice.run is not None
+                plan_segments = [_truncate(seg, int(step_at["iterations"])), choice.run]
+                measured_chain = choice.seconds if math.isfinite(choice.seconds) else None
+        elif not reached:
+            wall2 = costs.second_segment_seconds(seg_rate, eval_every)
+            left = max(max_epochs - seg_epochs, 0.01)
+            if wall2 <= 0:
+                log(
+                    "segment",
+                    f"skipped the run of {switch.label()} from the long run's snapshot",
+                    f"{max(costs.left(), 0):.1f} s of the budget left, less than a run of one "
+                    "probe's training plus its build and evaluations",
+                )
+            else:
+                log(
+                    "segment",
+                    f"train {switch.label()} from the long run's snapshot",
+                    f"until the target, {left:.2f} more epochs or {wall2:.1f} wall seconds of "
+                    "training (steady state keeps η; it measures the time to accuracy)",
+                )
+                tick_bar("segment 2", switch.label())
+                seg2, sum2 = prober.segment(
+                    switch, wall2, eval_every, "segment2", snapshot="segment", max_epochs=left
+                )
+                tick_bar("segment 2")
+                plan_segments = [seg, seg2]
+                log(
+                    "segment",
+                    "reached the target" if sum2.get("reached") else "stopped before the target",
+                    f"best accuracy {sum2.get('best_accuracy', 0):.4f} after {seg_epochs:.3f} + "
+                    f"{float(sum2.get('epochs', 0) or 0):.3f} epochs",
+                )
+                if sum2.get("reached"):
+                    first_s = seg_summary.get("virtual_s" if prober.simulated else "train_wall_s")
+                    measured_chain = float(first_s or 0) + float(sum2[tta_key])
 
     # ---- plan, prediction, report ---------------------------------------------------------
-    plan = _plan_config(cfg, chosen.candidate, switch, seg_epochs, log)
+    plan = _plan_config(
+        cfg,
+        chosen.candidate,
+        switch if step_at is not None else None,
+        float(step_at["epoch"]) if step_at is not None else 0.0,
+        log,
+    )
     (out / "plan.toml").write_text(plan.to_toml())
-    prediction = predict_plan(segments, cfg.train.target_accuracy)
+    prediction = predict_plan(plan_segments, cfg.train.target_accuracy)
     prediction["tuner_measured_s"] = measured_chain
     if math.isfinite(prediction["predicted_s"]):
         log(
@@ -851,9 +1135,10 @@ def tune(
         "plan_schedule": dataclasses.asdict(plan.schedule),
         "steady_state": None if steady is None else steady.label(),
         "prediction": prediction,
-        "segments": [
-            {**sg.to_json(), "summary": sm} for sg, sm in zip(segments, summaries, strict=True)
-        ],
+        "segments": [sg.to_json() for sg in plan_segments],
+        "long_run": ({**segments[0].to_json(), "summary": summaries[0]} if segments else None),
+        "step_at": step_at,
+        "step_runs": step_runs,
         "probes": [r.to_json() for r in search.results],
         "best_by_g": {str(g): r.candidate.label() for g, r in search.best_by_g.items()},
         "ranking": [{"label": c.label(), "predicted_relative": t} for t, c in ranked],

@@ -1,0 +1,168 @@
+"""Where the plan steps its learning rate: the step points of a long run, the choice of
+the soonest step from runs off its snapshots (fake runs, deterministic), and the
+snapshots a long run keeps at every evaluation."""
+
+import json
+import math
+
+import torch
+
+from distsgd.trainer import Trainer
+from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult
+from distsgd.tuner.tune import choose_step, step_points
+
+from .conftest import small_config
+
+ACCS = [0.80, 0.86, 0.87, 0.88, 0.885, 0.89, 0.895, 0.91, 0.92]
+
+
+def evals(accs=ACCS):
+    """Evaluation records every 5000 samples; clock 2 s per evaluation interval."""
+    recs = [{"eval": 0, "samples": 0, "epoch": 0.0, "iterations": 0, "test_accuracy": 0.1}]
+    for i, a in enumerate(accs, 1):
+        recs.append(
+            {
+                "eval": i,
+                "samples": 5000 * i,
+                "epoch": 5000 * i / 60000,
+                "iterations": 40 * i,
+                "virtual_s": 2.0 * i,
+                "test_accuracy": a,
+            }
+        )
+    return recs
+
+
+def test_step_points_qualify_before_the_target_and_spread_latest_first():
+    ev = evals()
+    # qualifying: accuracy >= 0.87 and before eval 8 (the first >= 0.9): evals 3..7
+    assert [e["eval"] for e in step_points(ev, 0.9, 0.03, 10)] == [7, 6, 5, 4, 3]
+    assert [e["eval"] for e in step_points(ev, 0.9, 0.03, 3)] == [7, 5, 3]
+    assert [e["eval"] for e in step_points(ev, 0.9, 0.011, 10)] == [7, 6]
+    assert step_points(ev, 0.9, 0.03, 0) == []
+    # a long run that stopped before the target: its last evaluation is always a point
+    short = ev[:5]  # evals 0..4, last accuracy 0.88
+    assert [e["eval"] for e in step_points(short, 0.9, 0.03, 3, include_last=True)] == [4, 3]
+    assert [e["eval"] for e in step_points(short, 0.9, 0.001, 3, include_last=True)] == [4]
+    assert [e["eval"] for e in step_points(ev[:8], 0.9, 0.03, 3, include_last=True)] == [7, 6, 3]
+    assert [e["eval"] for e in step_points(short, 0.9, 0.03, 0, include_last=True)] == [4]
+
+
+class FakeStepRuns:
+    """A run from evaluation e reaches the target ``reach[e]`` clock seconds after its
+    start (None: never); it is cut at the horizon like the real one."""
+
+    def __init__(self, reach, budget_runs=99):
+        self.reach, self.budget_runs = reach, budget_runs
+        self.calls = []
+
+    def __call__(self, point, horizon):
+        if len(self.calls) >= self.budget_runs:
+            return None
+        self.calls.append((point["eval"], horizon))
+        t = self.reach.get(point["eval"])
+        reached = t is not None and t <= horizon
+        run = ProbeResult(Candidate("hardsync", 2, 16, 0.01, 0.9), f"eval{point['eval']}")
+        run.run_dir = f"run{point['eval']}"
+        summary = {"reached": reached, "best_accuracy": 0.9 if reached else 0.89}
+        summary["time_to_accuracy_virtual_s"] = t if reached else None
+        return run, summary
+
+
+def choose(points, long_run_s, runs, reached=True):
+    return choose_step(
+        points,
+        long_run_s,
+        "virtual_s",
+        "time_to_accuracy_virtual_s",
+        runs,
+        DecisionLog(),
+        long_run_reached=reached,
+    )
+
+
+def test_choose_step_takes_the_soonest_and_cuts_runs_that_cannot_beat_it():
+    ev = evals()
+    points = step_points(ev, 0.9, 0.03, 3)  # evals 7, 5, 3 at 14, 10, 6 s
+    # the long run reached at 16 s (eval 8); a step at eval 7 reaches 1 s later (15 s),
+    # at eval 5 after 3 s (13 s), at eval 3 never
+    runs = FakeStepRuns({7: 1.0, 5: 3.0, 3: None})
+    c = choose(points, 16.0, runs)
+    assert c.point["eval"] == 5 and c.seconds == 13.0 and c.run.run_dir == "run5"
+    # horizons: what is left to beat the soonest so far
+    assert runs.calls == [(7, 2.0), (5, 5.0), (3, 7.0)]
+    assert [r["time_to_accuracy_s"] for r in c.runs] == [15.0, 13.0, None]
+    # no step beats the long run: no step
+    c = choose(points, 16.0, FakeStepRuns({7: 5.0, 5: 9.0, 3: None}))
+    assert c.point is None and c.seconds == 16.0 and c.run is None
+    # a point at or after the soonest time is skipped without a run
+    runs = FakeStepRuns({7: 1.0, 5: 3.0})
+    c = choose(points, 13.0, runs)
+    assert [e for e, _ in runs.calls] == [5, 3] and c.point is None
+    # the budget ends the search; the best so far stands
+    c = choose(points, 16.0, FakeStepRuns({7: 1.0, 5: 3.0}, budget_runs=1))
+    assert c.point["eval"] == 7 and c.seconds == 15.0
+
+
+def test_choose_step_falls_back_to_the_long_runs_end_when_nothing_reached():
+    ev = evals()[:6]  # stopped at eval 5 (0.885) before the target
+    points = step_points(ev, 0.9, 0.03, 3, include_last=True)
+    assert [p["eval"] for p in points] == [5, 4, 3]
+    runs = FakeStepRuns({})
+    c = choose(points, math.inf, runs, reached=False)
+    assert c.point["eval"] == 5 and c.seconds == math.inf and c.run.run_dir == "run5"
+    assert all(h == math.inf for _, h in runs.calls)  # nothing to beat yet: no cut
+    # the end's run reaches at 10 + 4 = 14 s; eval 3 (6 s) gets 8 s and does it in 5
+    c = choose(points, math.inf, FakeStepRuns({5: 4.0, 4: None, 3: 5.0}), reached=False)
+    assert c.point["eval"] == 3 and c.seconds == 11.0
+
+
+def test_long_run_keeps_the_model_of_every_evaluation(tmp_path):
+    cfg = small_config(
+        train={
+            "max_epochs": 1.0,
+            "eval_every_samples": 256,
+            "save_eval_weights": True,
+            "record_ticks": True,
+        }
+    )
+    trainer = Trainer(cfg, tmp_path / "a", progress=False)
+    trainer.run()
+    recs = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    files = sorted((tmp_path / "a" / "eval_weights").iterdir())
+    assert [f.name for f in files] == [f"{r['eval']:04d}.pt" for r in recs]
+    assert len(files) == 5  # at 0, 256, 512, 768 and the end (1024 samples)
+    first = torch.load(files[0], weights_only=True)
+    last = torch.load(files[-1], weights_only=True)
+    assert torch.equal(last, torch.load(tmp_path / "a" / "final_weights.pt", weights_only=True))
+    assert not torch.equal(first, last)
+    # a run from an evaluation's weights starts at that evaluation's accuracy
+    mid = recs[2]
+    cont = small_config(
+        train={"max_epochs": 0.25, "initial_weights": str(files[2])},
+    )
+    Trainer(cont, tmp_path / "b", progress=False).run()
+    start = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["test_accuracy"] == mid["test_accuracy"]
+
+
+def test_plan_keeps_its_momentum_and_takes_the_better_lr_at_it():
+    # steady state's best is η = 0.025 at μ = 0.3 (a tie within 1% with η/10 at μ = 0.9);
+    # the plan keeps μ = 0.9, where η/10 scored clearly better than η
+    from distsgd.config import TuneConfig
+    from distsgd.tuner.tune import plan_switch
+
+    cur = Candidate("hardsync", 2, 16, 0.025, 0.9)
+    scores = {(0.025, 0.9): 0.2729, (0.0025, 0.9): 0.2475, (0.025, 0.3): 0.2490}
+    results = []
+    for (lr, mu), score in scores.items():
+        r = ProbeResult(Candidate("hardsync", 2, 16, lr, mu), "segment")
+        r.losses = [score] * 10
+        results.append(r)
+    other = ProbeResult(Candidate("hardsync", 2, 16, 0.0025, 0.9), "initial")
+    other.losses = [0.1] * 10  # another snapshot does not count
+    assert plan_switch(results + [other], cur, "segment", TuneConfig()).lr == 0.0025
+    # within the tie buffer the larger η stays; nothing probed: keep
+    results[1].losses = [0.2720] * 10
+    assert plan_switch(results, cur, "segment", TuneConfig()) == cur
+    assert plan_switch([], cur, "segment", TuneConfig()) == cur
