@@ -55,6 +55,16 @@ def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
     print("\n".join(lines))
 
 
+def _check_num_processes(num_processes: int | None, runtime: str) -> None:
+    """``--num-processes`` starts real processes: refuse it on the simulated runtime
+    rather than ignore it."""
+    if num_processes is not None and runtime != "dist":
+        raise ValueError(
+            f"--num-processes {num_processes} is not allowed with runtime = {runtime!r}: it "
+            "starts real processes (add --runtime dist)"
+        )
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from distsgd.config import RunConfig
     from distsgd.trainer import Trainer, default_out_dir, train
@@ -82,6 +92,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         summary = train(resume=args.resume, overrides=args.set, progress=not args.quiet)
     else:
         cfg = RunConfig.from_toml(args.config, args.set)
+        _check_num_processes(args.num_processes, cfg.runtime)
         if cfg.layout_changes and os.environ.get("RANK", "0") == "0":  # once under torchrun
             print(
                 f"dist: fitted the layout to {cfg.dist.num_processes} processes: "
@@ -121,6 +132,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.num_processes is not None:
         overrides.append(f"dist.num_processes={args.num_processes}")
     cfg = RunConfig.from_toml(args.config, overrides)
+    _check_num_processes(args.num_processes, cfg.runtime)
     out = Path(args.out) if args.out else Path("runs") / ("tune-" + Path(args.config).stem)
     args.out_dir = out
     state = tune(cfg, out, budget_s=budget, progress=not args.quiet, verify=args.verify)

@@ -232,6 +232,13 @@ def test_tune_refuses_more_processes_than_cores_and_families_it_cannot_probe(
     assert "tune.families = ['softsync'] is not allowed with 2 processes" in err
     assert "expected at least one family these layouts can probe: hardsync, sma" in err
     assert not out.exists()
+    # on the simulated runtime the flag would start nothing: refused, not ignored
+    for cmd in ("tune", "train"):
+        sim = [cmd, str(cfg), "--out", str(out), "--quiet", "--num-processes", "2"]
+        err = _one_line_exit_2(capsys, sim)
+        assert "--num-processes 2 is not allowed with runtime = 'sim'" in err
+        assert "add --runtime dist" in err
+        assert not out.exists()
 
 
 def test_tune_refuses_an_out_that_is_a_file_and_leaves_no_dir_after_a_failed_start(

@@ -9,7 +9,7 @@ import torch
 
 from distsgd.trainer import Trainer
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult
-from distsgd.tuner.tune import choose_step, step_points
+from distsgd.tuner.tune import choose_step, step_points, step_pool
 
 from .conftest import small_config
 
@@ -69,7 +69,7 @@ class FakeStepRuns:
         return run, summary
 
 
-def choose(points, long_run_s, runs, reached=True):
+def choose(points, long_run_s, runs, reached=True, pool=None):
     return choose_step(
         points,
         long_run_s,
@@ -78,6 +78,7 @@ def choose(points, long_run_s, runs, reached=True):
         runs,
         DecisionLog(),
         long_run_reached=reached,
+        pool=pool,
     )
 
 
@@ -166,3 +167,30 @@ def test_plan_keeps_its_momentum_and_takes_the_better_lr_at_it():
     results[1].losses = [0.2720] * 10
     assert plan_switch(results, cur, "segment", TuneConfig()) == cur
     assert plan_switch([], cur, "segment", TuneConfig()) == cur
+
+
+def test_refinement_bisects_around_the_soonest_step_while_the_budget_lasts():
+    ev = evals()
+    pool = step_pool(ev, 0.9)
+    assert [e["eval"] for e in pool] == [1, 2, 3, 4, 5, 6, 7]
+    assert [e["eval"] for e in step_pool(ev[:4], 0.9)] == [1, 2, 3]  # none reached: all
+    points = step_points(ev, 0.9, 0.03, 3)  # 7, 5, 3
+    # chains (point's 2e s + reach): 7 → 15, 6 → 13.5, 5 → 13, 4 → 11.5, earlier never
+    reach = {7: 1.0, 6: 1.5, 5: 3.0, 4: 3.5}
+    runs = FakeStepRuns(reach)
+    c = choose(points, 16.0, runs, pool=pool)
+    # after 7, 5, 3: midway to the right of 5 (eval 6, cut at 13 s: 1 s left, needs 1.5)
+    # and to the left (eval 4: 11.5 s, the soonest); then 4 has tried neighbours 3 and 5
+    assert [e for e, _ in runs.calls] == [7, 5, 3, 6, 4]
+    assert runs.calls[3] == (6, 1.0)
+    assert c.point["eval"] == 4 and c.seconds == 11.5
+    # the soonest at the pool's start edge: bisection toward the start
+    runs = FakeStepRuns({7: 1.0, 5: 3.0, 3: 2.0, 2: 2.0, 1: 9.0})
+    c = choose(points, 16.0, runs, pool=pool)
+    # (eval 4 at 8 s is not before the soonest, 8 s: skipped without a run)
+    assert [e for e, _ in runs.calls] == [7, 5, 3, 2, 1]
+    assert c.point["eval"] == 2 and c.seconds == 6.0
+    # the budget stops the refinement; the soonest so far stands
+    runs = FakeStepRuns(reach, budget_runs=4)
+    c = choose(points, 16.0, runs, pool=pool)
+    assert [e for e, _ in runs.calls] == [7, 5, 3, 6] and c.point["eval"] == 5

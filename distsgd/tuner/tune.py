@@ -402,6 +402,19 @@ class StepChoice:
     runs: list[dict[str, Any]]
 
 
+def step_pool(evals: list[dict[str, Any]], target_accuracy: float) -> list[dict[str, Any]]:
+    """Every evaluation a step may start from, in order: after some training and before
+    the first that reached ``target_accuracy`` (all of them if none did)."""
+    pool = []
+    for e in evals:
+        if e.get("samples", 0) <= 0:
+            continue
+        if e["test_accuracy"] >= target_accuracy:
+            break
+        pool.append(e)
+    return pool
+
+
 def choose_step(
     points: list[dict[str, Any]],
     long_run_s: float,
@@ -411,6 +424,7 @@ def choose_step(
     log: DecisionLog,
     clock: str = "simulated",
     long_run_reached: bool = True,
+    pool: list[dict[str, Any]] | None = None,
 ) -> StepChoice:
     """Where the plan steps its learning rate: the point whose run reaches the target
     soonest (beyond Omnivore, whose steady state steps wherever the long run ended).
@@ -423,6 +437,12 @@ def choose_step(
     The time to accuracy of a step at the point = the point's ``clock_key`` + the run's
     ``tta_key``.
 
+    Then, with ``pool`` (:func:`step_pool`), the search refines around the soonest step
+    while the budget lasts: it tries the evaluations of ``pool`` midway between the
+    soonest step and its nearest tried neighbour on each side (the pool's ends count as
+    neighbours), later one first, and repeats until no untried evaluation lies midway —
+    a bisection over the pool, so about 2·log2(len(pool)) more runs at most.
+
     Args:
         points: :func:`step_points`, latest first.
         long_run_s: the long run's own time to accuracy (inf if it stopped before).
@@ -430,13 +450,19 @@ def choose_step(
         tta_key: the summaries' time to accuracy on that clock.
         long_run_reached: False: if no run reaches the target the plan still steps at the
             first point (the long run's end; Omnivore's steady state chose the lower η).
+        pool: the evaluations the refinement may try (None: no refinement).
     """
     best_s = long_run_s
     best: dict[str, Any] | None = None
     best_run: ProbeResult | None = None
     runs: list[dict[str, Any]] = []
     first_run: ProbeResult | None = None
-    for point in points:
+    tried: set[int] = set()
+
+    def attempt(point: dict[str, Any], why: str) -> bool:
+        """Run from ``point``; False when the budget allows no more runs."""
+        nonlocal best_s, best, best_run, first_run
+        tried.add(int(point["eval"]))
         horizon = best_s - float(point[clock_key])
         if horizon <= 0:
             log(
@@ -444,10 +470,10 @@ def choose_step(
                 f"skip the step at epoch {point['epoch']:.3f}",
                 f"the soonest time to accuracy so far ({best_s:.2f} {clock} s) comes before it",
             )
-            continue
+            return True
         out = run_step(point, horizon)
         if out is None:
-            break
+            return False
         run, summary = out
         if first_run is None:
             first_run = run
@@ -459,6 +485,7 @@ def choose_step(
                 "epoch": point["epoch"],
                 "accuracy": point["test_accuracy"],
                 "clock_s": point[clock_key],
+                "why": why,
                 "reached": reached,
                 "time_to_accuracy_s": chain if reached else None,
                 "best_accuracy": summary.get("best_accuracy"),
@@ -492,6 +519,32 @@ def choose_step(
                 if math.isfinite(best_s)
                 else "no time to accuracy",
             )
+        return True
+
+    budget_left = True
+    for point in points:
+        if not attempt(point, "spread over the qualifying evaluations"):
+            budget_left = False
+            break
+    while budget_left and pool and best is not None:
+        ids = [int(e["eval"]) for e in pool]
+        if int(best["eval"]) not in ids:
+            break
+        i = ids.index(int(best["eval"]))
+        done = [j for j, e in enumerate(ids) if e in tried]
+        lo = max((j for j in done if j < i), default=-1)
+        hi = min((j for j in done if j > i), default=len(pool))
+        mids = [m for m in ((i + hi) // 2, (lo + i + 1) // 2) if m != i and ids[m] not in tried]
+        if not mids:
+            break
+        for m in mids:  # the later one first
+            why = f"midway between the soonest step (epoch {best['epoch']:.3f}) and its " + (
+                "next tried point" if m > i else "previous tried point (or the start)"
+            )
+            log("step", f"refine: try epoch {pool[m]['epoch']:.3f}", why)
+            if not attempt(pool[m], why):
+                budget_left = False
+                break
     if best is None and not long_run_reached and first_run is not None:
         best, best_run = points[0], first_run
         log(
@@ -1007,7 +1060,15 @@ def tune(
                 return result
 
             choice = choose_step(
-                points, best_s, clock_key, tta_key, run_step, log, clock, long_run_reached=reached
+                points,
+                best_s,
+                clock_key,
+                tta_key,
+                run_step,
+                log,
+                clock,
+                long_run_reached=reached,
+                pool=step_pool(seg.evals, cfg.train.target_accuracy),
             )
             step_runs = choice.runs
             if choice.point is not None:
