@@ -76,6 +76,16 @@ def _shape_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _save(fig: Any, out: Path, name: str) -> str:
+    """Lay out, write ``out/name`` and close ``fig``; returns ``name``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=100)
+    plt.close(fig)
+    return name
+
+
 def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     import matplotlib
 
@@ -104,10 +114,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
                 ax.set_yscale("log")  # values spanning orders of magnitude
             ax.grid(alpha=0.3, axis="y")
         axes[1].set_title("the tradeoff space: HE × SE = time to accuracy (best η, μ per shape)")
-        fig.tight_layout()
-        fig.savefig(out / "tradeoff.png", dpi=100)
-        plt.close(fig)
-        figs.append("tradeoff.png")
+        figs.append(_save(fig, out, "tradeoff.png"))
     fig, ax = plt.subplots(figsize=(10, 5))
     for p in state["probes"]:
         if not p["losses"]:
@@ -127,10 +134,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
     ax.set_title(f"every probe's loss curve ({len(state['probes'])} probes; x = diverged)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "probes.png", dpi=100)
-    plt.close(fig)
-    figs.append("probes.png")
+    figs.append(_save(fig, out, "probes.png"))
     ext = state.get("extrapolation") or []
     if ext:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -149,10 +153,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
         ax.set_title("performance model on larger clusters (plan's b, η, μ)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "extrapolation.png", dpi=100)
-        plt.close(fig)
-        figs.append("extrapolation.png")
+        figs.append(_save(fig, out, "extrapolation.png"))
     long_run = state.get("long_run")
     if long_run and long_run.get("evals"):
         key = "virtual_s" if clock == "simulated" else "wall_s"
@@ -185,10 +186,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
         ax.set_title("where to step η: runs from the long run's snapshots")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "steps.png", dpi=100)
-        plt.close(fig)
-        figs.append("steps.png")
+        figs.append(_save(fig, out, "steps.png"))
     v = state.get("verify")
     pred = (state.get("prediction") or {}).get("predicted_s")
     if v and v.get("measured_s") and pred:
@@ -200,10 +198,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
         ax.set_ylabel(f"time to {100 * state['target_accuracy']:g}% ({clock} s)")
         ax.set_title("plan: predicted vs measured time to accuracy")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "verify.png", dpi=100)
-        plt.close(fig)
-        figs.append("verify.png")
+        figs.append(_save(fig, out, "verify.png"))
     return figs
 
 
