@@ -726,10 +726,12 @@ class TuneConfig:
             steady state's share (``TUNE_STEADY_SHARE``) it must leave the search a
             positive share (< 0.85).
         noise_scale: B_noise of the batch-size law in samples (0: estimate from probes).
-        step_points: evaluations of the long run from which the tuner tries a learning-rate
-            step to the steady-state η (η/10 when the long run reached the target), each by
-            a run to the target from that evaluation's snapshot; the plan steps at the one
-            that reaches the target soonest (0: step only at the long run's end).
+        step_points: evaluations of the long run from which the tuner first tries a
+            learning-rate step to the steady-state η (η/10 when the long run reached the
+            target), each by a run to the target from that evaluation's snapshot, before
+            it bisects around the soonest; the plan steps at the one that reaches the
+            target soonest (0: no step search; a long run that stopped before the target
+            still tries its end, as Omnivore's steady state does).
         step_margin: an evaluation qualifies as a step point when its test accuracy is at
             least the target minus this margin (and below the target).
     """

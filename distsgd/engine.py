@@ -154,16 +154,16 @@ class GradientEngine:
 
         Every sample is counted exactly once; batches of ``batch_size`` samples.
         """
-        with torch.no_grad():
-            self._flat.copy_(weights)
         self.model.eval()
         correct = 0
         loss_sum = 0.0
         n = x.shape[0]
-        for xb, yb in iter_eval_batches(x, y, batch_size):
-            logits = self.model(xb)
-            loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
-            correct += int((logits.argmax(dim=1) == yb).sum())
+        with torch.no_grad():  # no autograd graph for a forward-only pass
+            self._flat.copy_(weights)
+            for xb, yb in iter_eval_batches(x, y, batch_size):
+                logits = self.model(xb)
+                loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+                correct += int((logits.argmax(dim=1) == yb).sum())
         return correct / n, loss_sum / n
 
     def buffers_state(self) -> dict[str, Tensor]:

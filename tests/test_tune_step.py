@@ -4,7 +4,9 @@ snapshots a long run keeps at every evaluation."""
 
 import json
 import math
+from pathlib import Path
 
+import pytest
 import torch
 
 from distsgd.trainer import Trainer
@@ -46,6 +48,8 @@ def test_step_points_qualify_before_the_target_and_spread_latest_first():
     assert [e["eval"] for e in step_points(short, 0.9, 0.001, 3, include_last=True)] == [4]
     assert [e["eval"] for e in step_points(ev[:8], 0.9, 0.03, 3, include_last=True)] == [7, 6, 3]
     assert [e["eval"] for e in step_points(short, 0.9, 0.03, 0, include_last=True)] == [4]
+    # one point: the last qualifying evaluation, the one nearest the target
+    assert [e["eval"] for e in step_points(ev, 0.9, 0.03, 1)] == [7]
 
 
 class FakeStepRuns:
@@ -105,17 +109,28 @@ def test_choose_step_takes_the_soonest_and_cuts_runs_that_cannot_beat_it():
     assert c.point["eval"] == 7 and c.seconds == 15.0
 
 
-def test_choose_step_falls_back_to_the_long_runs_end_when_nothing_reached():
+def test_no_step_unless_a_run_was_seen_reaching_the_target():
     ev = evals()[:6]  # stopped at eval 5 (0.885) before the target
     points = step_points(ev, 0.9, 0.03, 3, include_last=True)
     assert [p["eval"] for p in points] == [5, 4, 3]
     runs = FakeStepRuns({})
     c = choose(points, math.inf, runs, reached=False)
-    assert c.point["eval"] == 5 and c.seconds == math.inf and c.run.run_dir == "run5"
+    assert c.point is None and c.run is None and c.seconds == math.inf
+    assert len(c.runs) == 3 and not any(r["reached"] for r in c.runs)
     assert all(h == math.inf for _, h in runs.calls)  # nothing to beat yet: no cut
     # the end's run reaches at 10 + 4 = 14 s; eval 3 (6 s) gets 8 s and does it in 5
     c = choose(points, math.inf, FakeStepRuns({5: 4.0, 4: None, 3: 5.0}), reached=False)
     assert c.point["eval"] == 3 and c.seconds == 11.0
+
+
+def test_a_step_must_beat_the_soonest_by_more_than_the_tie_buffer():
+    points = step_points(evals(), 0.9, 0.03, 3)  # evals 7, 5, 3 at 14, 10, 6 s
+    # eval 7 reaches at 15.9 s against the long run's 16 s: within 1%, no step
+    c = choose(points, 16.0, FakeStepRuns({7: 1.9, 5: 5.95, 3: None}))
+    assert c.point is None and c.seconds == 16.0
+    # eval 5 at 15.8 s is more than 1% sooner
+    c = choose(points, 16.0, FakeStepRuns({7: 1.9, 5: 5.8, 3: None}))
+    assert c.point["eval"] == 5 and c.seconds == 15.8
 
 
 def test_long_run_keeps_the_model_of_every_evaluation(tmp_path):
@@ -194,3 +209,57 @@ def test_refinement_bisects_around_the_soonest_step_while_the_budget_lasts():
     runs = FakeStepRuns(reach, budget_runs=4)
     c = choose(points, 16.0, runs, pool=pool)
     assert [e for e, _ in runs.calls] == [7, 5, 3, 6] and c.point["eval"] == 5
+
+
+def test_tune_steps_where_its_runs_from_the_snapshots_reached_the_target_soonest(tmp_path):
+    """End to end on the simulator (deterministic clock): the step runs start from the
+    long run's evaluation snapshots, are cut at their horizons, and the plan steps at the
+    chosen evaluation's epoch."""
+    import tomllib
+
+    from distsgd.config import RunConfig
+    from distsgd.tuner.tune import tune
+
+    base = small_config(
+        protocol={"num_learners": 2, "batch_size": 16},
+        train={"target_accuracy": 0.845, "max_epochs": 6, "eval_every_samples": 128},
+        tune={
+            "probe_seconds": 0.03,
+            "lrs": [0.1],
+            "momenta": [0.9],
+            "batch_sizes": [16],
+            "extra_probes": 0,
+            "step_margin": 0.3,
+            "max_groups": 1,
+            "families": ["hardsync"],
+        },
+    )
+    out = tmp_path / "tune"
+    state = tune(base, out, budget_s=120, progress=False)
+    long_run = state["long_run"]
+    assert long_run["summary"]["reached"]
+    runs = state["step_runs"]
+    assert len(runs) >= 3 and state["step_at"] is not None
+    clock = long_run["virtual_s"]
+    tick = max(clock[i + 1] - clock[i] for i in range(len(clock) - 1))  # one iteration
+    best = long_run["summary"]["time_to_accuracy_virtual_s"]
+    for r in runs:
+        recs = [
+            json.loads(x) for x in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+        ]
+        # started from the evaluation's snapshot: same model, same test accuracy
+        assert recs[0]["samples"] == 0 and recs[0]["test_accuracy"] == r["accuracy"]
+        summary = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
+        assert summary["virtual_s"] <= best - r["clock_s"] + tick + 1e-9  # cut at its horizon
+        if r["reached"] and r["time_to_accuracy_s"] < best * 0.99:
+            best = r["time_to_accuracy_s"]
+    chosen = min((r for r in runs if r["reached"]), key=lambda r: r["time_to_accuracy_s"])
+    assert state["step_at"]["eval"] == chosen["eval"]
+    assert state["prediction"]["tuner_measured_s"] == pytest.approx(best)
+    plan = tomllib.loads((out / "plan.toml").read_text())
+    assert plan["schedule"]["kind"] == "step"
+    assert plan["schedule"]["decay_epochs"] == [round(state["step_at"]["epoch"], 4)]
+    assert plan["schedule"]["decay_factor"] == 0.1
+    assert RunConfig.from_toml(out / "plan.toml").optimizer.lr == 0.1
+    assert "## Learning-rate step" in (out / "report.md").read_text()
+    assert (out / "steps.png").exists()

@@ -239,8 +239,18 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
         f"curve of the last of {pred.get('segments', 1)} long run(s))."
         + (f" No prediction: {pred['reason']}." if pred.get("reason") else ""),
         "",
-        f"The tuner's own long runs reached the target after "
-        f"{_fmt(pred.get('tuner_measured_s'), '.2f')} {clock} s.",
+        (
+            f"The tuner's own runs reached the target after "
+            f"{_fmt(pred.get('tuner_measured_s'), '.2f')} {clock} s"
+            + (
+                f" (the long run up to epoch {state['step_at']['epoch']:.3f}, then η/10"
+                " from its snapshot)."
+                if state.get("step_at")
+                else "."
+            )
+            if pred.get("tuner_measured_s")
+            else "The tuner's own runs did not reach the target within the budget."
+        ),
         "",
     ]
     v = state.get("verify")
@@ -297,17 +307,26 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
             "## Learning-rate step",
             "",
             "Runs at the lower η from snapshots of the long run (each until the target or until "
-            "it could no longer beat the soonest so far); the plan steps where the target came "
-            "soonest.",
+            "it could no longer beat the soonest so far), in the order tried; "
+            + (
+                f"the plan steps at epoch {state['step_at']['epoch']:.3f}, where the target "
+                "came soonest."
+                if state.get("step_at")
+                else "none reached the target sooner than the long run by more than the tie "
+                "buffer, so the plan does not step."
+            ),
             "",
             f"| step at epoch | accuracy there | reached | time to accuracy ({clock} s) | "
-            "best accuracy |",
-            "|---|---|---|---|---|",
+            "best accuracy | plan |",
+            "|---|---|---|---|---|---|",
         ]
+        plan_eval = (state.get("step_at") or {}).get("eval")
         for r in runs:
             lines.append(
                 f"| {r['epoch']:.3f} | {r['accuracy']:.4f} | {r['reached']} | "
-                f"{_fmt(r['time_to_accuracy_s'], '.2f')} | {_fmt(r['best_accuracy'], '.4f')} |"
+                f"{_fmt(r['time_to_accuracy_s'], '.2f')} | {_fmt(r['best_accuracy'], '.4f')} | "
+                + ("**plan**" if r["eval"] == plan_eval else "")
+                + " |"
             )
         lines.append("")
     lines += [

@@ -335,9 +335,10 @@ def step_points(
 
     Qualify: evaluations after some training (``samples > 0``) before the first one that
     reached ``target_accuracy``, with test accuracy >= ``target_accuracy − margin``. Of
-    these, ``count`` spread evenly from the first to the last qualifying one. With
-    ``include_last`` (a long run that stopped before the target) its last evaluation is
-    always among them, qualifying or not: Omnivore's steady state steps there.
+    these, ``count`` spread evenly from the last qualifying one back to the first (one:
+    the last). With ``include_last`` (a long run that stopped before the target) its last
+    evaluation is always among them, qualifying or not: Omnivore's steady state steps
+    there.
 
     Args:
         evals: the run's ``metrics.jsonl`` records in order (``eval``, ``samples``,
@@ -361,8 +362,8 @@ def step_points(
     if last is not None:
         ok = [e for e in ok if e is not last]
         n = max(count - 1, 0)
-    if len(ok) > n:
-        idx = sorted({round(i) for i in np.linspace(0, len(ok) - 1, n)}) if n else []
+    if len(ok) > n:  # n evenly spread, the last qualifying one always among them
+        idx = sorted({round(i) for i in np.linspace(len(ok) - 1, 0, n)}) if n else []
         ok = [ok[i] for i in idx]
     if last is not None:
         ok.append(last)
@@ -389,8 +390,8 @@ class StepChoice:
     Attributes:
         point: the long run's evaluation record the plan steps at (None: no step).
         seconds: time to accuracy of the plan stepping there (long run up to the point plus
-            the run from it), on the runtime's clock; inf if that run did not reach the
-            target (the steady-state fallback) or without a step, the long run's own.
+            the run from it), on the runtime's clock; without a step, the long run's own
+            (inf if it stopped before the target).
         run: the run from ``point`` (None without a step).
         runs: one record per run tried (``eval``, ``epoch``, ``accuracy``, ``clock_s``,
             ``reached``, ``time_to_accuracy_s``, ``best_accuracy``, ``run_dir``).
@@ -425,6 +426,7 @@ def choose_step(
     clock: str = "simulated",
     long_run_reached: bool = True,
     pool: list[dict[str, Any]] | None = None,
+    tie_buffer: float = 0.01,
 ) -> StepChoice:
     """Where the plan steps its learning rate: the point whose run reaches the target
     soonest (beyond Omnivore, whose steady state steps wherever the long run ended).
@@ -448,35 +450,37 @@ def choose_step(
         long_run_s: the long run's own time to accuracy (inf if it stopped before).
         clock_key: the records' clock (``virtual_s`` or ``wall_s``).
         tta_key: the summaries' time to accuracy on that clock.
-        long_run_reached: False: if no run reaches the target the plan still steps at the
-            first point (the long run's end; Omnivore's steady state chose the lower η).
+        long_run_reached: whether the long run reached the target (only for the log).
         pool: the evaluations the refinement may try (None: no refinement).
+        tie_buffer: a step replaces the soonest so far only if it is sooner by more than
+            this fraction (Omnivore's 1% tie buffer): a tie keeps the later step, or no
+            step.
+
+    No run reached the target sooner: no step (``point`` None) — a step the tuner did not
+    see reach the target is not planned, even where steady state chose the lower η.
     """
     best_s = long_run_s
     best: dict[str, Any] | None = None
     best_run: ProbeResult | None = None
     runs: list[dict[str, Any]] = []
-    first_run: ProbeResult | None = None
     tried: set[int] = set()
 
     def attempt(point: dict[str, Any], why: str) -> bool:
         """Run from ``point``; False when the budget allows no more runs."""
-        nonlocal best_s, best, best_run, first_run
+        nonlocal best_s, best, best_run
         tried.add(int(point["eval"]))
         horizon = best_s - float(point[clock_key])
         if horizon <= 0:
             log(
                 "step",
                 f"skip the step at epoch {point['epoch']:.3f}",
-                f"the soonest time to accuracy so far ({best_s:.2f} {clock} s) comes before it",
+                f"the soonest time to accuracy so far ({best_s:.4g} {clock} s) comes before it",
             )
             return True
         out = run_step(point, horizon)
         if out is None:
             return False
         run, summary = out
-        if first_run is None:
-            first_run = run
         reached = bool(summary.get("reached")) and summary.get(tta_key) is not None
         chain = float(point[clock_key]) + float(summary[tta_key]) if reached else math.inf
         runs.append(
@@ -497,12 +501,12 @@ def choose_step(
             }
         )
         at = f"step at epoch {point['epoch']:.3f}"
-        if chain < best_s:
+        if chain < best_s * (1 - tie_buffer):
             log(
                 "step",
-                f"{at} reaches the target after {chain:.2f} {clock} s",
+                f"{at} reaches the target after {chain:.4g} {clock} s",
                 "the soonest so far"
-                + (f" (before: {best_s:.2f} s)" if math.isfinite(best_s) else ""),
+                + (f" (before: {best_s:.4g} s)" if math.isfinite(best_s) else ""),
             )
             best_s, best, best_run = chain, point, run
         else:
@@ -510,12 +514,12 @@ def choose_step(
                 "step",
                 at
                 + (
-                    f" reached the target after {chain:.2f} {clock} s"
+                    f" reached the target after {chain:.4g} {clock} s"
                     if reached
                     else " did not reach the target within its limit"
                 )
                 + f" (best accuracy {summary.get('best_accuracy') or 0:.4f})",
-                f"not sooner than {best_s:.2f} {clock} s"
+                f"not sooner than {best_s:.4g} {clock} s"
                 if math.isfinite(best_s)
                 else "no time to accuracy",
             )
@@ -545,13 +549,13 @@ def choose_step(
             if not attempt(pool[m], why):
                 budget_left = False
                 break
-    if best is None and not long_run_reached and first_run is not None:
-        best, best_run = points[0], first_run
+    if best is None and runs:
         log(
             "step",
-            f"step at the long run's end (epoch {points[0]['epoch']:.3f}) without a measured "
-            "time to accuracy",
-            "no run reached the target; steady state chose the lower η there",
+            "no step",
+            "no run at the lower η reached the target "
+            + ("sooner than the long run" if long_run_reached else "within its limit")
+            + ": a step the tuner did not see reach the target is not planned",
         )
     return StepChoice(best, best_s if best is not None else long_run_s, best_run, runs)
 
@@ -1014,7 +1018,9 @@ def tune(
                 settings.step_points,
                 include_last=not reached,
             )
-            if not points:
+            if not points and settings.step_points == 0:
+                log("step", "no step search", "tune.step_points = 0")
+            elif not points:
                 log(
                     "step",
                     "no evaluation of the long run qualifies as a step point",
@@ -1036,7 +1042,7 @@ def tune(
                 name = f"eval{point['eval']}"
                 prober.eval_snapshot(seg, int(point["eval"]), name)
                 limit = (
-                    f"within {horizon:.2f} {clock} s (to beat the soonest so far)"
+                    f"within {horizon:.4g} {clock} s (to beat the soonest so far)"
                     if math.isfinite(horizon)
                     else f"within {wall:.1f} wall s of training"
                 )
@@ -1069,6 +1075,7 @@ def tune(
                 clock,
                 long_run_reached=reached,
                 pool=step_pool(seg.evals, cfg.train.target_accuracy),
+                tie_buffer=settings.tie_buffer,
             )
             step_runs = choice.runs
             if choice.point is not None:
