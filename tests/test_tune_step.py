@@ -255,6 +255,13 @@ def test_tune_steps_where_its_runs_from_the_snapshots_reached_the_target_soonest
             best = r["time_to_accuracy_s"]
     chosen = min((r for r in runs if r["reached"]), key=lambda r: r["time_to_accuracy_s"])
     assert state["step_at"]["eval"] == chosen["eval"]
+    # the bisection ran after the spread points (the plan's step comes from it here)
+    assert any(r["why"].startswith("midway") for r in runs)
+    assert chosen["why"].startswith("midway")
+    # the prediction fits the long run up to the step, then the run from there
+    first, second = state["segments"]
+    assert first["iterations"][-1] <= state["step_at"]["iterations"] < long_run["iterations"][-1]
+    assert second["run_dir"] == chosen["run_dir"]
     assert state["prediction"]["tuner_measured_s"] == pytest.approx(best)
     plan = tomllib.loads((out / "plan.toml").read_text())
     assert plan["schedule"]["kind"] == "step"

@@ -155,7 +155,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
         ax.legend(fontsize=8)
         figs.append(_save(fig, out, "extrapolation.png"))
     long_run = state.get("long_run")
-    if long_run and long_run.get("evals"):
+    if long_run and long_run.get("evals") and state.get("step_runs"):
         key = "virtual_s" if clock == "simulated" else "wall_s"
         fig, ax = plt.subplots(figsize=(8, 4.8))
         ev = [e for e in long_run["evals"] if e.get(key) is not None]
@@ -249,7 +249,8 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
                 else "."
             )
             if pred.get("tuner_measured_s")
-            else "The tuner's own runs did not reach the target within the budget."
+            else "The tuner's own runs did not reach the target within their limits (the "
+            "budget, `train.max_epochs`)."
         ),
         "",
     ]
@@ -312,8 +313,13 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
                 f"the plan steps at epoch {state['step_at']['epoch']:.3f}, where the target "
                 "came soonest."
                 if state.get("step_at")
-                else "none reached the target sooner than the long run by more than the tie "
-                "buffer, so the plan does not step."
+                else (
+                    "none reached the target sooner than the long run by more than the tie "
+                    "buffer, so the plan does not step."
+                    if (state["long_run"] or {}).get("summary", {}).get("reached")
+                    else "none reached the target, so the plan does not step (a step the "
+                    "tuner did not see reach the target is not planned)."
+                )
             ),
             "",
             f"| step at epoch | accuracy there | reached | time to accuracy ({clock} s) | "

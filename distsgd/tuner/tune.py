@@ -453,8 +453,8 @@ def choose_step(
         long_run_reached: whether the long run reached the target (only for the log).
         pool: the evaluations the refinement may try (None: no refinement).
         tie_buffer: a step replaces the soonest so far only if it is sooner by more than
-            this fraction (Omnivore's 1% tie buffer): a tie keeps the later step, or no
-            step.
+            this fraction (Omnivore's 1% tie buffer): a tie keeps the step found first, or
+            no step.
 
     No run reached the target sooner: no step (``point`` None) — a step the tuner did not
     see reach the target is not planned, even where steady state chose the lower η.
@@ -590,8 +590,7 @@ def _plan_config(
             log(
                 "plan",
                 f"step η {cand.lr:g} → {steady.lr:g} at epoch {seg_epochs:.3f}",
-                "the run stepping there reached the target soonest (or, if none reached it, "
-                "steady state preferred the lower η at the long run's end)",
+                "the run at the lower η from that evaluation's snapshot reached the target soonest",
             )
         else:
             log(
@@ -1018,8 +1017,29 @@ def tune(
                 settings.step_points,
                 include_last=not reached,
             )
+            # a point needs epochs left to train (the long run may have stopped at
+            # train.max_epochs)
+            spent = [p for p in points if max_epochs - float(p["epoch"]) < 0.01]
+            if spent:
+                log(
+                    "step",
+                    f"skip the step at epoch {spent[0]['epoch']:.3f}",
+                    f"train.max_epochs = {max_epochs:g} leaves no epochs to train after it",
+                )
+                points = [p for p in points if p not in spent]
+            pool = [
+                p
+                for p in step_pool(seg.evals, cfg.train.target_accuracy)
+                if max_epochs - float(p["epoch"]) >= 0.01
+            ]
             if not points and settings.step_points == 0:
                 log("step", "no step search", "tune.step_points = 0")
+            elif not points and not pool:
+                log(
+                    "step",
+                    "no step search",
+                    "no evaluation of the long run came before the target with epochs left",
+                )
             elif not points:
                 log(
                     "step",
@@ -1059,7 +1079,7 @@ def tune(
                     eval_every,
                     f"step-{name}",
                     snapshot=name,
-                    max_epochs=max(max_epochs - float(point["epoch"]), 0.01),
+                    max_epochs=max_epochs - float(point["epoch"]),
                     max_clock_s=horizon if math.isfinite(horizon) else 0.0,
                 )
                 tick_bar("step")
@@ -1074,7 +1094,7 @@ def tune(
                 log,
                 clock,
                 long_run_reached=reached,
-                pool=step_pool(seg.evals, cfg.train.target_accuracy),
+                pool=pool,
                 tie_buffer=settings.tie_buffer,
             )
             step_runs = choice.runs
