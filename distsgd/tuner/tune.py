@@ -323,6 +323,19 @@ def predict_plan(segments: list[ProbeResult], target_accuracy: float) -> dict[st
     return out
 
 
+def step_pool(evals: list[dict[str, Any]], target_accuracy: float) -> list[dict[str, Any]]:
+    """Every evaluation a step may start from, in order: after some training and before
+    the first that reached ``target_accuracy`` (all of them if none did)."""
+    pool = []
+    for e in evals:
+        if e.get("samples", 0) <= 0:
+            continue
+        if e["test_accuracy"] >= target_accuracy:
+            break
+        pool.append(e)
+    return pool
+
+
 def step_points(
     evals: list[dict[str, Any]],
     target_accuracy: float,
@@ -350,14 +363,9 @@ def step_points(
     Returns:
         The chosen records, latest first.
     """
-    done = [e for e in evals if e.get("samples", 0) > 0]
-    before: list[dict[str, Any]] = []
-    for e in done:
-        if e["test_accuracy"] >= target_accuracy:
-            break
-        before.append(e)
+    before = step_pool(evals, target_accuracy)
     ok = [e for e in before if e["test_accuracy"] >= target_accuracy - margin]
-    last = done[-1] if include_last and done else None
+    last = before[-1] if include_last and before else None
     n = count
     if last is not None:
         ok = [e for e in ok if e is not last]
@@ -401,19 +409,6 @@ class StepChoice:
     seconds: float
     run: ProbeResult | None
     runs: list[dict[str, Any]]
-
-
-def step_pool(evals: list[dict[str, Any]], target_accuracy: float) -> list[dict[str, Any]]:
-    """Every evaluation a step may start from, in order: after some training and before
-    the first that reached ``target_accuracy`` (all of them if none did)."""
-    pool = []
-    for e in evals:
-        if e.get("samples", 0) <= 0:
-            continue
-        if e["test_accuracy"] >= target_accuracy:
-            break
-        pool.append(e)
-    return pool
 
 
 def choose_step(
