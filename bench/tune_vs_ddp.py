@@ -93,6 +93,15 @@ def fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def write_results(results: Path, lines: list[str], ddp: dict, **fields: object) -> None:
+    """``RESULTS/README.md`` from ``lines`` and ``RESULTS/results.json`` (DDP's result without
+    its history, then ``fields``); prints the README."""
+    (results / "README.md").write_text("\n".join(lines))
+    payload = {"ddp": {k: v for k, v in ddp.items() if k != "history"}, **fields}
+    (results / "results.json").write_text(json.dumps(payload, indent=1))
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="tuned plan vs DDP, time to 90%")
     ap.add_argument("--config", default=str(ROOT / "configs" / "tune_fashion_mnist.toml"))
@@ -235,25 +244,20 @@ def main() -> None:
         "The tune report (plan, tradeoff space, every probe, decisions): [report.md](report.md).",
         "",
     ]
-    (args.results / "README.md").write_text("\n".join(lines))
-    (args.results / "results.json").write_text(
-        json.dumps(
-            {
-                "ddp": {k: v for k, v in ddp.items() if k != "history"},
-                "plan_summary": plan,
-                "tuning_wall_s": tuning_wall,
-                "ddp_seconds_per_step": per_step,
-                "profile_scale": scale,
-                "speed_factor": speed,
-                "tune_dir": str(tune_dir),
-                "predicted_s": pred,
-                "load_before": load_before,
-                "load_after": load_after,
-            },
-            indent=1,
-        )
+    write_results(
+        args.results,
+        lines,
+        ddp,
+        plan_summary=plan,
+        tuning_wall_s=tuning_wall,
+        ddp_seconds_per_step=per_step,
+        profile_scale=scale,
+        speed_factor=speed,
+        tune_dir=str(tune_dir),
+        predicted_s=pred,
+        load_before=load_before,
+        load_after=load_after,
     )
-    print("\n".join(lines))
 
 
 def dist_main(args: argparse.Namespace, ddp: dict, per_step: float, load_before: str) -> None:
@@ -322,24 +326,19 @@ def dist_main(args: argparse.Namespace, ddp: dict, per_step: float, load_before:
         "The tune report (plan, tradeoff space, every probe, decisions): [report.md](report.md).",
         "",
     ]
-    (args.results / "README.md").write_text("\n".join(lines))
-    (args.results / "results.json").write_text(
-        json.dumps(
-            {
-                "runtime": "dist",
-                "ddp": {k: v for k, v in ddp.items() if k != "history"},
-                "plan_summary": plan,
-                "tuning_wall_s": tuning_wall,
-                "ddp_seconds_per_step": per_step,
-                "tune_dir": str(tune_dir),
-                "predicted_s": pred,
-                "load_before": load_before,
-                "load_after": load_after,
-            },
-            indent=1,
-        )
+    write_results(
+        args.results,
+        lines,
+        ddp,
+        runtime="dist",
+        plan_summary=plan,
+        tuning_wall_s=tuning_wall,
+        ddp_seconds_per_step=per_step,
+        tune_dir=str(tune_dir),
+        predicted_s=pred,
+        load_before=load_before,
+        load_after=load_after,
     )
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
