@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from sweep import grid_points, run_grid  # noqa: E402
@@ -20,6 +22,7 @@ def test_grid_points_is_the_cartesian_product():
     assert pts[1][1] == ["protocol.num_learners=1", "optimizer.lr=0.2"]
 
 
+@pytest.mark.slow
 def test_run_grid_runs_each_seed_once_and_skips_finished_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
     common = [
@@ -50,6 +53,7 @@ def test_run_grid_runs_each_seed_once_and_skips_finished_runs(tmp_path, monkeypa
     assert (dirs[0] / "summary.json").stat().st_mtime_ns == stamp
 
 
+@pytest.mark.slow
 def test_run_grid_refuses_a_cached_run_with_other_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
     common = [

@@ -59,6 +59,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, fragment):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_train_prints_summary_and_writes_run(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(

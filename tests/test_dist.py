@@ -23,6 +23,8 @@ from distsgd.runtime.launch import DistRunFailed
 from distsgd.trainer import Trainer, train
 from tests.conftest import small_config
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 HARDSYNC = {"name": "hardsync", "num_learners": 2, "batch_size": 16}

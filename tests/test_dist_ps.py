@@ -33,6 +33,8 @@ from distsgd.runtime.dist_ps import (
     shard_bounds,
 )
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 P = 7  # odd, so that S = 2 shards differ in length
 LR = 0.125
 JOIN_S = 60.0  # generous: no process may outlive its test, but the machine is shared

@@ -243,6 +243,7 @@ FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
 
 @pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST not installed")
+@pytest.mark.slow
 def test_hardsync_4x32_matches_1x128_on_fashion_mnist(tmp_path):
     def run(lam, b, name):
         cfg = small_config(
