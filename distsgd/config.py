@@ -20,6 +20,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from distsgd.checks import ConfigError, check_choice, check_float, check_int, fail
+from distsgd.layout import PROTOCOLS, fitted, spec_for
+from distsgd.protocols import SERVER_OPTIMIZERS, STALENESS_LR
+
 __all__ = [
     "ConfigError",
     "DataConfig",
@@ -38,52 +42,24 @@ __all__ = [
     "MODELS",
 ]
 
-PROTOCOLS = ("hardsync", "parameter_server", "compute_groups", "sma", "local_sgd", "plain")
 DATASETS = ("fashion_mnist", "mnist", "cifar10", "synthetic")
 MODELS = ("mlp", "cnn", "lenet", "resnet20")
 PS_MODES = ("softsync", "async", "hardsync")
-STALENESS_LR = ("none", "softsync", "measured", "per_gradient")
-AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.tuner.replicas.RULES
-SERVER_OPTIMIZERS = ("sgd", "adagrad")
+AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.replicas.RULES
 SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
 DIST_BACKENDS = ("auto", "gloo")
 
-
-class ConfigError(ValueError):
-    """A configuration value is not allowed. The message names the setting and the value."""
-
-
-def _fail(key: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"{key} = {value!r} is not allowed: expected {allowed}")
-
-
-def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        _fail(key, value, "one of " + ", ".join(repr(c) for c in choices))
-
-
-def _check_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or value < minimum
-        or (maximum is not None and value > maximum)
-    ):
-        hi = "" if maximum is None else f" and <= {maximum}"
-        _fail(key, value, f"an integer >= {minimum}{hi}")
+# validation has one home, distsgd.checks; the config's short names for it
+_fail = fail
+_check_choice = check_choice
+_check_int = check_int
 
 
 def _check_float(
     key: str, value: Any, minimum: float, maximum: float = math.inf, min_inclusive: bool = True
 ) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value >= minimum if min_inclusive else value > minimum) and value <= maximum
-    if not ok:
-        lo = f">= {minimum}" if min_inclusive else f"> {minimum}"
-        hi = "" if maximum == math.inf else f" and <= {maximum}"
-        _fail(key, value, f"a finite number {lo}{hi}")
+    check_float(key, value, minimum, maximum, min_inclusive=min_inclusive)
 
 
 @dataclass
@@ -225,29 +201,7 @@ class ProtocolConfig:
         if self.central_momentum >= 1.0:
             _fail("protocol.central_momentum", self.central_momentum, "a number in [0, 1)")
         _check_int("protocol.average_every", self.average_every, 1)
-        lam = self.num_learners
-        if self.name == "plain" and lam != 1:
-            _fail("protocol.num_learners", lam, "1 for protocol 'plain'")
-        if self.name == "parameter_server" and self.mode == "softsync":
-            if self.softsync > lam or lam % self.softsync:
-                _fail(
-                    "protocol.softsync",
-                    self.softsync,
-                    f"a divisor of protocol.num_learners = {lam} (1 <= n <= λ)",
-                )
-        if self.name == "compute_groups" and (self.num_groups > lam or lam % self.num_groups):
-            _fail(
-                "protocol.num_groups",
-                self.num_groups,
-                f"a divisor of protocol.num_learners = {lam}",
-            )
-        k = self.initial_replicas_per_device
-        if self.name in ("sma", "local_sgd") and (k > lam or lam % k):
-            _fail(
-                "protocol.replicas_per_device",
-                self.replicas_per_device,
-                f"a divisor of protocol.num_learners = {lam}",
-            )
+        spec_for(self.name).validate(self)  # λ-dependent rules of the protocol
 
     @property
     def effective_softsync(self) -> int:
@@ -590,24 +544,9 @@ class DistConfig:
 
 
 def required_processes(protocol: ProtocolConfig, dist: DistConfig) -> tuple[int, str]:
-    """Processes the ``dist`` runtime needs for ``protocol`` and why (see :class:`DistConfig`)."""
-    p = protocol
-    if p.name in ("hardsync", "plain"):
-        return p.num_learners, f"one learner per process, protocol.num_learners = {p.num_learners}"
-    if p.name in ("sma", "local_sgd"):
-        return p.num_devices, (
-            f"one process per device holding protocol.replicas_per_device = "
-            f"{p.replicas_per_device} replicas, protocol.num_learners = {p.num_learners}"
-        )
-    return p.num_learners + dist.num_servers, (
-        f"dist.num_servers = {dist.num_servers} server ranks plus protocol.num_learners = "
-        f"{p.num_learners} learner ranks"
-    )
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    """The largest divisor of ``n`` that is <= ``at_most`` (>= 1)."""
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+    """Processes the ``dist`` runtime needs for ``protocol`` and why (see :class:`DistConfig`
+    and :meth:`distsgd.layout.ProtocolSpec.processes`)."""
+    return spec_for(protocol).processes(protocol, dist)
 
 
 def fit_layout(
@@ -617,7 +556,8 @@ def fit_layout(
 
     Only the number of learners and what must divide it change; the per-learner batch
     size, the learning rate and every other setting are kept (so the global batch λ·b
-    changes with λ). Rules, by the process layout of :class:`DistConfig`:
+    changes with λ). Rules, by the process layout of :class:`DistConfig` (each protocol's
+    ``fit`` in :mod:`distsgd.layout`):
 
     * ``hardsync``: λ = n (one learner per process);
     * ``sma`` / ``local_sgd``: n devices of k = ``replicas_per_device`` replicas,
@@ -643,36 +583,7 @@ def fit_layout(
         ConfigError: ``dist.num_processes`` cannot fit: protocol ``plain`` with n != 1, or
             n <= ``dist.num_servers`` for the parameter server and compute groups.
     """
-    need, why = required_processes(protocol, dist)
-    if n == need:
-        return protocol, []
-    p = protocol
-    changes: dict[str, int] = {}
-    if p.name == "plain":
-        _fail("dist.num_processes", n, f"1 or 0 (protocol 'plain' is one learner, {why})")
-    elif p.name == "hardsync":
-        changes["num_learners"] = n
-    elif p.name in ("sma", "local_sgd"):
-        changes["num_learners"] = n * p.initial_replicas_per_device
-    else:
-        s = dist.num_servers
-        if n <= s:
-            _fail(
-                "dist.num_processes",
-                n,
-                f"more than dist.num_servers = {s} (at least one learner rank), or 0 "
-                f"({need} processes: {why})",
-            )
-        lam = n - s
-        changes["num_learners"] = lam
-        if p.name == "compute_groups":
-            changes["num_groups"] = _largest_divisor(lam, p.num_groups)
-        elif p.mode == "softsync":
-            fully_async = p.softsync == p.num_learners
-            changes["softsync"] = lam if fully_async else _largest_divisor(lam, p.softsync)
-    changed = {k: v for k, v in changes.items() if getattr(p, k) != v}
-    notes = [f"protocol.{k} {getattr(p, k)} → {v}" for k, v in changed.items()]
-    return dataclasses.replace(p, **changed), notes
+    return fitted(protocol, dist, n)
 
 
 TUNE_FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")

@@ -39,9 +39,9 @@ from tqdm import tqdm
 from distsgd.config import ConfigError, RunConfig
 from distsgd.data import load_dataset, resolve_root
 from distsgd.engine import GradientEngine
+from distsgd.layout import build_protocol
 from distsgd.metrics import MetricsWriter, TensorBoardWriter, write_json
 from distsgd.models import build_model
-from distsgd.protocols import build_protocol
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.runtime.sim import (
     REPLICA_CALIBRATION_MAX_K,

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from distsgd.config import ConfigError, OptimizerConfig, ProtocolConfig, RunConfig
+from distsgd.layout import build_protocol
 from distsgd.protocols import (
     SMA,
     ComputeGroups,
@@ -30,7 +31,6 @@ from distsgd.protocols import (
     LocalSGD,
     ParameterServer,
     Update,
-    build_protocol,
 )
 
 D_IN, K = 15, 4

@@ -441,7 +441,7 @@ def test_default_alpha_is_one_over_all_learners_across_devices():
     """α = 0 means 1/λ over all learners (SPEC §4), not 1/k per device: with 2 devices of
     2 replicas and μ_z = 0 the new z must be the mean of the 4 pre-update replicas. With
     1/k per device the 2 device sums would move z twice as far (and diverge)."""
-    from distsgd.protocols import build_protocol
+    from distsgd.layout import build_protocol
 
     cfg = RunConfig.from_dict(
         {

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..config import SERVER_OPTIMIZERS, STALENESS_LR
+from distsgd.checks import check_bool, check_choice, check_float, check_int
 
-__all__ = ["SERVER_OPTIMIZERS", "STALENESS_LR"]  # re-exported for the protocol modules
+__all__ = [  # re-exported for the protocol modules
+    "SERVER_OPTIMIZERS",
+    "STALENESS_LR",
+    "check_bool",
+    "check_choice",
+    "check_float",
+    "check_int",
+]
+
+STALENESS_LR = ("none", "softsync", "measured", "per_gradient")
+"""Rudra's staleness-dependent learning rates (SPEC.md §2), see :class:`ParameterServer`."""
+SERVER_OPTIMIZERS = ("sgd", "adagrad")
+"""The parameter server's update rules (SPEC.md §2), see :class:`ParameterServer`."""
 
 
 def check_initial(initial: Any) -> Tensor:
@@ -28,43 +39,9 @@ def check_initial(initial: Any) -> Tensor:
     return initial.detach().clone().contiguous()
 
 
-def check_int(name: str, value: Any, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} = {value!r} is not allowed: expected an integer >= {minimum}")
-    return value
-
-
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} = {value!r} is not allowed: expected True or False")
-    return value
-
-
-def check_float(
-    name: str, value: Any, lo: float, hi: float = math.inf, hi_inclusive: bool = True
-) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = value >= lo and (value <= hi if hi_inclusive else value < hi)
-    if not ok:
-        if hi == math.inf:
-            allowed = f"a finite number >= {lo}"
-        else:
-            allowed = f"a number in [{lo}, {hi}{']' if hi_inclusive else ')'}"
-        raise ValueError(f"{name} = {value!r} is not allowed: expected {allowed}")
-    return float(value)
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        allowed = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"{name} = {value!r} is not allowed: expected one of {allowed}")
-    return value
-
-
 def check_sgd_args(momentum: Any, weight_decay: Any, nesterov: Any) -> tuple[float, float, bool]:
     """Validate the torch.optim.SGD settings shared by every protocol."""
-    momentum = check_float("momentum", momentum, 0.0, 1.0, hi_inclusive=False)
+    momentum = check_float("momentum", momentum, 0.0, 1.0, max_inclusive=False)
     weight_decay = check_float("weight_decay", weight_decay, 0.0)
     nesterov = check_bool("nesterov", nesterov)
     if nesterov and momentum == 0:

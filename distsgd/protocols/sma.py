@@ -17,7 +17,7 @@ all-reduced, and every device applies the same z update. :meth:`SMA.step` is exa
 :meth:`SMA.local_step` followed by :meth:`SMA.apply_central` of the summed device sums,
 so a distributed runtime runs ``local_step`` on its own replicas, all-reduces the sums
 and calls ``apply_central``. ``alpha`` is literal here: 0 means no correction (the
-config's "0 means 1/k" is mapped by :func:`distsgd.protocols.build_protocol`).
+config's "0 means 1/λ" is mapped by :func:`distsgd.layout.sma_alpha`).
 
 Example (two replicas, α = 1/2, μ_z = 0: z becomes the mean of the pre-update replicas)::
 
@@ -95,7 +95,7 @@ class SMA(SynchronousProtocol):
         )
         self.alpha = check_float("alpha", alpha, 0.0, 1.0)
         self.central_momentum = check_float(
-            "central_momentum", central_momentum, 0.0, 1.0, hi_inclusive=False
+            "central_momentum", central_momentum, 0.0, 1.0, max_inclusive=False
         )
         self.momentum, self.weight_decay, self.nesterov = check_sgd_args(
             momentum, weight_decay, nesterov

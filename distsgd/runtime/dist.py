@@ -68,7 +68,7 @@ from torch import Tensor
 from distsgd.config import RunConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
 from distsgd.engine import GradientEngine
-from distsgd.protocols import build_protocol
+from distsgd.layout import build_protocol
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.protocols.hardsync import HardSync
 from distsgd.protocols.local_sgd import LocalSGD

@@ -1,0 +1,377 @@
+"""One spec per protocol: everything that depends on *which* protocol a config names.
+
+A :class:`ProtocolSpec` says how the protocol is built from the config, which layout
+rules it adds to the per-field checks, how many processes it needs on the ``dist``
+runtime and how it fits N of them, which role each rank plays, whether the run survives a
+lost rank, the one-line label of its layout, and SMA's α = 0 rule. No other module
+dispatches on ``protocol.name``: they ask :func:`spec_for`.
+
+Sources of the rules: SPEC.md §1 (hardsync), §2 (Rudra's parameter server: n must divide
+λ), §3 (Omnivore's compute groups: g must divide λ), §4 (Crossbow's SMA: k learners per
+device, α = 1/λ over all learners), §5 (local SGD).
+
+Example::
+
+    from distsgd.layout import spec_for
+    spec = spec_for(cfg.protocol)
+    protocol = spec.build(cfg.protocol, cfg.optimizer, initial_weights)
+    n, why = spec.processes(cfg.protocol, cfg.dist)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch import Tensor
+
+from distsgd.checks import fail
+from distsgd.protocols import (
+    SMA,
+    AsynchronousProtocol,
+    ComputeGroups,
+    HardSync,
+    LocalSGD,
+    ParameterServer,
+    SynchronousProtocol,
+)
+
+if TYPE_CHECKING:  # the config imports this module: types only
+    from distsgd.config import DistConfig, OptimizerConfig, ProtocolConfig, RunConfig
+
+__all__ = ["PROTOCOLS", "ProtocolSpec", "build_protocol", "sma_alpha", "spec_for"]
+
+Protocol = SynchronousProtocol | AsynchronousProtocol
+
+
+def sma_alpha(alpha: float, num_learners: int) -> float:
+    """SMA's correction weight: ``alpha``, or 1/λ over all learners of all devices when it
+    is 0 (SPEC §4: with μ_z = 0 the new central model is then the mean of the replicas).
+
+    Args:
+        alpha: ``protocol.alpha`` in [0, 1].
+        num_learners: λ = devices × k, the learners of the whole run (not one device's k).
+    """
+    return alpha if alpha > 0 else 1.0 / num_learners
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` that is <= ``at_most`` (>= 1)."""
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+class ProtocolSpec:
+    """What a protocol needs of its layout. Subclasses override what differs.
+
+    Attributes:
+        name: ``protocol.name``.
+        replicated: k learners per device (``protocol.replicas_per_device``, Crossbow).
+        has_server: ``dist.num_servers`` server ranks come before the learner ranks.
+    """
+
+    name: ClassVar[str]
+    replicated: ClassVar[bool] = False
+    has_server: ClassVar[bool] = False
+
+    def validate(self, p: ProtocolConfig) -> None:
+        """Layout rules beyond the per-field checks.
+
+        Raises:
+            ConfigError: naming the setting that breaks the rule.
+        """
+
+    def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
+        """The protocol object, starting from ``initial`` (shape ``[P]``)."""
+        raise NotImplementedError
+
+    def processes(self, p: ProtocolConfig, dist: DistConfig) -> tuple[int, str]:
+        """Processes the ``dist`` runtime needs, and why (one learner per process)."""
+        return p.num_learners, f"one learner per process, protocol.num_learners = {p.num_learners}"
+
+    def fit(self, p: ProtocolConfig, dist: DistConfig, n: int) -> dict[str, int]:
+        """The settings that fit the layout to ``n`` processes (λ = n by default)."""
+        return {"num_learners": n}
+
+    def role(self, rank: int, dist: DistConfig) -> str:
+        """``"server"``, ``"learner"`` or ``"device"`` (k replicas) for ``rank``."""
+        return "learner"
+
+    def tolerates_loss(self, p: ProtocolConfig, dist: DistConfig, rank: int) -> bool:
+        """Whether the run goes on without ``rank`` (an asynchronous protocol's learner)."""
+        return False
+
+    def label(self, p: ProtocolConfig, num_learners: int | None, replicas: int | None) -> str:
+        """The layout in one line, e.g. ``"λ=4 b=8"``, with the λ the run holds now."""
+        lam = p.num_learners if num_learners is None else num_learners
+        return f"λ={lam} b={p.batch_size}"
+
+    def sync_interval(self, p: ProtocolConfig) -> int:
+        """Iterations between two synchronisations of all learners (local SGD: H)."""
+        return 1
+
+
+class _HardSync(ProtocolSpec):
+    """SPEC §1: λ learners, one mean gradient per step; DDP on real processes."""
+
+    name = "hardsync"
+
+    def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
+        return HardSync(initial, p.num_learners, o.momentum, o.weight_decay, o.nesterov)
+
+
+class _Plain(_HardSync):
+    """One learner: the plain training loop."""
+
+    name = "plain"
+
+    def validate(self, p: ProtocolConfig) -> None:
+        if p.num_learners != 1:
+            fail("protocol.num_learners", p.num_learners, "1 for protocol 'plain'")
+
+    def fit(self, p: ProtocolConfig, dist: DistConfig, n: int) -> dict[str, int]:
+        _, why = self.processes(p, dist)
+        fail("dist.num_processes", n, f"1 or 0 (protocol 'plain' is one learner, {why})")
+
+
+class _Served(ProtocolSpec):
+    """Learners push to ``dist.num_servers`` server shards (ranks 0 … S−1)."""
+
+    has_server = True
+
+    def check_optimizer(self, p: ProtocolConfig, o: OptimizerConfig) -> None:
+        """AdaGrad has no momentum (Rudra retunes its learning rate instead, SPEC §2).
+
+        Raises:
+            ConfigError: ``server_optimizer = "adagrad"`` with ``optimizer.momentum`` > 0.
+        """
+        if p.server_optimizer == "adagrad" and o.momentum != 0:
+            fail("optimizer.momentum", o.momentum, "0 when protocol.server_optimizer = 'adagrad'")
+
+    def processes(self, p: ProtocolConfig, dist: DistConfig) -> tuple[int, str]:
+        s = dist.num_servers
+        return p.num_learners + s, (
+            f"dist.num_servers = {s} server ranks plus protocol.num_learners = "
+            f"{p.num_learners} learner ranks"
+        )
+
+    def fit(self, p: ProtocolConfig, dist: DistConfig, n: int) -> dict[str, int]:
+        s = dist.num_servers
+        if n <= s:
+            need, why = self.processes(p, dist)
+            fail(
+                "dist.num_processes",
+                n,
+                f"more than dist.num_servers = {s} (at least one learner rank), or 0 "
+                f"({need} processes: {why})",
+            )
+        return {"num_learners": n - s}
+
+    def role(self, rank: int, dist: DistConfig) -> str:
+        return "server" if rank < dist.num_servers else "learner"
+
+
+class _ParameterServer(_Served):
+    """SPEC §2: Rudra's parameter server, n-softsync (n divides λ), async or hardsync."""
+
+    name = "parameter_server"
+
+    def validate(self, p: ProtocolConfig) -> None:
+        lam = p.num_learners
+        if p.mode == "softsync" and (p.softsync > lam or lam % p.softsync):
+            fail(
+                "protocol.softsync",
+                p.softsync,
+                f"a divisor of protocol.num_learners = {lam} (1 <= n <= λ)",
+            )
+
+    def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
+        self.check_optimizer(p, o)
+        return ParameterServer(
+            initial,
+            p.num_learners,
+            softsync=p.effective_softsync,
+            barrier=p.mode == "hardsync",
+            staleness_lr=p.staleness_lr,
+            optimizer=p.server_optimizer,
+            momentum=o.momentum,
+            weight_decay=o.weight_decay,
+            nesterov=o.nesterov,
+        )
+
+    def fit(self, p: ProtocolConfig, dist: DistConfig, n: int) -> dict[str, int]:
+        changes = super().fit(p, dist, n)
+        if p.mode == "softsync":  # a fully asynchronous n = λ stays n = λ
+            lam = changes["num_learners"]
+            fully_async = p.softsync == p.num_learners
+            changes["softsync"] = lam if fully_async else _largest_divisor(lam, p.softsync)
+        return changes
+
+    def tolerates_loss(self, p: ProtocolConfig, dist: DistConfig, rank: int) -> bool:
+        return self.role(rank, dist) == "learner" and p.mode != "hardsync"
+
+    def label(self, p: ProtocolConfig, num_learners: int | None, replicas: int | None) -> str:
+        base = super().label(p, num_learners, replicas)
+        return f"{base} {p.softsync}-softsync" if p.mode == "softsync" else f"{base} {p.mode}"
+
+
+class _ComputeGroups(_Served):
+    """SPEC §3: Omnivore's g compute groups (g divides λ), asynchronous across groups."""
+
+    name = "compute_groups"
+
+    def validate(self, p: ProtocolConfig) -> None:
+        lam = p.num_learners
+        if p.num_groups > lam or lam % p.num_groups:
+            fail("protocol.num_groups", p.num_groups, f"a divisor of protocol.num_learners = {lam}")
+
+    def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
+        self.check_optimizer(p, o)
+        return ComputeGroups(
+            initial,
+            p.num_learners,
+            p.num_groups,
+            staleness_lr=p.staleness_lr,
+            optimizer=p.server_optimizer,
+            momentum=o.momentum,
+            weight_decay=o.weight_decay,
+            momentum_compensation=p.momentum_compensation,
+            nesterov=o.nesterov,
+        )
+
+    def fit(self, p: ProtocolConfig, dist: DistConfig, n: int) -> dict[str, int]:
+        changes = super().fit(p, dist, n)
+        changes["num_groups"] = _largest_divisor(changes["num_learners"], p.num_groups)
+        return changes
+
+    def tolerates_loss(self, p: ProtocolConfig, dist: DistConfig, rank: int) -> bool:
+        return self.role(rank, dist) == "learner"
+
+    def label(self, p: ProtocolConfig, num_learners: int | None, replicas: int | None) -> str:
+        return f"{super().label(p, num_learners, replicas)} g={p.num_groups}"
+
+
+class _Replicated(ProtocolSpec):
+    """k learners per device (Crossbow, SPEC §4): one process per device."""
+
+    replicated = True
+
+    def validate(self, p: ProtocolConfig) -> None:
+        k, lam = p.initial_replicas_per_device, p.num_learners
+        if k > lam or lam % k:
+            fail(
+                "protocol.replicas_per_device",
+                p.replicas_per_device,
+                f"a divisor of protocol.num_learners = {lam}",
+            )
+
+    def processes(self, p: ProtocolConfig, dist: DistConfig) -> tuple[int, str]:
+        return p.num_devices, (
+            f"one process per device holding protocol.replicas_per_device = "
+            f"{p.replicas_per_device} replicas, protocol.num_learners = {p.num_learners}"
+        )
+
+    def fit(self, p: ProtocolConfig, dist: DistConfig, n: int) -> dict[str, int]:
+        return {"num_learners": n * p.initial_replicas_per_device}
+
+    def role(self, rank: int, dist: DistConfig) -> str:
+        return "device"
+
+    def label(self, p: ProtocolConfig, num_learners: int | None, replicas: int | None) -> str:
+        k = f"k={p.replicas_per_device if replicas is None else replicas}"
+        if replicas is not None and p.auto_replicas:
+            k += " (auto)"
+        return f"{super().label(p, num_learners, replicas)} {k}"
+
+
+class _SMA(_Replicated):
+    """SPEC §4: Crossbow's synchronous model averaging with a central model."""
+
+    name = "sma"
+
+    def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
+        return SMA(
+            initial,
+            p.num_learners,
+            replicas_per_device=p.initial_replicas_per_device,
+            alpha=sma_alpha(p.alpha, p.num_learners),
+            central_momentum=p.central_momentum,
+            momentum=o.momentum,
+            weight_decay=o.weight_decay,
+            nesterov=o.nesterov,
+        )
+
+
+class _LocalSGD(_Replicated):
+    """SPEC §5: local steps, model averaging every H iterations."""
+
+    name = "local_sgd"
+
+    def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
+        return LocalSGD(
+            initial,
+            p.num_learners,
+            average_every=p.average_every,
+            momentum=o.momentum,
+            weight_decay=o.weight_decay,
+            nesterov=o.nesterov,
+            replicas_per_device=p.initial_replicas_per_device,
+        )
+
+    def label(self, p: ProtocolConfig, num_learners: int | None, replicas: int | None) -> str:
+        return f"{super().label(p, num_learners, replicas)} H={p.average_every}"
+
+    def sync_interval(self, p: ProtocolConfig) -> int:
+        return p.average_every
+
+
+_SPECS: dict[str, ProtocolSpec] = {
+    s.name: s
+    for s in (_HardSync(), _ParameterServer(), _ComputeGroups(), _SMA(), _LocalSGD(), _Plain())
+}
+PROTOCOLS = tuple(_SPECS)
+"""Every ``protocol.name``."""
+
+
+def spec_for(protocol: ProtocolConfig | str) -> ProtocolSpec:
+    """The spec of ``protocol`` (a protocol config section or its name).
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    name = protocol if isinstance(protocol, str) else protocol.name
+    if name not in _SPECS:
+        fail("protocol.name", name, "one of " + ", ".join(repr(n) for n in PROTOCOLS))
+    return _SPECS[name]
+
+
+def build_protocol(cfg: RunConfig, initial: Tensor) -> Protocol:
+    """The protocol ``cfg.protocol`` names, starting from ``initial`` (shape ``[P]``).
+
+    Mapping: ``hardsync`` / ``plain`` → :class:`HardSync`; ``parameter_server`` →
+    :class:`ParameterServer` with ``softsync = cfg.protocol.effective_softsync`` and a
+    barrier for mode ``hardsync``; ``compute_groups`` → :class:`ComputeGroups`; ``sma`` →
+    :class:`SMA` with α = ``protocol.alpha``, or 1/λ when it is 0 (:func:`sma_alpha`);
+    ``local_sgd`` → :class:`LocalSGD`. ``optimizer.momentum``, ``weight_decay`` and
+    ``nesterov`` go to the protocol's optimizer (server, group server or replicas).
+
+    Raises:
+        ConfigError: ``protocol.server_optimizer = "adagrad"`` with
+            ``optimizer.momentum`` > 0 (parameter server and compute groups).
+        ValueError: ``initial`` is not a non-empty 1-D floating-point tensor.
+    """
+    return spec_for(cfg.protocol).build(cfg.protocol, cfg.optimizer, initial)
+
+
+def fit_changes(p: ProtocolConfig, dist: DistConfig, n: int) -> dict[str, Any]:
+    """The settings of ``p`` that differ once its layout is fitted to ``n`` processes."""
+    changes = spec_for(p).fit(p, dist, n)
+    return {k: v for k, v in changes.items() if getattr(p, k) != v}
+
+
+def fitted(p: ProtocolConfig, dist: DistConfig, n: int) -> tuple[ProtocolConfig, list[str]]:
+    """``p`` fitted to ``n`` processes and one ``"protocol.key old → new"`` note per change."""
+    if n == spec_for(p).processes(p, dist)[0]:
+        return p, []
+    changed = fit_changes(p, dist, n)
+    notes = [f"protocol.{k} {getattr(p, k)} → {v}" for k, v in changed.items()]
+    return dataclasses.replace(p, **changed), notes
