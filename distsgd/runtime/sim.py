@@ -50,7 +50,7 @@ from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
 from distsgd.engine import GradientEngine
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol, Update
 from distsgd.protocols.hardsync import HardSync
-from distsgd.tuner.perf_model import replica_ratio
+from distsgd.runtime import cluster_model as cm
 
 __all__ = [
     "DeviceProfile",
@@ -80,7 +80,7 @@ class DeviceProfile:
             a device's batched iteration of k replicas (>= 0); None: one minibatch's
             ``compute_seconds(b)``, i.e. k replicas cost k separate minibatches.
         replica_ratios: measured t(k)/t(1) for k = 1, 2, … (empty: use
-            ``seconds_per_replica``); see :func:`distsgd.tuner.perf_model.replica_ratio`.
+            ``seconds_per_replica``); see :func:`distsgd.runtime.cluster_model.replica_ratio`.
     """
 
     seconds_per_batch: float
@@ -89,20 +89,26 @@ class DeviceProfile:
     seconds_per_replica: float | None = None
     replica_ratios: tuple[float, ...] = ()
 
+    @property
+    def model(self) -> cm.ClusterModel:
+        """This profile as the cluster timing model's device part."""
+        return cm.ClusterModel(
+            self.seconds_per_batch,
+            self.seconds_per_sample,
+            t_replica=self.seconds_per_replica,
+            replica_ratios=self.replica_ratios,
+        )
+
     def compute_seconds(self, batch_size: int) -> float:
-        return self.seconds_per_batch + batch_size * self.seconds_per_sample
+        """One minibatch of b samples, seconds (:func:`~distsgd.runtime.cluster_model.compute_seconds`)."""
+        return cm.compute_seconds(batch_size, self.model)
 
     def device_seconds(self, replicas: int, batch_size: int) -> float:
         """One iteration of k = ``replicas`` replicas × b = ``batch_size`` samples on one
-        device, as one batched computation, seconds: ``t(1) · replica_ratio(k)`` with
-        measured ``replica_ratios`` (Crossbow's learners per device, SPEC §4), else
-        ``t(k) = t(1) + (k − 1) · seconds_per_replica`` (None: ``t(1)``, i.e. k separate
-        minibatches), with ``t(1) = seconds_per_batch + b · seconds_per_sample``."""
-        t1 = self.compute_seconds(batch_size)
-        if self.replica_ratios:
-            return t1 * replica_ratio(replicas, self.replica_ratios)
-        r = t1 if self.seconds_per_replica is None else self.seconds_per_replica
-        return t1 + (replicas - 1) * r
+        device, as one batched computation, seconds
+        (:func:`~distsgd.runtime.cluster_model.device_seconds`: ``t(1) · replica_ratio(k)``
+        with measured ``replica_ratios``, else ``t(1) + (k − 1) · seconds_per_replica``)."""
+        return cm.device_seconds(replicas, batch_size, self.model)
 
 
 def calibrate(
@@ -304,10 +310,14 @@ class SimRuntime:
         self.samples = 0
         self.is_async = isinstance(protocol, AsynchronousProtocol)
         self._fuse = not engine.has_batch_statistics
-        p = engine.num_parameters
-        bw = cluster.bandwidth_gbps
-        self._transfer_s = 0.0 if bw == 0 else 32.0 * p / (bw * 1e9)
-        self.message_s = cluster.latency_s + self._transfer_s
+        self._network = cm.ClusterModel(
+            profile.seconds_per_batch,
+            profile.seconds_per_sample,
+            latency_s=cluster.latency_s,
+            bandwidth_gbps=cluster.bandwidth_gbps,
+            num_parameters=engine.num_parameters,
+        )
+        self.message_s = self._network.message_seconds
         if self.is_async:
             self._init_async()
 
@@ -364,11 +374,9 @@ class SimRuntime:
         self.speeds = [1.0] * lam
 
     def allreduce_seconds(self, participants: int) -> float:
-        """Ring all-reduce of P float32 values among ``participants``."""
-        m = participants
-        if m <= 1:
-            return 0.0
-        return 2 * (m - 1) * self.cluster.latency_s + 2 * (m - 1) / m * self._transfer_s
+        """Ring all-reduce of P float32 values among ``participants``
+        (:func:`~distsgd.runtime.cluster_model.allreduce_seconds`)."""
+        return cm.allreduce_seconds(participants, self._network)
 
     # ---- gradients ---------------------------------------------------------------------
     def _check_losses(self, learners: list[int], losses: list[float], lr: float, step: int) -> None:

@@ -32,9 +32,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from statistics import NormalDist
 
 import numpy as np
+
+from distsgd.runtime.cluster_model import (
+    ClusterModel,
+    allreduce_seconds,
+    compute_seconds,
+    device_seconds,
+    replica_ratio,
+    straggler_factor,
+)
 
 __all__ = [
     "FAMILIES",
@@ -45,6 +53,7 @@ __all__ = [
     "allreduce_seconds",
     "compute_seconds",
     "device_seconds",
+    "replica_ratio",
     "fit_error_vs_loss",
     "fit_loss_curve",
     "iterations_to_loss",
@@ -95,107 +104,6 @@ class Layout:
             v = getattr(self, name)
             if v < 1 or lam % v:
                 raise ValueError(f"{name} = {v} must divide num_learners = {lam}")
-
-
-@dataclass(frozen=True)
-class ClusterModel:
-    """The simulated cluster's timing model (see :mod:`distsgd.runtime.sim`).
-
-    Attributes:
-        t_batch: fixed compute seconds per minibatch on one device (``seconds_per_batch``).
-        t_sample: compute seconds per sample (``seconds_per_sample``).
-        latency_s: one-way message latency, seconds.
-        bandwidth_gbps: link bandwidth in Gb/s; 0 means infinite.
-        num_parameters: P, float32 values per message.
-        jitter: relative spread of compute times (log-normal, mean 1); synchronous steps
-            wait for the slowest of m devices (:func:`straggler_factor`).
-        t_server: parameter-server seconds per pushed gradient (0: the server never
-            saturates, as on the simulated runtime); an asynchronous protocol cannot apply
-            gradients faster than ``1 / t_server`` per second.
-        t_replica: SMA only: seconds each further replica (with its b samples) adds when
-            a device computes its k replicas as one batched computation
-            (``cluster.seconds_per_replica``); None: ``t_batch + b·t_sample`` (k separate
-            minibatches), as the simulated runtime does when it is not set.
-        replica_ratios: SMA only: measured t(k)/t(1) for k = 1, 2, …
-            (``cluster.replica_ratios``); when given it replaces ``t_replica``
-            (:func:`replica_ratio`).
-    """
-
-    t_batch: float
-    t_sample: float
-    latency_s: float = 50e-6
-    bandwidth_gbps: float = 10.0
-    num_parameters: int = 0
-    jitter: float = 0.0
-    t_server: float = 0.0
-    t_replica: float | None = None
-    replica_ratios: tuple[float, ...] = ()
-
-    @property
-    def message_seconds(self) -> float:
-        """One message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``."""
-        return self.latency_s + self.transfer_seconds
-
-    @property
-    def transfer_seconds(self) -> float:
-        bw = self.bandwidth_gbps
-        return 0.0 if bw == 0 else 32.0 * self.num_parameters / (bw * 1e9)
-
-
-def compute_seconds(batch_size: int | float, cluster: ClusterModel) -> float:
-    """Seconds for one device to compute one minibatch of b samples: ``t_batch + b·t_sample``."""
-    return cluster.t_batch + batch_size * cluster.t_sample
-
-
-def replica_ratio(replicas: int, ratios: tuple[float, ...] | list[float]) -> float:
-    """t(k)/t(1) of a device computing k = ``replicas`` replicas as one batched
-    computation, from measured ratios ``ratios[j] = t(j + 1)/t(1)`` (at least 2 values,
-    the first 1): the measured value for k <= len(ratios); beyond, the last measured step
-    continues, ``ρ_n + (k − n)·max(ρ_n − ρ_{n−1}, 0)``.
-
-    Raises:
-        ValueError: fewer than 2 ratios, or k < 1.
-    """
-    n = len(ratios)
-    if n < 2 or replicas < 1:
-        raise ValueError(f"need k >= 1 and >= 2 measured ratios, got k = {replicas}, {ratios!r}")
-    if replicas <= n:
-        return float(ratios[replicas - 1])
-    return float(ratios[-1]) + (replicas - n) * max(float(ratios[-1] - ratios[-2]), 0.0)
-
-
-def device_seconds(replicas: int, batch_size: int | float, cluster: ClusterModel) -> float:
-    """Seconds for one device to compute k = ``replicas`` replicas of b samples as one
-    batched computation: ``t(1)·replica_ratio(k)`` with measured ``replica_ratios``, else
-    ``t(1) + (k − 1)·t_replica``, with ``t(1) = t_batch + b·t_sample`` (the simulated
-    runtime's :meth:`~distsgd.runtime.sim.DeviceProfile.device_seconds`; Crossbow, SPEC §4);
-    k = 1 is :func:`compute_seconds`."""
-    t1 = compute_seconds(batch_size, cluster)
-    if cluster.replica_ratios:
-        return t1 * replica_ratio(replicas, cluster.replica_ratios)
-    r = t1 if cluster.t_replica is None else cluster.t_replica
-    return t1 + (replicas - 1) * r
-
-
-def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
-    """Ring all-reduce of P float32 values among m participants:
-    ``2(m−1)·latency + 2(m−1)/m · 32P/bandwidth`` (0 for m <= 1)."""
-    m = participants
-    if m <= 1:
-        return 0.0
-    return 2 * (m - 1) * cluster.latency_s + 2 * (m - 1) / m * cluster.transfer_seconds
-
-
-def straggler_factor(m: int, jitter: float) -> float:
-    """Expected slowest of m compute times relative to the mean: ``1 + s · z_m``.
-
-    z_m is Blom's approximation of the expected maximum of m standard normal draws,
-    ``Φ⁻¹((m − 0.375) / (m + 0.25))`` (Blom 1958), and s the relative spread
-    (``jitter``); 1 for m = 1 or s = 0. Non-decreasing in m and s.
-    """
-    if m <= 1 or jitter <= 0:
-        return 1.0
-    return 1.0 + jitter * NormalDist().inv_cdf((m - 0.375) / (m + 0.25))
 
 
 def samples_per_iteration(layout: Layout) -> int:
