@@ -8,8 +8,8 @@ model averaging, local SGD. One call trains and returns the summary::
     summary = distsgd.train("configs/hardsync.toml")
 """
 
+from distsgd.api import train
 from distsgd.config import ConfigError, RunConfig
-from distsgd.trainer import train
 
 __version__ = "0.1.0"
 __all__ = ["train", "RunConfig", "ConfigError", "__version__"]

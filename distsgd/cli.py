@@ -16,6 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from distsgd import api
+from distsgd.report import make_report
+from distsgd.runtime.launch import is_process_loss
+from distsgd.runtime.sim import TrainingDiverged
+from distsgd.tuner.tune import parse_budget, tune, verify_plan
+
 __all__ = ["main"]
 
 
@@ -66,9 +72,6 @@ def _check_num_processes(num_processes: int | None, runtime: str) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from distsgd.config import RunConfig
-    from distsgd.trainer import Trainer, default_out_dir, train
-
     if args.runtime:
         if args.resume:
             raise ValueError("--runtime cannot be used with --resume (the run keeps its runtime)")
@@ -89,9 +92,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 f"do not pass a config ({args.config}) as well"
             )
         out_dir = Path(args.resume)
-        summary = train(resume=args.resume, overrides=args.set, progress=not args.quiet)
+        summary = api.train(resume=args.resume, overrides=args.set, progress=not args.quiet)
     else:
-        cfg = RunConfig.from_toml(args.config, args.set)
+        cfg = api.resolve_config(args.config, args.set)
         _check_num_processes(args.num_processes, cfg.runtime)
         if cfg.layout_changes and os.environ.get("RANK", "0") == "0":  # once under torchrun
             print(
@@ -99,23 +102,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 + ", ".join(cfg.layout_changes),
                 file=sys.stderr,
             )
-        out_dir = Path(args.out) if args.out else default_out_dir(cfg)
+        out_dir = Path(args.out) if args.out else api.default_out_dir(cfg)
         args.out_dir = out_dir
-        if cfg.runtime == "dist":
-            from distsgd.runtime.launch import run
-
-            summary = run(cfg, out_dir, progress=not args.quiet)
-        else:
-            summary = Trainer(cfg, out_dir, progress=not args.quiet).run()
+        summary = api.run(cfg, out_dir, progress=not args.quiet)
     if summary:  # a dist rank other than 0 under torchrun returns {}
         _print_summary(summary, out_dir)
     return 0
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from distsgd.config import RunConfig
-    from distsgd.tuner.tune import parse_budget, tune, verify_plan
-
     if args.verify_only:
         if args.config or args.out or args.verify:
             raise ValueError("--verify-only DIR takes no config, --out or --verify")
@@ -131,7 +126,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         overrides.append(f"runtime={args.runtime}")
     if args.num_processes is not None:
         overrides.append(f"dist.num_processes={args.num_processes}")
-    cfg = RunConfig.from_toml(args.config, overrides)
+    cfg = api.resolve_config(args.config, overrides)
     _check_num_processes(args.num_processes, cfg.runtime)
     out = Path(args.out) if args.out else Path("runs") / ("tune-" + Path(args.config).stem)
     args.out_dir = out
@@ -177,8 +172,6 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from distsgd.report import make_report
-
     md = make_report([Path(d) for d in args.runs], Path(args.out))
     print(f"report written to {md} (figures in {md.parent})")
     return 0
@@ -296,16 +289,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (a scheduler stopping the job) ends the run like Ctrl-C: summary written,
     # last checkpoint kept.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    from distsgd.runtime.sim import TrainingDiverged
-
     try:
         return int(args.func(args))
     except TrainingDiverged as e:
         print(f"distsgd: training diverged: {e}", file=sys.stderr)
         return 1
     except RuntimeError as e:
-        from distsgd.runtime.launch import is_process_loss
-
         if not is_process_loss(e):
             raise
         print(f"distsgd: run failed: {e}", file=sys.stderr)

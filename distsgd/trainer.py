@@ -20,13 +20,11 @@ Run directory layout (``out_dir``):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -54,7 +52,7 @@ from distsgd.runtime.sim import (
 )
 from distsgd.tuner.replicas import ReplicaAutoTuner
 
-__all__ = ["train", "Trainer", "CHECKPOINT_FORMAT"]
+__all__ = ["Trainer", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = 1
 _RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint.pt")
@@ -783,112 +781,3 @@ class Trainer:
         if error:
             summary["error"] = error
         return summary
-
-
-def default_out_dir(cfg: RunConfig) -> Path:
-    """``runs/<YYYYmmdd-HHMMSS>-<name or protocol>`` under the current directory (the name
-    reduced to letters, digits, ``-``, ``_`` and ``.``, so it cannot leave ``runs/``)."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.name or cfg.protocol.name).lstrip(".")
-    return Path("runs") / f"{stamp}-{label or cfg.protocol.name}"
-
-
-# Settings that may change when a run is resumed: budgets and bookkeeping, nothing that
-# changes what has been computed so far (data, seed, target, evaluation points).
-RESUMABLE_SETTINGS = frozenset(
-    f"train.{k}"
-    for k in (
-        "max_epochs",
-        "max_samples",
-        "max_seconds",
-        "max_virtual_seconds",
-        "checkpoint_every_evals",
-        "num_threads",
-        "stop_at_target",
-        "tensorboard",
-        "eval_batch_size",
-    )
-) | frozenset(f"dist.{k}" for k in ("backend", "master_addr", "master_port", "timeout_s"))
-
-
-def train(
-    config: RunConfig | str | Path | dict[str, Any] | None = None,
-    *,
-    overrides: list[str] | None = None,
-    out_dir: str | Path | None = None,
-    resume: str | Path | None = None,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Train as ``distsgd train`` does and return the summary dict.
-
-    Args:
-        config: a RunConfig, a TOML path, a nested dict, or None for the default run.
-        overrides: ``section.key=value`` strings applied on top (TOML values).
-        out_dir: run directory (default ``runs/<time>-<protocol>``).
-        resume: a run directory to continue from its checkpoint; only ``train.*``
-            overrides of budgets and bookkeeping are allowed with it (see
-            ``RESUMABLE_SETTINGS``, e.g. a larger ``train.max_epochs``).
-        progress: show a progress bar.
-
-    Returns:
-        The summary (as in ``summary.json``): ``protocol``, ``runtime``,
-        ``target_accuracy``, ``best_accuracy``, ``reached``, ``time_to_accuracy_s`` (wall,
-        training only), ``time_to_accuracy_virtual_s``, ``samples_to_accuracy``,
-        ``throughput_samples_per_s``, ``staleness_mean``, ``staleness_max`` and more.
-
-    Raises:
-        ConfigError / DatasetError (both ValueError): bad settings or data.
-        TrainingDiverged: the loss became NaN or infinite.
-
-    Example::
-
-        import distsgd
-        s = distsgd.train("configs/async.toml", overrides=["train.max_epochs=1"])
-        print(s["best_accuracy"], s["staleness_mean"])
-    """
-    if resume is not None:
-        run_dir = Path(resume)
-        if config is not None:
-            raise ConfigError(
-                "--resume continues a run from its own config.toml; do not pass a config as well"
-            )
-        for item in overrides or []:
-            key = item.split("=", 1)[0].strip()
-            if key not in RESUMABLE_SETTINGS:
-                raise ConfigError(
-                    f"--set {item!r}: only these settings may change when resuming: "
-                    + ", ".join(sorted(RESUMABLE_SETTINGS))
-                )
-        if not (run_dir / "config.toml").exists():
-            raise ConfigError(f"cannot resume: {run_dir / 'config.toml'} does not exist")
-        cfg = RunConfig.from_toml(run_dir / "config.toml", overrides)
-        return _run(cfg, run_dir, progress, resume=True)
-    if isinstance(config, RunConfig):
-        cfg = config
-        if overrides:
-            raw = cfg.to_dict()
-            from distsgd.config import apply_override
-
-            for item in overrides:
-                apply_override(raw, item)
-            cfg = RunConfig.from_dict(raw)
-    elif isinstance(config, dict):
-        raw = copy.deepcopy(config)  # the caller's dict is left as it was
-        from distsgd.config import apply_override
-
-        for item in overrides or []:
-            apply_override(raw, item)
-        cfg = RunConfig.from_dict(raw)
-    else:
-        cfg = RunConfig.from_toml(config, overrides)
-    out = Path(out_dir) if out_dir is not None else default_out_dir(cfg)
-    return _run(cfg, out, progress, resume=False)
-
-
-def _run(cfg: RunConfig, out: Path, progress: bool, resume: bool) -> dict[str, Any]:
-    """Runtime ``sim`` here; runtime ``dist`` on real processes (distsgd.runtime.launch)."""
-    if cfg.runtime == "dist":
-        from distsgd.runtime.launch import run
-
-        return run(cfg, out, resume=resume, progress=progress)
-    return Trainer(cfg, out, progress).run(resume=resume)

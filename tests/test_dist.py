@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from distsgd.api import train
 from distsgd.config import ConfigError
 from distsgd.runtime.launch import DistRunFailed
-from distsgd.trainer import Trainer, train
+from distsgd.trainer import Trainer
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.slow  # every test here starts processes

@@ -196,7 +196,7 @@ def test_failed_start_leaves_no_directory(tmp_path):
 
 
 def test_default_out_dir_stays_under_runs():
-    from distsgd.trainer import default_out_dir
+    from distsgd.api import default_out_dir
 
     out = default_out_dir(small_config(name="../../etc/x"))
     assert out.parent == Path("runs") and "/" not in out.name and not out.name.startswith(".")

@@ -1,0 +1,156 @@
+"""The one entry below the CLI: resolve a config, then train on the simulated cluster or
+on real processes.
+
+``distsgd train`` and :func:`distsgd.train` both come here, so a config given as a TOML
+path, a dict or a :class:`~distsgd.config.RunConfig`, with ``--set``-style overrides,
+resolves the same way, and the choice between the simulated cluster (one process,
+:class:`~distsgd.trainer.Trainer`) and the launcher of real processes
+(:mod:`distsgd.runtime.launch`) is made here and only here.
+
+Example::
+
+    import distsgd
+    s = distsgd.train("configs/async.toml", overrides=["train.max_epochs=1"])
+    print(s["best_accuracy"], s["staleness_mean"])
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from distsgd.config import ConfigError, RunConfig, apply_override
+from distsgd.runtime import launch
+from distsgd.trainer import Trainer
+
+__all__ = ["RESUMABLE_SETTINGS", "default_out_dir", "resolve_config", "run", "train"]
+
+# Settings that may change when a run is resumed: budgets and bookkeeping, nothing that
+# changes what has been computed so far (data, seed, target, evaluation points).
+RESUMABLE_SETTINGS = frozenset(
+    f"train.{k}"
+    for k in (
+        "max_epochs",
+        "max_samples",
+        "max_seconds",
+        "max_virtual_seconds",
+        "checkpoint_every_evals",
+        "num_threads",
+        "stop_at_target",
+        "tensorboard",
+        "eval_batch_size",
+    )
+) | frozenset(f"dist.{k}" for k in ("backend", "master_addr", "master_port", "timeout_s"))
+
+
+def default_out_dir(cfg: RunConfig) -> Path:
+    """``runs/<YYYYmmdd-HHMMSS>-<name or protocol>`` under the current directory (the name
+    reduced to letters, digits, ``-``, ``_`` and ``.``, so it cannot leave ``runs/``)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.name or cfg.protocol.name).lstrip(".")
+    return Path("runs") / f"{stamp}-{label or cfg.protocol.name}"
+
+
+def resolve_config(
+    config: RunConfig | str | Path | dict[str, Any] | None,
+    overrides: list[str] | None = None,
+) -> RunConfig:
+    """The run's config: a RunConfig, a TOML path, a nested dict, or None for the default
+    run, with ``section.key=value`` overrides (TOML values) applied on top.
+
+    Raises:
+        ConfigError: a bad setting, value or file.
+    """
+    if isinstance(config, RunConfig):
+        if not overrides:
+            return config
+        raw = config.to_dict()
+    elif isinstance(config, dict):
+        raw = copy.deepcopy(config)  # the caller's dict is left as it was
+    else:
+        return RunConfig.from_toml(config, overrides)
+    for item in overrides or []:
+        apply_override(raw, item)
+    return RunConfig.from_dict(raw)
+
+
+def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """The config of the run in ``run_dir`` (its ``config.toml``) with the overrides a
+    resume allows (:data:`RESUMABLE_SETTINGS`).
+
+    Raises:
+        ConfigError: another setting is overridden, or the run has no config.toml.
+    """
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        if key not in RESUMABLE_SETTINGS:
+            raise ConfigError(
+                f"--set {item!r}: only these settings may change when resuming: "
+                + ", ".join(sorted(RESUMABLE_SETTINGS))
+            )
+    path = Path(run_dir) / "config.toml"
+    if not path.exists():
+        raise ConfigError(f"cannot resume: {path} does not exist")
+    return RunConfig.from_toml(path, overrides)
+
+
+def run(
+    cfg: RunConfig, out: Path, *, progress: bool = False, resume: bool = False
+) -> dict[str, Any]:
+    """Train ``cfg`` into the run directory ``out``: on the simulated cluster in this
+    process (``runtime = "sim"``), or on real processes started by the launcher
+    (``runtime = "dist"``; under torchrun, this process's rank). Returns the summary
+    (``{}`` on a rank other than the writer under torchrun)."""
+    if cfg.runtime == "dist":
+        return launch.run(cfg, out, resume=resume, progress=progress)
+    return Trainer(cfg, out, progress).run(resume=resume)
+
+
+def train(
+    config: RunConfig | str | Path | dict[str, Any] | None = None,
+    *,
+    overrides: list[str] | None = None,
+    out_dir: str | Path | None = None,
+    resume: str | Path | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Train as ``distsgd train`` does and return the summary dict.
+
+    Args:
+        config: a RunConfig, a TOML path, a nested dict, or None for the default run.
+        overrides: ``section.key=value`` strings applied on top (TOML values).
+        out_dir: run directory (default ``runs/<time>-<protocol>``).
+        resume: a run directory to continue from its checkpoint; only ``train.*``
+            overrides of budgets and bookkeeping are allowed with it (see
+            :data:`RESUMABLE_SETTINGS`, e.g. a larger ``train.max_epochs``).
+        progress: show a progress bar.
+
+    Returns:
+        The summary (as in ``summary.json``): ``protocol``, ``runtime``,
+        ``target_accuracy``, ``best_accuracy``, ``reached``, ``time_to_accuracy_s`` (wall,
+        training only), ``time_to_accuracy_virtual_s``, ``samples_to_accuracy``,
+        ``throughput_samples_per_s``, ``staleness_mean``, ``staleness_max`` and more.
+
+    Raises:
+        ConfigError / DatasetError (both ValueError): bad settings or data.
+        TrainingDiverged: the loss became NaN or infinite.
+        DistRunFailed: a process of a dist run was lost where the protocol cannot go on.
+
+    Example::
+
+        import distsgd
+        s = distsgd.train("configs/async.toml", overrides=["train.max_epochs=1"])
+        print(s["best_accuracy"], s["staleness_mean"])
+    """
+    if resume is not None:
+        if config is not None:
+            raise ConfigError(
+                "--resume continues a run from its own config.toml; do not pass a config as well"
+            )
+        return run(resume_config(resume, overrides), Path(resume), progress=progress, resume=True)
+    cfg = resolve_config(config, overrides)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(cfg)
+    return run(cfg, out, progress=progress)
