@@ -20,7 +20,7 @@ from distsgd import api
 from distsgd.report import make_report
 from distsgd.runtime.launch import is_process_loss
 from distsgd.runtime.sim import TrainingDiverged
-from distsgd.tuner.tune import parse_budget, tune, verify_plan
+from distsgd.tuner import tune as tuning
 
 __all__ = ["main"]
 
@@ -115,12 +115,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         if args.config or args.out or args.verify:
             raise ValueError("--verify-only DIR takes no config, --out or --verify")
         args.out_dir = Path(args.verify_only)
-        state = verify_plan(args.out_dir, progress=not args.quiet)
+        state = tuning.verify_plan(args.out_dir, progress=not args.quiet)
         _print_tune(state, Path(args.verify_only))
         return 0
     if args.config is None:
         raise ValueError("distsgd tune needs a CONFIG.toml (or --verify-only DIR)")
-    budget = parse_budget(args.budget) if args.budget is not None else None
+    budget = tuning.parse_budget(args.budget) if args.budget is not None else None
     overrides = list(args.set)
     if args.runtime:
         overrides.append(f"runtime={args.runtime}")
@@ -130,7 +130,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     _check_num_processes(args.num_processes, cfg.runtime)
     out = Path(args.out) if args.out else Path("runs") / ("tune-" + Path(args.config).stem)
     args.out_dir = out
-    state = tune(cfg, out, budget_s=budget, progress=not args.quiet, verify=args.verify)
+    state = tuning.tune(cfg, out, budget_s=budget, progress=not args.quiet, verify=args.verify)
     _print_tune(state, out)
     return 0
 

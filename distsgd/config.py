@@ -740,16 +740,7 @@ class RunConfig:
         _check_choice("runtime", self.runtime, RUNTIMES)
         if not isinstance(self.name, str):
             _fail("name", self.name, "a string")
-        if (
-            self.protocol.server_optimizer == "adagrad"
-            and self.optimizer.momentum > 0
-            and self.protocol.name in ("parameter_server", "compute_groups")
-        ):
-            _fail(
-                "optimizer.momentum",
-                self.optimizer.momentum,
-                "0 with protocol.server_optimizer = 'adagrad' (AdaGrad has no momentum)",
-            )
+        spec_for(self.protocol).check_optimizer(self.protocol, self.optimizer)
         # The layout is fitted to an explicit process count before anything that depends
         # on λ is checked; ``layout_changes`` lists what changed (empty when it fitted).
         self.layout_changes: list[str] = []

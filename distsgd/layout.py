@@ -84,6 +84,13 @@ class ProtocolSpec:
         """The protocol object, starting from ``initial`` (shape ``[P]``)."""
         raise NotImplementedError
 
+    def check_optimizer(self, p: ProtocolConfig, o: OptimizerConfig) -> None:
+        """Rules that tie the optimizer section to the protocol.
+
+        Raises:
+            ConfigError: naming the setting that breaks the rule.
+        """
+
     def processes(self, p: ProtocolConfig, dist: DistConfig) -> tuple[int, str]:
         """Processes the ``dist`` runtime needs, and why (one learner per process)."""
         return p.num_learners, f"one learner per process, protocol.num_learners = {p.num_learners}"
@@ -108,6 +115,11 @@ class ProtocolSpec:
     def sync_interval(self, p: ProtocolConfig) -> int:
         """Iterations between two synchronisations of all learners (local SGD: H)."""
         return 1
+
+    def replica_settings(self, p: ProtocolConfig, k: int) -> dict[str, float]:
+        """Protocol arguments that follow k when the replicas per device change (the
+        auto-tuner, SPEC §4): passed to ``protocol.set_replicas_per_device(k, ...)``."""
+        return {}
 
 
 class _HardSync(ProtocolSpec):
@@ -168,6 +180,10 @@ class _Served(ProtocolSpec):
 
     def role(self, rank: int, dist: DistConfig) -> str:
         return "server" if rank < dist.num_servers else "learner"
+
+    def group_size(self, p: ProtocolConfig) -> int:
+        """Learners that compute one push together (a compute group; 1 otherwise)."""
+        return 1
 
 
 class _ParameterServer(_Served):
@@ -246,6 +262,9 @@ class _ComputeGroups(_Served):
     def tolerates_loss(self, p: ProtocolConfig, dist: DistConfig, rank: int) -> bool:
         return self.role(rank, dist) == "learner"
 
+    def group_size(self, p: ProtocolConfig) -> int:
+        return p.num_learners // p.num_groups
+
     def label(self, p: ProtocolConfig, num_learners: int | None, replicas: int | None) -> str:
         return f"{super().label(p, num_learners, replicas)} g={p.num_groups}"
 
@@ -299,6 +318,10 @@ class _SMA(_Replicated):
             weight_decay=o.weight_decay,
             nesterov=o.nesterov,
         )
+
+    def replica_settings(self, p: ProtocolConfig, k: int) -> dict[str, float]:
+        # α = 0 means 1 / (all learners) = 1 / (devices · k)
+        return {"alpha": sma_alpha(p.alpha, p.num_devices * k)}
 
 
 class _LocalSGD(_Replicated):

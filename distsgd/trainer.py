@@ -37,19 +37,12 @@ from tqdm import tqdm
 from distsgd.config import ConfigError, RunConfig
 from distsgd.data import load_dataset, resolve_root
 from distsgd.engine import GradientEngine
-from distsgd.layout import build_protocol
+from distsgd.layout import spec_for
 from distsgd.metrics import MetricsWriter, TensorBoardWriter, write_json
 from distsgd.models import build_model
 from distsgd.protocols.base import AsynchronousProtocol
-from distsgd.runtime.sim import (
-    REPLICA_CALIBRATION_MAX_K,
-    DeviceProfile,
-    SimRuntime,
-    Tick,
-    TrainingDiverged,
-    calibrate,
-    calibrate_replicas,
-)
+from distsgd.runtime.base import Tick, TrainingDiverged
+from distsgd.runtime.factory import runtime_kind
 from distsgd.tuner.replicas import ReplicaAutoTuner
 
 __all__ = ["Trainer", "CHECKPOINT_FORMAT"]
@@ -63,21 +56,7 @@ def _layout(cfg: RunConfig, num_learners: int | None = None, replicas: int | Non
     """The run's layout in one line, e.g. ``"λ=4 b=8 k=2"``: as configured, or with the
     λ and k (replicas per device) the run holds now where given (``"k=2 (auto)"`` when
     the auto-tuner chose it)."""
-    p = cfg.protocol
-    lam = p.num_learners if num_learners is None else num_learners
-    base = f"λ={lam} b={p.batch_size}"
-    if p.name in ("sma", "local_sgd"):
-        k = f"k={p.replicas_per_device if replicas is None else replicas}"
-        if replicas is not None and p.auto_replicas:
-            k += " (auto)"
-        return f"{base} {k}" if p.name == "sma" else f"{base} {k} H={p.average_every}"
-    if p.name == "parameter_server":
-        if p.mode == "softsync":
-            return f"{base} {p.softsync}-softsync"
-        return f"{base} {p.mode}"
-    if p.name == "compute_groups":
-        return f"{base} g={p.num_groups}"
-    return base
+    return spec_for(cfg.protocol).label(cfg.protocol, num_learners, replicas)
 
 
 class Trainer:
@@ -140,102 +119,18 @@ class Trainer:
         return cfg
 
     def _build(self) -> None:
-        cfg = self.cfg
-        if cfg.runtime == "dist":
-            return self._build_dist()
-        threads = cfg.train.num_threads or (os.cpu_count() or 1)
-        torch.set_num_threads(threads)
+        """Set up the process (threads; the process group on real processes), load the
+        data, fold the runtime's calibration into the config, then build the model, the
+        protocol and the runtime under the run's seed."""
+        kind = runtime_kind(self.cfg)
+        kind.prepare(self.cfg)
         cfg = self._load_data()
+        self.cfg, self.profile_calibrated = kind.calibrate(cfg, self.dataset)
+        torch.manual_seed(self.cfg.train.seed)  # same seed => same initial weights
         shape, classes = self.dataset.input_shape, self.dataset.num_classes
-        self.profile_calibrated = self.cfg.cluster.needs_calibration
-        if self.profile_calibrated:
-            # a throwaway model: timing it must not touch the run's weights, BatchNorm
-            # statistics or RNG stream
-            prof = calibrate(
-                GradientEngine(build_model(cfg.model.name, shape, classes)), self.dataset
-            )
-            self.cfg = cfg = cfg.replace(
-                cluster=dataclasses.replace(
-                    cfg.cluster,
-                    seconds_per_sample=prof.seconds_per_sample,
-                    seconds_per_batch=prof.seconds_per_batch,
-                )
-            )
-        p = cfg.protocol
-        replicated = p.name in ("sma", "local_sgd")
-        k = p.initial_replicas_per_device if replicated else 1
-        c = cfg.cluster
-        if (
-            replicated
-            and (k > 1 or p.auto_replicas)
-            and c.seconds_per_replica < 0
-            and not c.replica_ratios
-        ):
-            # the k-dependent device profile: t(k)/t(1) measured at the run's b where the
-            # profile is calibrated, else the profile's own "k separate minibatches"
-            if self.profile_calibrated:
-                # the fixed k, or the k the tuner is likely to try (beyond, the model
-                # continues the last measured step)
-                top = min(p.autotune_max_replicas, REPLICA_CALIBRATION_MAX_K)
-                ratios, _ = calibrate_replicas(
-                    GradientEngine(build_model(cfg.model.name, shape, classes)),
-                    self.dataset,
-                    p.batch_size,
-                    max_replicas=top if p.auto_replicas else k,
-                )
-                c = dataclasses.replace(c, replica_ratios=ratios)
-            if not c.replica_ratios:
-                t1 = c.seconds_per_batch + p.batch_size * c.seconds_per_sample
-                c = dataclasses.replace(c, seconds_per_replica=t1)
-            self.cfg = cfg = cfg.replace(cluster=c)
-        r = c.seconds_per_replica
-        profile = DeviceProfile(
-            c.seconds_per_batch,
-            c.seconds_per_sample,
-            self.profile_calibrated,
-            seconds_per_replica=r if r >= 0 else None,
-            replica_ratios=tuple(c.replica_ratios),
-        )
-        torch.manual_seed(cfg.train.seed)  # same seed => same initial weights
-        self.engine = GradientEngine(build_model(cfg.model.name, shape, classes))
+        self.engine = GradientEngine(build_model(self.cfg.model.name, shape, classes))
         initial = self._start_weights(self.engine.initial_weights())
-        self.protocol = build_protocol(cfg, initial)
-        self.tuner = self._replica_tuner()
-        self.runtime = SimRuntime(
-            self.protocol,
-            self.engine,
-            self.dataset,
-            batch_size=p.batch_size,
-            num_learners=p.num_learners,
-            profile=profile,
-            cluster=cfg.cluster,
-            replicas_per_device=k,
-            average_every=p.average_every if p.name == "local_sgd" else 1,
-            seed=cfg.train.seed,
-        )
-
-    def _build_dist(self) -> None:
-        """Real processes (:mod:`distsgd.runtime.dist`): join the process group, then build
-        data, model and this rank's part of the protocol under the run's seed."""
-        from distsgd.runtime import dist as rdist
-
-        cfg = self.cfg
-        info = rdist.process_info()
-        if info is None:
-            raise RuntimeError(
-                "runtime 'dist' runs inside processes started by distsgd.runtime.launch or "
-                "torchrun; use distsgd.train() or the distsgd CLI"
-            )
-        torch.set_num_threads(rdist.threads_per_process(cfg, info))
-        rdist.init_process_group(cfg, info)
-        cfg = self._load_data()
-        self.profile_calibrated = False  # no simulated clock: cluster settings are unused
-        torch.manual_seed(cfg.train.seed)  # same seed => same initial weights as sim
-        shape, classes = self.dataset.input_shape, self.dataset.num_classes
-        self.engine = GradientEngine(build_model(cfg.model.name, shape, classes))
-        self.runtime = rdist.build_runtime(
-            cfg, self.engine, self.dataset, self._start_weights(self.engine.initial_weights())
-        )
+        self.runtime = kind.build(self.cfg, self.engine, self.dataset, initial)
         self.protocol = self.runtime.protocol
         self.is_writer = self.runtime.is_writer
         self.tuner = self._replica_tuner()  # every rank: the same decisions
@@ -327,7 +222,7 @@ class Trainer:
         return state
 
     def _apply_checkpoint(self, state: dict[str, Any]) -> None:
-        if self.cfg.runtime == "dist" and not getattr(self.runtime, "runs_training_loop", True):
+        if not self.runtime.runs_training_loop:
             self.runtime.load_state_dict(state["runtime"])  # a learner: its data position
             return
         if self.tuner is not None and state.get("autotune") is not None:
@@ -363,13 +258,10 @@ class Trainer:
             snap.parent.mkdir(parents=True, exist_ok=True)
             torch.save(weights.detach().clone(), snap)
         loss_sum, loss_count = c["loss_sum"], c["loss_count"]
-        if self.cfg.runtime == "dist":  # every rank's learners' losses
-            loss_sum, loss_count = self.runtime.reduce_losses(loss_sum, loss_count)
+        # every rank's learners' losses
+        loss_sum, loss_count = self.runtime.reduce_losses(loss_sum, loss_count)
         c["loss_sum"], c["loss_count"] = 0.0, 0
-        evaluate = self.engine.evaluate
-        if self.cfg.runtime == "dist":  # the ranks in lock step share the test set
-            evaluate = self.runtime.evaluate
-        acc, loss = evaluate(
+        acc, loss = self.runtime.evaluate(  # ranks in lock step share the test set
             weights,
             self.dataset.test_x,
             self.dataset.test_y,
@@ -387,7 +279,7 @@ class Trainer:
             "samples": samples,
             "epoch": samples / self.dataset.num_train,
             "iterations": self._iterations(),
-            "virtual_s": self.runtime.virtual_time,
+            "virtual_s": self.runtime.clock_s,
             "wall_s": c["train_wall_s"],
             "eval_wall_s": c["eval_wall_s"],
             "test_accuracy": acc,
@@ -403,7 +295,7 @@ class Trainer:
         if target > 0 and acc >= target and c["reached_samples"] < 0:
             c["reached_samples"] = samples
             c["reached_wall_s"] = c["train_wall_s"]
-            c["reached_virtual_s"] = self.runtime.virtual_time
+            c["reached_virtual_s"] = self.runtime.clock_s
         return record
 
     def _iterations(self) -> int:
@@ -441,20 +333,52 @@ class Trainer:
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Train to the stop rule; returns the summary (also written to summary.json).
 
-        On the dist runtime every rank calls this; rank 0 (the coordinating server for
-        parameter-server protocols) writes the run directory and returns the summary,
-        other ranks return ``{}``.
+        On the dist runtime every rank calls this: every rank builds, the writer (rank 0,
+        the coordinating server for parameter-server protocols) checks the run directory
+        or reads the checkpoint and every rank gets the outcome; then the ranks of the
+        training loop train (the writer writes the run directory and returns the
+        summary, the others return ``{}``) and a parameter server's learners and shards
+        serve (returning ``{}``).
         """
-        if self.cfg.runtime == "dist":
-            return self._run_dist(resume)
-        if not resume:
-            self._check_out_dir()
-        self._build()  # nothing is written before data, model and profile are ready
-        self._init_counters()
-        if resume:
-            self._load_checkpoint()
-            self._check_resumable()
-        return self._run_writing(resume)
+        try:
+            self._build()  # nothing is written before data, model and profile are ready
+            self._init_counters()
+            state = self._start(resume)
+            if resume:
+                self._apply_checkpoint(state)
+                self.counters["stop_reason"] = ""
+            if not self.runtime.runs_training_loop:
+                self.runtime.serve()
+                return {}
+            if not self.is_writer:
+                self.progress = False
+                self._loop(None, resumed=resume)
+                return {}
+            return self._run_writing(resume)
+        finally:
+            if hasattr(self, "runtime"):
+                self.runtime.close()
+
+    def _start(self, resume: bool) -> dict[str, Any] | None:
+        """The writer checks the run directory (or reads the checkpoint to resume); every
+        rank of the run gets the checkpoint, or the same error."""
+        start: tuple[str, Any] = ("ok", None)
+        if self.is_writer:
+            try:
+                if resume:
+                    start = ("ok", self._read_checkpoint())
+                    saved = dict(start[1]["trainer"])
+                    if saved.get("reached_samples", -1) >= 0 and self.cfg.train.stop_at_target:
+                        self.counters.update(saved)
+                        self._check_resumable()
+                else:
+                    self._check_out_dir()
+            except ConfigError as e:
+                start = ("error", str(e))
+        kind, payload = self.runtime.share_with_all(start)
+        if kind == "error":
+            raise ConfigError(payload)
+        return payload
 
     def _init_counters(self) -> None:
         self.counters: dict[str, Any] = {
@@ -477,45 +401,6 @@ class Trainer:
                 f"the run in {str(self.out_dir)!r} already reached its target accuracy; "
                 "to train on, resume with --set train.stop_at_target=false"
             )
-
-    def _run_dist(self, resume: bool) -> dict[str, Any]:
-        """Every rank: build, agree on the start (rank 0 checks the run directory and
-        reads the checkpoint), then train in the one loop or serve (parameter-server
-        learners and shards)."""
-        try:
-            self._build()
-            rt = self.runtime
-            self._init_counters()
-            start: tuple[str, Any] = ("ok", None)
-            if self.is_writer:
-                try:
-                    if resume:
-                        start = ("ok", self._read_checkpoint())
-                        saved = dict(start[1]["trainer"])
-                        if saved.get("reached_samples", -1) >= 0 and self.cfg.train.stop_at_target:
-                            self.counters.update(saved)
-                            self._check_resumable()
-                    else:
-                        self._check_out_dir()
-                except ConfigError as e:
-                    start = ("error", str(e))
-            kind, payload = rt.share_with_all(start)
-            if kind == "error":
-                raise ConfigError(payload)
-            if resume:
-                self._apply_checkpoint(payload)
-                self.counters["stop_reason"] = ""
-            if not getattr(rt, "runs_training_loop", True):
-                rt.serve()
-                return {}
-            if not self.is_writer:
-                self.progress = False
-                self._loop(None, resumed=resume)
-                return {}
-            return self._run_writing(resume)
-        finally:
-            if hasattr(self, "runtime"):
-                self.runtime.close()
 
     def _run_writing(self, resume: bool) -> dict[str, Any]:
         """The writing rank's run: files, the training loop, the outcome."""
@@ -547,7 +432,7 @@ class Trainer:
             self.counters["stop_reason"] = "interrupted"
             self._write_outcome(self._summary(status="interrupted"))
             raise
-        except getattr(self.runtime, "failure_types", ()) as e:
+        except self.runtime.failure_types as e:
             self.counters["stop_reason"] = "process_lost"
             self._write_outcome(self._summary(status="failed", error=str(e)))
             raise
@@ -570,7 +455,7 @@ class Trainer:
                     "iterations": trainer._iterations(),
                     "samples": trainer.runtime.samples,
                     "train_wall_s": trainer.counters["train_wall_s"],
-                    "clock_s": trainer.runtime.virtual_time,
+                    "clock_s": trainer.runtime.clock_s,
                     "loss": sum(tick.losses) / len(tick.losses),
                 }
                 f.write(json.dumps(rec) + "\n")
@@ -584,7 +469,6 @@ class Trainer:
         it in lock step (``metrics`` None except on rank 0, which evaluates and decides
         when to stop; the decision is shared)."""
         cfg, c, rt = self.cfg, self.counters, self.runtime
-        is_dist = cfg.runtime == "dist"
         t = cfg.train
         num_train = self.dataset.num_train
         eval_every = t.eval_every_samples or num_train
@@ -606,9 +490,9 @@ class Trainer:
                 budget_hit = budget is not None and rt.samples >= budget
                 time_hit = t.max_seconds > 0 and c["train_wall_s"] >= t.max_seconds
                 time_hit = time_hit or (
-                    t.max_virtual_seconds > 0 and rt.virtual_time >= t.max_virtual_seconds
+                    t.max_virtual_seconds > 0 and rt.clock_s >= t.max_virtual_seconds
                 )
-                if is_dist and (t.max_seconds > 0 or t.max_virtual_seconds > 0):
+                if t.max_seconds > 0 or t.max_virtual_seconds > 0:  # every rank decides alike
                     time_hit = rt.any_rank(time_hit)
                 if rt.samples >= next_eval or budget_hit or time_hit:
                     if rt.samples != last_eval_samples and self.evaluate:
@@ -636,8 +520,7 @@ class Trainer:
                             if t.max_seconds > 0 and c["train_wall_s"] >= t.max_seconds
                             else "max_virtual_seconds"
                         )
-                    if is_dist:
-                        c["stop_reason"] = rt.share(c["stop_reason"])
+                    c["stop_reason"] = rt.share(c["stop_reason"])  # the writer decides
                     c["next_eval"] = next_eval
                     c["last_eval_samples"] = last_eval_samples
                     every = t.checkpoint_every_evals
@@ -647,11 +530,11 @@ class Trainer:
                         break
                 lr = self._lr()
                 t0 = time.perf_counter()
-                v0 = rt.virtual_time
+                v0 = rt.clock_s
                 tick = rt.advance(lr)
                 c["train_wall_s"] += time.perf_counter() - t0
                 if self.tuner is not None and not self.tuner.done:
-                    self._autotune(tick.samples, rt.virtual_time - v0)
+                    self._autotune(tick.samples, rt.clock_s - v0)
                 c["loss_sum"] += sum(tick.losses)
                 c["loss_count"] += len(tick.losses)
                 if self.on_tick is not None:
@@ -671,12 +554,7 @@ class Trainer:
     def _set_replicas(self, k: int) -> None:
         """Apply k replicas per device to the protocol and the runtime (a sync point)."""
         p = self.cfg.protocol
-        if p.name == "sma":
-            # α = 0 means 1 / (all learners) = 1 / (devices · k), SPEC §4
-            alpha = p.alpha if p.alpha > 0 else 1.0 / (p.num_devices * k)
-            self.protocol.set_replicas_per_device(k, alpha=alpha)
-        else:
-            self.protocol.set_replicas_per_device(k)
+        self.protocol.set_replicas_per_device(k, **spec_for(p).replica_settings(p, k))
         self.runtime.set_replicas_per_device(k)
 
     def _autotune(self, samples: int, seconds: float) -> None:
@@ -690,11 +568,9 @@ class Trainer:
         c["autotune_samples"] = c.get("autotune_samples", 0) + samples
         c["autotune_seconds"] = c.get("autotune_seconds", 0.0) + seconds
         p = self.cfg.protocol
-        if p.name == "local_sgd" and self.protocol.iteration % p.average_every:
-            return
-        seconds = c["autotune_seconds"]
-        if self.cfg.runtime == "dist":
-            seconds = self.runtime.max_over_ranks(seconds)
+        if self.protocol.iteration % spec_for(p).sync_interval(p):
+            return  # not at a synchronisation point (local SGD between averagings)
+        seconds = self.runtime.max_over_ranks(c["autotune_seconds"])  # the slowest rank's
         decision = tuner.observe(c["autotune_samples"], seconds)
         c["autotune_samples"], c["autotune_seconds"] = 0, 0.0
         if decision is None:
@@ -731,7 +607,7 @@ class Trainer:
             "stop_reason": c["stop_reason"],
             "protocol": p.name,
             "runtime": cfg.runtime,
-            "layout": _layout(cfg, rt.num_learners, getattr(rt, "replicas_per_device", None)),
+            "layout": _layout(cfg, rt.num_learners, rt.replicas_per_device),
             "model": cfg.model.name,
             "dataset": cfg.data.dataset,
             "num_learners": rt.num_learners,
@@ -755,16 +631,14 @@ class Trainer:
             "iterations": self._iterations(),
             "train_wall_s": wall,
             "eval_wall_s": c["eval_wall_s"],
-            "virtual_s": rt.virtual_time,
+            "virtual_s": rt.clock_s,
             "throughput_samples_per_s": rt.samples / wall if wall > 0 else None,
             "throughput_virtual_samples_per_s": (
-                rt.samples / rt.virtual_time if rt.virtual_time > 0 else None
+                rt.samples / rt.clock_s if rt.clock_s > 0 else None
             ),
             "staleness_mean": st_mean,
             "staleness_max": st_max,
-            "replicas_per_device": (
-                self.runtime.replicas_per_device if p.name in ("sma", "local_sgd") else None
-            ),
+            "replicas_per_device": (rt.replicas_per_device if spec_for(p).replicated else None),
             "num_parameters": self.engine.num_parameters,
             "device_profile": {
                 "seconds_per_batch": cfg.cluster.seconds_per_batch,
@@ -775,9 +649,7 @@ class Trainer:
             },
             "finished_at": datetime.now().isoformat(timespec="seconds"),
         }
-        if cfg.runtime == "dist":
-            summary["num_processes"] = getattr(rt, "world_size", None)
-            summary["events"] = list(getattr(rt, "events", []))
+        summary.update(rt.summary_fields())
         if error:
             summary["error"] = error
         return summary

@@ -68,12 +68,12 @@ from torch import Tensor
 from distsgd.config import RunConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
 from distsgd.engine import GradientEngine
-from distsgd.layout import build_protocol
+from distsgd.layout import build_protocol, sma_alpha, spec_for
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.protocols.hardsync import HardSync
 from distsgd.protocols.local_sgd import LocalSGD
 from distsgd.protocols.sma import SMA
-from distsgd.runtime.sim import Tick, TrainingDiverged
+from distsgd.runtime.base import Runtime, Tick, TrainingDiverged
 
 __all__ = [
     "ProcessInfo",
@@ -207,9 +207,10 @@ def _collective_error(e: Exception) -> PeerLost:
     return PeerLost(f"lost contact with another rank ({text})")
 
 
-class _DistBase:
+class _DistBase(Runtime):
     """What every dist runtime shares: rank, writer role, timing and the test hooks."""
 
+    clock = "wall"
     failure_types: tuple[type[BaseException], ...] = (PeerLost,)
 
     def __init__(self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset) -> None:
@@ -234,18 +235,13 @@ class _DistBase:
         if self._kill_at is not None and self.steps >= self._kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    # Collective helpers the Trainer uses so that every rank takes the same decisions.
-    def share(self, obj: Any) -> Any:
-        """``obj`` of the writer rank, on every rank that runs the training loop."""
-        return obj
+    @property
+    def clock_s(self) -> float:
+        """Measured wall seconds of training on this rank."""
+        return self.virtual_time
 
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank of the training loop if ``flag`` is True on any of them."""
-        return flag
-
-    def reduce_losses(self, loss_sum: float, count: int) -> tuple[float, int]:
-        """Sum of the learners' losses and their number over the training loop's ranks."""
-        return loss_sum, count
+    def summary_fields(self) -> dict[str, Any]:
+        return {"num_processes": self.world_size, "events": list(getattr(self, "events", []))}
 
     def share_with_all(self, obj: Any) -> Any:
         """Collective over every rank of the run: ``obj`` of rank 0."""
@@ -279,14 +275,12 @@ class SyncDistRuntime(_DistBase):
         super().__init__(cfg, engine, dataset)
         p = cfg.protocol
         self.num_learners = p.num_learners
-        if p.name in ("sma", "local_sgd"):
+        if spec_for(p).replicated:
             self.k = p.initial_replicas_per_device  # "auto" starts at k = 1
             local = cfg.replace(  # this rank's k replicas, as one device
                 # α = 0 means 1 / (all learners of all devices), SPEC §4, not 1 / k local
                 protocol=dataclasses.replace(
-                    p,
-                    num_learners=self.k,
-                    alpha=p.alpha if p.alpha > 0 else 1.0 / p.num_learners,
+                    p, num_learners=self.k, alpha=sma_alpha(p.alpha, p.num_learners)
                 ),
                 dist=dataclasses.replace(cfg.dist, num_processes=0),
             )
@@ -508,7 +502,7 @@ class PSDistRuntime(_DistBase):
         self.num_servers = cfg.dist.num_servers
         self.num_learners = p.num_learners
         s = self.num_servers
-        group_size = p.num_learners // p.num_groups if p.name == "compute_groups" else 1
+        group_size = spec_for(p).group_size(p)
         self.group_size = group_size
         groups = [
             [s + g * group_size + m for m in range(group_size)]
@@ -695,7 +689,7 @@ def build_runtime(
     cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
 ) -> SyncDistRuntime | PSDistRuntime:
     """The dist runtime for ``cfg.protocol`` (the process group must be initialised)."""
-    if cfg.protocol.name in ("parameter_server", "compute_groups"):
+    if spec_for(cfg.protocol).has_server:
         return PSDistRuntime(cfg, engine, dataset, initial)
     return SyncDistRuntime(cfg, engine, dataset, initial)
 

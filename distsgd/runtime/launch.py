@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from distsgd.config import ConfigError, RunConfig, required_processes
+from distsgd.layout import spec_for
 from distsgd.metrics import write_json
 
 __all__ = [
@@ -96,21 +97,12 @@ def under_launcher() -> bool:
 
 
 def _role(cfg: RunConfig, rank: int) -> str:
-    if cfg.protocol.name in ("parameter_server", "compute_groups"):
-        return "server" if rank < cfg.dist.num_servers else "learner"
-    if cfg.protocol.name in ("sma", "local_sgd"):
-        return "device"
-    return "learner"
+    return spec_for(cfg.protocol).role(rank, cfg.dist)
 
 
 def _tolerates_loss(cfg: RunConfig, rank: int) -> bool:
     """Whether the run goes on without ``rank`` (an asynchronous protocol's learner)."""
-    p = cfg.protocol
-    if _role(cfg, rank) != "learner":
-        return False
-    if p.name == "compute_groups":
-        return True
-    return p.name == "parameter_server" and p.mode != "hardsync"
+    return spec_for(cfg.protocol).tolerates_loss(cfg.protocol, cfg.dist, rank)
 
 
 def _describe_exit(code: int) -> str:

@@ -48,9 +48,10 @@ from torch import Tensor
 from distsgd.config import ClusterConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
 from distsgd.engine import GradientEngine
-from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol, Update
+from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol
 from distsgd.protocols.hardsync import HardSync
 from distsgd.runtime import cluster_model as cm
+from distsgd.runtime.base import Runtime, Tick, TrainingDiverged
 
 __all__ = [
     "DeviceProfile",
@@ -62,10 +63,6 @@ __all__ = [
     "Tick",
     "TrainingDiverged",
 ]
-
-
-class TrainingDiverged(RuntimeError):
-    """A learner's training loss became NaN or infinite."""
 
 
 @dataclass
@@ -243,22 +240,7 @@ def calibrate_replicas(
     return replica_ratios(measured), measured
 
 
-@dataclass
-class Tick:
-    """What one call of :meth:`SimRuntime.advance` did.
-
-    Attributes:
-        samples: training samples whose gradients were computed in this tick.
-        losses: minibatch mean losses of the learners that computed.
-        update: the parameter-server update applied in this tick, if any.
-    """
-
-    samples: int
-    losses: list[float]
-    update: Update | None = None
-
-
-class SimRuntime:
+class SimRuntime(Runtime):
     """Drives a protocol over simulated learners on a virtual clock.
 
     Args:
@@ -278,6 +260,8 @@ class SimRuntime:
     Raises:
         TrainingDiverged: from :meth:`advance`, when a loss is NaN or infinite.
     """
+
+    clock = "simulated"
 
     def __init__(
         self,
@@ -517,6 +501,11 @@ class SimRuntime:
             lr: base learning rate (from the schedule) for this tick.
         """
         return self._advance_async(lr) if self.is_async else self._advance_sync(lr)
+
+    @property
+    def clock_s(self) -> float:
+        """Simulated seconds on the virtual clock."""
+        return self.virtual_time
 
     def eval_weights(self) -> Tensor:
         return self.protocol.eval_weights()

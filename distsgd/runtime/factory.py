@@ -1,0 +1,180 @@
+"""The one factory of runtimes: ``runtime = "sim"`` or ``"dist"`` chosen once, here.
+
+A :class:`RuntimeKind` does the three things that differ between the simulated cluster
+and real processes before the trainer's loop starts:
+
+1. :meth:`RuntimeKind.prepare` — process-level set-up: torch threads; on real processes
+   also joining the process group;
+2. :meth:`RuntimeKind.calibrate` — the simulated cluster's device profile measured on
+   this machine and folded into the config (so ``config.toml`` reproduces the run); real
+   processes have no simulated clock and keep the config as it is;
+3. :meth:`RuntimeKind.build` — the :class:`~distsgd.runtime.base.Runtime` over the
+   protocol, the engine and the data.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+
+import torch
+from torch import Tensor
+
+from distsgd.config import ConfigError, RunConfig
+from distsgd.data import Dataset
+from distsgd.engine import GradientEngine
+from distsgd.layout import build_protocol, spec_for
+from distsgd.models import build_model
+from distsgd.runtime import dist as rdist
+from distsgd.runtime.base import Runtime
+from distsgd.runtime.sim import (
+    REPLICA_CALIBRATION_MAX_K,
+    DeviceProfile,
+    SimRuntime,
+    calibrate,
+    calibrate_replicas,
+)
+
+__all__ = ["RuntimeKind", "calibrated_config", "device_profile", "runtime_kind"]
+
+
+def _throwaway_engine(cfg: RunConfig, dataset: Dataset) -> GradientEngine:
+    """A model only for timing: it must not touch the run's weights, BatchNorm statistics
+    or seeded RNG stream (the caller reseeds before building the run's model)."""
+    return GradientEngine(build_model(cfg.model.name, dataset.input_shape, dataset.num_classes))
+
+
+def calibrated_config(cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool]:
+    """``cfg`` with the simulated cluster's device profile measured on this machine where
+    the config asks for it (``cluster.seconds_per_sample/batch = -1``), and Crossbow's
+    t(k)/t(1) ``cluster.replica_ratios`` measured at the run's b for SMA and local SGD
+    with k > 1 or ``"auto"`` (without a calibration: k separate minibatches,
+    ``seconds_per_replica = t(1)``).
+
+    Returns:
+        ``(config, calibrated)``: the config with the profile filled in, and whether the
+        device profile was measured here.
+    """
+    calibrated = cfg.cluster.needs_calibration
+    if calibrated:
+        prof = calibrate(_throwaway_engine(cfg, dataset), dataset)
+        cfg = cfg.replace(
+            cluster=dataclasses.replace(
+                cfg.cluster,
+                seconds_per_sample=prof.seconds_per_sample,
+                seconds_per_batch=prof.seconds_per_batch,
+            )
+        )
+    p, c = cfg.protocol, cfg.cluster
+    k = p.initial_replicas_per_device if spec_for(p).replicated else 1
+    needs_k_profile = spec_for(p).replicated and (k > 1 or p.auto_replicas)
+    if not needs_k_profile or c.seconds_per_replica >= 0 or c.replica_ratios:
+        return cfg, calibrated
+    if calibrated:
+        # the fixed k, or the k the auto-tuner is likely to try (beyond, the model
+        # continues the last measured step)
+        top = min(p.autotune_max_replicas, REPLICA_CALIBRATION_MAX_K)
+        ratios, _ = calibrate_replicas(
+            _throwaway_engine(cfg, dataset),
+            dataset,
+            p.batch_size,
+            max_replicas=top if p.auto_replicas else k,
+        )
+        c = dataclasses.replace(c, replica_ratios=ratios)
+    if not c.replica_ratios:
+        t1 = c.seconds_per_batch + p.batch_size * c.seconds_per_sample
+        c = dataclasses.replace(c, seconds_per_replica=t1)
+    return cfg.replace(cluster=c), calibrated
+
+
+def device_profile(cfg: RunConfig, calibrated: bool) -> DeviceProfile:
+    """The simulated device of ``cfg.cluster`` (after :func:`calibrated_config`)."""
+    c = cfg.cluster
+    r = c.seconds_per_replica
+    return DeviceProfile(
+        c.seconds_per_batch,
+        c.seconds_per_sample,
+        calibrated,
+        seconds_per_replica=r if r >= 0 else None,
+        replica_ratios=tuple(c.replica_ratios),
+    )
+
+
+class RuntimeKind(abc.ABC):
+    """How one kind of runtime is set up and built (see the module docstring)."""
+
+    @abc.abstractmethod
+    def prepare(self, cfg: RunConfig) -> None:
+        """Process-level set-up before any data or model is loaded."""
+
+    def calibrate(self, cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool]:
+        """The config with what this runtime measures folded in, and whether the device
+        profile was measured."""
+        return cfg, False
+
+    @abc.abstractmethod
+    def build(
+        self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
+    ) -> Runtime:
+        """The runtime, its protocol starting from ``initial`` (shape ``[P]``)."""
+
+
+class _Simulated(RuntimeKind):
+    def __init__(self) -> None:
+        self.calibrated = False  # the device profile was measured by calibrate()
+
+    def prepare(self, cfg: RunConfig) -> None:
+        torch.set_num_threads(cfg.train.num_threads or (os.cpu_count() or 1))
+
+    def calibrate(self, cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool]:
+        cfg, self.calibrated = calibrated_config(cfg, dataset)
+        return cfg, self.calibrated
+
+    def build(
+        self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
+    ) -> Runtime:
+        p = cfg.protocol
+        spec = spec_for(p)
+        return SimRuntime(
+            build_protocol(cfg, initial),
+            engine,
+            dataset,
+            batch_size=p.batch_size,
+            num_learners=p.num_learners,
+            profile=device_profile(cfg, self.calibrated),
+            cluster=cfg.cluster,
+            replicas_per_device=p.initial_replicas_per_device if spec.replicated else 1,
+            average_every=spec.sync_interval(p),
+            seed=cfg.train.seed,
+        )
+
+
+class _RealProcesses(RuntimeKind):
+    def prepare(self, cfg: RunConfig) -> None:
+        info = rdist.process_info()
+        if info is None:
+            raise RuntimeError(
+                "runtime 'dist' runs inside processes started by distsgd.runtime.launch or "
+                "torchrun; use distsgd.train() or the distsgd CLI"
+            )
+        torch.set_num_threads(rdist.threads_per_process(cfg, info))
+        rdist.init_process_group(cfg, info)
+
+    def build(
+        self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
+    ) -> Runtime:
+        return rdist.build_runtime(cfg, engine, dataset, initial)
+
+
+def runtime_kind(cfg: RunConfig) -> RuntimeKind:
+    """The kind of runtime ``cfg.runtime`` names.
+
+    Raises:
+        ConfigError: an unknown runtime (the config validates it first).
+    """
+    if cfg.runtime == "sim":
+        return _Simulated()
+    if cfg.runtime == "dist":
+        return _RealProcesses()
+    raise ConfigError(f"runtime = {cfg.runtime!r} is not allowed: expected 'sim' or 'dist'")
