@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distsgd.protocols import ComputeGroups, ParameterServer
-from distsgd.runtime.dist_ps import (
+from distsgd.runtime.ps import (
     LearnerLost,
     PSLayout,
     PushEvent,

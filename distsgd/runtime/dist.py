@@ -20,7 +20,7 @@ the transport differs. Rank layout and rules (SPEC.md §1–§5):
   (:meth:`SyncDistRuntime.set_replicas_per_device`).
 * ``parameter_server`` / ``compute_groups`` — server ranks ``0 … S−1`` run the protocol
   object on real arrivals, learner ranks ``S … S+λ−1`` pull, compute and push over c10d
-  point-to-point (:mod:`distsgd.runtime.dist_ps`); a compute group's members all-reduce
+  point-to-point (:mod:`distsgd.runtime.ps`); a compute group's members all-reduce
   inside their process subgroup and the group's leader talks to the server.
 
 Learner l (global index; ``rank·k + j`` for replica j of a device rank) draws the same
@@ -73,6 +73,7 @@ from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.protocols.hardsync import HardSync
 from distsgd.protocols.local_sgd import LocalSGD
 from distsgd.protocols.sma import SMA
+from distsgd.runtime import ps
 from distsgd.runtime.base import Runtime, Tick, TrainingDiverged
 
 __all__ = [
@@ -479,14 +480,14 @@ class PSDistRuntime(_DistBase):
     """Parameter server and compute groups on real processes (server ranks + learners).
 
     On the coordinating server (rank 0) :meth:`advance` hands over one push handled by
-    :func:`distsgd.runtime.dist_ps.run_server`, which runs in a background thread and
+    :func:`distsgd.runtime.ps.run_server`, which runs in a background thread and
     waits in its ``on_push`` callback until the training loop has taken the push and
     decided to go on; the loop's ``lr`` is the base rate the server applies. Learner ranks
     and the other server shards do not run the training loop: :meth:`serve` runs their
     side until the coordinator stops the run.
 
     Raises:
-        PeerLost / dist_ps.ServerLost / dist_ps.LearnerLost: a process was lost where the
+        PeerLost / ps.ServerLost / ps.LearnerLost: a process was lost where the
             protocol cannot go on without it.
     """
 
@@ -494,10 +495,7 @@ class PSDistRuntime(_DistBase):
         self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
     ) -> None:
         super().__init__(cfg, engine, dataset)
-        from distsgd.runtime import dist_ps
-
-        self.dist_ps = dist_ps
-        self.failure_types = (PeerLost, dist_ps.ServerLost, dist_ps.LearnerLost)
+        self.failure_types = (PeerLost, ps.ServerLost, ps.LearnerLost)
         p = cfg.protocol
         self.num_servers = cfg.dist.num_servers
         self.num_learners = p.num_learners
@@ -508,13 +506,13 @@ class PSDistRuntime(_DistBase):
             [s + g * group_size + m for m in range(group_size)]
             for g in range(p.num_learners // group_size)
         ]
-        self.layout = dist_ps.PSLayout(server_ranks=list(range(s)), worker_groups=groups)
+        self.layout = ps.PSLayout(server_ranks=list(range(s)), worker_groups=groups)
         # every rank creates every subgroup, in the same order (c10d requirement)
         self._subgroups = [dist.new_group(g) if len(g) > 1 else None for g in groups]
         self.is_server = self.rank < s
         self.full_protocol = build_protocol(cfg, initial)
         if s > 1 and self.is_server:
-            lo, hi = dist_ps.shard_bounds(initial.numel(), s)[self.rank]
+            lo, hi = ps.shard_bounds(initial.numel(), s)[self.rank]
             self.protocol = build_protocol(cfg, initial[lo:hi].clone())
         else:
             self.protocol = self.full_protocol
@@ -543,7 +541,7 @@ class PSDistRuntime(_DistBase):
 
     def _serve_thread(self, protocol: AsynchronousProtocol, on_push: Any) -> None:
         try:
-            result = self.dist_ps.run_server(
+            result = ps.run_server(
                 protocol,
                 self.layout,
                 on_push=on_push,
@@ -620,10 +618,10 @@ class PSDistRuntime(_DistBase):
         until the coordinator stops the run.
 
         Raises:
-            dist_ps.ServerLost: the server went silent for ``dist.timeout_s``.
+            ps.ServerLost: the server went silent for ``dist.timeout_s``.
         """
         if self.is_server:
-            self.dist_ps.run_server(
+            ps.run_server(
                 self.protocol,
                 self.layout,
                 on_push=lambda event: True,
@@ -647,7 +645,7 @@ class PSDistRuntime(_DistBase):
             idx = stream.next_indices()
             return self.engine.gradient(weights, x[idx], y[idx])
 
-        self.dist_ps.run_learner(
+        ps.run_learner(
             self.layout,
             self.rank,
             compute=compute,

@@ -1,0 +1,390 @@
+"""The parameter server's loop: pushes applied in arrival order, replies, the barrier, the
+coordinator's stop and central weights, lost learners and shards (see
+:mod:`distsgd.runtime.ps` for the flow, sharding and faults)."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from distsgd.protocols.base import AsynchronousProtocol, Update
+from distsgd.runtime.ps.transport import (
+    _COORDINATOR,
+    _FOREVER_S,
+    _KIND,
+    _SAMPLES,
+    _VERSION,
+    BYE,
+    GATHER,
+    LAST,
+    PUSH,
+    STOP,
+    WEIGHTS,
+    LearnerLost,
+    PSLayout,
+    ServerLost,
+    _brief,
+    _header,
+    _pair_groups,
+    _Receiver,
+    _send,
+)
+
+__all__ = ["PushEvent", "ServerResult", "run_server"]
+
+
+@dataclass
+class PushEvent:
+    """One push handled by the coordinator.
+
+    Attributes:
+        worker: protocol worker index (learner, or compute group).
+        rank: global rank of its leader.
+        pulled_version: version the gradient was computed on.
+        update: the update this push completed (vector clock, staleness), or None.
+        samples: samples behind the gradient (group size × batch).
+        losses: the members' training losses, in group order.
+        central_weights: returns the full central weights ``[P]`` (a copy; with S > 1 it
+            gathers every shard's slice, one round trip): for evaluation and checkpoints
+            from inside ``on_push``.
+    """
+
+    worker: int
+    rank: int
+    pulled_version: int
+    update: Update | None
+    samples: int
+    losses: list[float]
+    central_weights: Callable[[], Tensor]
+
+
+@dataclass
+class ServerResult:
+    """What :func:`run_server` returns.
+
+    Attributes:
+        lost_ranks: leader ranks declared lost, in order of detection.
+        num_pushes: pushes this shard applied.
+        stopped: the run ended by the coordinator's stop (on the coordinator).
+        weights: coordinator: the final central weights ``[P]`` (all shards); None on the
+            other shards.
+    """
+
+    lost_ranks: list[int] = field(default_factory=list)
+    num_pushes: int = 0
+    stopped: bool = False
+    weights: Tensor | None = None
+
+
+def run_server(
+    protocol: AsynchronousProtocol,
+    layout: PSLayout,
+    *,
+    on_push: Callable[[PushEvent], bool],
+    lr: Callable[[int], float],
+    timeout_s: float,
+    log: Callable[[str], None],
+) -> ServerResult:
+    """Serve the parameter-server protocol to the learners until the run stops.
+
+    Called on every rank of ``layout.server_ranks``; with S > 1 server ranks, each passes a
+    protocol built on its slice ``shard_bounds(P, S)[k]`` (same class and settings). The
+    loop mirrors the simulated cluster (``sim._advance_async``): a push goes to
+    ``protocol.push(worker, grad, version, lr(samples))`` in arrival order; the worker gets
+    ``protocol.pull`` at once if ``can_pull``, else (barrier) when an update releases it.
+
+    Args:
+        protocol: the server's protocol object (weights ``[n]`` = this shard's slice).
+        layout: server and learner ranks.
+        on_push: coordinator only: called after each applied push; return False to stop.
+        lr: base learning rate α0 given the samples applied before this push (schedule).
+        timeout_s: seconds a learner may stay silent after the server's reply before it is
+            declared lost (also the send timeout), > 0.
+        log: receives one line per lost learner.
+
+    Returns:
+        :class:`ServerResult` (lost leader ranks, pushes applied).
+
+    Raises:
+        ValueError: this rank is not in ``layout.server_ranks`` or ``timeout_s <= 0``.
+        LearnerLost: a learner was lost under a barrier, or every worker was lost.
+    """
+    return _ServerLoop(protocol, layout, on_push, lr, timeout_s, log).run()
+
+
+class _ServerLoop:
+    """One server rank's loop, its state explicit (see :func:`run_server`).
+
+    State: ``live`` workers (not lost, not done); ``waiting`` workers held by the barrier
+    and owed a reply; ``stopping`` once the coordinator's ``on_push`` asked to stop (or, on
+    another shard, once a barrier round cannot complete); ``gather_target``, on another
+    shard, the coordinator's push count a GATHER waits for; ``final_requested`` once the
+    coordinator asked for the final slice; ``samples`` applied so far.
+    """
+
+    def __init__(
+        self,
+        protocol: AsynchronousProtocol,
+        layout: PSLayout,
+        on_push: Callable[[PushEvent], bool],
+        lr: Callable[[int], float],
+        timeout_s: float,
+        log: Callable[[str], None],
+    ) -> None:
+        rank = dist.get_rank()
+        if rank not in layout.server_ranks:
+            raise ValueError(f"rank {rank} is not a server rank of {layout.server_ranks}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s = {timeout_s!r} is not allowed: expected > 0")
+        self.protocol, self.layout = protocol, layout
+        self.on_push, self.lr, self.timeout_s, self.log = on_push, lr, timeout_s, log
+        self.rank = rank
+        self.coordinator = rank == layout.server_ranks[0]
+        self.barrier = bool(getattr(protocol, "barrier", False))
+        self.n = protocol.eval_weights().numel()
+        self.leaders = layout.leaders
+        self.servers = layout.server_ranks
+        self.inbox: queue.Queue = queue.Queue()
+        self.shard_inbox: queue.Queue = queue.Queue()
+        self.links = _pair_groups(layout, rank)
+        self.receivers = [
+            _Receiver(w, r, self.links[r], timeout_s, self.inbox)
+            for w, r in enumerate(self.leaders)
+        ]
+        # shard channel: the coordinator hears every other shard, the others hear it
+        servers, links = self.servers, self.links
+        if self.coordinator:
+            self.peers = {
+                k: _Receiver(
+                    k, servers[k], links[servers[k]], _FOREVER_S, self.shard_inbox, self.inbox
+                )
+                for k in range(1, len(servers))
+            }
+        else:
+            self.peers = {
+                0: _Receiver(_COORDINATOR, servers[0], links[servers[0]], _FOREVER_S, self.inbox)
+            }
+        self.result = ServerResult()
+        self.final_requested = False
+        self.gather_target: int | None = None
+        self.live = set(range(layout.num_workers))
+        self.waiting: list[int] = []
+        self.stopping = False
+        self.samples = 0
+
+    # ---- replies -----------------------------------------------------------------------
+    def send_weights(self, w: int) -> None:
+        weights, version = self.protocol.pull(w)
+        leader, link = self.leaders[w], self.links[self.leaders[w]]
+        try:
+            _send(_header(WEIGHTS, version, worker=w, length=self.n), leader, link, self.timeout_s)
+            _send(weights.contiguous(), leader, link, self.timeout_s)
+        except RuntimeError as e:  # it died since its push
+            self.lose(w, e)
+            return
+        self.receivers[w].arm()
+
+    def send_stop(self, w: int, kind: int = STOP) -> None:
+        self.live.discard(w)
+        leader = self.leaders[w]
+        try:
+            header = _header(kind, self.protocol.version, worker=w)
+            _send(header, leader, self.links[leader], self.timeout_s)
+        except RuntimeError as e:  # it died meanwhile; it is done either way
+            if leader not in self.result.lost_ranks:
+                self.log(
+                    f"parameter server rank {self.rank}: learner rank {leader} lost ({_brief(e)})"
+                )
+                self.result.lost_ranks.append(leader)
+
+    def lose(self, w: int, error: Exception | str) -> None:
+        self.live.discard(w)
+        if w in self.waiting:
+            self.waiting.remove(w)
+        leader = self.leaders[w]
+        self.result.lost_ranks.append(leader)
+        self.log(f"parameter server rank {self.rank}: learner rank {leader} lost ({_brief(error)})")
+        if self.gather_target is not None:  # the pushes awaited may never come
+            self.answer_coordinator(_header(GATHER, self.gather_target), None)
+        if self.barrier and not self.stopping:
+            raise LearnerLost(
+                [leader],
+                f"learner rank {leader} lost under the hardsync barrier: no update can "
+                f"complete without it ({error})",
+            )
+
+    def release_held(self, kind: int = LAST) -> None:
+        """Answer every worker held by the barrier with ``kind`` (their pushes were
+        applied: LAST tells them to carry them on to the later shards, then leave)."""
+        for v in self.waiting:
+            self.send_stop(v, kind)
+        self.waiting.clear()
+
+    # ---- shards ------------------------------------------------------------------------
+    def check_shards(self) -> None:
+        while not self.shard_inbox.empty():
+            k, _, _, error = self.shard_inbox.get_nowait()
+            s = self.servers[k]
+            raise ServerLost(s, f"parameter server shard rank {s} lost ({error})")
+
+    def central(self, final: bool = False) -> Tensor:
+        """Coordinator: the full weights [P], every shard's slice (shards answer GATHER
+        between two messages; STOP asks for the final slice once their learners are done)."""
+        servers = self.servers
+        if len(servers) == 1:
+            return self.protocol.eval_weights()
+        for k in self.peers:
+            try:
+                header = _header(STOP if final else GATHER, self.result.num_pushes)
+                _send(header, servers[k], self.links[servers[k]], self.timeout_s)
+            except RuntimeError as e:
+                msg = f"parameter server shard rank {servers[k]} lost ({e})"
+                raise ServerLost(servers[k], msg) from e
+        parts = {0: self.protocol.eval_weights()}
+        while len(parts) < len(servers):
+            try:
+                k, header, payload, error = self.shard_inbox.get(timeout=2 * self.timeout_s + 5.0)
+            except queue.Empty:
+                k = min(set(range(len(servers))) - set(parts))
+                msg = f"parameter server shard rank {servers[k]} did not send its slice"
+                raise ServerLost(servers[k], msg) from None
+            if error is not None:
+                raise ServerLost(
+                    servers[k], f"parameter server shard rank {servers[k]} lost ({error})"
+                )
+            assert int(header[_KIND]) == WEIGHTS
+            parts[k] = payload
+            if not final:
+                self.peers[k].arm()
+        return torch.cat([parts[k] for k in range(len(servers))])
+
+    def answer_coordinator(
+        self, header: Tensor, error: Exception | None, final: bool = False
+    ) -> None:
+        """Another shard: a message of the coordinator (GATHER: send the slice once as many
+        pushes as it had are applied; STOP: the final slice is wanted)."""
+        coordinator = self.servers[0]
+        if error is not None:
+            raise ServerLost(
+                coordinator, f"coordinator parameter server rank {coordinator} lost ({error})"
+            )
+        if int(header[_KIND]) == STOP:
+            self.final_requested = True
+            return
+        # GATHER: answer once this shard has applied as many pushes as the coordinator had
+        # (learners push here after the coordinator's reply), or at once if one was lost
+        target = int(header[_VERSION])
+        if self.result.num_pushes < target and not final and not self.result.lost_ranks:
+            self.gather_target = target
+            return
+        self.gather_target = None
+        link = self.links[coordinator]
+        _send(
+            _header(WEIGHTS, self.protocol.version, length=self.n),
+            coordinator,
+            link,
+            self.timeout_s,
+        )
+        _send(self.protocol.eval_weights(), coordinator, link, self.timeout_s)
+        if not final:
+            self.peers[0].arm()
+
+    # ---- the loop ----------------------------------------------------------------------
+    def run(self) -> ServerResult:
+        finished = False
+        threads = self.receivers + list(self.peers.values())
+        for t in threads:
+            t.start()
+        for t in self.peers.values():
+            t.arm()
+        try:
+            for w in range(self.layout.num_workers):
+                self.send_weights(w)
+            while self.live or not (self.coordinator or self.final_requested):
+                if self.coordinator:
+                    self.check_shards()
+                if not self.live and (self.coordinator or self.final_requested):
+                    break
+                item = self.inbox.get()
+                if item is None:  # a shard's receiver failed: check_shards raises
+                    continue
+                self.handle(*item)
+            result = self.result
+            if not result.stopped and len(result.lost_ranks) == self.layout.num_workers:
+                raise LearnerLost(list(result.lost_ranks), "every learner was lost")
+            if self.coordinator:
+                result.weights = self.central(final=True)
+            else:  # the coordinator asked for the final slice and every learner is done
+                self.answer_coordinator(_header(GATHER), None, final=True)
+            finished = True
+            return result
+        finally:
+            for t in threads:
+                t.close()
+            if finished:  # no receive is pending then; after an error, do not wait for one
+                for t in self.receivers:
+                    t.join(self.timeout_s + 1.0)
+
+    def handle(
+        self, w: int, header: Tensor, payload: Tensor | None, error: Exception | None
+    ) -> None:
+        """One message from worker ``w``'s leader (or from the coordinator)."""
+        if w == _COORDINATOR:
+            self.answer_coordinator(header, error)
+            return
+        if error is not None:
+            timed_out = "Timed out" in str(error)
+            self.lose(w, f"silent for {self.timeout_s:g} s" if timed_out else error)
+            return
+        kind = int(header[_KIND])
+        if kind == BYE:
+            self.live.discard(w)
+            if not self.coordinator and self.barrier and not self.stopping:
+                # the stopping round cannot complete on this shard: release the held
+                # learners (their pushes were applied: LAST) and any still to come
+                self.stopping = True
+                self.release_held()
+            return
+        assert kind == PUSH, f"unexpected message kind {kind} from rank {self.leaders[w]}"
+        if self.stopping and self.coordinator:  # refused: it reaches no other shard
+            self.send_stop(w)
+            return
+        self.apply_push(w, header, payload)
+
+    def apply_push(self, w: int, header: Tensor, payload: Tensor) -> None:
+        """Apply a push (the other shards apply every push: the coordinator accepted it),
+        reply, release what the update released, and on the coordinator call on_push."""
+        protocol, n = self.protocol, self.n
+        version, n_samples = int(header[_VERSION]), int(header[_SAMPLES])
+        update = protocol.push(w, payload[:n], version, self.lr(self.samples))
+        self.samples += n_samples
+        self.result.num_pushes += 1
+        # reply first (as sim._advance_async), so that the learner carries this push on
+        # to the other shards while on_push runs
+        if protocol.can_pull(w):
+            self.send_weights(w)
+        elif self.stopping:  # other shard, barrier round that cannot complete
+            self.send_stop(w, LAST)
+        else:
+            self.waiting.append(w)
+        if update is not None and self.waiting:
+            released = [v for v in sorted(self.waiting) if protocol.can_pull(v)]
+            self.waiting[:] = [v for v in self.waiting if v not in released]
+            for v in released:
+                self.send_weights(v)
+        if self.coordinator:
+            losses = payload[n:].tolist()
+            event = PushEvent(w, self.leaders[w], version, update, n_samples, losses, self.central)
+            if not self.on_push(event):
+                # pushes held by the barrier were applied: LAST tells their learners to
+                # carry them on to the other shards before leaving; every other learner
+                # gets STOP on its next push, which is not applied
+                self.stopping = self.result.stopped = True
+                self.release_held()
+        elif self.gather_target is not None and self.result.num_pushes >= self.gather_target:
+            self.answer_coordinator(_header(GATHER, self.gather_target), None)

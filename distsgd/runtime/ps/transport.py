@@ -1,0 +1,232 @@
+"""The parameter server's transport: message headers, two-rank channels, receiver threads,
+the rank layout and the errors of a lost peer (see :mod:`distsgd.runtime.ps` for the
+message protocol and why each pair has its own process group)."""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "HEADER_LEN",
+    "TAG",
+    "LearnerLost",
+    "PSLayout",
+    "ServerLost",
+    "shard_bounds",
+]
+
+TAG = 7301
+HEADER_LEN = 6
+PUSH, WEIGHTS, STOP, BYE, LAST, GATHER, SERVER_GONE = 1, 2, 3, 4, 5, 6, 7
+_KIND, _VERSION, _SAMPLES, _LOSSES, _WORKER, _LENGTH = range(HEADER_LEN)
+_COORDINATOR = -1  # inbox key of the coordinator's messages on the other shards
+_FOREVER_S = 7 * 24 * 3600.0  # between server shards: their loss shows as a closed pair
+
+
+class LearnerLost(RuntimeError):
+    """A learner (or a compute group) was lost where the run cannot go on without it.
+
+    Attributes:
+        ranks: the global ranks concerned.
+    """
+
+    def __init__(self, ranks: list[int], message: str) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class ServerLost(RuntimeError):
+    """A parameter-server rank died or stayed silent past the timeout.
+
+    Attributes:
+        rank: the server's global rank.
+    """
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass(frozen=True)
+class PSLayout:
+    """Which ranks serve and which learn.
+
+    Attributes:
+        server_ranks: >= 1 global ranks; server k owns slice ``shard_bounds(P, S)[k]`` of the
+            flat parameters; ``server_ranks[0]`` is the coordinator (calls ``on_push``).
+        worker_groups: one list per protocol worker (learner of the parameter server, or
+            compute group): its learner ranks, ``[0]`` being the leader.
+
+    Raises:
+        ValueError: an empty role, or a rank listed twice.
+    """
+
+    server_ranks: list[int]
+    worker_groups: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not self.server_ranks:
+            raise ValueError("server_ranks = [] is not allowed: expected at least one rank")
+        if not self.worker_groups or any(not g for g in self.worker_groups):
+            raise ValueError(
+                f"worker_groups = {self.worker_groups!r} is not allowed: expected at least "
+                "one non-empty group"
+            )
+        ranks = list(self.server_ranks) + [r for g in self.worker_groups for r in g]
+        if len(set(ranks)) != len(ranks) or any(not isinstance(r, int) or r < 0 for r in ranks):
+            raise ValueError(
+                f"layout server_ranks = {self.server_ranks!r}, worker_groups = "
+                f"{self.worker_groups!r} is not allowed: expected distinct ranks >= 0"
+            )
+
+    @property
+    def num_workers(self) -> int:
+        """Protocol workers (learners or compute groups)."""
+        return len(self.worker_groups)
+
+    @property
+    def leaders(self) -> list[int]:
+        """The leader rank of each worker."""
+        return [g[0] for g in self.worker_groups]
+
+    def worker_of(self, rank: int) -> int:
+        """The worker index whose group holds ``rank``.
+
+        Raises:
+            ValueError: ``rank`` is no learner rank.
+        """
+        for w, g in enumerate(self.worker_groups):
+            if rank in g:
+                return w
+        raise ValueError(f"rank = {rank} is not allowed: expected a learner rank of the layout")
+
+
+def shard_bounds(num_parameters: int, num_servers: int) -> list[tuple[int, int]]:
+    """Contiguous slices ``[lo, hi)`` of P parameters over S server shards (Rudra-adv).
+
+    The first ``P mod S`` shards hold one parameter more than the others.
+
+    Raises:
+        ValueError: ``num_servers < 1`` or ``num_servers > num_parameters``.
+    """
+    if not 1 <= num_servers <= num_parameters:
+        raise ValueError(
+            f"num_servers = {num_servers} is not allowed: expected 1 <= S <= P = {num_parameters}"
+        )
+    base, extra = divmod(num_parameters, num_servers)
+    bounds, lo = [], 0
+    for k in range(num_servers):
+        hi = lo + base + (1 if k < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def _td(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+def _header(
+    kind: int, version: int = 0, samples: int = 0, losses: int = 0, worker: int = 0, length: int = 0
+) -> Tensor:
+    return torch.tensor([kind, version, samples, losses, worker, length], dtype=torch.int64)
+
+
+def _send(tensor: Tensor, dst: int, group: dist.ProcessGroup, timeout_s: float) -> None:
+    dist.isend(tensor, dst=dst, group=group, tag=TAG).wait(_td(timeout_s))
+
+
+def _recv(tensor: Tensor, src: int, group: dist.ProcessGroup, timeout_s: float) -> Tensor:
+    dist.irecv(tensor, src=src, group=group, tag=TAG).wait(_td(timeout_s))
+    return tensor
+
+
+def _pair_groups(layout: PSLayout, rank: int) -> dict[int, dist.ProcessGroup]:
+    """This rank's own gloo process group with each peer it talks to: every (server,
+    leader) pair and every (coordinator, shard) pair.
+
+    A timed-out gloo receive closes every pair of its process group (gloo's
+    ``signalException``: "Application timeout caused pair closure", measured with torch
+    2.13), and a pending gloo receive can be neither polled nor aborted. With one process
+    group per pair, the silence timeout of one learner closes that learner's channel
+    only. ``new_group`` is collective over the default group (gloo's rendezvous keys
+    count the groups a process created, so ``use_local_synchronization`` deadlocks here):
+    every rank creates every pair group, in the same order.
+    """
+    servers = layout.server_ranks
+    pairs = [(s, r) for s in servers for r in layout.leaders]
+    pairs += [(servers[0], s) for s in servers[1:]]
+    groups = {}
+    for a, b in pairs:
+        group = dist.new_group([a, b])  # setup waits as long as the default group allows
+        if rank in (a, b):
+            groups[b if rank == a else a] = group
+    return groups
+
+
+# ---- server -----------------------------------------------------------------------------
+
+
+class _Receiver(threading.Thread):
+    """Receives the next message of one leader when armed (after each server reply).
+
+    A gloo receive cannot be polled (``Work.is_completed`` only turns true in ``wait``), so
+    each leader gets a thread that blocks in one receive on the pair's own process group,
+    with the silence timeout, and hands the message (or the error) to the server's queue.
+    """
+
+    def __init__(
+        self,
+        worker: int,
+        rank: int,
+        group: dist.ProcessGroup,
+        timeout_s: float,
+        out: queue.Queue,
+        wake: queue.Queue | None = None,
+    ):
+        super().__init__(name=f"ps-recv-{rank}", daemon=True)
+        self.worker, self.rank, self.group, self.timeout_s = worker, rank, group, timeout_s
+        self.out, self.wake = out, wake
+        self.armed = threading.Event()
+        self.closing = False
+
+    def arm(self) -> None:
+        self.armed.set()
+
+    def close(self) -> None:
+        self.closing = True
+        self.armed.set()
+
+    def run(self) -> None:
+        while True:
+            self.armed.wait()
+            self.armed.clear()
+            if self.closing:
+                return
+            try:
+                header = torch.empty(HEADER_LEN, dtype=torch.int64)
+                _recv(header, self.rank, self.group, self.timeout_s)
+                payload = None
+                if int(header[_LENGTH]) > 0:
+                    payload = torch.empty(int(header[_LENGTH]), dtype=torch.float32)
+                    _recv(payload, self.rank, self.group, self.timeout_s)
+            except RuntimeError as e:
+                self.out.put((self.worker, None, None, e))
+                if self.wake is not None:
+                    self.wake.put(None)
+                return
+            self.out.put((self.worker, header, payload, None))
+
+
+def _brief(error: Exception | str) -> str:
+    """First line of a c10d error without gloo's source location and advice."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]
