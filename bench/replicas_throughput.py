@@ -38,7 +38,7 @@ from distsgd.config import DataConfig
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
-from distsgd.tuner.replicas import ReplicaAutoTuner
+from distsgd.replicas import ReplicaAutoTuner
 
 
 def _inputs(ds, engine: GradientEngine, k: int, b: int, seed: int):

@@ -43,6 +43,7 @@ from distsgd.metrics import MetricsWriter, TensorBoardWriter, write_json
 from distsgd.models import build_model
 from distsgd.protocols import build_protocol
 from distsgd.protocols.base import AsynchronousProtocol
+from distsgd.replicas import ReplicaAutoTuner
 from distsgd.runtime.sim import (
     REPLICA_CALIBRATION_MAX_K,
     DeviceProfile,
@@ -52,7 +53,6 @@ from distsgd.runtime.sim import (
     calibrate,
     calibrate_replicas,
 )
-from distsgd.tuner.replicas import ReplicaAutoTuner
 
 __all__ = ["train", "Trainer", "CHECKPOINT_FORMAT"]
 
