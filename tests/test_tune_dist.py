@@ -213,7 +213,7 @@ def _one_line_exit_2(capsys, argv):
 def test_tune_refuses_more_processes_than_cores_and_families_it_cannot_probe(
     tmp_path, capsys, monkeypatch
 ):
-    monkeypatch.setattr("distsgd.tuner.tune.os.cpu_count", lambda: 2)
+    monkeypatch.setattr("distsgd.tuner.session.os.cpu_count", lambda: 2)
     base = small_config(protocol={"num_learners": 2, "batch_size": 16})
     cfg = tmp_path / "base.toml"
     cfg.write_text(base.to_toml())

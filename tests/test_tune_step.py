@@ -11,7 +11,8 @@ import torch
 
 from distsgd.trainer import Trainer
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult
-from distsgd.tuner.tune import choose_step, step_points, step_pool
+from distsgd.tuner.probes import RunClock
+from distsgd.tuner.step_search import choose_step, step_points, step_pool
 
 from .conftest import small_config
 
@@ -77,8 +78,7 @@ def choose(points, long_run_s, runs, reached=True, pool=None):
     return choose_step(
         points,
         long_run_s,
-        "virtual_s",
-        "time_to_accuracy_virtual_s",
+        RunClock.of(simulated=True),
         runs,
         DecisionLog(),
         long_run_reached=reached,
@@ -166,7 +166,7 @@ def test_plan_keeps_its_momentum_and_takes_the_better_lr_at_it():
     # steady state's best is η = 0.025 at μ = 0.3 (a tie within 1% with η/10 at μ = 0.9);
     # the plan keeps μ = 0.9, where η/10 scored clearly better than η
     from distsgd.config import TuneConfig
-    from distsgd.tuner.tune import plan_switch
+    from distsgd.tuner.plan import plan_switch
 
     cur = Candidate("hardsync", 2, 16, 0.025, 0.9)
     scores = {(0.025, 0.9): 0.2729, (0.0025, 0.9): 0.2475, (0.025, 0.3): 0.2490}
