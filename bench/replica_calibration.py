@@ -31,8 +31,8 @@ from distsgd.config import DataConfig
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
+from distsgd.replicas import ReplicaAutoTuner
 from distsgd.runtime.sim import calibrate_replicas, measure_replica_seconds
-from distsgd.tuner.replicas import ReplicaAutoTuner
 
 
 def tuner_choice(ratios: list[float], b: int) -> tuple[int, list[str]]:

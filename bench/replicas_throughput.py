@@ -12,7 +12,7 @@ side by side in one process, interleaved, ``--repeats`` times each (median kept)
 
 Ratios are of samples per second. Rounds 0..S−1 (``--seeds``) repeat the whole grid with
 other model initialisations and data. Then the replicas-per-device auto-tuner
-(:mod:`distsgd.tuner.replicas`) runs for ``--tune-batch`` b on measured wall throughput
+(:mod:`distsgd.replicas`) runs for ``--tune-batch`` b on measured wall throughput
 (the same batched path a run uses, ``path="auto"``), once per seed, and its choice is
 compared with the k of the highest measured throughput in the sweep.
 
@@ -38,7 +38,7 @@ from distsgd.config import DataConfig
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
-from distsgd.tuner.replicas import ReplicaAutoTuner
+from distsgd.replicas import ReplicaAutoTuner
 
 
 def _inputs(ds, engine: GradientEngine, k: int, b: int, seed: int):
@@ -256,7 +256,7 @@ def main() -> None:
         "",
         f"## auto-tuner at b = {b}",
         "",
-        f"The tuner (rules {', '.join(args.rules)}: see `distsgd.tuner.replicas`; threshold "
+        f"The tuner (rules {', '.join(args.rules)}: see `distsgd.replicas`; threshold "
         f"{args.threshold:.0%}, {args.tune_interval} iterations per "
         "measurement, one warm-up iteration after each change; throughput = samples / "
         "(median seconds per iteration × iterations)) ran on measured wall "

@@ -127,7 +127,7 @@ class ProtocolConfig:
             ``"auto"``: Crossbow's auto-tuner chooses k (SPEC.md §4; simulated seconds on
             the simulated runtime, the slowest rank's wall seconds on ``dist``): the run starts with
             k = 1, so ``num_learners`` is then the number of devices, and λ grows to
-            devices × k as replicas are added (see :mod:`distsgd.tuner.replicas`).
+            devices × k as replicas are added (see :mod:`distsgd.replicas`).
         autotune_threshold: with ``replicas_per_device = "auto"``: add a replica per device
             while throughput improves by more than this fraction (0.10 = 10%), in (0, 10].
         autotune_interval: with ``"auto"``: iterations over which each k's throughput is
@@ -139,7 +139,7 @@ class ProtocolConfig:
             throughput gain of an added replica is above the threshold) or ``"marginal"``
             (continue while the added replica contributes more than the threshold of an
             average replica's throughput, (k − 1) × gain; follows slowly rising curves),
-            see :mod:`distsgd.tuner.replicas`.
+            see :mod:`distsgd.replicas`.
         alpha: SMA correction weight α (0 <= α <= 1). 0 means 1/λ over all
             learners (SPEC §4: with μ_z = 0 the new z is then the mean of the replicas).
         central_momentum: SMA Polyak momentum μ_z on the central model, in [0, 1).

@@ -12,7 +12,7 @@ Run directory layout (``out_dir``):
   ``train.tensorboard`` is on;
 * ``checkpoint.pt`` — the latest checkpoint (all state; loaded with ``weights_only=True``);
 * ``autotune.json`` — with ``protocol.replicas_per_device = "auto"``: every decision of
-  the replicas-per-device auto-tuner (see :mod:`distsgd.tuner.replicas`);
+  the replicas-per-device auto-tuner (see :mod:`distsgd.replicas`);
 * ``ticks.jsonl``, ``final_weights.pt`` — with ``train.record_ticks``;
   ``eval_weights/NNNN.pt`` — with ``train.save_eval_weights`` (see
   :class:`~distsgd.config.TrainConfig`).
@@ -41,9 +41,9 @@ from distsgd.layout import spec_for
 from distsgd.metrics import MetricsWriter, TensorBoardWriter, write_json
 from distsgd.models import build_model
 from distsgd.protocols.base import AsynchronousProtocol
+from distsgd.replicas import ReplicaAutoTuner
 from distsgd.runtime.base import Tick, TrainingDiverged
 from distsgd.runtime.factory import runtime_kind
-from distsgd.tuner.replicas import ReplicaAutoTuner
 
 __all__ = ["Trainer", "CHECKPOINT_FORMAT"]
 

@@ -14,8 +14,8 @@ from distsgd.config import ConfigError, RunConfig
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
 from distsgd.protocols import SMA, LocalSGD
+from distsgd.replicas import ReplicaAutoTuner
 from distsgd.runtime.sim import DeviceProfile
-from distsgd.tuner.replicas import ReplicaAutoTuner
 from tests.conftest import small_config
 
 SHAPE = (1, 28, 28)

@@ -51,12 +51,12 @@ def run_tune_steps(budget_s, probe_costs, setup_s=1.0, eval_s=0.5, build_s=0.4):
             clock.t += build_s + t + eval_s * (2 + t * rate / every)
             trained.append(t)
 
-    long_run(tb.first_segment_seconds(rate, every))
+    long_run(tb.first_long_run_seconds(rate, every))
     steady_end = tb.steady_end()
     assert steady_end <= budget_s
     search.out_of_budget = lambda: not tb.may_probe(steady_end)
     search.steady_state(best.candidate, "segment")
-    long_run(tb.second_segment_seconds(rate, every))
+    long_run(tb.second_long_run_seconds(rate, every))
     return clock.t - tb.start, len(probe.calls), trained
 
 
@@ -89,9 +89,9 @@ def test_segment_seconds_accounts_for_build_and_evaluations():
     tb = TuneBudget(100.0, 0.35, 0.15, first_probe_s=2.0, eval_s=1.0, clock=clock)
     tb.record_probe(2.0, 1.5)  # build 0.5 s, 1.5 s of training
     # 100 − 10 kept − 0.5 build − 2 evaluations = 87.5 = t (1 + 1 s · 1000/s / 1000)
-    assert tb.segment_seconds(1000.0, 1000, keep_s=10.0) == pytest.approx(87.5 / 2)
+    assert tb.long_run_seconds(1000.0, 1000, keep_s=10.0) == pytest.approx(87.5 / 2)
     clock.t += 97.0  # 3 s left: less than one probe's training after build and evaluations
-    assert tb.segment_seconds(1000.0, 1000) == 0.0
+    assert tb.long_run_seconds(1000.0, 1000) == 0.0
     assert first_probe_estimate(2.0, 1.5, 0.3) == pytest.approx(3.3)
 
 
@@ -109,8 +109,8 @@ def test_steady_state_ends_at_the_budget_when_the_long_run_used_the_reserve():
     tb = TuneBudget(60.0, 0.35, 0.15, first_probe_s=2.0, eval_s=0.1, clock=clock)
     tb.record_probe(2.0, 1.5)
     clock.t += 41.0  # 19 s left: the reserve (17.4 s) leaves less than one probe's training
-    assert tb.segment_seconds(1000.0, 1000, keep_s=tb.reserve_s()) == 0.0
-    t = tb.first_segment_seconds(1000.0, 1000)
+    assert tb.long_run_seconds(1000.0, 1000, keep_s=tb.reserve_s()) == 0.0
+    t = tb.first_long_run_seconds(1000.0, 1000)
     assert 0 < t <= 19.0  # so it takes what is left of the budget
     clock.t += 0.5 + t + 0.1 * (2 + t)
     # steady state ends at the budget, not 0.15·B after the long run (the overrun seen as

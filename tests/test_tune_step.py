@@ -11,7 +11,14 @@ import torch
 
 from distsgd.trainer import Trainer
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult
-from distsgd.tuner.tune import choose_step, step_points, step_pool
+from distsgd.tuner.probes import RunClock
+from distsgd.tuner.step_search import (
+    choose_step,
+    step_points,
+    step_pool,
+    truncate_run,
+    usable_step_points,
+)
 
 from .conftest import small_config
 
@@ -77,8 +84,7 @@ def choose(points, long_run_s, runs, reached=True, pool=None):
     return choose_step(
         points,
         long_run_s,
-        "virtual_s",
-        "time_to_accuracy_virtual_s",
+        RunClock.of(simulated=True),
         runs,
         DecisionLog(),
         long_run_reached=reached,
@@ -166,7 +172,7 @@ def test_plan_keeps_its_momentum_and_takes_the_better_lr_at_it():
     # steady state's best is η = 0.025 at μ = 0.3 (a tie within 1% with η/10 at μ = 0.9);
     # the plan keeps μ = 0.9, where η/10 scored clearly better than η
     from distsgd.config import TuneConfig
-    from distsgd.tuner.tune import plan_switch
+    from distsgd.tuner.plan import plan_switch
 
     cur = Candidate("hardsync", 2, 16, 0.025, 0.9)
     scores = {(0.025, 0.9): 0.2729, (0.0025, 0.9): 0.2475, (0.025, 0.3): 0.2490}
@@ -270,3 +276,54 @@ def test_tune_steps_where_its_runs_from_the_snapshots_reached_the_target_soonest
     assert RunConfig.from_toml(out / "plan.toml").optimizer.lr == 0.1
     assert "## Learning-rate step" in (out / "report.md").read_text()
     assert (out / "steps.png").exists()
+
+
+def test_usable_step_points_leave_out_evaluations_without_epochs_to_train():
+    from distsgd.config import TuneConfig
+
+    ev = evals()
+    settings = TuneConfig(step_points=3, step_margin=0.03)
+    log = DecisionLog()
+    # train.max_epochs ends at eval 7: no epochs left after it, for the points and the pool
+    points, pool = usable_step_points(ev, 0.9, settings, ev[7]["epoch"], False, log)
+    assert [p["eval"] for p in points] == [5, 3]
+    assert [p["eval"] for p in pool] == [1, 2, 3, 4, 5, 6]
+    assert log.entries[0]["decision"] == f"skip the step at epoch {ev[7]['epoch']:.3f}"
+    # no point: the log says why
+    log = DecisionLog()
+    none = TuneConfig(step_points=0)
+    assert usable_step_points(ev, 0.9, none, 10.0, False, log) == ([], step_pool(ev, 0.9))
+    assert log.entries[-1]["reason"] == "tune.step_points = 0"
+    log = DecisionLog()
+    tight = TuneConfig(step_points=3, step_margin=0.001)
+    assert usable_step_points(ev, 0.9, tight, 10.0, False, log)[0] == []
+    assert log.entries[-1]["decision"] == "no evaluation of the long run qualifies as a step point"
+
+
+def test_truncate_run_keeps_the_ticks_and_evaluations_up_to_the_step():
+    run = ProbeResult(
+        Candidate("hardsync", 2, 16, 0.1, 0.9),
+        "initial",
+        iterations=[1, 2, 3, 4],
+        virtual_s=[0.1, 0.2, 0.3, 0.4],
+        losses=[4.0, 3.0, 2.0, 1.0],
+    )
+    run.evals = [{"iterations": 0}, {"iterations": 2}, {"iterations": 4}]
+    head = truncate_run(run, 2)
+    assert (head.iterations, head.virtual_s, head.losses) == ([1, 2], [0.1, 0.2], [4.0, 3.0])
+    assert [e["iterations"] for e in head.evals] == [0, 2]
+    assert run.iterations == [1, 2, 3, 4] and len(run.evals) == 3  # the long run unchanged
+
+
+def test_run_clock_names_the_keys_a_run_writes(tmp_path):
+    """The keys the step search and the plan read exist in a real run's records."""
+    cfg = small_config(train={"max_epochs": 0.5, "target_accuracy": 0.2})
+    summary = Trainer(cfg, tmp_path / "a", progress=False).run()
+    recs = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["reached"]
+    for clock in (RunClock.of(simulated=True), RunClock.of(simulated=False)):
+        assert clock.at(recs[-1]) == recs[-1][clock.eval_key] > 0
+        assert summary[clock.time_to_accuracy_key] > 0
+        assert summary[clock.run_seconds_key] > 0
+    assert RunClock.of(simulated=True).name == "simulated"
+    assert RunClock.of(simulated=False).name == "wall"

@@ -36,7 +36,14 @@ from distsgd.runtime.sim import (
     calibrate_replicas,
 )
 
-__all__ = ["RuntimeKind", "calibrated_config", "device_profile", "runtime_kind"]
+__all__ = [
+    "RuntimeKind",
+    "calibrated_config",
+    "device_profile",
+    "runtime_kind",
+    "with_device_profile",
+    "with_replica_profile",
+]
 
 
 def _throwaway_engine(cfg: RunConfig, dataset: Dataset) -> GradientEngine:
@@ -45,32 +52,37 @@ def _throwaway_engine(cfg: RunConfig, dataset: Dataset) -> GradientEngine:
     return GradientEngine(build_model(cfg.model.name, dataset.input_shape, dataset.num_classes))
 
 
-def calibrated_config(cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool]:
-    """``cfg`` with the simulated cluster's device profile measured on this machine where
-    the config asks for it (``cluster.seconds_per_sample/batch = -1``), and Crossbow's
-    t(k)/t(1) ``cluster.replica_ratios`` measured at the run's b for SMA and local SGD
-    with k > 1 or ``"auto"`` (without a calibration: k separate minibatches,
-    ``seconds_per_replica = t(1)``).
+def with_device_profile(cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool]:
+    """``cfg`` with the simulated device's ``cluster.seconds_per_sample`` and
+    ``seconds_per_batch`` measured on this machine where the config asks for it (-1).
 
     Returns:
-        ``(config, calibrated)``: the config with the profile filled in, and whether the
-        device profile was measured here.
+        ``(config, calibrated)``: whether the profile was measured here.
     """
-    calibrated = cfg.cluster.needs_calibration
-    if calibrated:
-        prof = calibrate(_throwaway_engine(cfg, dataset), dataset)
-        cfg = cfg.replace(
-            cluster=dataclasses.replace(
-                cfg.cluster,
-                seconds_per_sample=prof.seconds_per_sample,
-                seconds_per_batch=prof.seconds_per_batch,
-            )
-        )
+    if not cfg.cluster.needs_calibration:
+        return cfg, False
+    prof = calibrate(_throwaway_engine(cfg, dataset), dataset)
+    cluster = dataclasses.replace(
+        cfg.cluster,
+        seconds_per_sample=prof.seconds_per_sample,
+        seconds_per_batch=prof.seconds_per_batch,
+    )
+    return cfg.replace(cluster=cluster), True
+
+
+def with_replica_profile(cfg: RunConfig, dataset: Dataset, calibrated: bool) -> RunConfig:
+    """``cfg`` with Crossbow's t(k)/t(1) (``cluster.replica_ratios``) measured at the run's
+    b for SMA and local SGD with k > 1 or ``"auto"`` when the device profile was
+    ``calibrated`` here; without a measurement, k separate minibatches
+    (``seconds_per_replica = t(1)``). Other protocols, or a profile the config gives:
+    ``cfg`` unchanged."""
     p, c = cfg.protocol, cfg.cluster
-    k = p.initial_replicas_per_device if spec_for(p).replicated else 1
-    needs_k_profile = spec_for(p).replicated and (k > 1 or p.auto_replicas)
-    if not needs_k_profile or c.seconds_per_replica >= 0 or c.replica_ratios:
-        return cfg, calibrated
+    spec = spec_for(p)
+    k = p.initial_replicas_per_device if spec.replicated else 1
+    if not spec.replicated or not (k > 1 or p.auto_replicas):
+        return cfg
+    if c.seconds_per_replica >= 0 or c.replica_ratios:
+        return cfg
     if calibrated:
         # the fixed k, or the k the auto-tuner is likely to try (beyond, the model
         # continues the last measured step)
@@ -85,7 +97,15 @@ def calibrated_config(cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool
     if not c.replica_ratios:
         t1 = c.seconds_per_batch + p.batch_size * c.seconds_per_sample
         c = dataclasses.replace(c, seconds_per_replica=t1)
-    return cfg.replace(cluster=c), calibrated
+    return cfg.replace(cluster=c)
+
+
+def calibrated_config(cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool]:
+    """``cfg`` with the simulated cluster's profile measured on this machine where the
+    config asks for it: the device (:func:`with_device_profile`), then replicas
+    (:func:`with_replica_profile`). Returns ``(config, calibrated)``."""
+    cfg, calibrated = with_device_profile(cfg, dataset)
+    return with_replica_profile(cfg, dataset, calibrated), calibrated
 
 
 def device_profile(cfg: RunConfig, calibrated: bool) -> DeviceProfile:

@@ -8,10 +8,9 @@ run may train.
   the probes measured so far (before the first: an estimate from the setup, see
   :func:`first_probe_estimate`), so only a probe slower than every earlier one can
   overrun, by its excess over that expectation;
-* a long run ("segment") trains for :meth:`TuneBudget.segment_seconds` wall seconds: what is
-  left after its build, its evaluations (each timed once in the setup) and the time kept
-  for the later phases; a segment with less than one probe's training time left is
-  skipped;
+* a long run trains for :meth:`TuneBudget.long_run_seconds` wall seconds: what is left
+  after its build, its evaluations (each timed once in the setup) and the time kept for
+  the later phases; a long run with less than one probe's training time left is skipped;
 * before the search, a budget that cannot hold the setup and one probe is refused
   (:meth:`TuneBudget.minimum_s`, a figure computed from the measured setup and the
   expected probe cost, named in the error).
@@ -19,11 +18,12 @@ run may train.
 Slack (stated in the decision log and ``tune.json``): at most one step's overrun of its
 expected cost, plus writing the plan and the report after the budget.
 
-Phases (shares of B; :mod:`distsgd.tuner.tune` takes every phase decision from the methods
-here): the cold start and joint search end at ``(1 − segment_fraction − steady_share)·B``
+Phases (shares of B; :class:`distsgd.tuner.session.TuneSession` takes every phase decision
+from the methods here; ``long_run_share`` is the setting ``tune.segment_fraction``): the
+cold start and joint search end at ``(1 − long_run_share − steady_share)·B``
 (:meth:`TuneBudget.may_search_probe`; the first cold-start probe may use the whole budget:
 a plan needs one), the first long run gets what is left less a reserve of
-``(steady_share + 0.4·segment_fraction)·B`` (:meth:`TuneBudget.first_segment_seconds`),
+``(steady_share + 0.4·long_run_share)·B`` (:meth:`TuneBudget.first_long_run_seconds`),
 steady state ``steady_share·B`` from its start (:meth:`TuneBudget.steady_end`), the second
 long run the rest. Every phase ends at B at the latest.
 """
@@ -58,7 +58,7 @@ class TuneBudget:
 
     Args:
         total_s: the budget B, wall seconds (> 0).
-        segment_fraction: share of B for the long run (``tune.segment_fraction``).
+        long_run_share: share of B for the long run (the setting ``tune.segment_fraction``).
         steady_share: share of B for steady state.
         first_probe_s: expected wall seconds of the first probe.
         eval_s: wall seconds of one evaluation on the test set (measured in the setup).
@@ -69,7 +69,7 @@ class TuneBudget:
     def __init__(
         self,
         total_s: float,
-        segment_fraction: float,
+        long_run_share: float,
         steady_share: float,
         first_probe_s: float,
         eval_s: float,
@@ -77,7 +77,7 @@ class TuneBudget:
         start: float | None = None,
     ) -> None:
         self.total_s = float(total_s)
-        self.segment_fraction = segment_fraction
+        self.long_run_share = long_run_share
         self.steady_share = steady_share
         self.first_probe_s = first_probe_s
         self.eval_s = eval_s
@@ -98,7 +98,7 @@ class TuneBudget:
     @property
     def search_end(self) -> float:
         """End of the cold start and joint search, seconds from the start."""
-        return self.total_s * (1 - self.segment_fraction - self.steady_share)
+        return self.total_s * (1 - self.long_run_share - self.steady_share)
 
     # ---- probes ------------------------------------------------------------------------
     def record_probe(self, wall_s: float, train_wall_s: float) -> None:
@@ -134,26 +134,27 @@ class TuneBudget:
     def reserve_s(self) -> float:
         """Seconds the first long run leaves for the later phases: steady state's share and
         0.4 of the long run's share (the second long run, from the first one's snapshot)."""
-        return self.total_s * (self.steady_share + 0.4 * self.segment_fraction)
+        return self.total_s * (self.steady_share + 0.4 * self.long_run_share)
 
-    def first_segment_seconds(self, samples_per_s: float, eval_every_samples: int) -> float:
+    def first_long_run_seconds(self, samples_per_s: float, eval_every_samples: int) -> float:
         """Training wall seconds of the first long run: what fits while keeping
         :meth:`reserve_s`; if that leaves less than one probe's training, what fits in the
         whole time left (the later phases need this run); 0: skip it."""
-        t = self.segment_seconds(samples_per_s, eval_every_samples, keep_s=self.reserve_s())
-        return t if t > 0 else self.segment_seconds(samples_per_s, eval_every_samples)
+        t = self.long_run_seconds(samples_per_s, eval_every_samples, keep_s=self.reserve_s())
+        return t if t > 0 else self.long_run_seconds(samples_per_s, eval_every_samples)
 
     def steady_end(self) -> float:
         """End of steady state, seconds from the start: its share of B from now, capped at
         B (a first long run that used the reserve leaves steady state only what is left)."""
         return min(self.elapsed() + self.steady_share * self.total_s, self.total_s)
 
-    def second_segment_seconds(self, samples_per_s: float, eval_every_samples: int) -> float:
-        """Training wall seconds of the second long run: what fits in the budget left."""
-        return self.segment_seconds(samples_per_s, eval_every_samples)
+    def second_long_run_seconds(self, samples_per_s: float, eval_every_samples: int) -> float:
+        """Training wall seconds of a second long run (or of a run at the lower η from a
+        snapshot of the first): what fits in the budget left."""
+        return self.long_run_seconds(samples_per_s, eval_every_samples)
 
     # ---- long runs ---------------------------------------------------------------------
-    def segment_seconds(
+    def long_run_seconds(
         self, samples_per_s: float, eval_every_samples: int, keep_s: float = 0.0
     ) -> float:
         """Training wall seconds t of a long run that fit in the time left minus ``keep_s``.

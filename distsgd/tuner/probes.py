@@ -13,6 +13,10 @@ on real processes. Each probe writes an ordinary run directory under ``probes/``
   goes to the ranks as a file (``train.initial_weights``, under ``snapshots/``) and rank 0
   writes every tick's loss to the probe's ``ticks.jsonl`` and the final central model to
   ``final_weights.pt`` (``train.record_ticks``), which are read back here.
+
+A long run (:meth:`Prober.long_run`, Omnivore's run of the best configuration until the
+target) is the same kind of run with evaluations; it comes back as a :class:`LongRun`, and
+:class:`RunClock` says which of its records' keys hold the runtime's clock.
 """
 
 from __future__ import annotations
@@ -27,11 +31,68 @@ from typing import Any
 import torch
 
 from distsgd.config import ConfigError, RunConfig
+from distsgd.runtime import launch
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
 from distsgd.tuner.omnivore import Candidate, ProbeResult
 
-__all__ = ["candidate_config", "Prober", "check_runtime"]
+__all__ = ["candidate_config", "Prober", "check_runtime", "RunClock", "LongRun"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunClock:
+    """The runtime's clock as the tuner reads it from a run's records: simulated seconds
+    on ``sim``, wall seconds of training on real processes.
+
+    Attributes:
+        name: ``simulated`` or ``wall`` (as the decisions and the report say it).
+        eval_key: the key of an evaluation record (``metrics.jsonl``) with its time on
+            this clock, seconds since the run's start.
+        time_to_accuracy_key: the key of a run summary (``summary.json``) with its time to
+            the target accuracy on this clock, seconds (None when not reached).
+        run_seconds_key: the key of a run summary with the run's length on this clock.
+    """
+
+    name: str
+    eval_key: str
+    time_to_accuracy_key: str
+    run_seconds_key: str
+
+    @classmethod
+    def of(cls, simulated: bool) -> RunClock:
+        """The simulated clock (``sim`` runtime) or the wall clock (real processes)."""
+        if simulated:
+            return cls("simulated", "virtual_s", "time_to_accuracy_virtual_s", "virtual_s")
+        return cls("wall", "wall_s", "time_to_accuracy_s", "train_wall_s")
+
+    def at(self, record: dict[str, Any]) -> float:
+        """Seconds on this clock at an evaluation record."""
+        return float(record[self.eval_key])
+
+
+@dataclasses.dataclass
+class LongRun:
+    """One long run (:meth:`Prober.long_run`).
+
+    Attributes:
+        result: its ticks (losses, iterations, clock) and evaluation records.
+        summary: its ``summary.json`` (empty when the run wrote none): ``reached``,
+            ``epochs``, ``best_accuracy``, ``virtual_s``, ``train_wall_s``, the times to
+            accuracy, ….
+    """
+
+    result: ProbeResult
+    summary: dict[str, Any]
+
+    @property
+    def reached(self) -> bool:
+        """Whether the run reached the target accuracy."""
+        return bool(self.summary.get("reached"))
+
+    @property
+    def epochs(self) -> float:
+        """Epochs the run trained (0 without a summary)."""
+        return float(self.summary.get("epochs", 0.0) or 0.0)
 
 
 def check_runtime(runtime: str) -> None:
@@ -110,7 +171,7 @@ def _safe(text: str) -> str:
 
 
 class Prober:
-    """Runs probes and segments of candidates from named snapshots.
+    """Runs probes and long runs of candidates from named snapshots.
 
     Args:
         base: the base config (device profile already fixed, so every probe shares it).
@@ -138,7 +199,13 @@ class Prober:
 
     @property
     def simulated(self) -> bool:
+        """Whether the probes run on the simulated cluster (``sim`` runtime)."""
         return self.base.runtime == "sim"
+
+    @property
+    def clock(self) -> RunClock:
+        """The clock of the probes' records."""
+        return RunClock.of(self.simulated)
 
     def _train_settings(self, seconds: float) -> dict[str, Any]:
         key = "max_virtual_seconds" if self.simulated else "max_seconds"
@@ -164,7 +231,7 @@ class Prober:
         """Train ``cand`` from ``snapshot`` with ``train`` settings; record every tick.
 
         Returns:
-            (the result, the final central model ``[P]`` of a segment that did not
+            (the result, the final central model ``[P]`` of a long run that did not
             diverge, else None).
         """
         cfg = candidate_config(self.base, cand)
@@ -221,8 +288,6 @@ class Prober:
     def _run_dist(
         self, cfg: RunConfig, run_dir: Path, snapshot: str, kind: str, result: ProbeResult
     ) -> torch.Tensor | None:
-        from distsgd.runtime.launch import DistRunFailed, run
-
         cfg = cfg.replace(
             train=dataclasses.replace(
                 cfg.train,
@@ -232,10 +297,10 @@ class Prober:
             )
         )
         try:
-            run(cfg, run_dir)
+            launch.run(cfg, run_dir)
         except TrainingDiverged:
             result.diverged = True
-        except DistRunFailed as e:
+        except launch.DistRunFailed as e:
             # a rank lost after rank 0 completed the run and wrote its files (e.g. one
             # that aborted while exiting) leaves a complete probe; anything else is fatal
             if _status(run_dir) != "completed":
@@ -262,7 +327,7 @@ class Prober:
         result, _ = self.run(cand, snapshot, self._train_settings(self.probe_seconds))
         return result
 
-    def segment(
+    def long_run(
         self,
         cand: Candidate,
         wall_seconds: float,
@@ -272,7 +337,7 @@ class Prober:
         max_epochs: float | None = None,
         max_clock_s: float = 0.0,
         save_eval_weights: bool = False,
-    ) -> tuple[ProbeResult, dict[str, Any]]:
+    ) -> LongRun:
         """Omnivore's long run of the best configuration from ``snapshot``: train until the
         target accuracy, ``max_epochs`` (default the base config's), ``wall_seconds`` of
         training or ``max_clock_s`` seconds on the runtime's clock (simulated seconds on
@@ -282,7 +347,7 @@ class Prober:
         (:meth:`eval_snapshot` loads one).
 
         Returns:
-            (the run's ticks and evaluations, its summary).
+            the run's ticks, evaluations and summary.
         """
         max_seconds = wall_seconds
         if max_clock_s > 0 and not self.simulated:
@@ -298,19 +363,19 @@ class Prober:
             "tensorboard": False,
             "save_eval_weights": save_eval_weights,
         }
-        result, final = self.run(cand, snapshot, train, kind="segment")
+        result, final = self.run(cand, snapshot, train, kind="long_run")
         if final is not None:
             self.snapshots[name] = final
         summary_path = Path(result.run_dir) / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        return result, summary
+        return LongRun(result, summary)
 
-    def eval_snapshot(self, segment: ProbeResult, eval_index: int, name: str) -> None:
-        """Make the model of ``segment``'s evaluation number ``eval_index`` (its
+    def eval_snapshot(self, long_run: ProbeResult, eval_index: int, name: str) -> None:
+        """Make the model of ``long_run``'s evaluation number ``eval_index`` (its
         ``eval_weights/NNNN.pt``, written with ``save_eval_weights``) snapshot ``name``.
 
         Raises:
-            FileNotFoundError: the segment kept no weights for that evaluation.
+            FileNotFoundError: the long run kept no weights for that evaluation.
         """
-        path = Path(segment.run_dir) / "eval_weights" / f"{eval_index:04d}.pt"
+        path = Path(long_run.run_dir) / "eval_weights" / f"{eval_index:04d}.pt"
         self.snapshots[name] = torch.load(path, weights_only=True)

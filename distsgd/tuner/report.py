@@ -14,6 +14,7 @@ Figures:
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import numpy as np
 
 from distsgd.tuner import perf_model as pm
 
-__all__ = ["write_report"]
+__all__ = ["write_report", "write_tune_json", "clean_state"]
 
 _COLORS = {
     "hardsync": "tab:blue",
@@ -126,7 +127,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
             ax.plot(p["virtual_s"][-1:], [min(p["losses"][-1], 5.0)], "kx")
     for fam, col in _COLORS.items():
         ax.plot([], [], color=col, label=fam)
-    ax.plot([], [], "k:", label="steady-state probes (from the segment's snapshot)")
+    ax.plot([], [], "k:", label="steady-state probes (from the long run's snapshot)")
     ax.set_xlabel(f"{clock} seconds since the probe's snapshot")
     ax.set_ylabel("training loss (per tick)")
     ok = [x for p in state["probes"] if not p["diverged"] for x in p["losses"] if x is not None]
@@ -202,14 +203,11 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
     return figs
 
 
-def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
-    """Write ``report.md`` and the figures into ``out_dir`` from the tune ``state``."""
-    out = Path(out_dir)
-    rows = _shape_rows(state)
-    figs = _plots(out, state, rows)
+def _head_lines(state: dict[str, Any]) -> list[str]:
+    """The target, the clock, the plan and its predicted time to accuracy."""
     clock = state["clock"]
     pred = state.get("prediction") or {}
-    lines = [
+    return [
         "# distsgd tune report",
         "",
         f"Target: {100 * state['target_accuracy']:g}% test accuracy on the `{state['runtime']}` "
@@ -254,34 +252,41 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
         ),
         "",
     ]
-    v = state.get("verify")
-    if v:
-        ratio = v.get("ratio_predicted_to_measured")
-        lines += [
-            "## Predicted vs measured",
-            "",
-            f"Training the plan (`{v['run_dir']}`): reached = {v['reached']}, measured time "
-            f"to accuracy **{_fmt(v['measured_s'], '.2f')} {clock} s**"
-            + (
-                f" ({_fmt(v.get('measured_wall_s'), '.1f')} wall s of training)"
-                if clock == "simulated"
-                else ""
-            )
-            + f"; predicted / measured = **{_fmt(ratio, '.3f')}**"
-            + (
-                f" ({'within' if ratio and abs(ratio - 1) <= 0.25 else 'outside'} ±25%)."
-                if ratio
-                else "."
-            ),
-            "",
-        ]
-    else:
-        lines += [
+
+
+def _verify_lines(state: dict[str, Any]) -> list[str]:
+    """Predicted against measured (after ``--verify``), or how to measure it."""
+    clock, v = state["clock"], state.get("verify")
+    if not v:
+        return [
             "Measure it: `distsgd tune --verify-only DIR` trains `plan.toml` into `DIR/verify` "
             "and adds the measured point here (or run `distsgd tune ... --verify`).",
             "",
         ]
-    lines += [
+    ratio = v.get("ratio_predicted_to_measured")
+    return [
+        "## Predicted vs measured",
+        "",
+        f"Training the plan (`{v['run_dir']}`): reached = {v['reached']}, measured time "
+        f"to accuracy **{_fmt(v['measured_s'], '.2f')} {clock} s**"
+        + (
+            f" ({_fmt(v.get('measured_wall_s'), '.1f')} wall s of training)"
+            if clock == "simulated"
+            else ""
+        )
+        + f"; predicted / measured = **{_fmt(ratio, '.3f')}**"
+        + (
+            f" ({'within' if ratio and abs(ratio - 1) <= 0.25 else 'outside'} ±25%)."
+            if ratio
+            else "."
+        ),
+        "",
+    ]
+
+
+def _tradeoff_lines(clock: str, rows: list[dict[str, Any]], figs: list[str]) -> list[str]:
+    """The best probe of every shape with HE, SE and predicted time, then the figures."""
+    lines = [
         "## Tradeoff space (best η, μ of each shape probed from the initial weights)",
         "",
         f"| configuration | score | {clock} s / iteration (HE) | iterations to target (SE) | "
@@ -302,40 +307,51 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
     ]
     for f in figs:
         lines += [f"![{f}]({f})", ""]
-    runs = state.get("step_runs") or []
-    if runs:
-        lines += [
-            "## Learning-rate step",
-            "",
-            "Runs at the lower η from snapshots of the long run (each until the target or until "
-            "it could no longer beat the soonest so far), in the order tried; "
-            + (
-                f"the plan steps at epoch {state['step_at']['epoch']:.3f}, where the target "
-                "came soonest."
-                if state.get("step_at")
-                else (
-                    "none reached the target sooner than the long run by more than the tie "
-                    "buffer, so the plan does not step."
-                    if (state["long_run"] or {}).get("summary", {}).get("reached")
-                    else "none reached the target, so the plan does not step (a step the "
-                    "tuner did not see reach the target is not planned)."
-                )
-            ),
-            "",
-            f"| step at epoch | accuracy there | reached | time to accuracy ({clock} s) | "
-            "best accuracy | plan |",
-            "|---|---|---|---|---|---|",
-        ]
-        plan_eval = (state.get("step_at") or {}).get("eval")
-        for r in runs:
-            lines.append(
-                f"| {r['epoch']:.3f} | {r['accuracy']:.4f} | {r['reached']} | "
-                f"{_fmt(r['time_to_accuracy_s'], '.2f')} | {_fmt(r['best_accuracy'], '.4f')} | "
-                + ("**plan**" if r["eval"] == plan_eval else "")
-                + " |"
+    return lines
+
+
+def _step_lines(state: dict[str, Any]) -> list[str]:
+    """The runs at the lower η from the long run's snapshots (none: no section)."""
+    clock, runs = state["clock"], state.get("step_runs") or []
+    if not runs:
+        return []
+    lines = [
+        "## Learning-rate step",
+        "",
+        "Runs at the lower η from snapshots of the long run (each until the target or until "
+        "it could no longer beat the soonest so far), in the order tried; "
+        + (
+            f"the plan steps at epoch {state['step_at']['epoch']:.3f}, where the target "
+            "came soonest."
+            if state.get("step_at")
+            else (
+                "none reached the target sooner than the long run by more than the tie "
+                "buffer, so the plan does not step."
+                if (state["long_run"] or {}).get("summary", {}).get("reached")
+                else "none reached the target, so the plan does not step (a step the "
+                "tuner did not see reach the target is not planned)."
             )
-        lines.append("")
-    lines += [
+        ),
+        "",
+        f"| step at epoch | accuracy there | reached | time to accuracy ({clock} s) | "
+        "best accuracy | plan |",
+        "|---|---|---|---|---|---|",
+    ]
+    plan_eval = (state.get("step_at") or {}).get("eval")
+    for r in runs:
+        lines.append(
+            f"| {r['epoch']:.3f} | {r['accuracy']:.4f} | {r['reached']} | "
+            f"{_fmt(r['time_to_accuracy_s'], '.2f')} | {_fmt(r['best_accuracy'], '.4f')} | "
+            + ("**plan**" if r["eval"] == plan_eval else "")
+            + " |"
+        )
+    lines.append("")
+    return lines
+
+
+def _probe_lines(state: dict[str, Any]) -> list[str]:
+    """Every probe in the order run."""
+    lines = [
         "## Probes",
         "",
         "| # | configuration | snapshot | score | ms / iteration | wall s |",
@@ -348,24 +364,78 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
             f"| {i} | {p['label']} | {p['snapshot']} | {score} | "
             f"{_fmt(he * 1e3 if he else None, '.3f')} | {p['wall_s']:.1f} |"
         )
-    ext = state.get("extrapolation") or []
-    if ext:
-        lines += [
-            "",
-            "## Larger clusters (performance model)",
-            "",
-            "HE from the simulated cluster's timing model, SE carried from the plan with the "
-            f"batch-size law (B_noise = {state['noise_scale']:g} samples).",
-            "",
-            f"| λ | g | {clock} s / iteration | iterations to target | predicted ({clock} s) |",
-            "|---|---|---|---|---|",
-        ]
-        for e in ext:
-            lines.append(
-                f"| {e['num_learners']} | {e['g']} | {_fmt(e['seconds_per_iteration'] * 1e3, '.3f')} ms | "
-                f"{_fmt(e['iterations_to_target'], '.0f')} | {_fmt(e['predicted_s'], '.2f')} |"
-            )
+    return lines
+
+
+def _extrapolation_lines(state: dict[str, Any]) -> list[str]:
+    """The plan on larger simulated clusters (none: no section)."""
+    clock, ext = state["clock"], state.get("extrapolation") or []
+    if not ext:
+        return []
+    lines = [
+        "",
+        "## Larger clusters (performance model)",
+        "",
+        "HE from the simulated cluster's timing model, SE carried from the plan with the "
+        f"batch-size law (B_noise = {state['noise_scale']:g} samples).",
+        "",
+        f"| λ | g | {clock} s / iteration | iterations to target | predicted ({clock} s) |",
+        "|---|---|---|---|---|",
+    ]
+    for e in ext:
+        lines.append(
+            f"| {e['num_learners']} | {e['g']} | {_fmt(e['seconds_per_iteration'] * 1e3, '.3f')} ms | "
+            f"{_fmt(e['iterations_to_target'], '.0f')} | {_fmt(e['predicted_s'], '.2f')} |"
+        )
+    return lines
+
+
+def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
+    """Write ``report.md`` and the figures into ``out_dir`` from the tune ``state`` (what
+    ``tune.json`` holds); returns the path of ``report.md``."""
+    out = Path(out_dir)
+    rows = _shape_rows(state)
+    figs = _plots(out, state, rows)
+    lines = (
+        _head_lines(state)
+        + _verify_lines(state)
+        + _tradeoff_lines(state["clock"], rows, figs)
+        + _step_lines(state)
+        + _probe_lines(state)
+        + _extrapolation_lines(state)
+    )
     lines += ["", "Every decision with its reason: `decisions.jsonl`.", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
+    return path
+
+
+def _json_default(o: Any) -> Any:
+    """What ``json.dumps`` cannot write: non-finite floats and numpy scalars; else str."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, np.floating | np.integer):
+        return o.item()
+    return str(o)
+
+
+def clean_state(o: Any) -> Any:
+    """``o`` with NaN/inf → None (strict JSON) and numpy scalars → Python, in every dict,
+    list and tuple."""
+    if isinstance(o, dict):
+        return {k: clean_state(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [clean_state(v) for v in o]
+    if isinstance(o, np.floating | np.integer):
+        o = o.item()
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return o
+
+
+def write_tune_json(out_dir: str | Path, state: dict[str, Any]) -> Path:
+    """Write the tune ``state`` to ``out_dir/tune.json`` (indented; what JSON cannot hold
+    written as text)."""
+    path = Path(out_dir) / "tune.json"
+    path.write_text(json.dumps(state, indent=1, default=_json_default))
     return path

@@ -36,7 +36,7 @@ decision to the protocol (``set_replicas_per_device``) and to its data streams
 
 Example::
 
-    >>> from distsgd.tuner.replicas import ReplicaAutoTuner
+    >>> from distsgd.replicas import ReplicaAutoTuner
     >>> tuner = ReplicaAutoTuner(threshold=0.1, interval=2, warmup=0)
     >>> seconds = {1: 1.0, 2: 1.2, 3: 1.75}          # one iteration of k replicas × b
     >>> decisions = []
