@@ -214,6 +214,7 @@ class Trainer:
             replicas_per_device=k,
             average_every=p.average_every if p.name == "local_sgd" else 1,
             seed=cfg.train.seed,
+            bn_recalibration_samples=cfg.train.bn_recalibration_samples,
         )
 
     def _build_dist(self) -> None:
@@ -368,10 +369,9 @@ class Trainer:
         if self.cfg.runtime == "dist":  # every rank's learners' losses
             loss_sum, loss_count = self.runtime.reduce_losses(loss_sum, loss_count)
         c["loss_sum"], c["loss_count"] = 0.0, 0
-        evaluate = self.engine.evaluate
-        if self.cfg.runtime == "dist":  # the ranks in lock step share the test set
-            evaluate = self.runtime.evaluate
-        acc, loss = evaluate(
+        # the runtime evaluates: on dist the ranks in lock step share the test set; both
+        # recompute BatchNorm statistics for the evaluated weights first
+        acc, loss = self.runtime.evaluate(
             weights,
             self.dataset.test_x,
             self.dataset.test_y,
