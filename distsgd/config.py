@@ -414,6 +414,13 @@ class TrainConfig:
         eval_every_samples: evaluate the model on the full test set every this many
             training samples (0: once per epoch).
         eval_batch_size: batch size of evaluation, in samples.
+        bn_recalibration_samples: training samples over which the running statistics of
+            BatchNorm layers are recomputed with the evaluated weights before every
+            evaluation (precise BN, :meth:`distsgd.engine.GradientEngine.recalibrate`),
+            in samples (>= 1; the whole training set if it is smaller; rounded down to
+            whole batches of ``eval_batch_size``). A fixed, seeded slice of the training
+            set, the same on every runtime and for every protocol. Unused by models
+            without running statistics.
         checkpoint_every_evals: write a checkpoint every this many evaluations (0: only when
             the run stops at its target or budget).
         seed: seeds model initialisation, data order and simulated timing.
@@ -447,6 +454,7 @@ class TrainConfig:
     max_virtual_seconds: float = 0.0
     eval_every_samples: int = 15000
     eval_batch_size: int = 128
+    bn_recalibration_samples: int = 2048
     checkpoint_every_evals: int = 1
     seed: int = 0
     num_threads: int = 0
@@ -477,6 +485,7 @@ class TrainConfig:
             )
         _check_int("train.eval_every_samples", self.eval_every_samples, 0)
         _check_int("train.eval_batch_size", self.eval_batch_size, 1)
+        _check_int("train.bn_recalibration_samples", self.bn_recalibration_samples, 1)
         _check_int("train.checkpoint_every_evals", self.checkpoint_every_evals, 0)
         _check_int("train.seed", self.seed, 0, 2**31 - 1)
         _check_int("train.num_threads", self.num_threads, 0, 256)

@@ -20,9 +20,47 @@ from distsgd.batched import (
     supports,
     vmap_replica_gradients,
 )
-from distsgd.data import iter_eval_batches
+from distsgd.data import Dataset, iter_eval_batches
 
-__all__ = ["GradientEngine"]
+__all__ = ["GradientEngine", "bn_recalibration_indices", "bn_recalibration_inputs"]
+
+# Offset of the recalibration slice's generator from ``train.seed`` (any fixed number: the
+# slice must be the same on every runtime, rank and protocol for the same seed).
+_RECALIBRATION_SEED_OFFSET = 0x5EED_BA7C
+
+
+def bn_recalibration_indices(
+    num_train: int, num_samples: int, batch_size: int, seed: int
+) -> Tensor:
+    """Training-set indices of the slice over which BatchNorm statistics are recomputed.
+
+    The first n of a permutation of ``range(num_train)`` drawn from a ``torch.Generator``
+    seeded with ``seed + 0x5EEDBA7C``, n = ``min(num_samples, num_train)`` rounded down to
+    a multiple of B = ``min(batch_size, n)`` so that every batch of the recalibration
+    holds B samples (then the mean of the batch means is the mean over the slice).
+
+    Args:
+        num_train: N, training samples (>= 1).
+        num_samples: ``train.bn_recalibration_samples`` (>= 1).
+        batch_size: ``train.eval_batch_size`` (>= 1).
+        seed: ``train.seed``.
+
+    Returns:
+        int64 indices, shape ``[n]``, distinct, in ``[0, N)``.
+    """
+    n = min(num_samples, num_train)
+    n -= n % min(batch_size, n)
+    g = torch.Generator().manual_seed(seed + _RECALIBRATION_SEED_OFFSET)
+    return torch.randperm(num_train, generator=g)[:n]
+
+
+def bn_recalibration_inputs(
+    dataset: Dataset, num_samples: int, batch_size: int, seed: int
+) -> tuple[Tensor, int]:
+    """The recalibration slice's inputs ``[n, C, H, W]`` (a copy) and its batch size
+    ``min(batch_size, n)``; see :func:`bn_recalibration_indices`."""
+    idx = bn_recalibration_indices(dataset.num_train, num_samples, batch_size, seed)
+    return dataset.train_x[idx], min(batch_size, idx.numel())
 
 
 class GradientEngine:
@@ -31,7 +69,10 @@ class GradientEngine:
     Args:
         model: any ``nn.Module`` mapping ``[B, C, H, W]`` inputs to ``[B, K]`` logits. Its
             parameters are re-pointed into one flat buffer; buffers (e.g. BatchNorm running
-            statistics) stay with the module and are shared by every caller.
+            statistics) stay with the module and are shared by every caller. The running
+            statistics that training forwards leave behind belong to no model in
+            particular (every learner's forwards update them, at its own weights): an
+            evaluation that needs them recomputes them first (:meth:`recalibrate`).
 
     Attributes:
         num_parameters: P.
@@ -146,19 +187,164 @@ class GradientEngine:
         (BatchNorm): then learners sharing weights cannot be fused into one batch."""
         return any(isinstance(m, nn.modules.batchnorm._NormBase) for m in self.model.modules())
 
-    @torch.inference_mode()
+    @property
+    def has_running_statistics(self) -> bool:
+        """True when the model has normalisation layers that evaluate with running
+        statistics (BatchNorm with ``track_running_stats``): :meth:`recalibrate` sets them."""
+        return bool(self._running_statistics_layers())
+
+    @property
+    def evaluates_with_batch_statistics(self) -> bool:
+        """True when some normalisation layer keeps no running statistics, so that it
+        normalises with its batch's statistics at evaluation too: then an evaluation
+        depends on how the test set is cut into batches."""
+        return any(
+            isinstance(m, nn.modules.batchnorm._NormBase) and m.running_mean is None
+            for m in self.model.modules()
+        )
+
+    def _running_statistics_layers(self) -> list[nn.modules.batchnorm._NormBase]:
+        return [
+            m
+            for m in self.model.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase)
+            and m.track_running_stats
+            and m.running_mean is not None
+            and m.running_var is not None
+        ]
+
+    @torch.no_grad()
+    def batch_statistics_sums(self, weights: Tensor, x: Tensor, batch_size: int) -> Tensor:
+        """Sums over the batches of ``x`` of every BatchNorm layer's batch statistics at
+        ``weights``: the part of :meth:`recalibrate` that ranks can share.
+
+        Each batch of ``batch_size`` consecutive samples goes through a forward with the
+        BatchNorm layers in training mode (every other layer, e.g. Dropout, as at
+        evaluation, so the forward draws no random numbers) and momentum 1, which leaves
+        that batch's mean and unbiased variance in the running buffers; they are added up
+        in float64 (fvcore's ``update_bn_stats``, precise BN: Wu & Johnson, "Rethinking
+        'Batch' in BatchNorm", 2021, §3). The model's momenta and modes are restored.
+
+        Args:
+            weights: shape ``[P]``.
+            x: inputs ``[n, C, H, W]``; n a multiple of ``batch_size`` (n = 0: no batch).
+            batch_size: B >= 1, samples per batch.
+
+        Returns:
+            float64 ``[2S + 1]``: for each of the layers with running statistics in module
+            order, the sum of its batch means ``[C_i]`` then of its batch variances
+            ``[C_i]`` (S = Σ C_i), then the number of batches.
+
+        Raises:
+            ValueError: n is not a multiple of ``batch_size``.
+        """
+        if batch_size < 1 or x.shape[0] % batch_size:
+            raise ValueError(
+                f"batch_size = {batch_size} is not allowed for {x.shape[0]} samples: expected "
+                "a divisor of the sample count"
+            )
+        layers = self._running_statistics_layers()
+        size = sum(2 * m.running_mean.numel() for m in layers)
+        sums = torch.zeros(size + 1, dtype=torch.float64)
+        modes = [(m, m.training) for m in self.model.modules()]
+        momenta = [m.momentum for m in layers]
+        try:
+            self._flat.copy_(weights)
+            self.model.eval()
+            for m in layers:
+                m.train()
+                m.momentum = 1.0
+            for start in range(0, x.shape[0], batch_size):
+                for m in layers:
+                    m.reset_running_stats()  # a clean 0·old with momentum 1
+                self.model(x[start : start + batch_size])
+                stats = [t for m in layers for t in (m.running_mean, m.running_var)]
+                sums[:size] += torch.cat(stats).to(torch.float64)
+                sums[size] += 1
+        finally:
+            for m, momentum in zip(layers, momenta, strict=True):
+                m.momentum = momentum
+            for m, training in modes:
+                m.training = training
+        return sums
+
+    @torch.no_grad()
+    def load_batch_statistics(self, sums: Tensor) -> None:
+        """Set every BatchNorm layer's running mean and variance to the mean over batches
+        of :meth:`batch_statistics_sums` (summed over ranks, or not) and
+        ``num_batches_tracked`` to the number of batches.
+
+        Raises:
+            ValueError: ``sums`` does not fit the model, or counts no batch.
+        """
+        layers = self._running_statistics_layers()
+        size = sum(2 * m.running_mean.numel() for m in layers)
+        if sums.shape != (size + 1,) or not float(sums[size]) >= 1:
+            raise ValueError(
+                f"batch statistics of shape {tuple(sums.shape)} do not fit the model: "
+                f"expected [{size + 1}] with a batch count >= 1 last"
+            )
+        num_batches = float(sums[size])
+        means = (sums[:size] / num_batches).to(torch.float32)
+        offset = 0
+        for m in layers:
+            c = m.running_mean.numel()
+            m.running_mean.copy_(means[offset : offset + c])
+            m.running_var.copy_(means[offset + c : offset + 2 * c])
+            offset += 2 * c
+            if m.num_batches_tracked is not None:
+                m.num_batches_tracked.fill_(round(num_batches))
+
+    def recalibrate(self, weights: Tensor, x: Tensor, batch_size: int) -> None:
+        """Recompute the BatchNorm running statistics for ``weights`` (precise BN).
+
+        The buffers become the mean over the batches of ``x`` of each layer's batch mean
+        and unbiased variance, computed with ``weights`` (:meth:`batch_statistics_sums`),
+        the population statistics that evaluation-mode BatchNorm assumes. Running
+        statistics accumulated during training are stale for any evaluated model: with
+        several learners they were collected at other weights (each learner's, or none on
+        a parameter server that computes no forward). Models without running statistics
+        are left untouched.
+
+        Args:
+            weights: shape ``[P]``.
+            x: inputs ``[n, C, H, W]``, n >= 1 a multiple of ``batch_size``.
+            batch_size: B >= 1.
+
+        Raises:
+            ValueError: n = 0 or not a multiple of ``batch_size``.
+        """
+        if self.has_running_statistics:
+            self.load_batch_statistics(self.batch_statistics_sums(weights, x, batch_size))
+
     def evaluate(
-        self, weights: Tensor, x: Tensor, y: Tensor, batch_size: int
+        self,
+        weights: Tensor,
+        x: Tensor,
+        y: Tensor,
+        batch_size: int,
+        recalibration: tuple[Tensor, int] | None = None,
     ) -> tuple[float, float]:
         """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``weights`` on (x, y).
 
         Every sample is counted exactly once; batches of ``batch_size`` samples.
+
+        Args:
+            weights: shape ``[P]``.
+            x: inputs ``[M, C, H, W]``; y: labels ``[M]`` (int64).
+            batch_size: samples per evaluation batch.
+            recalibration: ``(inputs [n, C, H, W], batch size)`` over which
+                :meth:`recalibrate` recomputes the BatchNorm statistics for ``weights``
+                first (:func:`bn_recalibration_inputs`); None: evaluate with the buffers
+                as they are.
         """
+        if recalibration is not None:
+            self.recalibrate(weights, *recalibration)
         self.model.eval()
         correct = 0
         loss_sum = 0.0
         n = x.shape[0]
-        with torch.no_grad():  # no autograd graph for a forward-only pass
+        with torch.inference_mode():  # no autograd graph for a forward-only pass
             self._flat.copy_(weights)
             for xb, yb in iter_eval_batches(x, y, batch_size):
                 logits = self.model(xb)

@@ -261,7 +261,9 @@ class Trainer:
         # every rank's learners' losses
         loss_sum, loss_count = self.runtime.reduce_losses(loss_sum, loss_count)
         c["loss_sum"], c["loss_count"] = 0.0, 0
-        acc, loss = self.runtime.evaluate(  # ranks in lock step share the test set
+        # the runtime evaluates: on dist the ranks in lock step share the test set; both
+        # recompute BatchNorm statistics for the evaluated weights first
+        acc, loss = self.runtime.evaluate(
             weights,
             self.dataset.test_x,
             self.dataset.test_y,

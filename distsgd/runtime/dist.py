@@ -30,6 +30,10 @@ are equal.
 
 Rank 0 (the coordinating server for parameter-server protocols) evaluates, writes the run
 directory and decides when to stop; the decision is broadcast, other ranks write nothing.
+Before every evaluation of a model with BatchNorm running statistics they are recomputed
+for the evaluated weights on a seeded slice of the training set (precise BN,
+:meth:`GradientEngine.recalibrate`), by every rank of the synchronous protocols together
+or by the coordinator: the simulator's rule, for every protocol.
 ``virtual_time`` is measured wall time here (there is no virtual clock).
 
 Test hooks (test use only, read from the environment of each rank):
@@ -67,7 +71,7 @@ from torch import Tensor
 
 from distsgd.config import RunConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
-from distsgd.engine import GradientEngine
+from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.layout import build_protocol, sma_alpha, spec_for
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.protocols.hardsync import HardSync
@@ -300,8 +304,9 @@ class SyncDistRuntime(_DistBase):
         if isinstance(self.protocol, HardSync):
             from torch.nn.parallel import DistributedDataParallel
 
-            # broadcast_buffers: BatchNorm statistics of rank 0, as torch DDP does
-            self.ddp = DistributedDataParallel(engine.model)
+            # no buffer broadcast: training forwards normalise with their batch's
+            # statistics, and evaluation recomputes the running ones (evaluate)
+            self.ddp = DistributedDataParallel(engine.model, broadcast_buffers=False)
 
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
         """Change k, this rank's replicas, between synchronous iterations (the auto-tuner;
@@ -398,12 +403,20 @@ class SyncDistRuntime(_DistBase):
     ) -> tuple[float, float]:
         """Collective: accuracy and mean loss of ``weights`` on (x, y), each rank
         evaluating a contiguous slice; the correct counts add up exactly, the loss sums in
-        float64 (the simulator's single-process sum may differ in its last bits). Models
-        with BatchNorm are evaluated on rank 0 alone (their running statistics are per
-        process), the others wait.
+        float64 (the simulator's single-process sum may differ in its last bits).
+
+        A model with BatchNorm running statistics first gets them recomputed for
+        ``weights`` on the recalibration slice of the training set, as on the simulator
+        (:meth:`SimRuntime.evaluate`): each rank sums the batch statistics of its share of
+        the slice's batches, one all-reduce adds them up (float64), and every rank loads
+        the same mean (:meth:`_recalibrate`). Models whose normalisation layers keep no
+        running statistics (they normalise with the evaluation batch's) are evaluated on
+        rank 0 alone, as one process would cut the test set into batches; the others wait.
         """
         n = x.shape[0]
-        if self.engine.has_batch_statistics:
+        if self.engine.has_running_statistics:
+            self._recalibrate(weights, batch_size)
+        if self.engine.evaluates_with_batch_statistics:
             acc, loss = (
                 self.engine.evaluate(weights, x, y, batch_size) if self.is_writer else (0, 0)
             )
@@ -415,6 +428,20 @@ class SyncDistRuntime(_DistBase):
             t[0], t[1] = round(acc * (hi - lo)), loss * (hi - lo)
         self._collective(dist.all_reduce, t, op=dist.ReduceOp.SUM)
         return float(t[0]) / n, float(t[1]) / n
+
+    def _recalibrate(self, weights: Tensor, batch_size: int) -> None:
+        """Collective: BatchNorm statistics of ``weights`` ``[P]`` over the recalibration
+        slice, shared out by whole batches (rank r takes batches ``⌊m·r/W⌋ …
+        ⌊m·(r+1)/W⌋ − 1`` of m), summed in float64 over the ranks and loaded on every
+        rank: the simulator's statistics up to float64 summation order."""
+        xs, b = bn_recalibration_inputs(
+            self.dataset, self.cfg.train.bn_recalibration_samples, batch_size, self.cfg.train.seed
+        )
+        m, w, r = xs.shape[0] // b, self.world_size, self.rank
+        mine = xs[b * (m * r // w) : b * (m * (r + 1) // w)]
+        sums = self.engine.batch_statistics_sums(weights, mine, b)
+        self._collective(dist.all_reduce, sums, op=dist.ReduceOp.SUM)
+        self.engine.load_batch_statistics(sums)
 
     def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -590,8 +617,23 @@ class PSDistRuntime(_DistBase):
     def evaluate(
         self, weights: Tensor, x: Tensor, y: Tensor, batch_size: int
     ) -> tuple[float, float]:
-        """Accuracy and mean loss on the coordinator (the learners go on computing)."""
-        return self.engine.evaluate(weights, x, y, batch_size)
+        """Accuracy and mean loss on the coordinator (the learners go on computing).
+
+        A model with BatchNorm running statistics is evaluated with statistics recomputed
+        for ``weights`` (the central model) on the recalibration slice of the training
+        set, on the coordinator, exactly as :meth:`SimRuntime.evaluate` does: the server
+        never runs a forward, and each learner's own statistics belong to the weights it
+        pulled, not to the central model.
+        """
+        recalibration = None
+        if self.engine.has_running_statistics:
+            recalibration = bn_recalibration_inputs(
+                self.dataset,
+                self.cfg.train.bn_recalibration_samples,
+                batch_size,
+                self.cfg.train.seed,
+            )
+        return self.engine.evaluate(weights, x, y, batch_size, recalibration)
 
     def eval_weights(self) -> Tensor:
         """The central model, shape ``[P]`` (gathered from the server shards when S > 1)."""

@@ -45,9 +45,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distsgd.config import ClusterConfig
+from distsgd.config import ClusterConfig, TrainConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
-from distsgd.engine import GradientEngine
+from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol
 from distsgd.protocols.hardsync import HardSync
 from distsgd.runtime import cluster_model as cm
@@ -255,7 +255,9 @@ class SimRuntime(Runtime):
         cluster: network and jitter settings.
         replicas_per_device: k learners that share one device (their compute adds up).
         average_every: for local SGD, iterations between all-reduces (1 otherwise).
-        seed: seeds data order and timing jitter.
+        seed: seeds data order, timing jitter and the BatchNorm recalibration slice.
+        bn_recalibration_samples: ``train.bn_recalibration_samples``, samples over which
+            :meth:`evaluate` recomputes BatchNorm statistics.
 
     Raises:
         TrainingDiverged: from :meth:`advance`, when a loss is NaN or infinite.
@@ -276,6 +278,7 @@ class SimRuntime(Runtime):
         replicas_per_device: int = 1,
         average_every: int = 1,
         seed: int = 0,
+        bn_recalibration_samples: int = TrainConfig.bn_recalibration_samples,
     ) -> None:
         self.protocol = protocol
         self.engine = engine
@@ -286,6 +289,8 @@ class SimRuntime(Runtime):
         self.cluster = cluster
         self.replicas_per_device = replicas_per_device
         self.average_every = average_every
+        self.seed = seed
+        self.bn_recalibration_samples = bn_recalibration_samples
         self.sampler = ShardedSampler(dataset.num_train, num_learners, batch_size, seed)
         self.streams = [LearnerStream(self.sampler, i) for i in range(num_learners)]
         self.speeds = list(cluster.speed_factors) or [1.0] * num_learners
@@ -509,6 +514,25 @@ class SimRuntime(Runtime):
 
     def eval_weights(self) -> Tensor:
         return self.protocol.eval_weights()
+
+    def evaluate(
+        self, weights: Tensor, x: Tensor, y: Tensor, batch_size: int
+    ) -> tuple[float, float]:
+        """Accuracy (fraction in [0, 1]) and mean loss of ``weights`` ``[P]`` on (x, y).
+
+        A model with BatchNorm running statistics is evaluated with statistics recomputed
+        for ``weights`` on the recalibration slice of the training set
+        (:meth:`GradientEngine.recalibrate`, :func:`~distsgd.engine.bn_recalibration_indices`
+        with this runtime's seed, batches of ``batch_size``), whatever the protocol: the
+        rule of the dist runtime too, so both report the same evaluation of the same
+        weights.
+        """
+        recalibration = None
+        if self.engine.has_running_statistics:  # the slice costs ms beside its forwards
+            recalibration = bn_recalibration_inputs(
+                self.dataset, self.bn_recalibration_samples, batch_size, self.seed
+            )
+        return self.engine.evaluate(weights, x, y, batch_size, recalibration)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
