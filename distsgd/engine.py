@@ -223,7 +223,8 @@ class GradientEngine:
         evaluation, so the forward draws no random numbers) and momentum 1, which leaves
         that batch's mean and unbiased variance in the running buffers; they are added up
         in float64 (fvcore's ``update_bn_stats``, precise BN: Wu & Johnson, "Rethinking
-        'Batch' in BatchNorm", 2021, §3). The model's momenta and modes are restored.
+        'Batch' in BatchNorm", arXiv:2105.07576, 2021). The model's momenta and modes are
+        restored.
 
         Args:
             weights: shape ``[P]``.
