@@ -3,7 +3,9 @@
 
 User errors (bad settings, missing or corrupt data, an occupied run directory) print one
 line ``distsgd: error: ...`` and exit with status 2, never a traceback. A diverged run
-exits with status 1 after writing its summary.
+exits with status 1 after writing its summary. Settings that contradict one another
+(:class:`~distsgd.config.ConfigWarning`) print one line ``distsgd: warning: ...`` and the
+run goes on.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import argparse
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from distsgd.config import ConfigWarning
 
 __all__ = ["main"]
 
@@ -23,15 +28,26 @@ def _fmt_s(v: Any) -> str:
     return "-" if v is None else f"{v:.1f} s"
 
 
+def _fmt_acc(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
 def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
     target = s["target_accuracy"]
     if target > 0:
         outcome = f"target {target:.4f}: {'reached' if s['reached'] else 'NOT reached'}"
     else:
         outcome = "no target"
+    if s["best_accuracy"] is None:
+        accuracy = "not evaluated (train.evaluate = false)"
+    else:
+        accuracy = (
+            f"best {_fmt_acc(s['best_accuracy'])}, final {_fmt_acc(s['final_accuracy'])} "
+            f"({outcome})"
+        )
     lines = [
         f"protocol      {s['protocol']} ({s['layout']}) on the {s['runtime']} runtime",
-        f"accuracy      best {s['best_accuracy']:.4f}, final {s['final_accuracy']:.4f} ({outcome})",
+        f"accuracy      {accuracy}",
     ]
     if s["reached"]:
         lines.append(
@@ -66,8 +82,8 @@ def _check_num_processes(num_processes: int | None, runtime: str) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from distsgd.config import RunConfig
-    from distsgd.trainer import Trainer, default_out_dir, train
+    from distsgd.config import RunConfig, check_local_processes
+    from distsgd.trainer import default_out_dir, train
 
     if args.runtime:
         if args.resume:
@@ -93,6 +109,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = RunConfig.from_toml(args.config, args.set)
         _check_num_processes(args.num_processes, cfg.runtime)
+        if cfg.runtime == "dist":
+            from distsgd.runtime.launch import under_launcher
+
+            if not under_launcher():  # before the fitted layout is announced
+                check_local_processes(cfg)
         if cfg.layout_changes and os.environ.get("RANK", "0") == "0":  # once under torchrun
             print(
                 f"dist: fitted the layout to {cfg.dist.num_processes} processes: "
@@ -101,12 +122,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             )
         out_dir = Path(args.out) if args.out else default_out_dir(cfg)
         args.out_dir = out_dir
-        if cfg.runtime == "dist":
-            from distsgd.runtime.launch import run
-
-            summary = run(cfg, out_dir, progress=not args.quiet)
-        else:
-            summary = Trainer(cfg, out_dir, progress=not args.quiet).run()
+        summary = train(cfg, out_dir=out_dir, progress=not args.quiet)
     if summary:  # a dist rank other than 0 under torchrun returns {}
         _print_summary(summary, out_dir)
     return 0
@@ -170,6 +186,19 @@ def _tune_kept(out: Path) -> str:
     plan = f"plan in {out / 'plan.toml'}" if (out / "plan.toml").exists() else "no plan"
     log = f", decisions in {out / 'decisions.jsonl'}" if (out / "decisions.jsonl").exists() else ""
     return f"{n} probe run(s) in {probes}{log}, {plan}"
+
+
+def _one_line_config_warning(show: Any) -> Any:
+    """A ``warnings.showwarning`` printing a :class:`ConfigWarning` as one line
+    ``distsgd: warning: ...`` on stderr, and any other warning as ``show`` does."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
+        if issubclass(category, ConfigWarning):
+            print(f"distsgd: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
@@ -299,7 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from distsgd.runtime.sim import TrainingDiverged
 
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_config_warning(warnings.showwarning)
+            return int(args.func(args))
     except TrainingDiverged as e:
         print(f"distsgd: training diverged: {e}", file=sys.stderr)
         return 1

@@ -10,7 +10,12 @@ Run directory layout (``out_dir``):
 * ``staleness.json`` — histogram of gradient staleness σ;
 * ``tb/`` — TensorBoard event files, when ``tensorboard`` is installed and
   ``train.tensorboard`` is on;
-* ``checkpoint.pt`` — the latest checkpoint (all state; loaded with ``weights_only=True``);
+* ``checkpoint.pt`` — the latest checkpoint (all state; loaded with ``weights_only=True``),
+  with its SHA-256 digest in ``checkpoint.pt.sha256`` (every tensor file distsgd writes
+  has one, see :func:`distsgd.metrics.save_checked`; ``--resume`` and
+  ``train.initial_weights`` refuse a file that does not match its digest);
+* ``run.lock`` — while a run holds the directory: the claim of that run (see
+  :class:`RunDirClaim`), removed when it ends;
 * ``autotune.json`` — with ``protocol.replicas_per_device = "auto"``: every decision of
   the replicas-per-device auto-tuner (see :mod:`distsgd.tuner.replicas`);
 * ``ticks.jsonl``, ``final_weights.pt`` — with ``train.record_ticks``;
@@ -22,12 +27,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fcntl
 import json
 import logging
 import math
 import os
 import re
+import socket
 import time
+import warnings
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -36,10 +44,23 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from distsgd.config import ConfigError, RunConfig
+from distsgd.config import (
+    ConfigError,
+    ConfigWarning,
+    RunConfig,
+    check_local_processes,
+    schedule_conflicts,
+)
 from distsgd.data import load_dataset, resolve_root
 from distsgd.engine import GradientEngine
-from distsgd.metrics import MetricsWriter, TensorBoardWriter, write_json
+from distsgd.metrics import (
+    ChecksumMismatch,
+    MetricsWriter,
+    TensorBoardWriter,
+    load_checked,
+    save_checked,
+    write_json,
+)
 from distsgd.models import build_model
 from distsgd.protocols import build_protocol
 from distsgd.protocols.base import AsynchronousProtocol
@@ -54,10 +75,22 @@ from distsgd.runtime.sim import (
 )
 from distsgd.tuner.replicas import ReplicaAutoTuner
 
-__all__ = ["train", "Trainer", "CHECKPOINT_FORMAT"]
+__all__ = ["train", "Trainer", "RunDirClaim", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = 1
 _RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint.pt")
+RUN_LOCK = "run.lock"
+# what a checkpoint written by distsgd holds at the top level, and the type of each entry
+_CHECKPOINT_ENTRIES: dict[str, type | tuple[type, ...]] = {
+    "format": int,
+    "protocol_name": str,
+    "num_parameters": int,
+    "protocol": dict,
+    "runtime": dict,
+    "buffers": dict,
+    "torch_rng": torch.Tensor,
+    "trainer": dict,
+}
 _log = logging.getLogger("distsgd.autotune")
 
 
@@ -80,6 +113,155 @@ def _layout(cfg: RunConfig, num_learners: int | None = None, replicas: int | Non
     if p.name == "compute_groups":
         return f"{base} g={p.num_groups}"
     return base
+
+
+def check_out_dir_writable(out_dir: str | Path) -> None:
+    """Refuse a run directory that cannot be one, before anything is started or written.
+
+    Raises:
+        ConfigError: ``out_dir`` (or a folder on its path) is a file, or the directory
+            (or, when it does not exist yet, the nearest existing folder above it) is not
+            writable by this process.
+    """
+    out = Path(out_dir)
+    for node in (out, *out.parents):
+        if node.exists() or node.is_symlink():
+            if not node.is_dir():
+                what = "is a file" if node == out else f"lies under {str(node)!r}, a file"
+                raise ConfigError(
+                    f"--out {str(out)!r} {what}: expected a directory (new, or a run's)"
+                )
+            if not os.access(node, os.W_OK | os.X_OK):
+                raise ConfigError(
+                    f"--out {str(out)!r} is not writable: {str(node)!r} does not allow this "
+                    "process to create files; choose a writable directory"
+                )
+            return
+
+
+class RunDirClaim:
+    """One run's exclusive claim on its run directory, held for the run's whole life.
+
+    An OS lock, ``fcntl.flock`` on ``<out_dir>/run.lock`` (released by the kernel when the
+    holding process ends, however it ends), with the holder's pid, host and start time
+    written in the file so that a refused run can name it. Two runs into one directory:
+    the second stops with a :class:`ConfigError` naming the first. The lock file is
+    removed when the claim is released, and so is the directory when the claim created
+    it and nothing else was written.
+
+    Who holds it: the process that owns the run directory: the one running a ``sim`` run;
+    the launching process of a ``dist`` run on one machine (its rank 0 finds the claim
+    held by its parent and goes on); rank 0 under torchrun.
+
+    Example::
+
+        claim = RunDirClaim.acquire("runs/r")
+        try:
+            ...  # write the run
+        finally:
+            claim.release()
+    """
+
+    def __init__(self, out_dir: Path, fd: int, created: list[Path]) -> None:
+        self.out_dir = out_dir
+        self.path = out_dir / RUN_LOCK
+        self._fd: int | None = fd
+        self._created = created  # the folders the claim made, deepest first
+
+    @classmethod
+    def acquire(cls, out_dir: str | Path, *, parent_may_hold: bool = False) -> RunDirClaim | None:
+        """Create ``out_dir`` if missing and claim it.
+
+        Args:
+            out_dir: the run directory.
+            parent_may_hold: a claim held by this process's parent on this host is the
+                run's own (a rank started by the local launcher): return None.
+
+        Raises:
+            ConfigError: ``out_dir`` cannot be created or written, or another run holds
+                it (the message names its pid and host).
+        """
+        out = Path(out_dir)
+        check_out_dir_writable(out)
+        for _ in range(10):  # retried only if the lock file was removed under us
+            created = [d for d in (out, *out.parents) if not d.exists()]
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                fd = os.open(out / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:
+                continue  # the folder was removed by a claim ending just now
+            except OSError as e:
+                raise ConfigError(
+                    f"--out {str(out)!r} cannot be written: {e.strerror or e}"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if parent_may_hold and _is_parent(holder):
+                    return None
+                raise ConfigError(
+                    f"output directory {str(out)!r} is in use by another run "
+                    f"({_describe_holder(holder)}); wait for it to end or choose another "
+                    "output directory (--out)"
+                ) from None
+            if _same_file(fd, out / RUN_LOCK):
+                _write_holder(fd)
+                return cls(out, fd, created)
+            os.close(fd)  # we locked a lock file that its holder removed: try again
+        raise ConfigError(f"output directory {str(out)!r} could not be claimed (lock file churn)")
+
+    def release(self) -> None:
+        """End the claim: remove the lock file (and the directory if the claim created it
+        and it is empty, with the missing folders above it), then unlock. Idempotent."""
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+            for folder in self._created:
+                folder.rmdir()  # only if nothing else was written
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _write_holder(fd: int) -> None:
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started_at": datetime.now().isoformat(timespec="seconds"),
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _is_parent(holder: dict[str, Any]) -> bool:
+    return holder.get("pid") == os.getppid() and holder.get("host") == socket.gethostname()
+
+
+def _describe_holder(holder: dict[str, Any]) -> str:
+    if "pid" not in holder:
+        return "holder not yet recorded"
+    since = f" since {holder['started_at']}" if holder.get("started_at") else ""
+    return f"pid {holder['pid']} on host {holder.get('host', '?')}{since}"
 
 
 class Trainer:
@@ -263,7 +445,9 @@ class Trainer:
         path = self.cfg.train.initial_weights
         if given is None and path:
             try:
-                given = torch.load(path, weights_only=True)
+                given = load_checked(path)
+            except ChecksumMismatch as e:
+                raise ConfigError(f"train.initial_weights = {path!r} is not allowed: {e}") from None
             except Exception as e:  # noqa: BLE001 - missing or not a tensor file
                 raise ConfigError(
                     f"train.initial_weights = {path!r} is not allowed: expected a file written "
@@ -297,10 +481,7 @@ class Trainer:
         state = self._checkpoint_state()  # collective on the dist runtime
         if not self.is_writer:
             return
-        path = self.out_dir / "checkpoint.pt"
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        save_checked(state, self.out_dir / "checkpoint.pt")
 
     def _load_checkpoint(self) -> None:
         self._apply_checkpoint(self._read_checkpoint())
@@ -310,14 +491,22 @@ class Trainer:
         if not path.exists():
             raise ConfigError(f"cannot resume: {path} does not exist")
         try:
-            state = torch.load(path, weights_only=True)
+            state = load_checked(path)
+        except ChecksumMismatch as e:
+            raise ConfigError(f"cannot resume: {e}") from None
         except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
             raise ConfigError(f"cannot resume: {path} is not a readable checkpoint ({e})") from None
+        if not isinstance(state, dict):
+            raise ConfigError(
+                f"cannot resume: {path} holds a {type(state).__name__}, not a checkpoint "
+                "written by distsgd (a dict of the run's state)"
+            )
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ConfigError(
                 f"cannot resume: {path} has format {state.get('format')!r}, "
                 f"expected {CHECKPOINT_FORMAT}"
             )
+        _check_checkpoint_entries(state, path)
         if (
             state.get("protocol_name") != self.cfg.protocol.name
             or state.get("num_parameters") != self.engine.num_parameters
@@ -329,6 +518,22 @@ class Trainer:
         return state
 
     def _apply_checkpoint(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint that passed :meth:`_read_checkpoint` into every component.
+
+        Raises:
+            ConfigError: an entry's contents do not fit this run's components.
+        """
+        try:
+            self._apply_checkpoint_state(state)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and _is_process_loss(e):
+                raise
+            raise ConfigError(
+                f"cannot resume: {self.out_dir / 'checkpoint.pt'} does not hold the state of "
+                f"this run's components ({type(e).__name__}: {e})"
+            ) from None
+
+    def _apply_checkpoint_state(self, state: dict[str, Any]) -> None:
         if self.cfg.runtime == "dist" and not getattr(self.runtime, "runs_training_loop", True):
             self.runtime.load_state_dict(state["runtime"])  # a learner: its data position
             return
@@ -363,7 +568,7 @@ class Trainer:
         if self.cfg.train.save_eval_weights and self.is_writer:
             snap = self.out_dir / "eval_weights" / f"{c['evals']:04d}.pt"
             snap.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(weights.detach().clone(), snap)
+            save_checked(weights.detach().clone(), snap)
         loss_sum, loss_count = c["loss_sum"], c["loss_count"]
         if self.cfg.runtime == "dist":  # every rank's learners' losses
             loss_sum, loss_count = self.runtime.reduce_losses(loss_sum, loss_count)
@@ -429,6 +634,12 @@ class Trainer:
         return min(budgets) if budgets else None
 
     def _check_out_dir(self) -> None:
+        """Refuse an ``out_dir`` that cannot be written or already holds a run.
+
+        Raises:
+            ConfigError: see :func:`check_out_dir_writable`; or a run's files are there.
+        """
+        check_out_dir_writable(self.out_dir)
         if any((self.out_dir / f).exists() for f in _RUN_FILES):
             hint = (
                 "continue it with --resume"
@@ -449,14 +660,21 @@ class Trainer:
         """
         if self.cfg.runtime == "dist":
             return self._run_dist(resume)
-        if not resume:
-            self._check_out_dir()
-        self._build()  # nothing is written before data, model and profile are ready
-        self._init_counters()
-        if resume:
-            self._load_checkpoint()
-            self._check_resumable()
-        return self._run_writing(resume)
+        # the claim first (a run that fails to start removes it, and the directory if it
+        # made it); no run file is written before data, model and profile are ready
+        claim = RunDirClaim.acquire(self.out_dir)
+        try:
+            if not resume:
+                self._check_out_dir()
+            self._build()
+            self._init_counters()
+            if resume:
+                self._load_checkpoint()
+                self._check_resumable()
+            return self._run_writing(resume)
+        finally:
+            if claim is not None:
+                claim.release()
 
     def _init_counters(self) -> None:
         self.counters: dict[str, Any] = {
@@ -484,6 +702,7 @@ class Trainer:
         """Every rank: build, agree on the start (rank 0 checks the run directory and
         reads the checkpoint), then train in the one loop or serve (parameter-server
         learners and shards)."""
+        claim = None
         try:
             self._build()
             rt = self.runtime
@@ -491,6 +710,8 @@ class Trainer:
             start: tuple[str, Any] = ("ok", None)
             if self.is_writer:
                 try:
+                    # held by the local launcher (this rank's parent), else by this rank
+                    claim = RunDirClaim.acquire(self.out_dir, parent_may_hold=True)
                     if resume:
                         start = ("ok", self._read_checkpoint())
                         saved = dict(start[1]["trainer"])
@@ -518,6 +739,8 @@ class Trainer:
         finally:
             if hasattr(self, "runtime"):
                 self.runtime.close()
+            if claim is not None:
+                claim.release()
 
     def _run_writing(self, resume: bool) -> dict[str, Any]:
         """The writing rank's run: files, the training loop, the outcome."""
@@ -540,7 +763,7 @@ class Trainer:
         try:
             summary = self._loop(metrics, resumed=resume)
             if getattr(self, "_final_weights", None) is not None:
-                torch.save(self._final_weights, self.out_dir / "final_weights.pt")
+                save_checked(self._final_weights, self.out_dir / "final_weights.pt")
         except TrainingDiverged as e:
             self.counters["stop_reason"] = "diverged"
             self._write_outcome(self._summary(status="diverged", error=str(e)))
@@ -743,7 +966,8 @@ class Trainer:
             "momentum": cfg.optimizer.momentum,
             "seed": cfg.train.seed,
             "target_accuracy": cfg.train.target_accuracy,
-            "best_accuracy": c["best_accuracy"],
+            # None: the run never evaluated (train.evaluate = false)
+            "best_accuracy": c["best_accuracy"] if c["evals"] > 0 else None,
             "final_accuracy": last.get("test_accuracy"),
             "reached": reached,
             "time_to_accuracy_s": c["reached_wall_s"] if reached else None,
@@ -886,9 +1110,62 @@ def train(
 
 
 def _run(cfg: RunConfig, out: Path, progress: bool, resume: bool) -> dict[str, Any]:
-    """Runtime ``sim`` here; runtime ``dist`` on real processes (distsgd.runtime.launch)."""
-    if cfg.runtime == "dist":
-        from distsgd.runtime.launch import run
+    """Runtime ``sim`` here; runtime ``dist`` on real processes (distsgd.runtime.launch).
 
-        return run(cfg, out, resume=resume, progress=progress)
+    Before anything starts: a ``dist`` run on this machine is refused when its processes
+    cannot fit it (:func:`~distsgd.config.check_local_processes`); conflicting schedule
+    settings are warned about (:class:`~distsgd.config.ConfigWarning`, once, on rank 0);
+    the launching process of a ``dist`` run claims ``out`` for the run's life
+    (:class:`RunDirClaim`) before any rank starts.
+    """
+    if cfg.runtime == "dist":
+        from distsgd.runtime.launch import run, under_launcher
+
+        if not under_launcher():
+            check_local_processes(cfg)
+        _warn_schedule(cfg)
+        if under_launcher():  # torchrun: this process is a rank; rank 0 claims `out`
+            return run(cfg, out, resume=resume, progress=progress)
+        claim = RunDirClaim.acquire(out)
+        try:
+            return run(cfg, out, resume=resume, progress=progress)
+        finally:
+            if claim is not None:
+                claim.release()
+    _warn_schedule(cfg)
     return Trainer(cfg, out, progress).run(resume=resume)
+
+
+def _warn_schedule(cfg: RunConfig) -> None:
+    """Warn once (rank 0 under torchrun) about schedule settings the budget contradicts."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for message in schedule_conflicts(cfg):
+        warnings.warn(message, ConfigWarning, stacklevel=3)
+
+
+def _check_checkpoint_entries(state: dict[str, Any], path: Path) -> None:
+    """Refuse a file that loads but is not a checkpoint written by distsgd.
+
+    Raises:
+        ConfigError: ``state`` lacks an entry of ``_CHECKPOINT_ENTRIES`` or holds one of
+            another type.
+    """
+    missing = [k for k in _CHECKPOINT_ENTRIES if k not in state]
+    if missing:
+        raise ConfigError(
+            f"cannot resume: {path} is not a checkpoint written by distsgd: it lacks "
+            + ", ".join(missing)
+        )
+    for key, kind in _CHECKPOINT_ENTRIES.items():
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            raise ConfigError(
+                f"cannot resume: {path} is not a checkpoint written by distsgd: its {key!r} "
+                f"is a {type(state[key]).__name__}"
+            )
+
+
+def _is_process_loss(e: BaseException) -> bool:
+    from distsgd.runtime.launch import is_process_loss
+
+    return is_process_loss(e)
