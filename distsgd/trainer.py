@@ -280,8 +280,9 @@ class Trainer:
             records, e.g. for a tuner probe that only needs its training losses).
 
     Raises:
-        ConfigError: ``out_dir`` already holds a run (and not resuming), or a resumed
-            checkpoint does not match the config.
+        ConfigError: ``out_dir`` already holds a run (and not resuming), is held by
+            another run (:class:`RunDirClaim`), is a file or not writable; or a resumed
+            checkpoint is not distsgd's, does not match its checksum or the config.
         DatasetError: the dataset is missing or corrupt.
         TrainingDiverged: a loss became NaN/inf (summary.json records it; the last good
             checkpoint is kept).
@@ -1061,8 +1062,15 @@ def train(
         ``throughput_samples_per_s``, ``staleness_mean``, ``staleness_max`` and more.
 
     Raises:
-        ConfigError / DatasetError (both ValueError): bad settings or data.
+        ConfigError / DatasetError (both ValueError): bad settings or data; an ``out_dir``
+            that is held by another run, is a file or is not writable; a ``dist`` run on
+            this machine with more processes than it can hold; a checkpoint or weights
+            file that does not match its checksum.
         TrainingDiverged: the loss became NaN or infinite.
+
+    Warns:
+        ConfigWarning: schedule settings the budget contradicts
+            (:func:`~distsgd.config.schedule_conflicts`).
 
     Example::
 
