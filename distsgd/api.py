@@ -17,12 +17,22 @@ Example::
 from __future__ import annotations
 
 import copy
+import os
 import re
+import warnings
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from distsgd.config import ConfigError, RunConfig, apply_override
+from distsgd.config import (
+    ConfigError,
+    ConfigWarning,
+    RunConfig,
+    apply_override,
+    check_local_processes,
+    schedule_conflicts,
+)
+from distsgd.rundir import RunDirClaim
 from distsgd.runtime import launch
 from distsgd.trainer import Trainer
 
@@ -103,10 +113,38 @@ def run(
     """Train ``cfg`` into the run directory ``out``: on the simulated cluster in this
     process (``runtime = "sim"``), or on real processes started by the launcher
     (``runtime = "dist"``; under torchrun, this process's rank). Returns the summary
-    (``{}`` on a rank other than the writer under torchrun)."""
-    if cfg.runtime == "dist":
+    (``{}`` on a rank other than the writer under torchrun).
+
+    Before anything starts: a ``dist`` run on this machine is refused when its processes
+    cannot fit it (:func:`~distsgd.config.check_local_processes`); schedule settings the
+    budget contradicts are warned about (:class:`~distsgd.config.ConfigWarning`, once,
+    on rank 0); the launching process of a ``dist`` run claims ``out`` for the run's life
+    (:class:`~distsgd.rundir.RunDirClaim`) before any rank starts (a ``sim`` run, and
+    rank 0 under torchrun, claim it in the trainer).
+
+    Raises:
+        ConfigError: see :func:`train`.
+    """
+    _warn_schedule(cfg)
+    if cfg.runtime == "sim":
+        return Trainer(cfg, out, progress).run(resume=resume)
+    if launch.under_launcher():  # torchrun: this process is a rank; rank 0 claims `out`
         return launch.run(cfg, out, resume=resume, progress=progress)
-    return Trainer(cfg, out, progress).run(resume=resume)
+    check_local_processes(cfg)
+    claim = RunDirClaim.acquire(out)
+    try:
+        return launch.run(cfg, out, resume=resume, progress=progress)
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def _warn_schedule(cfg: RunConfig) -> None:
+    """Warn once (rank 0 under torchrun) about schedule settings the budget contradicts."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for message in schedule_conflicts(cfg):
+        warnings.warn(message, ConfigWarning, stacklevel=3)
 
 
 def train(
@@ -135,9 +173,16 @@ def train(
         ``throughput_samples_per_s``, ``staleness_mean``, ``staleness_max`` and more.
 
     Raises:
-        ConfigError / DatasetError (both ValueError): bad settings or data.
+        ConfigError / DatasetError (both ValueError): bad settings or data; an ``out_dir``
+            that is held by another run, is a file or is not writable; a ``dist`` run on
+            this machine with more processes than it can hold; a checkpoint or weights
+            file that does not match its checksum.
         TrainingDiverged: the loss became NaN or infinite.
         DistRunFailed: a process of a dist run was lost where the protocol cannot go on.
+
+    Warns:
+        ConfigWarning: schedule settings the budget contradicts
+            (:func:`~distsgd.config.schedule_conflicts`).
 
     Example::
 

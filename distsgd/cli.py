@@ -3,7 +3,9 @@
 
 User errors (bad settings, missing or corrupt data, an occupied run directory) print one
 line ``distsgd: error: ...`` and exit with status 2, never a traceback. A diverged run
-exits with status 1 after writing its summary.
+exits with status 1 after writing its summary. Settings that contradict one another
+(:class:`~distsgd.config.ConfigWarning`) print one line ``distsgd: warning: ...`` and the
+run goes on.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import argparse
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from distsgd import api
+from distsgd.config import ConfigWarning, check_local_processes
 from distsgd.report import make_report
-from distsgd.runtime.launch import is_process_loss
+from distsgd.runtime.launch import is_process_loss, under_launcher
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.tuner import tune as tuning
 
@@ -29,15 +33,26 @@ def _fmt_s(v: Any) -> str:
     return "-" if v is None else f"{v:.1f} s"
 
 
+def _fmt_acc(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
 def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
     target = s["target_accuracy"]
     if target > 0:
         outcome = f"target {target:.4f}: {'reached' if s['reached'] else 'NOT reached'}"
     else:
         outcome = "no target"
+    if s["best_accuracy"] is None:
+        accuracy = "not evaluated (train.evaluate = false)"
+    else:
+        accuracy = (
+            f"best {_fmt_acc(s['best_accuracy'])}, final {_fmt_acc(s['final_accuracy'])} "
+            f"({outcome})"
+        )
     lines = [
         f"protocol      {s['protocol']} ({s['layout']}) on the {s['runtime']} runtime",
-        f"accuracy      best {s['best_accuracy']:.4f}, final {s['final_accuracy']:.4f} ({outcome})",
+        f"accuracy      {accuracy}",
     ]
     if s["reached"]:
         lines.append(
@@ -96,6 +111,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = api.resolve_config(args.config, args.set)
         _check_num_processes(args.num_processes, cfg.runtime)
+        if cfg.runtime == "dist" and not under_launcher():  # before the layout is announced
+            check_local_processes(cfg)
         if cfg.layout_changes and os.environ.get("RANK", "0") == "0":  # once under torchrun
             print(
                 f"dist: fitted the layout to {cfg.dist.num_processes} processes: "
@@ -165,6 +182,19 @@ def _tune_kept(out: Path) -> str:
     plan = f"plan in {out / 'plan.toml'}" if (out / "plan.toml").exists() else "no plan"
     log = f", decisions in {out / 'decisions.jsonl'}" if (out / "decisions.jsonl").exists() else ""
     return f"{n} probe run(s) in {probes}{log}, {plan}"
+
+
+def _one_line_config_warning(show: Any) -> Any:
+    """A ``warnings.showwarning`` printing a :class:`ConfigWarning` as one line
+    ``distsgd: warning: ...`` on stderr, and any other warning as ``show`` does."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
+        if issubclass(category, ConfigWarning):
+            print(f"distsgd: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
@@ -290,7 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # last checkpoint kept.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_config_warning(warnings.showwarning)
+            return int(args.func(args))
     except TrainingDiverged as e:
         print(f"distsgd: training diverged: {e}", file=sys.stderr)
         return 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -26,6 +27,9 @@ from distsgd.protocols import SERVER_OPTIMIZERS, STALENESS_LR
 
 __all__ = [
     "ConfigError",
+    "ConfigWarning",
+    "check_local_processes",
+    "schedule_conflicts",
     "DataConfig",
     "ModelConfig",
     "ProtocolConfig",
@@ -54,6 +58,10 @@ DIST_BACKENDS = ("auto", "gloo")
 _fail = fail
 _check_choice = check_choice
 _check_int = check_int
+
+
+class ConfigWarning(UserWarning):
+    """Settings that are each allowed but contradict one another (the run still starts)."""
 
 
 def _check_float(
@@ -556,6 +564,109 @@ def required_processes(protocol: ProtocolConfig, dist: DistConfig) -> tuple[int,
     """Processes the ``dist`` runtime needs for ``protocol`` and why (see :class:`DistConfig`
     and :meth:`distsgd.layout.ProtocolSpec.processes`)."""
     return spec_for(protocol).processes(protocol, dist)
+
+
+# Training/test samples and floats per sample of each dataset (synthetic: its settings).
+_DATASET_SIZES = {
+    "fashion_mnist": (60000, 10000, 784),
+    "mnist": (60000, 10000, 784),
+    "cifar10": (50000, 10000, 3072),
+}
+RANK_BASE_MEMORY_BYTES = 512 * 2**20
+"""Resident memory of one ``dist`` rank before its dataset: the interpreter with torch and
+gloo loaded (about 220 MiB measured on CPU torch), a model, its gradients, optimizer state
+and communication buffers, with headroom."""
+MAX_PROCESSES_PER_CORE = 4
+"""More ranks than this per CPU core time-share the cores so finely that collectives and
+parameter-server messages wait on descheduled peers (``dist.timeout_s``) instead of on
+work; the tuner's probes are stricter still (at most one per core)."""
+
+
+def _train_size_and_floats(data: DataConfig) -> tuple[int, int]:
+    """(training samples, float32 values held per rank for the train + test sets)."""
+    if data.dataset == "synthetic":
+        return data.num_train, (data.num_train + data.num_test) * 784
+    train, test, floats = _DATASET_SIZES[data.dataset]
+    return train, (train + test) * floats
+
+
+def local_process_limit(cfg: RunConfig) -> tuple[int, str]:
+    """The most ``dist`` ranks of ``cfg`` this machine can run, and how it was computed.
+
+    ``min(MAX_PROCESSES_PER_CORE · cores, physical memory // memory per rank)``, where a
+    rank holds ``RANK_BASE_MEMORY_BYTES`` plus its own copy of the dataset (float32).
+    """
+    cores = os.cpu_count() or 1
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no sysconf: cores decide alone
+        memory = 0
+    per_rank = RANK_BASE_MEMORY_BYTES + 4 * _train_size_and_floats(cfg.data)[1]
+    by_cores = MAX_PROCESSES_PER_CORE * cores
+    by_memory = memory // per_rank if memory > 0 else by_cores
+    why = (
+        f"{MAX_PROCESSES_PER_CORE} per CPU core × {cores} cores, and "
+        f"{memory / 2**30:.1f} GiB of memory / {per_rank / 2**20:.0f} MiB per rank"
+    )
+    return max(1, min(by_cores, by_memory)), why
+
+
+def check_local_processes(cfg: RunConfig) -> None:
+    """Refuse a ``dist`` run whose ranks cannot fit this machine (one machine only; under
+    torchrun the ranks are spread by the launcher).
+
+    Raises:
+        ConfigError: the processes the run needs (``dist.num_processes``, or what the
+            protocol needs when it is 0) exceed :func:`local_process_limit`; the message
+            names the setting, its value and the limit.
+    """
+    n, why_n = required_processes(cfg.protocol, cfg.dist)
+    limit, why_limit = local_process_limit(cfg)
+    if n <= limit:
+        return
+    if cfg.dist.num_processes:
+        key, value, need = "dist.num_processes", cfg.dist.num_processes, ""
+    else:  # 0: what the protocol needs
+        key, value = "protocol.num_learners", cfg.protocol.num_learners
+        need = f"; the run needs {n} processes ({why_n})"
+    raise ConfigError(
+        f"{key} = {value} is not allowed on this machine: expected at most {limit} "
+        f"processes ({why_limit}){need}"
+    )
+
+
+def schedule_conflicts(cfg: RunConfig) -> list[str]:
+    """Schedule settings the run's epoch budget contradicts, one message each (empty when
+    none): a warm-up as long as the budget (the whole run at warm-up rates), a step decay
+    at or past it (never reached). The budget is the smaller of ``train.max_epochs`` and
+    ``train.max_samples`` (in epochs of the dataset); none when both are 0.
+    """
+    t, sched = cfg.train, cfg.schedule
+    num_train, _ = _train_size_and_floats(cfg.data)
+    budgets = []
+    if t.max_epochs > 0:
+        budgets.append((t.max_epochs, f"train.max_epochs = {t.max_epochs}"))
+    if t.max_samples > 0:
+        epochs = t.max_samples / num_train
+        budgets.append(
+            (epochs, f"train.max_samples = {t.max_samples} ({epochs:.3g} epochs of {num_train})")
+        )
+    if not budgets:
+        return []
+    budget, which = min(budgets)
+    messages = []
+    if sched.warmup_epochs >= budget:
+        messages.append(
+            f"schedule.warmup_epochs = {sched.warmup_epochs} with {which}: the warm-up does "
+            "not end before the budget, so the whole run trains at warm-up rates"
+        )
+    late = [e for e in sched.decay_epochs if e >= budget]
+    if sched.kind == "step" and late:
+        messages.append(
+            f"schedule.decay_epochs = {sched.decay_epochs} with {which}: the decay at "
+            f"epoch(s) {late} is never reached"
+        )
+    return messages
 
 
 def fit_layout(

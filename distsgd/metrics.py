@@ -10,18 +10,40 @@ evaluation; null at the first), ``lr`` (base learning rate from the schedule),
 
 :class:`TensorBoardWriter` mirrors the same records as TensorBoard scalars when the
 optional ``tensorboard`` package is installed (``pip install -e '.[tensorboard]'``).
+
+Tensor files (``checkpoint.pt``, ``eval_weights/NNNN.pt``, ``final_weights.pt``) are written
+by :func:`save_checked`: serialised with ``torch.save`` to bytes, hashed with SHA-256 and
+written atomically, with the digest in a sidecar ``<file>.sha256`` in ``sha256sum``'s
+format (``<hex digest>  <file name>``, so ``sha256sum -c checkpoint.pt.sha256`` checks it
+too). :func:`load_checked` verifies the digest where a sidecar exists.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "TensorBoardWriter", "TENSORBOARD_TAGS", "read_metrics", "write_json"]
+import torch
+
+__all__ = [
+    "ChecksumMismatch",
+    "MetricsWriter",
+    "TensorBoardWriter",
+    "TENSORBOARD_TAGS",
+    "digest_path",
+    "load_checked",
+    "read_metrics",
+    "save_checked",
+    "write_json",
+]
+
+DIGEST_SUFFIX = ".sha256"
 
 
 def _clean(value: Any) -> Any:
@@ -41,6 +63,71 @@ def write_json(path: str | Path, obj: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n")
     os.replace(tmp, path)
+
+
+class ChecksumMismatch(ValueError):
+    """A tensor file does not match the SHA-256 digest distsgd wrote beside it."""
+
+
+def digest_path(path: str | Path) -> Path:
+    """The SHA-256 sidecar of a tensor file: ``<file>.sha256``."""
+    path = Path(path)
+    return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def save_checked(obj: Any, path: str | Path) -> str:
+    """``torch.save`` ``obj`` to ``path`` atomically, with its SHA-256 digest beside it.
+
+    The bytes go to ``<file>.tmp``; the sidecar ``<file>.sha256`` (``<hex>  <name>``) is
+    written (temp file + rename) before ``<file>.tmp`` is renamed over ``path``, so a
+    reader never finds new bytes without their digest. A write cut between the two
+    renames leaves the old file beside the new digest: :func:`load_checked` then refuses
+    it (a refusal, never a silent load).
+
+    Returns:
+        The hex SHA-256 digest of the file's bytes.
+    """
+    path = Path(path)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    digest = hashlib.sha256(data).hexdigest()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    side = digest_path(path)
+    side_tmp = side.with_name(side.name + ".tmp")
+    side_tmp.write_text(f"{digest}  {path.name}\n")
+    os.replace(side_tmp, side)
+    os.replace(tmp, path)
+    return digest
+
+
+def load_checked(path: str | Path) -> Any:
+    """``torch.load(path, weights_only=True)`` after checking the file's SHA-256 digest
+    against its sidecar ``<file>.sha256``; a file without a sidecar (a user's own weights,
+    a checkpoint of an older distsgd) is loaded unchecked.
+
+    Raises:
+        OSError: the file cannot be read.
+        ChecksumMismatch: the sidecar exists and the file's digest differs from it (the
+            file is corrupt or was changed after distsgd wrote it), or the sidecar is not
+            a digest.
+        Exception: whatever ``torch.load`` raises for bytes it cannot unpickle.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    side = digest_path(path)
+    if side.exists():
+        words = side.read_text(errors="replace").split()
+        expected = words[0].lower() if words else ""
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expected:
+            raise ChecksumMismatch(
+                f"{path} does not match its checksum {side.name} (sha256 {actual[:16]}…, "
+                f"recorded {expected[:16] or 'nothing'}…): the file is corrupt or was "
+                "changed after distsgd wrote it"
+            )
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

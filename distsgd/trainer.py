@@ -10,7 +10,12 @@ Run directory layout (``out_dir``):
 * ``staleness.json`` — histogram of gradient staleness σ;
 * ``tb/`` — TensorBoard event files, when ``tensorboard`` is installed and
   ``train.tensorboard`` is on;
-* ``checkpoint.pt`` — the latest checkpoint (all state; loaded with ``weights_only=True``);
+* ``checkpoint.pt`` — the latest checkpoint (all state; loaded with ``weights_only=True``),
+  with its SHA-256 digest in ``checkpoint.pt.sha256`` (every tensor file distsgd writes
+  has one, see :func:`distsgd.metrics.save_checked`; ``--resume`` and
+  ``train.initial_weights`` refuse a file that does not match its digest);
+* ``run.lock`` — while a run holds the directory: the claim of that run (see
+  :class:`RunDirClaim`), removed when it ends;
 * ``autotune.json`` — with ``protocol.replicas_per_device = "auto"``: every decision of
   the replicas-per-device auto-tuner (see :mod:`distsgd.replicas`);
 * ``ticks.jsonl``, ``final_weights.pt`` — with ``train.record_ticks``;
@@ -24,7 +29,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -34,14 +38,25 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from distsgd.config import ConfigError, RunConfig
+from distsgd.config import (
+    ConfigError,
+    RunConfig,
+)
 from distsgd.data import load_dataset, resolve_root
 from distsgd.engine import GradientEngine
 from distsgd.layout import spec_for
-from distsgd.metrics import MetricsWriter, TensorBoardWriter, write_json
+from distsgd.metrics import (
+    ChecksumMismatch,
+    MetricsWriter,
+    TensorBoardWriter,
+    load_checked,
+    save_checked,
+    write_json,
+)
 from distsgd.models import build_model
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.replicas import ReplicaAutoTuner
+from distsgd.rundir import RunDirClaim, check_out_dir_writable
 from distsgd.runtime.base import Tick, TrainingDiverged
 from distsgd.runtime.factory import runtime_kind
 
@@ -49,6 +64,17 @@ __all__ = ["Trainer", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = 1
 _RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint.pt")
+# what a checkpoint written by distsgd holds at the top level, and the type of each entry
+_CHECKPOINT_ENTRIES: dict[str, type | tuple[type, ...]] = {
+    "format": int,
+    "protocol_name": str,
+    "num_parameters": int,
+    "protocol": dict,
+    "runtime": dict,
+    "buffers": dict,
+    "torch_rng": torch.Tensor,
+    "trainer": dict,
+}
 _log = logging.getLogger("distsgd.autotune")
 
 
@@ -75,8 +101,9 @@ class Trainer:
             records, e.g. for a tuner probe that only needs its training losses).
 
     Raises:
-        ConfigError: ``out_dir`` already holds a run (and not resuming), or a resumed
-            checkpoint does not match the config.
+        ConfigError: ``out_dir`` already holds a run (and not resuming), is held by
+            another run (:class:`RunDirClaim`), is a file or not writable; or a resumed
+            checkpoint is not distsgd's, does not match its checksum or the config.
         DatasetError: the dataset is missing or corrupt.
         TrainingDiverged: a loss became NaN/inf (summary.json records it; the last good
             checkpoint is kept).
@@ -156,7 +183,9 @@ class Trainer:
         path = self.cfg.train.initial_weights
         if given is None and path:
             try:
-                given = torch.load(path, weights_only=True)
+                given = load_checked(path)
+            except ChecksumMismatch as e:
+                raise ConfigError(f"train.initial_weights = {path!r} is not allowed: {e}") from None
             except Exception as e:  # noqa: BLE001 - missing or not a tensor file
                 raise ConfigError(
                     f"train.initial_weights = {path!r} is not allowed: expected a file written "
@@ -190,10 +219,7 @@ class Trainer:
         state = self._checkpoint_state()  # collective on the dist runtime
         if not self.is_writer:
             return
-        path = self.out_dir / "checkpoint.pt"
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        save_checked(state, self.out_dir / "checkpoint.pt")
 
     def _load_checkpoint(self) -> None:
         self._apply_checkpoint(self._read_checkpoint())
@@ -203,14 +229,22 @@ class Trainer:
         if not path.exists():
             raise ConfigError(f"cannot resume: {path} does not exist")
         try:
-            state = torch.load(path, weights_only=True)
+            state = load_checked(path)
+        except ChecksumMismatch as e:
+            raise ConfigError(f"cannot resume: {e}") from None
         except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
             raise ConfigError(f"cannot resume: {path} is not a readable checkpoint ({e})") from None
+        if not isinstance(state, dict):
+            raise ConfigError(
+                f"cannot resume: {path} holds a {type(state).__name__}, not a checkpoint "
+                "written by distsgd (a dict of the run's state)"
+            )
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ConfigError(
                 f"cannot resume: {path} has format {state.get('format')!r}, "
                 f"expected {CHECKPOINT_FORMAT}"
             )
+        _check_checkpoint_entries(state, path)
         if (
             state.get("protocol_name") != self.cfg.protocol.name
             or state.get("num_parameters") != self.engine.num_parameters
@@ -222,6 +256,22 @@ class Trainer:
         return state
 
     def _apply_checkpoint(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint that passed :meth:`_read_checkpoint` into every component.
+
+        Raises:
+            ConfigError: an entry's contents do not fit this run's components.
+        """
+        try:
+            self._apply_checkpoint_state(state)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+            if isinstance(e, self.runtime.failure_types):
+                raise
+            raise ConfigError(
+                f"cannot resume: {self.out_dir / 'checkpoint.pt'} does not hold the state of "
+                f"this run's components ({type(e).__name__}: {e})"
+            ) from None
+
+    def _apply_checkpoint_state(self, state: dict[str, Any]) -> None:
         if not self.runtime.runs_training_loop:
             self.runtime.load_state_dict(state["runtime"])  # a learner: its data position
             return
@@ -256,7 +306,7 @@ class Trainer:
         if self.cfg.train.save_eval_weights and self.is_writer:
             snap = self.out_dir / "eval_weights" / f"{c['evals']:04d}.pt"
             snap.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(weights.detach().clone(), snap)
+            save_checked(weights.detach().clone(), snap)
         loss_sum, loss_count = c["loss_sum"], c["loss_count"]
         # every rank's learners' losses
         loss_sum, loss_count = self.runtime.reduce_losses(loss_sum, loss_count)
@@ -321,6 +371,12 @@ class Trainer:
         return min(budgets) if budgets else None
 
     def _check_out_dir(self) -> None:
+        """Refuse an ``out_dir`` that cannot be written or already holds a run.
+
+        Raises:
+            ConfigError: see :func:`check_out_dir_writable`; or a run's files are there.
+        """
+        check_out_dir_writable(self.out_dir)
         if any((self.out_dir / f).exists() for f in _RUN_FILES):
             hint = (
                 "continue it with --resume"
@@ -342,7 +398,14 @@ class Trainer:
         summary, the others return ``{}``) and a parameter server's learners and shards
         serve (returning ``{}``).
         """
+        self._claim: RunDirClaim | None = None
         try:
+            if runtime_kind(self.cfg).single_process:
+                # the claim first (held for the run's life; a run that fails to start
+                # removes it, and the directory if it made it): no work before it
+                self._claim = RunDirClaim.acquire(self.out_dir)
+                if not resume:
+                    self._check_out_dir()
             self._build()  # nothing is written before data, model and profile are ready
             self._init_counters()
             state = self._start(resume)
@@ -360,13 +423,19 @@ class Trainer:
         finally:
             if hasattr(self, "runtime"):
                 self.runtime.close()
+            if self._claim is not None:
+                self._claim.release()
 
     def _start(self, resume: bool) -> dict[str, Any] | None:
-        """The writer checks the run directory (or reads the checkpoint to resume); every
-        rank of the run gets the checkpoint, or the same error."""
+        """The writer claims the run directory for the run's life (if it has not yet, and
+        unless the launcher, its parent process, holds the claim) and checks it, or reads
+        the checkpoint to resume; every rank of the run gets the checkpoint, or the same
+        error."""
         start: tuple[str, Any] = ("ok", None)
         if self.is_writer:
             try:
+                if self._claim is None:
+                    self._claim = RunDirClaim.acquire(self.out_dir, parent_may_hold=True)
                 if resume:
                     start = ("ok", self._read_checkpoint())
                     saved = dict(start[1]["trainer"])
@@ -425,7 +494,7 @@ class Trainer:
         try:
             summary = self._loop(metrics, resumed=resume)
             if getattr(self, "_final_weights", None) is not None:
-                torch.save(self._final_weights, self.out_dir / "final_weights.pt")
+                save_checked(self._final_weights, self.out_dir / "final_weights.pt")
         except TrainingDiverged as e:
             self.counters["stop_reason"] = "diverged"
             self._write_outcome(self._summary(status="diverged", error=str(e)))
@@ -619,7 +688,8 @@ class Trainer:
             "momentum": cfg.optimizer.momentum,
             "seed": cfg.train.seed,
             "target_accuracy": cfg.train.target_accuracy,
-            "best_accuracy": c["best_accuracy"],
+            # None: the run never evaluated (train.evaluate = false)
+            "best_accuracy": c["best_accuracy"] if c["evals"] > 0 else None,
             "final_accuracy": last.get("test_accuracy"),
             "reached": reached,
             "time_to_accuracy_s": c["reached_wall_s"] if reached else None,
@@ -655,3 +725,24 @@ class Trainer:
         if error:
             summary["error"] = error
         return summary
+
+
+def _check_checkpoint_entries(state: dict[str, Any], path: Path) -> None:
+    """Refuse a file that loads but is not a checkpoint written by distsgd.
+
+    Raises:
+        ConfigError: ``state`` lacks an entry of ``_CHECKPOINT_ENTRIES`` or holds one of
+            another type.
+    """
+    missing = [k for k in _CHECKPOINT_ENTRIES if k not in state]
+    if missing:
+        raise ConfigError(
+            f"cannot resume: {path} is not a checkpoint written by distsgd: it lacks "
+            + ", ".join(missing)
+        )
+    for key, kind in _CHECKPOINT_ENTRIES.items():
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            raise ConfigError(
+                f"cannot resume: {path} is not a checkpoint written by distsgd: its {key!r} "
+                f"is a {type(state[key]).__name__}"
+            )

@@ -151,7 +151,7 @@ def test_long_run_keeps_the_model_of_every_evaluation(tmp_path):
     trainer = Trainer(cfg, tmp_path / "a", progress=False)
     trainer.run()
     recs = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    files = sorted((tmp_path / "a" / "eval_weights").iterdir())
+    files = sorted((tmp_path / "a" / "eval_weights").glob("*.pt"))  # not the .sha256 sidecars
     assert [f.name for f in files] == [f"{r['eval']:04d}.pt" for r in recs]
     assert len(files) == 5  # at 0, 256, 512, 768 and the end (1024 samples)
     first = torch.load(files[0], weights_only=True)

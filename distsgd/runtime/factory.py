@@ -128,6 +128,10 @@ class RuntimeKind(abc.ABC):
     def prepare(self, cfg: RunConfig) -> None:
         """Process-level set-up before any data or model is loaded."""
 
+    #: the run is this one process: nothing to agree on with other ranks, so the run
+    #: directory can be claimed and checked before any set-up
+    single_process: bool = True
+
     def calibrate(self, cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool]:
         """The config with what this runtime measures folded in, and whether the device
         profile was measured."""
@@ -172,6 +176,8 @@ class _Simulated(RuntimeKind):
 
 
 class _RealProcesses(RuntimeKind):
+    single_process = False
+
     def prepare(self, cfg: RunConfig) -> None:
         info = rdist.process_info()
         if info is None:
