@@ -144,7 +144,7 @@ def _warn_schedule(cfg: RunConfig) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
     for message in schedule_conflicts(cfg):
-        warnings.warn(message, ConfigWarning, stacklevel=3)
+        warnings.warn(message, ConfigWarning, stacklevel=4)  # the caller of train()
 
 
 def train(

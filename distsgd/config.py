@@ -649,7 +649,10 @@ def schedule_conflicts(cfg: RunConfig) -> list[str]:
     if t.max_samples > 0:
         epochs = t.max_samples / num_train
         budgets.append(
-            (epochs, f"train.max_samples = {t.max_samples} ({epochs:.3g} epochs of {num_train})")
+            (
+                epochs,
+                f"train.max_samples = {t.max_samples} ({epochs:.3g} epochs of {num_train} samples)",
+            )
         )
     if not budgets:
         return []

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from distsgd.config import ConfigError, RunConfig
+from distsgd.metrics import load_checked, save_checked
 from distsgd.runtime import launch
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
@@ -282,7 +283,7 @@ class Prober:
         path = self.out_dir / "snapshots" / f"{_safe(name)}.pt"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(self.snapshots[name].clone(), path)
+            save_checked(self.snapshots[name].clone(), path)
         return path
 
     def _run_dist(
@@ -320,7 +321,7 @@ class Prober:
         final = run_dir / "final_weights.pt"
         if result.diverged or kind == "probe" or not final.exists():
             return None
-        return torch.load(final, weights_only=True)
+        return load_checked(final)
 
     def __call__(self, cand: Candidate, snapshot: str) -> ProbeResult:
         """One equal-time probe (the :data:`~distsgd.tuner.omnivore.ProbeFn` interface)."""
@@ -378,4 +379,4 @@ class Prober:
             FileNotFoundError: the long run kept no weights for that evaluation.
         """
         path = Path(long_run.run_dir) / "eval_weights" / f"{eval_index:04d}.pt"
-        self.snapshots[name] = torch.load(path, weights_only=True)
+        self.snapshots[name] = load_checked(path)
