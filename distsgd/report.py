@@ -87,6 +87,10 @@ def _default_label(summary: dict[str, Any], run_dir: Path) -> str:
     return " ".join(parts)
 
 
+# the simulated clock's entries of summary.json (None on real processes, which have none)
+_SIMULATED_KEYS = ("virtual_s", "time_to_accuracy_virtual_s", "throughput_virtual_samples_per_s")
+
+
 def load_run(run_dir: str | Path) -> Run:
     """Read a run directory written by ``distsgd train``.
 
@@ -115,6 +119,9 @@ def load_run(run_dir: str | Path) -> Run:
         records = [r for r in read_metrics(path / "metrics.jsonl") if isinstance(r, dict)]
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{path / 'metrics.jsonl'}: not readable ({e})") from None
+    if summary.get("runtime") == "dist":  # older runs wrote wall seconds as "virtual"
+        summary = {**summary, **{k: None for k in _SIMULATED_KEYS if k in summary}}
+        records = [{**r, "virtual_s": None} if "virtual_s" in r else r for r in records]
     staleness: dict[int, int] = {}
     if (path / "staleness.json").is_file():
         counts = _read_json(path / "staleness.json")

@@ -331,7 +331,7 @@ class Trainer:
             "samples": samples,
             "epoch": samples / self.dataset.num_train,
             "iterations": self._iterations(),
-            "virtual_s": self.runtime.clock_s,
+            "virtual_s": self._simulated_s(),  # None on real processes: wall_s is their clock
             "wall_s": c["train_wall_s"],
             "eval_wall_s": c["eval_wall_s"],
             "test_accuracy": acc,
@@ -347,8 +347,13 @@ class Trainer:
         if target > 0 and acc >= target and c["reached_samples"] < 0:
             c["reached_samples"] = samples
             c["reached_wall_s"] = c["train_wall_s"]
-            c["reached_virtual_s"] = self.runtime.clock_s
+            c["reached_virtual_s"] = self._simulated_s()
         return record
+
+    def _simulated_s(self) -> float | None:
+        """Seconds on the simulated cluster's virtual clock; None on real processes, whose
+        clock is the wall (``train_wall_s``)."""
+        return self.runtime.clock_s if self.runtime.clock == "simulated" else None
 
     def _iterations(self) -> int:
         proto = self.protocol
@@ -560,8 +565,11 @@ class Trainer:
             while True:
                 budget_hit = budget is not None and rt.samples >= budget
                 time_hit = t.max_seconds > 0 and c["train_wall_s"] >= t.max_seconds
+                simulated_s = self._simulated_s()
                 time_hit = time_hit or (
-                    t.max_virtual_seconds > 0 and rt.clock_s >= t.max_virtual_seconds
+                    t.max_virtual_seconds > 0
+                    and simulated_s is not None
+                    and simulated_s >= t.max_virtual_seconds
                 )
                 if t.max_seconds > 0 or t.max_virtual_seconds > 0:  # every rank decides alike
                     time_hit = rt.any_rank(time_hit)
@@ -668,6 +676,7 @@ class Trainer:
     def _summary(self, status: str, error: str | None = None) -> dict[str, Any]:
         cfg, c, rt = self.cfg, self.counters, self.runtime
         st_mean, st_max, _ = self._staleness()
+        simulated_s = self._simulated_s()
         reached = c["reached_samples"] >= 0
         wall = c["train_wall_s"]
         last = self.metrics.records[-1] if self.metrics.records else {}
@@ -693,7 +702,9 @@ class Trainer:
             "final_accuracy": last.get("test_accuracy"),
             "reached": reached,
             "time_to_accuracy_s": c["reached_wall_s"] if reached else None,
-            "time_to_accuracy_virtual_s": c["reached_virtual_s"] if reached else None,
+            "time_to_accuracy_virtual_s": (
+                c["reached_virtual_s"] if reached and simulated_s is not None else None
+            ),
             "samples_to_accuracy": c["reached_samples"] if reached else None,
             "epochs_to_accuracy": (
                 c["reached_samples"] / self.dataset.num_train if reached else None
@@ -703,11 +714,9 @@ class Trainer:
             "iterations": self._iterations(),
             "train_wall_s": wall,
             "eval_wall_s": c["eval_wall_s"],
-            "virtual_s": rt.clock_s,
+            "virtual_s": simulated_s,  # None on real processes (their clock is the wall)
             "throughput_samples_per_s": rt.samples / wall if wall > 0 else None,
-            "throughput_virtual_samples_per_s": (
-                rt.samples / rt.clock_s if rt.clock_s > 0 else None
-            ),
+            "throughput_virtual_samples_per_s": (rt.samples / simulated_s if simulated_s else None),
             "staleness_mean": st_mean,
             "staleness_max": st_max,
             "replicas_per_device": (rt.replicas_per_device if spec_for(p).replicated else None),
