@@ -302,3 +302,24 @@ def test_killed_server_gets_a_failed_summary_that_report_reads(tmp_path, monkeyp
     run = load_run(out)
     assert run.summary["status"] == "failed"
     assert [r["samples"] for r in run.records] == [0]  # the evaluation before the kill
+
+
+@pytest.mark.slow
+def test_coordinator_evaluation_longer_than_the_timeout_is_not_silence(tmp_path, capfd):
+    """The parameter server (async, λ = 2) with resnet20, dist.timeout_s = 2 and
+    evaluations of 3000 test samples after every 32 (4.2 s each here, several seconds on
+    any CPU): the learners wait for the coordinator's reply while it evaluates, as long as
+    its heartbeat goes on; the run completes with every learner (before, both learners
+    timed out during the evaluation at 32 samples and the server was left alone)."""
+    cfg = config(
+        ASYNC,
+        timeout_s=2,
+        data={"num_train": 64, "num_test": 3000},
+        eval_every_samples=32,
+    )
+    cfg = cfg.replace(model=type(cfg.model)(name="resnet20"))
+    s = train(cfg, out_dir=tmp_path / "run")
+    assert s["status"] == "completed" and s["samples"] >= 64
+    assert not any("lost" in e for e in s["events"]), s["events"]
+    err = capfd.readouterr().err
+    assert "lost" not in err, err

@@ -145,6 +145,7 @@ class Heartbeats:
         self.interval_s = min(1.0, timeout_s / 10)
         self._prefix = f"distsgd/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self._store = self._client()  # the main thread's
+        self._seen: dict[int, tuple[int, float]] = {}  # rank: (count, when it moved)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
         self._thread.start()
@@ -180,6 +181,20 @@ class Heartbeats:
             return [r for r in before if r not in left and self._count(r) == before[r]]
         except (RuntimeError, dist.DistError):
             return []
+
+    def silence_s(self, rank: int) -> float:
+        """Seconds since this rank saw ``rank``'s heartbeat move (0.0 at the first look;
+        infinite when the store is gone). One store round trip."""
+        try:
+            count = self._count(rank)
+        except (RuntimeError, dist.DistError):
+            return math.inf
+        now = time.monotonic()
+        seen = self._seen.get(rank)
+        if seen is None or seen[0] != count:
+            self._seen[rank] = (count, now)
+            return 0.0
+        return now - seen[1]
 
     def post(self, name: str) -> None:
         """Mark ``name`` as done (for the ranks in :meth:`wait_for`)."""
@@ -875,6 +890,7 @@ class PSDistRuntime(_DistBase):
             group=self._subgroups[worker],
             num_samples=self.batch_size,
             timeout_s=self.cfg.dist.timeout_s,
+            silence_s=self.heartbeats.silence_s,  # the coordinator's evaluation is no silence
         )
 
     def state_dict(self) -> dict[str, Any]:
