@@ -196,6 +196,21 @@ def test_a_stopped_rank_is_named_and_killed(tmp_path):
     assert summary["status"] == "failed" and summary["lost_ranks"] == [2]
 
 
+def test_outcome_names_the_hung_rank_and_writes_the_summary_rank_0_could_not(tmp_path):
+    """The launcher's verdict: ranks 0 and 1 stopped on a lost peer and named rank 2 as
+    silent, the launcher killed rank 2: the error names rank 2 only, and with no
+    summary.json from rank 0 the launcher writes one."""
+    from distsgd.runtime.launch import _outcome
+
+    lost = {"kind": "lost", "message": "lost contact with another rank", "silent_ranks": [2]}
+    codes = {0: 3, 1: 3, 2: -9}
+    with pytest.raises(DistRunFailed, match=r"^rank 2 \(learner\) stopped making progress"):
+        _outcome(config(HARDSYNC3), tmp_path, codes, dict(codes), {0: lost, 1: lost}, hung={2})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["lost_ranks"] == [2]
+    assert summary["written_by"] == "launcher" and (tmp_path / "metrics.jsonl").exists()
+
+
 # ---- 3: rank 0's solo evaluation ----------------------------------------------------------
 @pytest.mark.slow
 def test_solo_evaluation_longer_than_the_timeout_is_not_silence(tmp_path):
