@@ -51,6 +51,8 @@ decisions; the all-reduced maximum must make them agree);
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import math
 import os
@@ -60,6 +62,7 @@ import signal
 import sys
 import threading
 import time
+import tomllib
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -69,7 +72,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distsgd.config import RunConfig
+from distsgd.config import ConfigError, RunConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.layout import build_protocol, sma_alpha, spec_for
@@ -83,6 +86,9 @@ from distsgd.runtime.base import Runtime, Tick, TrainingDiverged
 __all__ = [
     "ProcessInfo",
     "PeerLost",
+    "Heartbeats",
+    "end_with_parent",
+    "check_same_config",
     "process_info",
     "init_process_group",
     "build_runtime",
@@ -100,8 +106,205 @@ ENV_TEST_PID_DIR = "DISTSGD_TEST_PID_DIR"
 ENV_TEST_SECONDS = "DISTSGD_TEST_SECONDS"
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
 class PeerLost(RuntimeError):
-    """A peer process died or stayed silent longer than ``dist.timeout_s``."""
+    """A peer process died or stayed silent longer than ``dist.timeout_s``.
+
+    Attributes:
+        silent_ranks: the ranks whose heartbeat had stopped when this rank lost contact
+            (hung or dead; :class:`Heartbeats`), ``[]`` when every peer was alive or
+            nobody could tell.
+    """
+
+    def __init__(self, message: str, silent_ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.silent_ranks = list(silent_ranks or [])
+
+
+class Heartbeats:
+    """Per-rank liveness through the run's rendezvous store (the c10d TCPStore at
+    ``MASTER_ADDR:MASTER_PORT``, hosted by the launcher or torchrun's agent).
+
+    A daemon thread adds 1 to this rank's counter every ``interval_s`` seconds
+    (``min(1, timeout_s / 10)``). It goes on while the rank computes, evaluates or waits
+    in a collective (torch and gloo release the GIL), and stops when the process is
+    stopped (SIGSTOP), dies, or hangs holding the GIL. So when a collective times out,
+    the ranks whose counter does not move for a few intervals are the ones that stopped
+    making progress (:meth:`silent_ranks`), and a rank waiting for another rank's long
+    solo work (rank 0 evaluating) waits as long as that rank beats (:meth:`wait_for`),
+    not ``timeout_s``.
+
+    Keys: ``distsgd/<restart>/beat/<rank>``, ``…/left/<rank>`` (the rank ended its part
+    on purpose), ``…/<name>`` of :meth:`post`; ``<restart>`` is torchrun's
+    ``TORCHELASTIC_RESTART_COUNT`` (0 under distsgd's launcher).
+
+    Raises:
+        PeerLost: from :meth:`wait_for`, the awaited rank's heartbeat stopped for
+            ``timeout_s``.
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.interval_s = min(1.0, timeout_s / 10)
+        self._prefix = f"distsgd/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self._store = self._client()  # the main thread's
+        self._seen: dict[int, tuple[int, float]] = {}  # rank: (count, when it moved)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
+        self._thread.start()
+
+    def _client(self) -> dist.TCPStore:
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+
+    def _beat(self) -> None:
+        try:
+            store = self._client()
+            key = f"{self._prefix}beat/{self.rank}"
+            while not self._stop.is_set():
+                store.add(key, 1)
+                self._stop.wait(self.interval_s)
+        except (RuntimeError, dist.DistError):  # the store is gone: the run is over
+            return
+
+    def _count(self, rank: int) -> int:
+        return int(self._store.add(f"{self._prefix}beat/{rank}", 0))
+
+    def silent_ranks(self) -> list[int]:
+        """The other ranks whose heartbeat does not move for ``max(2, 3 · interval_s)``
+        seconds and which did not leave on purpose (blocks that long)."""
+        try:
+            before = {r: self._count(r) for r in range(self.world_size) if r != self.rank}
+            time.sleep(max(2.0, 3 * self.interval_s))
+            left = {r for r in before if self._store.check([f"{self._prefix}left/{r}"])}
+            return [r for r in before if r not in left and self._count(r) == before[r]]
+        except (RuntimeError, dist.DistError):
+            return []
+
+    def silence_s(self, rank: int) -> float:
+        """Seconds since this rank saw ``rank``'s heartbeat move (0.0 at the first look;
+        infinite when the store is gone). One store round trip."""
+        try:
+            count = self._count(rank)
+        except (RuntimeError, dist.DistError):
+            return math.inf
+        now = time.monotonic()
+        seen = self._seen.get(rank)
+        if seen is None or seen[0] != count:
+            self._seen[rank] = (count, now)
+            return 0.0
+        return now - seen[1]
+
+    def post(self, name: str) -> None:
+        """Mark ``name`` as done (for the ranks in :meth:`wait_for`)."""
+        self._store.set(self._prefix + name, "1")
+
+    def wait_for(self, name: str, rank: int) -> None:
+        """Wait until ``rank`` has :meth:`post`-ed ``name``, for as long as it beats.
+
+        Raises:
+            PeerLost: ``rank``'s heartbeat did not move for ``timeout_s`` seconds.
+        """
+        key = self._prefix + name
+        try:
+            count, since = self._count(rank), time.monotonic()
+            while not self._store.check([key]):
+                time.sleep(self.interval_s)
+                now = self._count(rank)
+                if now != count:
+                    count, since = now, time.monotonic()
+                elif time.monotonic() - since > self.timeout_s:
+                    raise PeerLost(
+                        f"rank {rank} stopped making progress (no heartbeat for "
+                        f"{self.timeout_s:g} s)",
+                        [rank],
+                    )
+        except (RuntimeError, dist.DistError) as e:
+            if isinstance(e, PeerLost):
+                raise
+            raise PeerLost(f"lost the run's store while waiting for rank {rank} ({e})") from e
+
+    def close(self) -> None:
+        """Say that this rank leaves on purpose, and stop beating."""
+        try:
+            self._store.set(f"{self._prefix}left/{self.rank}", "1")
+        except (RuntimeError, dist.DistError):
+            pass
+        self._stop.set()
+
+
+def end_with_parent(grace_s: float) -> None:
+    """End this rank when its parent (distsgd's launcher, torchrun's agent) dies.
+
+    On Linux the kernel sends SIGTERM at the parent's death (``prctl(PR_SET_PDEATHSIG)``
+    through ctypes); a daemon thread also checks the parent pid every second and, once it
+    changed, sends SIGTERM itself (other systems) and ends the process with status 1 if it
+    still runs ``grace_s`` seconds later. SIGTERM ends a rank as Ctrl-C does (rank 0
+    writes an "interrupted" summary).
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        print(
+            f"distsgd[rank {os.environ.get('RANK', '?')}]: the launcher (pid {parent}) "
+            "died; stopping",
+            file=sys.stderr,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
+
+
+def _flat_settings(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        if isinstance(v, dict):
+            out.update(_flat_settings(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def check_same_config(cfg: RunConfig) -> None:
+    """Collective: every rank's resolved config must equal rank 0's.
+
+    Raises:
+        ConfigError: on every rank, naming each differing setting with its value on rank
+            0 and on the first rank where it differs (e.g. torchrun nodes started with
+            different ``--set`` values).
+    """
+    texts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, cfg.to_toml())
+    if all(t == texts[0] for t in texts):
+        return
+    ref = _flat_settings(tomllib.loads(texts[0]))
+    diffs = []
+    for r, text in enumerate(texts[1:], start=1):
+        mine = _flat_settings(tomllib.loads(text))
+        for key in sorted(set(ref) | set(mine)):
+            if ref.get(key) != mine.get(key) and not any(d[0] == key for d in diffs):
+                diffs.append((key, ref.get(key), r, mine.get(key)))
+    what = "; ".join(f"{k} = {a!r} on rank 0, {b!r} on rank {r}" for k, a, r, b in diffs)
+    raise ConfigError(
+        f"the ranks' settings differ: {what}; every node must run the same config (same "
+        "file and --set values)"
+    )
 
 
 @dataclass(frozen=True)
@@ -147,12 +350,14 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
     """Join the run's c10d process group (``env://`` rendezvous, gloo); returns the backend.
 
     Collectives and point-to-point messages time out after ``dist.timeout_s`` seconds.
+    The rank ends when its launcher dies (:func:`end_with_parent`), and every rank's
+    resolved config must equal rank 0's (:func:`check_same_config`).
 
     Raises:
         ConfigError: ``dist.num_processes`` (or the launcher's world size) differs from
-            what the protocol needs.
+            what the protocol needs; the ranks' configs differ.
     """
-    from distsgd.config import ConfigError, required_processes
+    from distsgd.config import required_processes
 
     need, why = required_processes(cfg.protocol, cfg.dist)
     if info.world_size != need:
@@ -163,12 +368,20 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
         )
     backend = "gloo"  # models compute on CPU; the parameter-server transport needs gloo
     if not dist.is_initialized():
+        end_with_parent(cfg.dist.timeout_s + 5)
         dist.init_process_group(
             backend,
             rank=info.rank,
             world_size=info.world_size,
             timeout=timedelta(seconds=cfg.dist.timeout_s),
         )
+        try:
+            check_same_config(cfg)
+        except (RuntimeError, dist.DistError) as e:
+            raise _collective_error(e) from e
+        except ConfigError:
+            dist.destroy_process_group()
+            raise
     return backend
 
 
@@ -205,11 +418,20 @@ def _check_losses(losses: list[float], learners: list[int], lr: float, samples: 
             )
 
 
-def _collective_error(e: Exception) -> PeerLost:
-    """A c10d failure as :class:`PeerLost`, with gloo's source location and advice cut."""
+def _collective_error(e: Exception, heartbeats: Heartbeats | None = None) -> PeerLost:
+    """A c10d failure as :class:`PeerLost`, with gloo's source location and advice cut;
+    with ``heartbeats``, naming the ranks that stopped making progress (blocks a few
+    seconds to tell)."""
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
     text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]
-    return PeerLost(f"lost contact with another rank ({text})")
+    silent = heartbeats.silent_ranks() if heartbeats is not None else []
+    hung = (
+        f"; rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped "
+        "making progress (no heartbeat)"
+        if silent
+        else ""
+    )
+    return PeerLost(f"lost contact with another rank ({text}){hung}", silent)
 
 
 class _DistBase(Runtime):
@@ -229,6 +451,7 @@ class _DistBase(Runtime):
         self.virtual_time = 0.0  # measured wall seconds of training
         self.steps = 0
         self._kill_at = _test_hooks(self.rank)
+        self.heartbeats = Heartbeats(self.rank, self.world_size, cfg.dist.timeout_s)
 
     @property
     def is_writer(self) -> bool:
@@ -254,11 +477,12 @@ class _DistBase(Runtime):
         try:
             dist.broadcast_object_list(box, src=0)
         except (RuntimeError, dist.DistError) as e:
-            raise _collective_error(e) from e
+            raise _collective_error(e, self.heartbeats) from e
         return box[0]
 
     def close(self) -> None:
-        """Leave the process group."""
+        """Leave the process group (and stop this rank's heartbeat)."""
+        self.heartbeats.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -300,6 +524,7 @@ class SyncDistRuntime(_DistBase):
         )
         self.streams = [LearnerStream(self.sampler, lrn) for lrn in self.learners]
         self._seconds_hook = _test_seconds(self.rank)
+        self._solo_evals = 0  # evaluations rank 0 ran alone (BatchNorm)
         self.ddp: torch.nn.Module | None = None
         if isinstance(self.protocol, HardSync):
             from torch.nn.parallel import DistributedDataParallel
@@ -378,7 +603,7 @@ class SyncDistRuntime(_DistBase):
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, TrainingDiverged):
                 raise
-            raise _collective_error(e) from e
+            raise _collective_error(e, self.heartbeats) from e
         n = self.num_learners * self.batch_size
         self.samples += n
         seconds = time.perf_counter() - t0
@@ -411,15 +636,21 @@ class SyncDistRuntime(_DistBase):
         the slice's batches, one all-reduce adds them up (float64), and every rank loads
         the same mean (:meth:`_recalibrate`). Models whose normalisation layers keep no
         running statistics (they normalise with the evaluation batch's) are evaluated on
-        rank 0 alone, as one process would cut the test set into batches; the others wait.
+        rank 0 alone, as one process would cut the test set into batches; the others wait
+        for it as long as its heartbeat goes on (:meth:`Heartbeats.wait_for`: the
+        evaluation's own length, not ``timeout_s``).
         """
         n = x.shape[0]
         if self.engine.has_running_statistics:
             self._recalibrate(weights, batch_size)
         if self.engine.evaluates_with_batch_statistics:
-            acc, loss = (
-                self.engine.evaluate(weights, x, y, batch_size) if self.is_writer else (0, 0)
-            )
+            self._solo_evals += 1
+            done = f"evaluated/{self._solo_evals}"
+            if not self.is_writer:
+                self.heartbeats.wait_for(done, 0)
+                return 0.0, 0.0
+            acc, loss = self.engine.evaluate(weights, x, y, batch_size)
+            self.heartbeats.post(done)
             return acc, loss
         lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
         t = torch.zeros(2, dtype=torch.float64)
@@ -447,7 +678,7 @@ class SyncDistRuntime(_DistBase):
         try:
             return fn(*args, **kwargs)
         except (RuntimeError, dist.DistError) as e:
-            raise _collective_error(e) from e
+            raise _collective_error(e, self.heartbeats) from e
 
     def share(self, obj: Any) -> Any:
         box = [obj]
@@ -694,6 +925,7 @@ class PSDistRuntime(_DistBase):
             group=self._subgroups[worker],
             num_samples=self.batch_size,
             timeout_s=self.cfg.dist.timeout_s,
+            silence_s=self.heartbeats.silence_s,  # the coordinator's evaluation is no silence
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -5,8 +5,12 @@
 torchrun's elastic agent: spawning, environment, logs, terminating the process groups),
 with the rendezvous on loopback (``dist.master_addr``, default 127.0.0.1, and a free port
 unless ``dist.master_port`` is set) through a c10d TCPStore hosted by the launching
-process, as torchrun's agent hosts it. Each rank runs ``python -m distsgd.runtime.dist``
-and sets its torch threads to its share of the cores (``train.num_threads`` overrides).
+process, as torchrun's agent hosts it. The launcher binds the store's listening socket
+itself, on ``dist.master_addr`` only (torch's TCPStore would listen on every interface),
+and hands it to the store: a one-machine run on loopback cannot be reached from the
+network, and a port in use is one line naming ``dist.master_port``. Each rank runs
+``python -m distsgd.runtime.dist`` and sets its torch threads to its share of the cores
+(``train.num_threads`` overrides).
 
 **Why not the elastic agent itself.** torchrun's agent (``elastic_launch``) tears down
 every worker as soon as one fails; with ``max_restarts = 0`` the run is over. That is
@@ -23,7 +27,16 @@ and applies its own failure policy, the only part it decides:
   ranks notice it themselves (a c10d error or ``dist.timeout_s`` of silence) and stop;
   whatever is still running ``dist.timeout_s + 5`` seconds later is terminated
   (SIGTERM, then SIGKILL). :class:`DistRunFailed` names the lost rank; the last
-  checkpoint is kept, and ``--resume`` continues from it.
+  checkpoint is kept, and ``--resume`` continues from it;
+* a rank hangs (stopped, e.g. ``kill -STOP``, or stuck): its peers time out after
+  ``dist.timeout_s`` and name the ranks whose heartbeat stopped
+  (:class:`distsgd.runtime.dist.Heartbeats`); once every other rank has ended, the
+  launcher kills the named ones at once (SIGKILL) and :class:`DistRunFailed` names them
+  as hung.
+
+When rank 0 cannot write the failed run's ``summary.json`` (it was killed, or hung), the
+launcher writes it (``status = "failed"``, ``lost_ranks``, the samples of the last
+evaluation in ``metrics.jsonl``), so that ``distsgd report`` reads the run.
 
 In every case :func:`run` returns only after every process it started has ended.
 
@@ -44,14 +57,26 @@ completed.
 
 :func:`run` sees torchrun's ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` and runs this
 process's rank instead of launching again; torchrun's agent then owns the processes
-(and tears all down when one fails, which suits the synchronous protocols).
+(and tears all down when one fails, which suits the synchronous protocols). What such a
+run exposes on the network: torchrun's rendezvous store on ``--master-addr:--master-port``
+(rank 0's node; any client that reaches it can read and write the run's keys) and gloo's
+connections between the ranks, on the address each node resolves for itself. Run it on
+a trusted network only.
+
+**A launcher that dies.** Every rank asks the kernel for SIGTERM when its parent (this
+launcher, or torchrun's agent) dies (``prctl(PR_SET_PDEATHSIG)`` on Linux) and a watchdog
+thread checks the parent pid every second (other systems); SIGTERM ends a rank as Ctrl-C
+does (rank 0 writes an "interrupted" summary), and a rank still running ``dist.timeout_s +
+5`` seconds after its parent died ends itself (:func:`distsgd.runtime.dist.end_with_parent`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -67,6 +92,7 @@ __all__ = [
     "DistRunFailed",
     "exit_worker",
     "is_process_loss",
+    "rendezvous_store",
     "run",
     "run_worker",
     "under_launcher",
@@ -142,9 +168,6 @@ def run(
 
 
 def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) -> dict[str, Any]:
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -154,14 +177,7 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
     addr = cfg.dist.master_addr
     # The rendezvous store is hosted here, as torchrun's agent hosts it, so that a free
     # port (master_port = 0) is bound once and no rank can lose it to another program.
-    store = TCPStore(
-        addr,
-        cfg.dist.master_port,
-        world_size=n,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=cfg.dist.timeout_s),
-    )
+    store = rendezvous_store(addr, cfg.dist.master_port, world_size=n, timeout_s=cfg.dist.timeout_s)
     port = store.port
     package_root = str(Path(__file__).resolve().parents[2])
     pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
@@ -195,11 +211,15 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
         codes: dict[int, int | None] = {}
         lost: dict[int, int] = {}
         after_done: dict[int, int] = {}  # ended with an error after reporting "done"
+        hung: set[int] = set()  # named silent by their peers, killed here
         fatal_since: float | None = None
         try:
             while True:
                 codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
                 for r, code in codes.items():
+                    if code not in (None, 0) and r in hung and r not in lost:
+                        lost[r] = code  # killed here (_kill_hung), already reported
+                        continue
                     if code not in (None, 0) and r not in lost and r not in after_done:
                         pid = ctx.subprocess_handlers[r].proc.pid
                         if _finished(Path(tmp) / f"rank{r}.json"):
@@ -223,9 +243,13 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
                         )
                 if all(c is not None for c in codes.values()):
                     break
+                if fatal_since is not None:
+                    _kill_hung(ctx, codes, Path(tmp), hung)
                 if fatal_since is not None and (
                     time.monotonic() - fatal_since > cfg.dist.timeout_s + 5
                 ):
+                    running = {r for r, c in codes.items() if c is None}
+                    hung.update(running & _named_silent(codes, Path(tmp)))  # closed below
                     break
                 time.sleep(_POLL_S)
         except SignalException:
@@ -243,7 +267,110 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
             if f.exists():
                 errors[r] = json.loads(f.read_text())
     del store  # the ranks have ended
-    return _outcome(cfg, out, codes, lost, errors)
+    return _outcome(cfg, out, codes, lost, errors, hung=hung)
+
+
+def _kill_hung(ctx: Any, codes: dict[int, int | None], tmp: Path, hung: set[int]) -> None:
+    """SIGKILL the ranks still running that every other rank has left, if the ranks that
+    stopped on a lost peer named them as silent (no heartbeat): they hang (stopped or
+    stuck), and waiting for them would only delay the end of the run."""
+    running = {r for r, c in codes.items() if c is None}
+    if not running or not running <= _named_silent(codes, tmp):
+        return
+    for r in sorted(running - hung):
+        hung.add(r)
+        pid = ctx.subprocess_handlers[r].proc.pid
+        print(
+            f"distsgd: rank {r} (pid {pid}) stopped making progress (no heartbeat); killing it",
+            file=sys.stderr,
+        )
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _named_silent(codes: dict[int, int | None], tmp: Path) -> set[int]:
+    """The ranks that the ended ranks' outcome files name as silent (no heartbeat when
+    they lost contact)."""
+    named: set[int] = set()
+    for r, code in codes.items():
+        if code is None:
+            continue
+        try:
+            outcome = json.loads((tmp / f"rank{r}.json").read_text())
+            named.update(int(x) for x in outcome.get("silent_ranks", []))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return named
+
+
+def rendezvous_store(addr: str, port: int, *, world_size: int, timeout_s: float) -> Any:
+    """The run's c10d TCPStore, hosted by this process and listening on ``addr:port`` only.
+
+    torch's TCPStore listens on every interface (IPv4 and IPv6) whatever ``addr`` is;
+    this binds the socket itself and hands it over (``master_listen_fd``), so a store on
+    127.0.0.1 cannot be reached from the network.
+
+    Args:
+        addr: ``dist.master_addr``, an address of this machine.
+        port: ``dist.master_port``; 0 picks a free port (``store.port`` tells which).
+        world_size: ranks that will connect.
+        timeout_s: the store's timeout for its clients' waits, seconds.
+
+    Raises:
+        ConfigError: the port is in use, or ``addr`` is no address of this machine.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        addr,
+        port,
+        world_size=world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=_listen_socket(addr, port),
+    )
+
+
+def _listen_socket(addr: str, port: int) -> int:
+    """A TCP socket listening on ``addr:port`` only (port 0: a free one); returns its file
+    descriptor, owned from then on by the store it is handed to.
+
+    Raises:
+        ConfigError: the port is in use, or ``addr`` is no address of this machine.
+    """
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[
+            0
+        ]
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(
+            f"dist.master_addr = {addr!r} is not allowed: expected a host name or IP address "
+            f"of this machine ({e})"
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does
+        sock.bind(sockaddr)
+        sock.listen(max(128, socket.SOMAXCONN))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"dist.master_port = {port} is not allowed: the port is already in use on "
+                f"{addr}; choose a free port, or 0 to let distsgd pick one"
+            ) from None
+        raise ConfigError(
+            f"dist.master_addr = {addr!r} is not allowed: cannot listen on it "
+            f"({e.strerror or e}); expected an address of this machine (127.0.0.1 on one "
+            "machine)"
+        ) from None
+    sock.set_inheritable(False)
+    return sock.detach()
 
 
 def _finished(path: Path) -> bool:
@@ -259,7 +386,9 @@ def _outcome(
     out: Path,
     codes: dict[int, int | None],
     lost: dict[int, int],
-    errors: dict[int, dict[str, str]],
+    errors: dict[int, dict[str, Any]],
+    *,
+    hung: set[int] | frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     from distsgd.runtime.sim import TrainingDiverged
 
@@ -273,12 +402,21 @@ def _outcome(
     if not fatal and rank0_done and summary_path.exists():
         return json.loads(summary_path.read_text())
     # the lost ranks are those that ended without reporting a lost peer themselves
-    # (killed, or failed on their own); the others stopped because of them
-    causes = [r for r in fatal if errors.get(r, {}).get("kind") != "lost"] or fatal
-    if causes:
-        what = "; ".join(f"rank {r} ({_role(cfg, r)}) {_describe_exit(lost[r])}" for r in causes)
-    else:
-        what = "a rank stopped without finishing the run"
+    # (killed, or failed on their own), and those that hung: named silent by the others
+    # (hung: named silent by the others, killed here)
+    silent = set(hung) - {r for r in errors if errors[r].get("kind") in ("lost", "done")}
+    causes = sorted({r for r in fatal if errors.get(r, {}).get("kind") != "lost"} | silent)
+    causes = causes or fatal
+
+    def describe(r: int) -> str:
+        if r in silent:
+            return (
+                f"rank {r} ({_role(cfg, r)}) stopped making progress (no heartbeat for "
+                f"dist.timeout_s = {cfg.dist.timeout_s:g} s); it was killed"
+            )
+        return f"rank {r} ({_role(cfg, r)}) {_describe_exit(lost[r])}"
+
+    what = "; ".join(describe(r) for r in causes) or "a rank stopped without finishing the run"
     keep = (
         f"the last checkpoint in {out} is kept (continue with --resume {out})"
         if (out / "checkpoint.pt").exists() and cfg.dist.num_servers == 1
@@ -294,7 +432,57 @@ def _outcome(
             summary["error"] = message
             summary["lost_ranks"] = causes
             write_json(summary_path, summary)
+    elif out.is_dir():  # rank 0 could not write it (killed, hung): the report needs one
+        _write_failed_summary(cfg, out, message, causes)
     raise DistRunFailed(message)
+
+
+def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: list[int]) -> None:
+    """``summary.json`` of a run whose rank 0 could not write it (and an empty
+    ``metrics.jsonl`` if it had none): what the config and the evaluations written so far
+    say; training counters only rank 0 knew are left out."""
+    from distsgd.metrics import read_metrics
+    from distsgd.trainer import _layout
+
+    metrics = out / "metrics.jsonl"
+    try:
+        records = read_metrics(metrics) if metrics.exists() else []
+    except (OSError, ValueError):
+        records = []
+    if not metrics.exists():
+        metrics.touch()
+    last = records[-1] if records else {}
+    accuracies = [r["test_accuracy"] for r in records if "test_accuracy" in r]
+    p = cfg.protocol
+    write_json(
+        out / "summary.json",
+        {
+            "name": cfg.name,
+            "status": "failed",
+            "stop_reason": "process_lost",
+            "protocol": p.name,
+            "runtime": cfg.runtime,
+            "layout": _layout(cfg),
+            "model": cfg.model.name,
+            "dataset": cfg.data.dataset,
+            "num_learners": p.num_learners,
+            "batch_size": p.batch_size,
+            "lr": cfg.optimizer.lr,
+            "seed": cfg.train.seed,
+            "target_accuracy": cfg.train.target_accuracy,
+            "best_accuracy": max(accuracies, default=0.0),
+            "final_accuracy": last.get("test_accuracy"),
+            "reached": bool(
+                cfg.train.target_accuracy > 0
+                and max(accuracies, default=0.0) >= cfg.train.target_accuracy
+            ),
+            "samples": last.get("samples", 0),
+            "num_processes": required_processes(cfg.protocol, cfg.dist)[0],
+            "error": error,
+            "lost_ranks": lost_ranks,
+            "written_by": "launcher",
+        },
+    )
 
 
 def run_worker(config_toml: str, out_dir: str, *, resume: bool, progress: bool) -> int:
@@ -319,7 +507,11 @@ def run_worker(config_toml: str, out_dir: str, *, resume: bool, progress: bool) 
         print(f"distsgd[rank {rank}]: {kind}: {e}", file=sys.stderr)
         path = os.environ.get(ENV_ERROR_FILE)
         if path:
-            Path(path).write_text(json.dumps({"kind": kind, "message": str(e)}))
+            outcome = {"kind": kind, "message": str(e)}
+            silent = getattr(e, "silent_ranks", None)
+            if silent:  # peers whose heartbeat had stopped when this rank lost contact
+                outcome["silent_ranks"] = list(silent)
+            Path(path).write_text(json.dumps(outcome))
         return status
 
     try:

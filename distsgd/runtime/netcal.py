@@ -11,7 +11,9 @@ machine (or on a network, if the two ranks are started there).
 
 Measurement: two ranks started by torch's launch machinery
 (:func:`torch.distributed.elastic.multiprocessing.start_processes`) rendezvous on
-loopback and join a gloo process group, one torch thread each. For each message size
+loopback (a store listening on ``master_addr`` only,
+:func:`distsgd.runtime.launch.rendezvous_store`) and join a gloo process group, one torch
+thread each. For each message size
 (default: 1 value and P/16, P/4, P values of float32) after one warm-up:
 
 * point-to-point: ``repeats`` ping-pongs (rank 0 sends, rank 1 receives and sends back);
@@ -38,6 +40,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+
+from distsgd.runtime.launch import rendezvous_store
 
 __all__ = ["NetworkProfile", "calibrate_network", "fit_network"]
 
@@ -170,17 +174,15 @@ def calibrate_network(
 
     Raises:
         RuntimeError: a rank failed (its error is in the message).
+        ConfigError: ``master_addr`` is no address of this machine.
     """
-    from torch.distributed import TCPStore
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     if sizes is None:
         sizes = sorted({1, max(1, num_parameters // 16), max(1, num_parameters // 4)})
         sizes.append(num_parameters)
-    store = TCPStore(  # hosted here, as torchrun's agent hosts it (see launch.py)
-        master_addr, 0, world_size=2, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )  # fmt: skip
+    # hosted here, as torchrun's agent hosts it, listening on master_addr only (launch.py)
+    store = rendezvous_store(master_addr, 0, world_size=2, timeout_s=timeout_s)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix="distsgd-netcal-") as tmp:

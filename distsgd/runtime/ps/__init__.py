@@ -105,7 +105,11 @@ inside, so it stands or falls as one):
 
 ``timeout_s`` must exceed the longest legitimate silence: the start of the server (the
 learners' first wait), one compute plus its group all-reduce, ``on_push`` of the
-coordinator, and under the barrier the slowest learner's round.
+coordinator, and under the barrier the slowest learner's round. Given ``silence_s``
+(the dist runtime passes its heartbeats), a leader waits for a server's reply as long as
+that server's heartbeat goes on instead, so a long ``on_push`` (an evaluation) is no
+silence; a compute group's other members still wait ``timeout_s`` in the group's
+broadcast.
 
 Changes against the design note (``ps_api``): :func:`run_server` takes ``lr`` (the base
 learning rate α0 from the schedule as a function of the samples applied before the push,

@@ -3,6 +3,7 @@ group's members), pushes to every shard in shard order (see :mod:`distsgd.runtim
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from distsgd.runtime.ps.transport import (
+    _FOREVER_S,
     _KIND,
     _LENGTH,
     _VERSION,
@@ -26,6 +28,7 @@ from distsgd.runtime.ps.transport import (
     ServerLost,
     _header,
     _pair_groups,
+    _Receiver,
     _recv,
     _send,
     _td,
@@ -86,12 +89,52 @@ class _Leader:
     """The leader's side of the server conversation, over every shard in order."""
 
     def __init__(
-        self, layout: PSLayout, links: dict[int, dist.ProcessGroup], worker: int, timeout_s: float
+        self,
+        layout: PSLayout,
+        links: dict[int, dist.ProcessGroup],
+        worker: int,
+        timeout_s: float,
+        silence_s: Callable[[int], float] | None = None,
     ):
         self.servers, self.worker, self.timeout_s = layout.server_ranks, worker, timeout_s
         self.links = [links[s] for s in self.servers]
         self.versions = [0] * len(self.servers)
         self.parts: list[Tensor] = [torch.empty(0)] * len(self.servers)
+        self.silence_s = silence_s
+        # with silence_s: one receiver thread per shard, without a timeout of its own; the
+        # reply is awaited as long as the server's heartbeat goes on (_reply)
+        self.replies: list[tuple[_Receiver, queue.Queue]] = []
+        if silence_s is not None:
+            for k, server in enumerate(self.servers):
+                inbox: queue.Queue = queue.Queue()
+                receiver = _Receiver(k, server, self.links[k], _FOREVER_S, inbox)
+                receiver.start()
+                self.replies.append((receiver, inbox))
+
+    def _reply(self, k: int) -> tuple[Tensor, Tensor]:
+        """Shard k's next reply (header, payload), awaited as long as that server rank's
+        heartbeat goes on (its coordinator may evaluate for longer than ``timeout_s``)."""
+        assert self.silence_s is not None
+        receiver, inbox = self.replies[k]
+        receiver.arm()
+        server = self.servers[k]
+        while True:
+            try:
+                _, header, payload, error = inbox.get(timeout=min(1.0, self.timeout_s / 10))
+            except queue.Empty:
+                silent = self.silence_s(server)
+                if silent > self.timeout_s:
+                    lost = ServerLost(
+                        server,
+                        f"parameter server rank {server} stopped making progress (no "
+                        f"heartbeat for {silent:.0f} s)",
+                    )
+                    lost.silent_ranks = [server]  # for the launcher (a hung rank)
+                    raise lost from None
+                continue
+            if error is not None:
+                raise self._lost(k, error)
+            return header, torch.empty(0) if payload is None else payload
 
     def _lost(self, k: int, e: Exception) -> ServerLost:
         r = self.servers[k]
@@ -106,6 +149,12 @@ class _Leader:
 
     def receive(self, k: int) -> int:
         """Receive shard k's reply; returns its kind (WEIGHTS: stored in ``parts[k]``)."""
+        if self.replies:
+            header, payload = self._reply(k)
+            kind = int(header[_KIND])
+            if kind == WEIGHTS:
+                self.versions[k], self.parts[k] = int(header[_VERSION]), payload
+            return kind
         try:
             server, link = self.servers[k], self.links[k]
             header = _recv(torch.empty(HEADER_LEN, dtype=torch.int64), server, link, self.timeout_s)
@@ -171,6 +220,7 @@ def run_learner(
     group: dist.ProcessGroup | None,
     num_samples: int,
     timeout_s: float,
+    silence_s: Callable[[int], float] | None = None,
 ) -> LearnerResult:
     """Pull → compute → push until the server says stop (Rudra §3; Omnivore groups).
 
@@ -185,6 +235,11 @@ def run_learner(
             for a group of one.
         num_samples: samples behind one ``compute`` call (the batch size).
         timeout_s: seconds to wait for a reply or a group collective, > 0.
+        silence_s: ``silence_s(r)``: seconds since server rank r last showed a heartbeat
+            (:class:`distsgd.runtime.dist.Heartbeats`); with it the leader waits for a
+            reply as long as that stays <= ``timeout_s`` (the coordinator may evaluate
+            for longer), instead of ``timeout_s`` after its push. Group members still
+            wait ``timeout_s`` in the group's broadcast.
 
     Returns:
         :class:`LearnerResult`.
@@ -204,7 +259,7 @@ def run_learner(
     links = _pair_groups(layout, rank)  # collective: every rank, first
     grp = _Group(ranks, group, timeout_s)
     is_leader = rank == ranks[0]
-    leader = _Leader(layout, links, w, timeout_s) if is_leader else None
+    leader = _Leader(layout, links, w, timeout_s, silence_s) if is_leader else None
     result = LearnerResult()
     info = torch.zeros(3, dtype=torch.int64)  # [kind, version or server rank, P] in the group
 

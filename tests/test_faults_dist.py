@@ -1,0 +1,340 @@
+"""Faults of the dist runtime on real processes (issue 12): a hung rank, long solo work,
+settings that differ across nodes, the rendezvous store's port and address, a launcher
+that dies, a server killed before it could write its summary.
+
+Faults are injected from the test (signals to a rank's pid, read from the pid files of
+the existing ``DISTSGD_TEST_PID_DIR`` hook). Every run is a few seconds of training on
+tiny synthetic data; no assert depends on the machine's speed (the bounds on how long a
+run may take are far above the work, and only catch a run that would go on forever).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distsgd.api import train
+from distsgd.config import ConfigError
+from distsgd.runtime.launch import DistRunFailed, rendezvous_store
+from tests.conftest import small_config
+
+ROOT = Path(__file__).resolve().parents[1]
+HARDSYNC2 = {"name": "hardsync", "num_learners": 2, "batch_size": 16}
+HARDSYNC3 = {"name": "hardsync", "num_learners": 3, "batch_size": 16}
+ASYNC = {"name": "parameter_server", "num_learners": 2, "mode": "async", "batch_size": 16}
+GENEROUS_S = 120  # a run that has not ended by then never would: far above the work
+
+
+def config(protocol: dict, timeout_s: float = 20.0, data: dict | None = None, **train_settings):
+    t = {"max_epochs": 1, "eval_every_samples": 256, "tensorboard": False, **train_settings}
+    return small_config(
+        protocol=protocol,
+        train=t,
+        runtime="dist",
+        dist={"timeout_s": timeout_s},
+        data=data or {},
+    )
+
+
+def _env(pid_dir: Path | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DISTSGD_TEST_KILL"):
+        env.pop(k, None)
+    if pid_dir is not None:
+        env["DISTSGD_TEST_PID_DIR"] = str(pid_dir)
+    return env
+
+
+def _cli(cfg_path: Path, out: Path, pid_dir: Path, *extra: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "distsgd", "train", str(cfg_path), "--out", str(out)]
+    return subprocess.Popen(
+        [*argv, "--quiet", *extra],
+        cwd=ROOT,
+        env=_env(pid_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _rank_pids(pid_dir: Path, n: int) -> dict[int, int]:
+    """The ranks' pids, once every rank has written its pid file (waits for them)."""
+    deadline = time.monotonic() + GENEROUS_S
+    while time.monotonic() < deadline:
+        files = {r: pid_dir / f"rank{r}.pid" for r in range(n)}
+        if all(f.exists() and f.read_text() for f in files.values()):
+            return {r: int(f.read_text()) for r, f in files.items()}
+        time.sleep(0.1)
+    raise AssertionError(f"the ranks did not write their pid files in {GENEROUS_S} s")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")  # a zombie has ended, it is only not reaped yet
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+def _wait_for_evaluations(out: Path, count: int) -> None:
+    deadline = time.monotonic() + GENEROUS_S
+    while time.monotonic() < deadline:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not write {count} evaluations in {GENEROUS_S} s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _external_address() -> str | None:
+    """An address of this machine other than loopback (None where it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: only picks the route
+        except OSError:
+            return None
+        addr = s.getsockname()[0]
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
+
+
+# ---- 8, 11: the rendezvous store ----------------------------------------------------------
+@pytest.mark.slow
+def test_store_listens_on_master_addr_only(tmp_path):
+    """A one-machine run's store (dist.master_port fixed, master_addr 127.0.0.1) takes
+    connections on loopback and refuses them on the machine's external address (torch's
+    TCPStore alone listens on every interface, IPv4 and IPv6)."""
+    external = _external_address()
+    if external is None:
+        pytest.skip("this machine has no address other than loopback")
+    out, pid_dir, port = tmp_path / "run", tmp_path / "pids", _free_port()
+    cfg_path = tmp_path / "run.toml"
+    cfg_path.write_text(config(HARDSYNC2, max_epochs=1000).to_toml())
+    proc = _cli(cfg_path, out, pid_dir, "--set", f"dist.master_port={port}")
+    try:
+        _rank_pids(pid_dir, 2)  # the ranks have joined: the store is up
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        with pytest.raises(ConnectionRefusedError), socket.socket() as s:
+            s.settimeout(5)
+            s.connect((external, port))
+    finally:
+        proc.terminate()  # as Ctrl-C: every rank is stopped
+        proc.communicate(timeout=GENEROUS_S)
+    store = rendezvous_store("127.0.0.1", 0, world_size=1, timeout_s=5)  # the same, direct
+    with pytest.raises(ConnectionRefusedError), socket.socket() as s:
+        s.settimeout(5)
+        s.connect((external, store.port))
+    del store
+
+
+def test_master_port_in_use_is_one_line_exit_2(tmp_path, capsys):
+    from distsgd.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg_path = tmp_path / "run.toml"
+        cfg_path.write_text(config(HARDSYNC2).to_toml())
+        argv = ["train", str(cfg_path), "--set", f"dist.master_port={port}", "--quiet"]
+        assert main([*argv, "--out", str(tmp_path / "run")]) == 2
+        with pytest.raises(ConfigError, match=rf"dist.master_port = {port} is not allowed"):
+            rendezvous_store("127.0.0.1", port, world_size=1, timeout_s=5)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"dist.master_port = {port} is not allowed: the port is already in use" in err[0]
+    assert "or 0 to let distsgd pick one" in err[0]
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+# ---- 2: a hung rank -----------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_and_killed(tmp_path):
+    """Hardsync on 3 processes, rank 2 stopped by SIGSTOP after the second evaluation:
+    ranks 0 and 1 time out and name rank 2 (its heartbeat stopped); the launcher kills it
+    as soon as the others have ended instead of waiting out its own deadline; the error
+    and summary.json name rank 2 only."""
+    out, pid_dir = tmp_path / "run", tmp_path / "pids"
+    cfg_path = tmp_path / "run.toml"
+    cfg_path.write_text(config(HARDSYNC3, timeout_s=4, max_epochs=1000).to_toml())
+    proc = _cli(cfg_path, out, pid_dir)
+    pid2 = None
+    try:
+        pid2 = _rank_pids(pid_dir, 3)[2]
+        _wait_for_evaluations(out, 2)
+        os.kill(pid2, signal.SIGSTOP)
+        _, err = proc.communicate(timeout=GENEROUS_S)
+    finally:
+        if pid2 is not None and _running(pid2):
+            os.kill(pid2, signal.SIGCONT)
+            os.kill(pid2, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err
+    assert "rank 2 (pid" in err and "stopped making progress (no heartbeat); killing it" in err
+    last = err.strip().splitlines()[-1]
+    assert "rank 2 (learner) stopped making progress" in last, last
+    assert "rank 0" not in last and "rank 1" not in last, last
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["lost_ranks"] == [2]
+
+
+def test_outcome_names_the_hung_rank_and_writes_the_summary_rank_0_could_not(tmp_path):
+    """The launcher's verdict: ranks 0 and 1 stopped on a lost peer and named rank 2 as
+    silent, the launcher killed rank 2: the error names rank 2 only, and with no
+    summary.json from rank 0 the launcher writes one."""
+    from distsgd.runtime.launch import _outcome
+
+    lost = {"kind": "lost", "message": "lost contact with another rank", "silent_ranks": [2]}
+    codes = {0: 3, 1: 3, 2: -9}
+    with pytest.raises(DistRunFailed, match=r"^rank 2 \(learner\) stopped making progress"):
+        _outcome(config(HARDSYNC3), tmp_path, codes, dict(codes), {0: lost, 1: lost}, hung={2})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["lost_ranks"] == [2]
+    assert summary["written_by"] == "launcher" and (tmp_path / "metrics.jsonl").exists()
+
+
+# ---- 3: rank 0's solo evaluation ----------------------------------------------------------
+@pytest.mark.slow
+def test_solo_evaluation_longer_than_the_timeout_is_not_silence(tmp_path):
+    """resnet20 (BatchNorm: rank 0 evaluates alone) on 2 hardsync ranks with
+    dist.timeout_s = 2 and a test set whose evaluation takes longer than that (4000
+    samples through resnet20 on one thread: 5.6 s here, several seconds on any CPU).
+    Rank 1 waits for the evaluation as long as rank 0's heartbeat goes on: the run
+    completes (before, rank 1 timed out in the next collective)."""
+    cfg = config(
+        HARDSYNC2,
+        timeout_s=2,
+        data={"num_train": 64, "num_test": 4000},
+        eval_every_samples=0,
+    )
+    cfg = cfg.replace(model=type(cfg.model)(name="resnet20"))
+    s = train(cfg, out_dir=tmp_path / "run")
+    assert s["status"] == "completed" and s["samples"] == 64
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["samples"] for r in records] == [0, 64]
+
+
+# ---- 5: settings that differ across torchrun nodes ----------------------------------------
+@pytest.mark.slow
+def test_torchrun_nodes_with_different_settings_stop_with_one_line(tmp_path):
+    """Two torchrun nodes, optimizer.lr 0.05 on one and 0.5 on the other: every rank ends
+    at set-up with status 2 and one line naming the setting and both values; nothing is
+    written that claims success."""
+    cfg_path = tmp_path / "run.toml"
+    cfg_path.write_text(config(HARDSYNC2).to_toml())
+    port, out = _free_port(), tmp_path / "run"
+    nodes = []
+    for i, lr in enumerate(("0.05", "0.5")):
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+        torchrun += ["--node-rank", str(i), "--nproc-per-node", "1"]
+        torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        run = ["-m", "distsgd", "train", str(cfg_path), "--out", str(out), "--quiet"]
+        nodes.append(
+            subprocess.Popen(
+                [*torchrun, *run, "--set", f"optimizer.lr={lr}"],
+                cwd=ROOT,
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [n.communicate(timeout=GENEROUS_S)[0] for n in nodes]
+    assert all(n.returncode != 0 for n in nodes), outputs
+    line = "optimizer.lr = 0.05 on rank 0, 0.5 on rank 1"
+    for output in outputs:
+        errors = [x for x in output.splitlines() if x.startswith("distsgd: error:")]
+        assert len(errors) == 1 and line in errors[0], output
+        assert "Traceback" not in output.split("distsgd: error:")[0], output
+    assert not (out / "summary.json").exists()
+
+
+# ---- 13: the launcher dies ----------------------------------------------------------------
+@pytest.mark.slow
+def test_ranks_end_when_their_launcher_is_killed(tmp_path):
+    """kill -9 of the launcher (the CLI process) during a long run: every rank ends on its
+    own (parent-death signal), and no summary claims the run completed."""
+    out, pid_dir = tmp_path / "run", tmp_path / "pids"
+    cfg_path = tmp_path / "run.toml"
+    cfg_path.write_text(config(HARDSYNC2, max_epochs=1000).to_toml())
+    proc = _cli(cfg_path, out, pid_dir)
+    pids: dict[int, int] = {}
+    try:
+        pids = _rank_pids(pid_dir, 2)
+        _wait_for_evaluations(out, 1)
+        proc.kill()
+        proc.communicate()
+        deadline = time.monotonic() + GENEROUS_S
+        while any(_running(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [r for r, p in pids.items() if _running(p)]
+    finally:
+        for p in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert left == [], f"ranks {left} went on after their launcher was killed"
+    summary = out / "summary.json"
+    assert not summary.exists() or json.loads(summary.read_text())["status"] != "completed"
+
+
+# ---- 14: the server killed before it could write its summary -------------------------------
+@pytest.mark.slow
+def test_killed_server_gets_a_failed_summary_that_report_reads(tmp_path, monkeypatch):
+    """The coordinating server (rank 0) SIGKILLs itself at its 10th push: it writes
+    nothing more, so the launcher writes summary.json (status failed, lost rank 0), and
+    ``distsgd report`` reads the run."""
+    from distsgd.report import load_run
+
+    monkeypatch.setenv("DISTSGD_TEST_KILL", "0:10")
+    out = tmp_path / "run"
+    with pytest.raises(DistRunFailed, match=r"rank 0 \(server\) was killed by SIGKILL"):
+        train(config(ASYNC, timeout_s=10), out_dir=out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["lost_ranks"] == [0]
+    assert summary["protocol"] == "parameter_server" and summary["runtime"] == "dist"
+    assert "rank 0 (server) was killed by SIGKILL" in summary["error"]
+    run = load_run(out)
+    assert run.summary["status"] == "failed"
+    assert [r["samples"] for r in run.records] == [0]  # the evaluation before the kill
+
+
+@pytest.mark.slow
+def test_coordinator_evaluation_longer_than_the_timeout_is_not_silence(tmp_path, capfd):
+    """The parameter server (async, λ = 2) with resnet20, dist.timeout_s = 2 and
+    evaluations of 3000 test samples after every 32 (4.2 s each here, several seconds on
+    any CPU): the learners wait for the coordinator's reply while it evaluates, as long as
+    its heartbeat goes on; the run completes with every learner (before, both learners
+    timed out during the evaluation at 32 samples and the server was left alone)."""
+    cfg = config(
+        ASYNC,
+        timeout_s=2,
+        data={"num_train": 64, "num_test": 3000},
+        eval_every_samples=32,
+    )
+    cfg = cfg.replace(model=type(cfg.model)(name="resnet20"))
+    s = train(cfg, out_dir=tmp_path / "run")
+    assert s["status"] == "completed" and s["samples"] >= 64
+    assert not any("lost" in e for e in s["events"]), s["events"]
+    err = capfd.readouterr().err
+    assert "lost" not in err, err
