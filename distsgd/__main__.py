@@ -1,7 +1,7 @@
 import sys
 
 from distsgd.cli import main
-from distsgd.runtime.launch import exit_worker, under_launcher
+from distsgd.launch import exit_worker, under_launcher
 
 if under_launcher():
     # a rank under torchrun: end without interpreter shutdown (see exit_worker)

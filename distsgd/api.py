@@ -5,7 +5,7 @@ on real processes.
 path, a dict or a :class:`~distsgd.config.RunConfig`, with ``--set``-style overrides,
 resolves the same way, and the choice between the simulated cluster (one process,
 :class:`~distsgd.trainer.Trainer`) and the launcher of real processes
-(:mod:`distsgd.runtime.launch`) is made here and only here.
+(:mod:`distsgd.launch`) is made here and only here.
 
 Example::
 
@@ -24,6 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from distsgd import launch
 from distsgd.config import (
     ConfigError,
     ConfigWarning,
@@ -33,7 +34,7 @@ from distsgd.config import (
     schedule_conflicts,
 )
 from distsgd.rundir import RunDirClaim
-from distsgd.runtime import launch
+from distsgd.runtime.faults import RankFaults
 from distsgd.trainer import Trainer
 
 __all__ = ["RESUMABLE_SETTINGS", "default_out_dir", "resolve_config", "run", "train"]
@@ -108,7 +109,12 @@ def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> Ru
 
 
 def run(
-    cfg: RunConfig, out: Path, *, progress: bool = False, resume: bool = False
+    cfg: RunConfig,
+    out: Path,
+    *,
+    progress: bool = False,
+    resume: bool = False,
+    faults: RankFaults | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` into the run directory ``out``: on the simulated cluster in this
     process (``runtime = "sim"``), or on real processes started by the launcher
@@ -129,11 +135,11 @@ def run(
     if cfg.runtime == "sim":
         return Trainer(cfg, out, progress).run(resume=resume)
     if launch.under_launcher():  # torchrun: this process is a rank; rank 0 claims `out`
-        return launch.run(cfg, out, resume=resume, progress=progress)
+        return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)
     check_local_processes(cfg)
     claim = RunDirClaim.acquire(out)
     try:
-        return launch.run(cfg, out, resume=resume, progress=progress)
+        return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)
     finally:
         if claim is not None:
             claim.release()
@@ -154,6 +160,7 @@ def train(
     out_dir: str | Path | None = None,
     resume: str | Path | None = None,
     progress: bool = False,
+    faults: RankFaults | None = None,
 ) -> dict[str, Any]:
     """Train as ``distsgd train`` does and return the summary dict.
 
@@ -165,6 +172,8 @@ def train(
             overrides of budgets and bookkeeping are allowed with it (see
             :data:`RESUMABLE_SETTINGS`, e.g. a larger ``train.max_epochs``).
         progress: show a progress bar.
+        faults: for tests of fault handling, faults injected into the ranks of a
+            ``dist`` run (:class:`~distsgd.runtime.faults.RankFaults`).
 
     Returns:
         The summary (as in ``summary.json``): ``protocol``, ``runtime``,
@@ -195,7 +204,8 @@ def train(
             raise ConfigError(
                 "--resume continues a run from its own config.toml; do not pass a config as well"
             )
-        return run(resume_config(resume, overrides), Path(resume), progress=progress, resume=True)
+        cfg = resume_config(resume, overrides)
+        return run(cfg, Path(resume), progress=progress, resume=True, faults=faults)
     cfg = resolve_config(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(cfg)
-    return run(cfg, out, progress=progress)
+    return run(cfg, out, progress=progress, faults=faults)

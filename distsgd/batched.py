@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call, grad_and_value, vmap
 
 from distsgd.models import CNN, MLP
 
@@ -186,8 +187,6 @@ def vmap_replica_gradients(
     model: nn.Module, weights: Tensor, x: Tensor, y: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Gradients ``[k, P]`` and mean losses ``[k]`` by ``torch.func.vmap`` over replicas."""
-    from torch.func import functional_call, grad_and_value, vmap
-
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     buffers = dict(model.named_buffers())
 

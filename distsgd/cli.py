@@ -21,8 +21,8 @@ from typing import Any, NoReturn
 
 from distsgd import api
 from distsgd.config import ConfigWarning, check_local_processes
+from distsgd.launch import is_process_loss, under_launcher
 from distsgd.report import make_report
-from distsgd.runtime.launch import is_process_loss, under_launcher
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.tuner import tune as tuning
 

@@ -33,7 +33,9 @@ Example::
 
 from __future__ import annotations
 
+import codecs
 import gzip
+import importlib
 import os
 import pickle
 import struct
@@ -355,8 +357,6 @@ def _load_idx_dataset(
 
 def _numpy_internal(submodule: str, name: str) -> Any:
     """``numpy._core.<submodule>.<name>`` (numpy 2) or ``numpy.core.…`` (numpy 1)."""
-    import importlib
-
     for prefix in ("numpy._core", "numpy.core"):
         try:
             return getattr(importlib.import_module(f"{prefix}.{submodule}"), name)
@@ -383,8 +383,6 @@ class _CifarUnpickler(pickle.Unpickler):
         if module == "numpy" and name in ("ndarray", "dtype"):
             return getattr(np, name)
         if module == "_codecs" and name == "encode":
-            import codecs
-
             return codecs.encode
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR-10 batch")
 

@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
 from distsgd.metrics import read_metrics
 
 __all__ = ["Run", "load_run", "make_report", "plot_curves", "plot_staleness"]
@@ -169,9 +172,6 @@ def _points(run: Run, xkey: str, ykey: str, scale: float) -> tuple[list[float], 
 
 
 def _figure(width_in: float, height_in: float) -> Any:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(width_in, height_in), dpi=100)
     FigureCanvasAgg(fig)
     return fig

@@ -59,6 +59,7 @@ from distsgd.replicas import ReplicaAutoTuner
 from distsgd.rundir import RunDirClaim, check_out_dir_writable
 from distsgd.runtime.base import Tick, TrainingDiverged
 from distsgd.runtime.factory import runtime_kind
+from distsgd.runtime.faults import RankFaults
 
 __all__ = ["Trainer", "CHECKPOINT_FORMAT"]
 
@@ -99,6 +100,8 @@ class Trainer:
             the trainer (e.g. to record every training loss of a tuner probe).
         evaluate: evaluate on the test set (False: no evaluations and no metrics
             records, e.g. for a tuner probe that only needs its training losses).
+        faults: injected into real processes by tests
+            (:class:`~distsgd.runtime.faults.RankFaults`).
 
     Raises:
         ConfigError: ``out_dir`` already holds a run (and not resuming), is held by
@@ -118,6 +121,7 @@ class Trainer:
         initial_weights: torch.Tensor | None = None,
         on_tick: Callable[[Tick, Trainer], None] | None = None,
         evaluate: bool = True,
+        faults: RankFaults | None = None,
     ) -> None:
         self.cfg = cfg
         self.out_dir = Path(out_dir)
@@ -126,6 +130,7 @@ class Trainer:
         self.initial_weights = initial_weights
         self.on_tick = on_tick
         self.evaluate = evaluate and cfg.train.evaluate
+        self.faults = faults
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_data(self) -> RunConfig:
@@ -149,7 +154,7 @@ class Trainer:
         """Set up the process (threads; the process group on real processes), load the
         data, fold the runtime's calibration into the config, then build the model, the
         protocol and the runtime under the run's seed."""
-        kind = runtime_kind(self.cfg)
+        kind = runtime_kind(self.cfg, self.faults)
         kind.prepare(self.cfg)
         cfg = self._load_data()
         self.cfg, self.profile_calibrated = kind.calibrate(cfg, self.dataset)

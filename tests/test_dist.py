@@ -18,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from distsgd import api
 from distsgd.api import train
+from distsgd.cli import main as cli_main
 from distsgd.config import ConfigError
-from distsgd.runtime.launch import DistRunFailed
+from distsgd.launch import DistRunFailed
+from distsgd.runtime.faults import RankFaults
 from distsgd.trainer import Trainer
 from tests.conftest import small_config
 
@@ -56,15 +59,18 @@ def config(protocol: dict, runtime: str, timeout_s: float = 20.0, **train_settin
 
 @pytest.fixture
 def hooks(tmp_path, monkeypatch):
-    """Test hooks of distsgd.runtime.dist: pid files, and a rank that SIGKILLs itself."""
+    """Faults injected into the ranks (:class:`RankFaults`): pid files, and a rank that
+    SIGKILLs itself; given to every run that goes through ``distsgd.api.run`` (the
+    library's ``train`` and the CLI) until ``unset``."""
     pid_dir = tmp_path / "pids"
-    monkeypatch.setenv("DISTSGD_TEST_PID_DIR", str(pid_dir))
+    run = api.run
 
     def kill(rank: int, step: int) -> None:
-        monkeypatch.setenv("DISTSGD_TEST_KILL", f"{rank}:{step}")
+        faults = RankFaults(pid_dir=str(pid_dir), kill_at_step={rank: step})
+        monkeypatch.setattr(api, "run", lambda *a, **k: run(*a, **{**k, "faults": faults}))
 
     kill.pid_dir = pid_dir
-    kill.unset = lambda: monkeypatch.delenv("DISTSGD_TEST_KILL")
+    kill.unset = lambda: monkeypatch.setattr(api, "run", run)
     return kill
 
 
@@ -202,7 +208,7 @@ def test_parameter_server_records_measured_staleness(tmp_path, protocol, servers
     assert all(r["wall_s"] >= 0 for r in records)
 
 
-def test_hardsync_learner_killed_then_resume_matches(tmp_path, hardsync_run, hooks):
+def test_hardsync_learner_killed_then_resume_matches(tmp_path, hardsync_run, hooks, capfd):
     """SIGKILL of rank 1 at its 20th iteration: the CLI exits non-zero naming rank 1, no
     process is left, the checkpoint of iteration 16 is kept; --resume ends with the
     weights and metrics of the uninterrupted run, exactly: the same processes add the
@@ -213,17 +219,11 @@ def test_hardsync_learner_killed_then_resume_matches(tmp_path, hardsync_run, hoo
     cfg_path.write_text(config(HARDSYNC, "dist").to_toml())
     hooks(1, 20)
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "distsgd", "train", str(cfg_path), "--out", str(out), "--quiet"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=120,
-    )
+    status = cli_main(["train", str(cfg_path), "--out", str(out), "--quiet"])
+    err = capfd.readouterr().err
     assert time.monotonic() - t0 < 60
-    assert proc.returncode == 1, proc.stderr
-    assert "rank 1 (learner) was killed by SIGKILL" in proc.stderr.splitlines()[-1]
+    assert status == 1, err
+    assert "rank 1 (learner) was killed by SIGKILL" in err.splitlines()[-1]
     no_process_left(hooks.pid_dir)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["lost_ranks"] == [1]
@@ -284,7 +284,7 @@ def test_two_torchrun_nodes_match_the_local_launch(tmp_path, hardsync_run):
     port = _free_port()
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DISTSGD_TEST_KILL"):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     nodes = [
         subprocess.Popen(
@@ -485,9 +485,9 @@ def test_autotune_ranks_decide_together_when_their_measurements_disagree(
     seconds, i.e. rank 1's, so both ranks must take rank 1's decisions, add then remove,
     and both hold k = 1 at the end (local SGD: 6 averaging periods, 288 samples, before the
     second decision). Fed each rank's own seconds, rank 0 ends at k = 4."""
-    monkeypatch.setenv("DISTSGD_TEST_SECONDS", "0:0.001:0,1:0.01:2")
+    faults = RankFaults(seconds={0: (0.001, 0.0), 1: (0.01, 2.0)})
     run = tmp_path / "dist"
-    summary = train(config(protocol, "dist", max_epochs=0.5), out_dir=run)
+    summary = train(config(protocol, "dist", max_epochs=0.5), out_dir=run, faults=faults)
     assert summary["status"] == "completed"
     log = json.loads((run / "autotune.json").read_text())
     assert [(d["k_before"], d["action"]) for d in log["decisions"]] == [(1, "add"), (2, "remove")]
@@ -503,17 +503,17 @@ def test_a_rank_aborting_after_it_finished_does_not_fail_the_run(tmp_path, monke
     """Rank 1 ends by SIGABRT after it has finished (as a C++ destructor aborting at
     interpreter shutdown did): the run is complete, the launcher returns rank 0's summary
     and names the signal as coming after the rank's part of the run, not as a loss."""
-    monkeypatch.setenv("DISTSGD_TEST_ABORT_AT_EXIT", "1")
     sma = {"name": "sma", "num_learners": 2, "batch_size": 16, "alpha": 0.0}
-    summary = train(config(sma, "dist", max_epochs=0.25), out_dir=tmp_path / "run")
+    cfg = config(sma, "dist", max_epochs=0.25)
+    summary = train(cfg, out_dir=tmp_path / "run", faults=RankFaults(abort_at_exit=1))
     assert summary["status"] == "completed"
     err = capfd.readouterr().err
     assert "rank 1 (device" in err and "SIGABRT after it had finished its part of the run" in err
 
 
 def test_outcome_of_a_rank_that_aborts_before_or_after_it_finished(tmp_path):
+    from distsgd.launch import _outcome
     from distsgd.metrics import write_json
-    from distsgd.runtime.launch import _outcome
 
     cfg = config({"name": "sma", "num_learners": 2, "batch_size": 16}, "dist")
     write_json(tmp_path / "summary.json", {"status": "completed"})
@@ -534,7 +534,7 @@ def test_exit_worker_ends_with_the_status_the_interpreter_would(tmp_path, body, 
     and the streams' buffered output."""
     script = tmp_path / "w.py"
     script.write_text(
-        "from distsgd.runtime.launch import exit_worker\n"
+        "from distsgd.launch import exit_worker\n"
         "def main():\n    print('buffered', end='')\n    " + body + "\n"
         "exit_worker(main)\n"
     )

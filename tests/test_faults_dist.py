@@ -3,7 +3,7 @@ settings that differ across nodes, the rendezvous store's port and address, a la
 that dies, a server killed before it could write its summary.
 
 Faults are injected from the test (signals to a rank's pid, read from the pid files of
-the existing ``DISTSGD_TEST_PID_DIR`` hook). Every run is a few seconds of training on
+the rank processes found under the launcher in /proc). Every run is a few seconds of training on
 tiny synthetic data; no assert depends on the machine's speed (the bounds on how long a
 run may take are far above the work, and only catch a run that would go on forever).
 """
@@ -24,7 +24,9 @@ import pytest
 
 from distsgd.api import train
 from distsgd.config import ConfigError
-from distsgd.runtime.launch import DistRunFailed, rendezvous_store
+from distsgd.launch import DistRunFailed
+from distsgd.runtime.faults import RankFaults
+from distsgd.runtime.rendezvous import rendezvous_store
 from tests.conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,36 +47,61 @@ def config(protocol: dict, timeout_s: float = 20.0, data: dict | None = None, **
     )
 
 
-def _env(pid_dir: Path | None = None) -> dict[str, str]:
+def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DISTSGD_TEST_KILL"):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    if pid_dir is not None:
-        env["DISTSGD_TEST_PID_DIR"] = str(pid_dir)
     return env
 
 
-def _cli(cfg_path: Path, out: Path, pid_dir: Path, *extra: str) -> subprocess.Popen:
+def _cli(cfg_path: Path, out: Path, *extra: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "distsgd", "train", str(cfg_path), "--out", str(out)]
     return subprocess.Popen(
         [*argv, "--quiet", *extra],
         cwd=ROOT,
-        env=_env(pid_dir),
+        env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
 
 
-def _rank_pids(pid_dir: Path, n: int) -> dict[int, int]:
-    """The ranks' pids, once every rank has written its pid file (waits for them)."""
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found.extend(children)
+            todo.extend(children)
+    return found
+
+
+def _rank_of(pid: int) -> int | None:
+    """The RANK of a rank process the launcher started (``python -m distsgd.launch``)."""
+    try:
+        if b"distsgd.launch" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return None
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+def _rank_pids(proc: subprocess.Popen, n: int) -> dict[int, int]:
+    """The pids of the n ranks the CLI process ``proc`` started (waits for them)."""
     deadline = time.monotonic() + GENEROUS_S
     while time.monotonic() < deadline:
-        files = {r: pid_dir / f"rank{r}.pid" for r in range(n)}
-        if all(f.exists() and f.read_text() for f in files.values()):
-            return {r: int(f.read_text()) for r, f in files.items()}
+        ranks = {_rank_of(p): p for p in _descendants(proc.pid)}
+        if all(r in ranks for r in range(n)):
+            return {r: ranks[r] for r in range(n)}
         time.sleep(0.1)
-    raise AssertionError(f"the ranks did not write their pid files in {GENEROUS_S} s")
+    raise AssertionError(f"the launcher did not start its {n} ranks in {GENEROUS_S} s")
 
 
 def _running(pid: int) -> bool:
@@ -122,12 +149,12 @@ def test_store_listens_on_master_addr_only(tmp_path):
     external = _external_address()
     if external is None:
         pytest.skip("this machine has no address other than loopback")
-    out, pid_dir, port = tmp_path / "run", tmp_path / "pids", _free_port()
+    out, port = tmp_path / "run", _free_port()
     cfg_path = tmp_path / "run.toml"
     cfg_path.write_text(config(HARDSYNC2, max_epochs=1000).to_toml())
-    proc = _cli(cfg_path, out, pid_dir, "--set", f"dist.master_port={port}")
+    proc = _cli(cfg_path, out, "--set", f"dist.master_port={port}")
     try:
-        _rank_pids(pid_dir, 2)  # the ranks have joined: the store is up
+        _rank_pids(proc, 2)  # the ranks are started: the launcher's store is up
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass
         with pytest.raises(ConnectionRefusedError), socket.socket() as s:
@@ -170,13 +197,13 @@ def test_a_stopped_rank_is_named_and_killed(tmp_path):
     ranks 0 and 1 time out and name rank 2 (its heartbeat stopped); the launcher kills it
     as soon as the others have ended instead of waiting out its own deadline; the error
     and summary.json name rank 2 only."""
-    out, pid_dir = tmp_path / "run", tmp_path / "pids"
+    out = tmp_path / "run"
     cfg_path = tmp_path / "run.toml"
     cfg_path.write_text(config(HARDSYNC3, timeout_s=4, max_epochs=1000).to_toml())
-    proc = _cli(cfg_path, out, pid_dir)
+    proc = _cli(cfg_path, out)
     pid2 = None
     try:
-        pid2 = _rank_pids(pid_dir, 3)[2]
+        pid2 = _rank_pids(proc, 3)[2]
         _wait_for_evaluations(out, 2)
         os.kill(pid2, signal.SIGSTOP)
         _, err = proc.communicate(timeout=GENEROUS_S)
@@ -200,7 +227,7 @@ def test_outcome_names_the_hung_rank_and_writes_the_summary_rank_0_could_not(tmp
     """The launcher's verdict: ranks 0 and 1 stopped on a lost peer and named rank 2 as
     silent, the launcher killed rank 2: the error names rank 2 only, and with no
     summary.json from rank 0 the launcher writes one."""
-    from distsgd.runtime.launch import _outcome
+    from distsgd.launch import _outcome
 
     lost = {"kind": "lost", "message": "lost contact with another rank", "silent_ranks": [2]}
     codes = {0: 3, 1: 3, 2: -9}
@@ -272,13 +299,13 @@ def test_torchrun_nodes_with_different_settings_stop_with_one_line(tmp_path):
 def test_ranks_end_when_their_launcher_is_killed(tmp_path):
     """kill -9 of the launcher (the CLI process) during a long run: every rank ends on its
     own (parent-death signal), and no summary claims the run completed."""
-    out, pid_dir = tmp_path / "run", tmp_path / "pids"
+    out = tmp_path / "run"
     cfg_path = tmp_path / "run.toml"
     cfg_path.write_text(config(HARDSYNC2, max_epochs=1000).to_toml())
-    proc = _cli(cfg_path, out, pid_dir)
+    proc = _cli(cfg_path, out)
     pids: dict[int, int] = {}
     try:
-        pids = _rank_pids(pid_dir, 2)
+        pids = _rank_pids(proc, 2)
         _wait_for_evaluations(out, 1)
         proc.kill()
         proc.communicate()
@@ -306,10 +333,9 @@ def test_killed_server_gets_a_failed_summary_that_report_reads(tmp_path, monkeyp
     ``distsgd report`` reads the run."""
     from distsgd.report import load_run
 
-    monkeypatch.setenv("DISTSGD_TEST_KILL", "0:10")
     out = tmp_path / "run"
     with pytest.raises(DistRunFailed, match=r"rank 0 \(server\) was killed by SIGKILL"):
-        train(config(ASYNC, timeout_s=10), out_dir=out)
+        train(config(ASYNC, timeout_s=10), out_dir=out, faults=RankFaults(kill_at_step={0: 10}))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["lost_ranks"] == [0]
     assert summary["protocol"] == "parameter_server" and summary["runtime"] == "dist"

@@ -44,7 +44,7 @@ def no_rank_starts(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a rank was started")
 
-    monkeypatch.setattr("distsgd.runtime.launch._launch_local", fail)
+    monkeypatch.setattr("distsgd.launch._launch_local", fail)
 
 
 # ---- 4: two runs into one --out ------------------------------------------------------------
@@ -144,7 +144,7 @@ def test_a_dist_run_is_claimed_by_its_launcher_and_its_rank_0_writes_under_it(
     """The launching process holds the directory before any rank starts (a second run is
     refused naming it); rank 0, its child, finds the claim its parent's and writes the
     run; the claim is gone when the run has ended."""
-    from distsgd.runtime import launch
+    from distsgd import launch
 
     cfg = write_config(tmp_path, protocol={"num_learners": 2, "batch_size": 16})
     out = tmp_path / "run"

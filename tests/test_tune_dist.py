@@ -159,7 +159,7 @@ def test_tune_on_dist_writes_a_plan_that_train_dist_accepts(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_dist_ranks_start_from_the_initial_weights_file(tmp_path):
-    from distsgd.runtime.launch import run
+    from distsgd.launch import run
 
     cfg = small_config(
         protocol={"num_learners": 2, "batch_size": 16},
@@ -181,7 +181,7 @@ def test_dist_ranks_start_from_the_initial_weights_file(tmp_path):
 
 
 def test_a_rank_lost_after_the_run_completed_leaves_a_complete_probe(tmp_path, monkeypatch):
-    import distsgd.runtime.launch as launch
+    import distsgd.launch as launch
     from distsgd.tuner.probes import Prober
 
     status = {"value": "completed"}

@@ -36,17 +36,8 @@ for the evaluated weights on a seeded slice of the training set (precise BN,
 or by the coordinator: the simulator's rule, for every protocol.
 ``virtual_time`` is measured wall time here (there is no virtual clock).
 
-Test hooks (test use only, read from the environment of each rank):
-``DISTSGD_TEST_PID_DIR`` — each rank writes its pid to ``<dir>/rank<r>.pid``;
-``DISTSGD_TEST_KILL="<rank>:<n>"`` — that rank sends itself SIGKILL when it is about to do
-its n-th step (an iteration, a push handled by the coordinating server or a gradient
-computed by a learner);
-``DISTSGD_TEST_SECONDS="<rank>:<a>:<p>[,…]"`` — on the synchronous runtime that rank counts
-``a · k^p`` seconds for each iteration at k replicas instead of its measured wall seconds
-(so that the ranks' own measurements would lead the replicas auto-tuner to different
-decisions; the all-reduced maximum must make them agree);
-``DISTSGD_TEST_ABORT_AT_EXIT="<rank>"`` — that rank ends by SIGABRT after finishing
-(:func:`distsgd.runtime.launch.exit_worker`).
+Faults for tests are injected through the constructor (:class:`~distsgd.runtime.faults.
+RankFaults`); nothing is read from the environment for them.
 """
 
 from __future__ import annotations
@@ -65,14 +56,14 @@ import time
 import tomllib
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 
-from distsgd.config import ConfigError, RunConfig
+from distsgd.config import ConfigError, RunConfig, required_processes
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.layout import build_protocol, sma_alpha, spec_for
@@ -82,6 +73,7 @@ from distsgd.protocols.local_sgd import LocalSGD
 from distsgd.protocols.sma import SMA
 from distsgd.runtime import ps
 from distsgd.runtime.base import Runtime, Tick, TrainingDiverged
+from distsgd.runtime.faults import RankFaults
 
 __all__ = [
     "ProcessInfo",
@@ -94,16 +86,13 @@ __all__ = [
     "build_runtime",
     "SyncDistRuntime",
     "PSDistRuntime",
-    "main",
 ]
 
 ENV_CONFIG = "DISTSGD_DIST_CONFIG"
 ENV_OUT = "DISTSGD_DIST_OUT"
 ENV_RESUME = "DISTSGD_DIST_RESUME"
 ENV_PROGRESS = "DISTSGD_DIST_PROGRESS"
-ENV_TEST_KILL = "DISTSGD_TEST_KILL"
-ENV_TEST_PID_DIR = "DISTSGD_TEST_PID_DIR"
-ENV_TEST_SECONDS = "DISTSGD_TEST_SECONDS"
+ENV_FAULTS = "DISTSGD_DIST_FAULTS"  # the launcher's channel for RankFaults (tests)
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -325,7 +314,7 @@ class ProcessInfo:
 
 
 def process_info() -> ProcessInfo | None:
-    """The rank layout set by torchrun or :mod:`distsgd.runtime.launch`, or None when this
+    """The rank layout set by torchrun or :mod:`distsgd.launch`, or None when this
     process was not started by a launcher (no ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``)."""
     env = os.environ
     if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
@@ -357,8 +346,6 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
         ConfigError: ``dist.num_processes`` (or the launcher's world size) differs from
             what the protocol needs; the ranks' configs differ.
     """
-    from distsgd.config import required_processes
-
     need, why = required_processes(cfg.protocol, cfg.dist)
     if info.world_size != need:
         raise ConfigError(
@@ -383,29 +370,6 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
             dist.destroy_process_group()
             raise
     return backend
-
-
-def _test_hooks(rank: int) -> int | None:
-    """Test use only: write this rank's pid; the step at which to SIGKILL itself."""
-    pid_dir = os.environ.get(ENV_TEST_PID_DIR)
-    if pid_dir:
-        Path(pid_dir).mkdir(parents=True, exist_ok=True)
-        (Path(pid_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))
-    kill = os.environ.get(ENV_TEST_KILL)
-    if kill:
-        r, n = kill.split(":")
-        if int(r) == rank:
-            return int(n)
-    return None
-
-
-def _test_seconds(rank: int) -> tuple[float, float] | None:
-    """Test use only: ``(a, p)`` of ``DISTSGD_TEST_SECONDS`` for this rank, else None."""
-    for part in filter(None, os.environ.get(ENV_TEST_SECONDS, "").split(",")):
-        r, a, p = part.split(":")
-        if int(r) == rank:
-            return float(a), float(p)
-    return None
 
 
 def _check_losses(losses: list[float], learners: list[int], lr: float, samples: int) -> None:
@@ -440,7 +404,13 @@ class _DistBase(Runtime):
     clock = "wall"
     failure_types: tuple[type[BaseException], ...] = (PeerLost,)
 
-    def __init__(self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        engine: GradientEngine,
+        dataset: Dataset,
+        faults: RankFaults | None = None,
+    ) -> None:
         self.cfg = cfg
         self.engine = engine
         self.dataset = dataset
@@ -450,7 +420,8 @@ class _DistBase(Runtime):
         self.samples = 0
         self.virtual_time = 0.0  # measured wall seconds of training
         self.steps = 0
-        self._kill_at = _test_hooks(self.rank)
+        self.faults = faults or RankFaults()
+        self.faults.start(self.rank)
         self.heartbeats = Heartbeats(self.rank, self.world_size, cfg.dist.timeout_s)
 
     @property
@@ -460,8 +431,7 @@ class _DistBase(Runtime):
 
     def _tick_hook(self) -> None:
         self.steps += 1
-        if self._kill_at is not None and self.steps >= self._kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        self.faults.step(self.rank, self.steps)
 
     @property
     def clock_s(self) -> float:
@@ -499,9 +469,14 @@ class SyncDistRuntime(_DistBase):
     """
 
     def __init__(
-        self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
+        self,
+        cfg: RunConfig,
+        engine: GradientEngine,
+        dataset: Dataset,
+        initial: Tensor,
+        faults: RankFaults | None = None,
     ) -> None:
-        super().__init__(cfg, engine, dataset)
+        super().__init__(cfg, engine, dataset, faults)
         p = cfg.protocol
         self.num_learners = p.num_learners
         if spec_for(p).replicated:
@@ -523,12 +498,9 @@ class SyncDistRuntime(_DistBase):
             dataset.num_train, p.num_learners, p.batch_size, cfg.train.seed
         )
         self.streams = [LearnerStream(self.sampler, lrn) for lrn in self.learners]
-        self._seconds_hook = _test_seconds(self.rank)
         self._solo_evals = 0  # evaluations rank 0 ran alone (BatchNorm)
         self.ddp: torch.nn.Module | None = None
         if isinstance(self.protocol, HardSync):
-            from torch.nn.parallel import DistributedDataParallel
-
             # no buffer broadcast: training forwards normalise with their batch's
             # statistics, and evaluation recomputes the running ones (evaluate)
             self.ddp = DistributedDataParallel(engine.model, broadcast_buffers=False)
@@ -607,9 +579,7 @@ class SyncDistRuntime(_DistBase):
         n = self.num_learners * self.batch_size
         self.samples += n
         seconds = time.perf_counter() - t0
-        if self._seconds_hook is not None:  # test use only (module docstring)
-            a, power = self._seconds_hook
-            seconds = a * self.replicas_per_device**power
+        seconds = self.faults.iteration_seconds(self.rank, self.replicas_per_device, seconds)
         self.virtual_time += seconds
         return Tick(n, losses)
 
@@ -716,8 +686,6 @@ class SyncDistRuntime(_DistBase):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's part of a :meth:`state_dict` (every rank gets the whole)."""
-        from distsgd.config import ConfigError
-
         if state.get("world_size") != self.world_size:
             raise ConfigError(
                 f"cannot resume: the checkpoint was written by {state.get('world_size')} "
@@ -750,9 +718,14 @@ class PSDistRuntime(_DistBase):
     """
 
     def __init__(
-        self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
+        self,
+        cfg: RunConfig,
+        engine: GradientEngine,
+        dataset: Dataset,
+        initial: Tensor,
+        faults: RankFaults | None = None,
     ) -> None:
-        super().__init__(cfg, engine, dataset)
+        super().__init__(cfg, engine, dataset, faults)
         self.failure_types = (PeerLost, ps.ServerLost, ps.LearnerLost)
         p = cfg.protocol
         self.num_servers = cfg.dist.num_servers
@@ -940,8 +913,6 @@ class PSDistRuntime(_DistBase):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (learners start their data streams after the
         minibatches their worker had pushed; gradients in flight are recomputed)."""
-        from distsgd.config import ConfigError
-
         if state.get("world_size") != self.world_size:
             raise ConfigError(
                 f"cannot resume: the checkpoint was written by {state.get('world_size')} "
@@ -958,28 +929,14 @@ class PSDistRuntime(_DistBase):
 
 
 def build_runtime(
-    cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
+    cfg: RunConfig,
+    engine: GradientEngine,
+    dataset: Dataset,
+    initial: Tensor,
+    faults: RankFaults | None = None,
 ) -> SyncDistRuntime | PSDistRuntime:
-    """The dist runtime for ``cfg.protocol`` (the process group must be initialised)."""
+    """The dist runtime for ``cfg.protocol`` (the process group must be initialised);
+    ``faults``: injected by tests (:class:`~distsgd.runtime.faults.RankFaults`)."""
     if spec_for(cfg.protocol).has_server:
-        return PSDistRuntime(cfg, engine, dataset, initial)
-    return SyncDistRuntime(cfg, engine, dataset, initial)
-
-
-def main() -> int:
-    """Worker entry of :mod:`distsgd.runtime.launch` (``python -m distsgd.runtime.dist``):
-    the run's config, directory and resume flag come from the environment."""
-    from distsgd.runtime.launch import run_worker
-
-    return run_worker(
-        os.environ[ENV_CONFIG],
-        os.environ[ENV_OUT],
-        resume=os.environ.get(ENV_RESUME) == "1",
-        progress=os.environ.get(ENV_PROGRESS) == "1",
-    )
-
-
-if __name__ == "__main__":
-    from distsgd.runtime.launch import exit_worker
-
-    exit_worker(main)
+        return PSDistRuntime(cfg, engine, dataset, initial, faults)
+    return SyncDistRuntime(cfg, engine, dataset, initial, faults)

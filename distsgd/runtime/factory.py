@@ -28,6 +28,7 @@ from distsgd.layout import build_protocol, spec_for
 from distsgd.models import build_model
 from distsgd.runtime import dist as rdist
 from distsgd.runtime.base import Runtime
+from distsgd.runtime.faults import RankFaults
 from distsgd.runtime.sim import (
     REPLICA_CALIBRATION_MAX_K,
     DeviceProfile,
@@ -178,11 +179,14 @@ class _Simulated(RuntimeKind):
 class _RealProcesses(RuntimeKind):
     single_process = False
 
+    def __init__(self, faults: RankFaults | None) -> None:
+        self.faults = faults
+
     def prepare(self, cfg: RunConfig) -> None:
         info = rdist.process_info()
         if info is None:
             raise RuntimeError(
-                "runtime 'dist' runs inside processes started by distsgd.runtime.launch or "
+                "runtime 'dist' runs inside processes started by distsgd.launch or "
                 "torchrun; use distsgd.train() or the distsgd CLI"
             )
         torch.set_num_threads(rdist.threads_per_process(cfg, info))
@@ -191,11 +195,12 @@ class _RealProcesses(RuntimeKind):
     def build(
         self, cfg: RunConfig, engine: GradientEngine, dataset: Dataset, initial: Tensor
     ) -> Runtime:
-        return rdist.build_runtime(cfg, engine, dataset, initial)
+        return rdist.build_runtime(cfg, engine, dataset, initial, self.faults)
 
 
-def runtime_kind(cfg: RunConfig) -> RuntimeKind:
-    """The kind of runtime ``cfg.runtime`` names.
+def runtime_kind(cfg: RunConfig, faults: RankFaults | None = None) -> RuntimeKind:
+    """The kind of runtime ``cfg.runtime`` names (``faults``: injected into real
+    processes by tests, :class:`~distsgd.runtime.faults.RankFaults`).
 
     Raises:
         ConfigError: an unknown runtime (the config validates it first).
@@ -203,5 +208,5 @@ def runtime_kind(cfg: RunConfig) -> RuntimeKind:
     if cfg.runtime == "sim":
         return _Simulated()
     if cfg.runtime == "dist":
-        return _RealProcesses()
+        return _RealProcesses(faults)
     raise ConfigError(f"runtime = {cfg.runtime!r} is not allowed: expected 'sim' or 'dist'")

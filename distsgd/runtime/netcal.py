@@ -12,7 +12,7 @@ machine (or on a network, if the two ranks are started there).
 Measurement: two ranks started by torch's launch machinery
 (:func:`torch.distributed.elastic.multiprocessing.start_processes`) rendezvous on
 loopback (a store listening on ``master_addr`` only,
-:func:`distsgd.runtime.launch.rendezvous_store`) and join a gloo process group, one torch
+:func:`distsgd.launch.rendezvous_store`) and join a gloo process group, one torch
 thread each. For each message size
 (default: 1 value and P/16, P/4, P values of float32) after one warm-up:
 
@@ -40,8 +40,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-from distsgd.runtime.launch import rendezvous_store
+from distsgd.runtime.rendezvous import rendezvous_store
 
 __all__ = ["NetworkProfile", "calibrate_network", "fit_network"]
 
@@ -109,8 +111,6 @@ def fit_network(measurements: list[dict[str, Any]]) -> NetworkProfile:
 
 def _worker(sizes: list[int], repeats: int, timeout_s: float) -> list[dict[str, Any]]:
     """One of the two ranks: time ping-pongs and all-reduces; rank 0 returns medians."""
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
@@ -176,8 +176,6 @@ def calibrate_network(
         RuntimeError: a rank failed (its error is in the message).
         ConfigError: ``master_addr`` is no address of this machine.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
-
     if sizes is None:
         sizes = sorted({1, max(1, num_parameters // 16), max(1, num_parameters // 4)})
         sizes.append(num_parameters)

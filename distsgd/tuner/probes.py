@@ -9,7 +9,7 @@ on real processes. Each probe writes an ordinary run directory under ``probes/``
 * ``sim``: the Trainer runs in this process from the in-memory snapshot
   (``Trainer(initial_weights=...)``) and records every tick's training loss
   (``Trainer(on_tick=...)``).
-* ``dist``: an ordinary dist training (:func:`distsgd.runtime.launch.run`); the snapshot
+* ``dist``: an ordinary dist training (:func:`distsgd.launch.run`); the snapshot
   goes to the ranks as a file (``train.initial_weights``, under ``snapshots/``) and rank 0
   writes every tick's loss to the probe's ``ticks.jsonl`` and the final central model to
   ``final_weights.pt`` (``train.record_ticks``), which are read back here.
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from distsgd import launch
 from distsgd.config import ConfigError, RunConfig
 from distsgd.metrics import load_checked, save_checked
-from distsgd.runtime import launch
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
 from distsgd.tuner.omnivore import Candidate, ProbeResult

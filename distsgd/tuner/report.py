@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from distsgd.tuner import perf_model as pm
 
@@ -77,26 +79,25 @@ def _shape_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _save(fig: Any, out: Path, name: str) -> str:
-    """Lay out, write ``out/name`` and close ``fig``; returns ``name``."""
-    import matplotlib.pyplot as plt
+def _subplots(ncols: int = 1, *, figsize: tuple[float, float]) -> tuple[Figure, Any]:
+    """A figure of its own (no pyplot state: the Agg canvas) and its ``ncols`` axes."""
+    fig = Figure(figsize=figsize, dpi=100)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(1, ncols)
 
+
+def _save(fig: Figure, out: Path, name: str) -> str:
+    """Lay out and write ``out/name``; returns ``name``."""
     fig.tight_layout()
     fig.savefig(out / name, dpi=100)
-    plt.close(fig)
     return name
 
 
 def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     clock = state["clock"]
     figs = []
     if rows:
-        fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+        fig, axes = _subplots(3, figsize=(16, 4.8))
         x = np.arange(len(rows))
         colors = [_COLORS[r["family"]] for r in rows]
         for ax, key, ylabel in (
@@ -116,7 +117,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
             ax.grid(alpha=0.3, axis="y")
         axes[1].set_title("the tradeoff space: HE × SE = time to accuracy (best η, μ per shape)")
         figs.append(_save(fig, out, "tradeoff.png"))
-    fig, ax = plt.subplots(figsize=(10, 5))
+    fig, ax = _subplots(figsize=(10, 5))
     for p in state["probes"]:
         if not p["losses"]:
             continue
@@ -138,7 +139,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
     figs.append(_save(fig, out, "probes.png"))
     ext = state.get("extrapolation") or []
     if ext:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = _subplots(figsize=(7, 4.5))
         for g in sorted({e["g"] for e in ext}):
             es = [e for e in ext if e["g"] == g]
             ax.plot(
@@ -158,7 +159,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
     long_run = state.get("long_run")
     if long_run and long_run.get("evals") and state.get("step_runs"):
         key = "virtual_s" if clock == "simulated" else "wall_s"
-        fig, ax = plt.subplots(figsize=(8, 4.8))
+        fig, ax = _subplots(figsize=(8, 4.8))
         ev = [e for e in long_run["evals"] if e.get(key) is not None]
         ax.plot(
             [e[key] for e in ev],
@@ -191,7 +192,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
     v = state.get("verify")
     pred = (state.get("prediction") or {}).get("predicted_s")
     if v and v.get("measured_s") and pred:
-        fig, ax = plt.subplots(figsize=(5, 4.5))
+        fig, ax = _subplots(figsize=(5, 4.5))
         m = v["measured_s"]
         ax.bar([0, 1], [pred, m], color=["tab:gray", "tab:blue"])
         ax.axhspan(0.75 * m, 1.25 * m, color="tab:blue", alpha=0.1, label="measured ± 25%")

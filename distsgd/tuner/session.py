@@ -651,7 +651,7 @@ class TuneSession:
             "long run",
             "reached the target" if run.reached else "stopped before the target",
             f"best accuracy {summary.get('best_accuracy', 0):.4f} after {run.epochs:.3f} "
-            f"epochs, {summary.get('virtual_s', 0):.2f} {self.clock.name} s, "
+            f"epochs, {summary.get(self.clock.run_seconds_key) or 0:.2f} {self.clock.name} s, "
             f"{summary.get('train_wall_s', 0):.1f} wall s of training",
         )
         st.long_run = run

@@ -26,8 +26,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from distsgd import launch
 from distsgd.config import ConfigError, RunConfig
-from distsgd.runtime import launch
 from distsgd.trainer import Trainer
 from distsgd.tuner.plan import predict_plan
 from distsgd.tuner.probes import RunClock
@@ -89,7 +89,7 @@ def tune(
             holds a tune, a budget below the setup and one probe, or a cold start in which
             every probe diverged.
         DistRunFailed: (``dist`` runtime) a probe or long run lost a process before it
-            completed (:mod:`distsgd.runtime.launch`).
+            completed (:mod:`distsgd.launch`).
         KeyboardInterrupt: Ctrl-C; the probes' run directories and ``decisions.jsonl``
             written so far stay in ``out_dir``, no plan is written.
     """

@@ -9,7 +9,7 @@ process, as torchrun's agent hosts it. The launcher binds the store's listening 
 itself, on ``dist.master_addr`` only (torch's TCPStore would listen on every interface),
 and hands it to the store: a one-machine run on loopback cannot be reached from the
 network, and a port in use is one line naming ``dist.master_port``. Each rank runs
-``python -m distsgd.runtime.dist`` and sets its torch threads to its share of the cores
+``python -m distsgd.launch`` and sets its torch threads to its share of the cores
 (``train.num_threads`` overrides).
 
 **Why not the elastic agent itself.** torchrun's agent (``elastic_launch``) tears down
@@ -72,34 +72,42 @@ does (rank 0 writes an "interrupted" summary), and a rank still running ``dist.t
 
 from __future__ import annotations
 
-import errno
 import json
+import logging
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
+import tomllib
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
 from distsgd.config import ConfigError, RunConfig, required_processes
 from distsgd.layout import spec_for
-from distsgd.metrics import write_json
+from distsgd.metrics import read_metrics, write_json
+from distsgd.runtime import dist as rdist
+from distsgd.runtime.base import TrainingDiverged
+from distsgd.runtime.dist import PeerLost
+from distsgd.runtime.faults import RankFaults
+from distsgd.runtime.rendezvous import rendezvous_store
+from distsgd.trainer import Trainer
 
 __all__ = [
     "DistRunFailed",
     "exit_worker",
     "is_process_loss",
-    "rendezvous_store",
     "run",
     "run_worker",
     "under_launcher",
 ]
 
 ENV_ERROR_FILE = "DISTSGD_DIST_ERROR_FILE"
-ENV_TEST_ABORT_AT_EXIT = "DISTSGD_TEST_ABORT_AT_EXIT"
 _POLL_S = 0.1
 
 
@@ -109,7 +117,6 @@ class DistRunFailed(RuntimeError):
 
 def is_process_loss(e: BaseException) -> bool:
     """True for the errors that mean a process of the run was lost (any rank)."""
-    from distsgd.runtime.dist import PeerLost
 
     return isinstance(e, DistRunFailed | PeerLost) or type(e).__name__ in (
         "ServerLost",
@@ -141,9 +148,15 @@ def _describe_exit(code: int) -> str:
 
 
 def run(
-    cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = False
+    cfg: RunConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = False,
+    faults: RankFaults | None = None,
 ) -> dict[str, Any]:
-    """Run ``cfg`` (runtime ``dist``) to its stop rule on real processes.
+    """Run ``cfg`` (runtime ``dist``) to its stop rule on real processes (``faults``:
+    injected into the ranks by tests, :class:`~distsgd.runtime.faults.RankFaults`).
 
     Under torchrun this process is one rank: it trains (rank 0 writes ``out_dir``) and
     returns the summary on rank 0, ``{}`` elsewhere. Otherwise it starts
@@ -156,22 +169,20 @@ def run(
         DistRunFailed: a rank was lost and the protocol cannot go on (names the rank).
         KeyboardInterrupt: interrupted; every rank is stopped, the checkpoint kept.
     """
-    from distsgd.trainer import Trainer
 
     out = Path(out_dir)
     if under_launcher():
         rank = int(os.environ["RANK"])
-        return Trainer(cfg, out, progress=progress and rank == 0).run(resume=resume)
+        trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults)
+        return trainer.run(resume=resume)
     if not resume:
         Trainer(cfg, out)._check_out_dir()  # fail before starting any process
-    return _launch_local(cfg, out, resume=resume, progress=progress)
+    return _launch_local(cfg, out, resume=resume, progress=progress, faults=faults)
 
 
-def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) -> dict[str, Any]:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    from distsgd.runtime import dist as rdist
+def _launch_local(
+    cfg: RunConfig, out: Path, *, resume: bool, progress: bool, faults: RankFaults | None
+) -> dict[str, Any]:
 
     n, _ = required_processes(cfg.protocol, cfg.dist)
     addr = cfg.dist.master_addr
@@ -196,6 +207,7 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
                 rdist.ENV_OUT: str(out.resolve()),
                 rdist.ENV_RESUME: "1" if resume else "0",
                 rdist.ENV_PROGRESS: "1" if progress and r == 0 else "0",
+                rdist.ENV_FAULTS: faults.to_json() if faults is not None else "",
                 ENV_ERROR_FILE: str(Path(tmp) / f"rank{r}.json"),
             }
             for r in range(n)
@@ -203,7 +215,7 @@ def _launch_local(cfg: RunConfig, out: Path, *, resume: bool, progress: bool) ->
         ctx = start_processes(
             name="distsgd",
             entrypoint=sys.executable,
-            args={r: ("-m", "distsgd.runtime.dist") for r in range(n)},
+            args={r: ("-m", "distsgd.launch") for r in range(n)},
             envs=envs,
             logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
             start_method="spawn",
@@ -305,74 +317,6 @@ def _named_silent(codes: dict[int, int | None], tmp: Path) -> set[int]:
     return named
 
 
-def rendezvous_store(addr: str, port: int, *, world_size: int, timeout_s: float) -> Any:
-    """The run's c10d TCPStore, hosted by this process and listening on ``addr:port`` only.
-
-    torch's TCPStore listens on every interface (IPv4 and IPv6) whatever ``addr`` is;
-    this binds the socket itself and hands it over (``master_listen_fd``), so a store on
-    127.0.0.1 cannot be reached from the network.
-
-    Args:
-        addr: ``dist.master_addr``, an address of this machine.
-        port: ``dist.master_port``; 0 picks a free port (``store.port`` tells which).
-        world_size: ranks that will connect.
-        timeout_s: the store's timeout for its clients' waits, seconds.
-
-    Raises:
-        ConfigError: the port is in use, or ``addr`` is no address of this machine.
-    """
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    return TCPStore(
-        addr,
-        port,
-        world_size=world_size,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-        master_listen_fd=_listen_socket(addr, port),
-    )
-
-
-def _listen_socket(addr: str, port: int) -> int:
-    """A TCP socket listening on ``addr:port`` only (port 0: a free one); returns its file
-    descriptor, owned from then on by the store it is handed to.
-
-    Raises:
-        ConfigError: the port is in use, or ``addr`` is no address of this machine.
-    """
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[
-            0
-        ]
-    except (OSError, UnicodeError) as e:
-        raise ConfigError(
-            f"dist.master_addr = {addr!r} is not allowed: expected a host name or IP address "
-            f"of this machine ({e})"
-        ) from None
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does
-        sock.bind(sockaddr)
-        sock.listen(max(128, socket.SOMAXCONN))
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ConfigError(
-                f"dist.master_port = {port} is not allowed: the port is already in use on "
-                f"{addr}; choose a free port, or 0 to let distsgd pick one"
-            ) from None
-        raise ConfigError(
-            f"dist.master_addr = {addr!r} is not allowed: cannot listen on it "
-            f"({e.strerror or e}); expected an address of this machine (127.0.0.1 on one "
-            "machine)"
-        ) from None
-    sock.set_inheritable(False)
-    return sock.detach()
-
-
 def _finished(path: Path) -> bool:
     """Whether a rank's outcome file says it finished its part of the run."""
     try:
@@ -390,7 +334,6 @@ def _outcome(
     *,
     hung: set[int] | frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
-    from distsgd.runtime.sim import TrainingDiverged
 
     for kind, exc in (("config", ConfigError), ("diverged", TrainingDiverged)):
         for r in sorted(errors):
@@ -441,8 +384,6 @@ def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: lis
     """``summary.json`` of a run whose rank 0 could not write it (and an empty
     ``metrics.jsonl`` if it had none): what the config and the evaluations written so far
     say; training counters only rank 0 knew are left out."""
-    from distsgd.metrics import read_metrics
-    from distsgd.trainer import _layout
 
     metrics = out / "metrics.jsonl"
     try:
@@ -462,7 +403,7 @@ def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: lis
             "stop_reason": "process_lost",
             "protocol": p.name,
             "runtime": cfg.runtime,
-            "layout": _layout(cfg),
+            "layout": spec_for(cfg.protocol).label(cfg.protocol, None, None),
             "model": cfg.model.name,
             "dataset": cfg.data.dataset,
             "num_learners": p.num_learners,
@@ -485,7 +426,14 @@ def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: lis
     )
 
 
-def run_worker(config_toml: str, out_dir: str, *, resume: bool, progress: bool) -> int:
+def run_worker(
+    config_toml: str,
+    out_dir: str,
+    *,
+    resume: bool,
+    progress: bool,
+    faults: RankFaults | None = None,
+) -> int:
     """One rank started by :func:`run`: train, and report how it ended.
 
     Returns the exit status: 0 done, 1 diverged or another error, 2 a user error, 3 a
@@ -493,9 +441,6 @@ def run_worker(config_toml: str, out_dir: str, *, resume: bool, progress: bool) 
     ``$DISTSGD_DIST_ERROR_FILE`` for the launcher, and so does ``{"kind": "done"}`` once
     this rank's part of the run is finished (its outcome written).
     """
-    from distsgd.config import RunConfig
-    from distsgd.runtime.sim import TrainingDiverged
-    from distsgd.trainer import Trainer
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -516,7 +461,7 @@ def run_worker(config_toml: str, out_dir: str, *, resume: bool, progress: bool) 
 
     try:
         cfg = RunConfig.from_dict(_toml(config_toml))
-        Trainer(cfg, out_dir, progress=progress).run(resume=resume)
+        Trainer(cfg, out_dir, progress=progress, faults=faults).run(resume=resume)
         path = os.environ.get(ENV_ERROR_FILE)
         if path:
             Path(path).write_text(json.dumps({"kind": "done", "message": ""}))
@@ -533,19 +478,17 @@ def run_worker(config_toml: str, out_dir: str, *, resume: bool, progress: bool) 
         raise
 
 
-def exit_worker(main: Callable[[], int]) -> NoReturn:
+def exit_worker(main: Callable[[], int], *, abort: bool = False) -> NoReturn:
     """End a rank process with ``main()``'s exit status without interpreter shutdown.
 
     Runs ``main`` (an uncaught exception prints its traceback, status 1), flushes stdout
     and stderr and calls ``os._exit``: the run's outcome is already written and the
     process group destroyed (:meth:`Trainer.run`), and skipping the shutdown keeps C++
     destructors of torch.distributed threads from aborting the process (module
-    docstring). Test hook: ``DISTSGD_TEST_ABORT_AT_EXIT=<rank>`` makes that rank end by
-    ``os.abort()`` here instead (SIGABRT after finishing, as that shutdown abort would).
+    docstring). ``abort`` (a fault injected by tests,
+    :attr:`~distsgd.runtime.faults.RankFaults.abort_at_exit`) ends it by ``os.abort()``
+    here instead (SIGABRT after finishing, as that shutdown abort would).
     """
-    import logging
-    import traceback
-
     try:
         code = main()
     except SystemExit as e:  # as the interpreter: None is 0, a message is printed and 1
@@ -561,12 +504,32 @@ def exit_worker(main: Callable[[], int]) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):
             pass
-    if os.environ.get(ENV_TEST_ABORT_AT_EXIT) == os.environ.get("RANK", "?"):
+    if abort:
         os.abort()
     os._exit(code)
 
 
 def _toml(text: str) -> dict[str, Any]:
-    import tomllib
-
     return tomllib.loads(text)
+
+
+def _rank_faults() -> RankFaults:
+    """The faults :func:`run` was given for its ranks (its channel to them)."""
+    return RankFaults.from_json(os.environ.get(rdist.ENV_FAULTS, ""))
+
+
+def main() -> int:
+    """A rank's entry (``python -m distsgd.launch``, started by :func:`run`): the run's
+    config, directory, resume flag and injected faults come from the environment the
+    launcher set for it."""
+    return run_worker(
+        os.environ[rdist.ENV_CONFIG],
+        os.environ[rdist.ENV_OUT],
+        resume=os.environ.get(rdist.ENV_RESUME) == "1",
+        progress=os.environ.get(rdist.ENV_PROGRESS) == "1",
+        faults=_rank_faults(),
+    )
+
+
+if __name__ == "__main__":
+    exit_worker(main, abort=_rank_faults().abort_at_exit == int(os.environ.get("RANK", "-1")))
