@@ -42,8 +42,15 @@ LOCAL_SGD_K2 = {**LOCAL_SGD_K1, "num_learners": 4, "replicas_per_device": 2}
 
 
 def bn_config(protocol: dict, runtime: str, **train_settings):
-    """resnet20 on 1024 synthetic samples (noise 0.2: it learns within one epoch)."""
-    t = {"max_epochs": 1, "eval_every_samples": 512, "tensorboard": False, **train_settings}
+    """resnet20 on 1024 synthetic samples (noise 0.2: it learns within one epoch),
+    BatchNorm statistics recomputed on 256 of them before each evaluation."""
+    t = {
+        "max_epochs": 1,
+        "eval_every_samples": 512,
+        "tensorboard": False,
+        "bn_recalibration_samples": 256,  # two batches: the rule, at a test's cost
+        **train_settings,
+    }
     return small_config(
         data={"noise": 0.2},
         model={"name": "resnet20"},

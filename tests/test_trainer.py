@@ -250,7 +250,7 @@ def test_hardsync_4x32_matches_1x128_on_fashion_mnist(tmp_path):
             data={"dataset": "fashion_mnist"},
             model={"name": "cnn"},
             protocol={"name": "hardsync", "num_learners": lam, "batch_size": b},
-            train={"max_epochs": 0, "max_samples": 3840, "eval_every_samples": 1920},
+            train={"max_epochs": 0, "max_samples": 1920, "eval_every_samples": 960},
         )
         distsgd.train(cfg, out_dir=tmp_path / name)
         return [r["test_loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")]
