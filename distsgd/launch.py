@@ -9,7 +9,7 @@ process, as torchrun's agent hosts it. The launcher binds the store's listening 
 itself, on ``dist.master_addr`` only (torch's TCPStore would listen on every interface),
 and hands it to the store: a one-machine run on loopback cannot be reached from the
 network, and a port in use is one line naming ``dist.master_port``. Each rank runs
-``python -m distsgd.launch`` and sets its torch threads to its share of the cores
+``python -m distsgd.worker`` and sets its torch threads to its share of the cores
 (``train.num_threads`` overrides).
 
 **Why not the elastic agent itself.** torchrun's agent (``elastic_launch``) tears down
@@ -215,7 +215,7 @@ def _launch_local(
         ctx = start_processes(
             name="distsgd",
             entrypoint=sys.executable,
-            args={r: ("-m", "distsgd.launch") for r in range(n)},
+            args={r: ("-m", "distsgd.worker") for r in range(n)},
             envs=envs,
             logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
             start_method="spawn",
@@ -513,13 +513,13 @@ def _toml(text: str) -> dict[str, Any]:
     return tomllib.loads(text)
 
 
-def _rank_faults() -> RankFaults:
+def rank_faults() -> RankFaults:
     """The faults :func:`run` was given for its ranks (its channel to them)."""
     return RankFaults.from_json(os.environ.get(rdist.ENV_FAULTS, ""))
 
 
 def main() -> int:
-    """A rank's entry (``python -m distsgd.launch``, started by :func:`run`): the run's
+    """A rank's work (``python -m distsgd.worker``, started by :func:`run`): the run's
     config, directory, resume flag and injected faults come from the environment the
     launcher set for it."""
     return run_worker(
@@ -527,9 +527,5 @@ def main() -> int:
         os.environ[rdist.ENV_OUT],
         resume=os.environ.get(rdist.ENV_RESUME) == "1",
         progress=os.environ.get(rdist.ENV_PROGRESS) == "1",
-        faults=_rank_faults(),
+        faults=rank_faults(),
     )
-
-
-if __name__ == "__main__":
-    exit_worker(main, abort=_rank_faults().abort_at_exit == int(os.environ.get("RANK", "-1")))

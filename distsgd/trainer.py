@@ -244,6 +244,8 @@ class Trainer:
                 f"cannot resume: {path} holds a {type(state).__name__}, not a checkpoint "
                 "written by distsgd (a dict of the run's state)"
             )
+        if "format" not in state:
+            _check_checkpoint_entries(state, path)  # names what a distsgd checkpoint has
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ConfigError(
                 f"cannot resume: {path} has format {state.get('format')!r}, "

@@ -82,9 +82,9 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _rank_of(pid: int) -> int | None:
-    """The RANK of a rank process the launcher started (``python -m distsgd.launch``)."""
+    """The RANK of a rank process the launcher started (``python -m distsgd.worker``)."""
     try:
-        if b"distsgd.launch" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if b"distsgd.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
             return None
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:

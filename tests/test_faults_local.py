@@ -223,6 +223,10 @@ def _replace_checkpoint(run_dir, obj):
             lambda state: {k: v for k, v in state.items() if k not in ("protocol", "trainer")},
             "not a checkpoint written by distsgd: it lacks protocol, trainer",
         ),
+        (  # found by a fresh-clone review: said "has format None, expected 1"
+            lambda state: {"weights": torch.zeros(3)},
+            "not a checkpoint written by distsgd: it lacks format",
+        ),
         (
             lambda state: {**state, "trainer": [0]},
             "not a checkpoint written by distsgd: its 'trainer' is a list",
@@ -232,7 +236,7 @@ def _replace_checkpoint(run_dir, obj):
             "does not hold the state of this run's components",
         ),
     ],
-    ids=["tensor", "list", "missing-keys", "wrong-type", "wrong-contents"],
+    ids=["tensor", "list", "missing-keys", "foreign-dict", "wrong-type", "wrong-contents"],
 )
 def test_resume_of_a_checkpoint_distsgd_did_not_write_is_one_line_exit_2(
     finished_run, capsys, make, fragment

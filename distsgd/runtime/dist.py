@@ -503,7 +503,7 @@ class SyncDistRuntime(_DistBase):
         if isinstance(self.protocol, HardSync):
             # no buffer broadcast: training forwards normalise with their batch's
             # statistics, and evaluation recomputes the running ones (evaluate)
-            self.ddp = DistributedDataParallel(engine.model, broadcast_buffers=False)
+            self.ddp = DistributedDataParallel(engine.model, forward_sync_buffers=False)
 
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
         """Change k, this rank's replicas, between synchronous iterations (the auto-tuner;
