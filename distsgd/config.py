@@ -54,20 +54,9 @@ SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
 DIST_BACKENDS = ("auto", "gloo")
 
-# validation has one home, distsgd.checks; the config's short names for it
-_fail = fail
-_check_choice = check_choice
-_check_int = check_int
-
 
 class ConfigWarning(UserWarning):
     """Settings that are each allowed but contradict one another (the run still starts)."""
-
-
-def _check_float(
-    key: str, value: Any, minimum: float, maximum: float = math.inf, min_inclusive: bool = True
-) -> None:
-    check_float(key, value, minimum, maximum, min_inclusive=min_inclusive)
 
 
 @dataclass
@@ -92,12 +81,12 @@ class DataConfig:
     noise: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_choice("data.dataset", self.dataset, DATASETS)
+        check_choice("data.dataset", self.dataset, DATASETS)
         if not isinstance(self.root, str):
-            _fail("data.root", self.root, "a directory path (string)")
-        _check_int("data.num_train", self.num_train, 1, 1_000_000)
-        _check_int("data.num_test", self.num_test, 1, 1_000_000)
-        _check_float("data.noise", self.noise, 0.0)
+            fail("data.root", self.root, "a directory path (string)")
+        check_int("data.num_train", self.num_train, 1, 1_000_000)
+        check_int("data.num_test", self.num_test, 1, 1_000_000)
+        check_float("data.noise", self.noise, 0.0)
 
 
 @dataclass
@@ -107,7 +96,7 @@ class ModelConfig:
     name: str = "cnn"
 
     def __post_init__(self) -> None:
-        _check_choice("model.name", self.name, MODELS)
+        check_choice("model.name", self.name, MODELS)
 
 
 @dataclass
@@ -173,42 +162,44 @@ class ProtocolConfig:
     autotune_rule: str = "crossbow"
 
     def __post_init__(self) -> None:
-        _check_choice("protocol.name", self.name, PROTOCOLS)
-        _check_int("protocol.num_learners", self.num_learners, 1)
-        _check_int("protocol.batch_size", self.batch_size, 1)
-        _check_choice("protocol.mode", self.mode, PS_MODES)
-        _check_int("protocol.softsync", self.softsync, 1)
-        _check_choice("protocol.staleness_lr", self.staleness_lr, STALENESS_LR)
-        _check_choice("protocol.server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
-        _check_int("protocol.num_groups", self.num_groups, 1)
+        check_choice("protocol.name", self.name, PROTOCOLS)
+        check_int("protocol.num_learners", self.num_learners, 1)
+        check_int("protocol.batch_size", self.batch_size, 1)
+        check_choice("protocol.mode", self.mode, PS_MODES)
+        check_int("protocol.softsync", self.softsync, 1)
+        check_choice("protocol.staleness_lr", self.staleness_lr, STALENESS_LR)
+        check_choice("protocol.server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        check_int("protocol.num_groups", self.num_groups, 1)
         if not isinstance(self.momentum_compensation, bool):
-            _fail("protocol.momentum_compensation", self.momentum_compensation, "true or false")
+            fail("protocol.momentum_compensation", self.momentum_compensation, "true or false")
         if self.replicas_per_device != "auto":
             if (
                 not isinstance(self.replicas_per_device, int)
                 or isinstance(self.replicas_per_device, bool)
                 or self.replicas_per_device < 1
             ):
-                _fail(
+                fail(
                     "protocol.replicas_per_device",
                     self.replicas_per_device,
                     "an integer >= 1 or 'auto'",
                 )
         elif self.name not in ("sma", "local_sgd"):
-            _fail(
+            fail(
                 "protocol.replicas_per_device",
                 self.replicas_per_device,
                 f"an integer: 'auto' needs protocol.name 'sma' or 'local_sgd', not {self.name!r}",
             )
-        _check_float("protocol.autotune_threshold", self.autotune_threshold, 0.0, 10.0, False)
-        _check_int("protocol.autotune_interval", self.autotune_interval, 1)
-        _check_int("protocol.autotune_max_replicas", self.autotune_max_replicas, 1)
-        _check_choice("protocol.autotune_rule", self.autotune_rule, AUTOTUNE_RULES)
-        _check_float("protocol.alpha", self.alpha, 0.0, 1.0)
-        _check_float("protocol.central_momentum", self.central_momentum, 0.0, 1.0)
+        check_float(
+            "protocol.autotune_threshold", self.autotune_threshold, 0.0, 10.0, min_inclusive=False
+        )
+        check_int("protocol.autotune_interval", self.autotune_interval, 1)
+        check_int("protocol.autotune_max_replicas", self.autotune_max_replicas, 1)
+        check_choice("protocol.autotune_rule", self.autotune_rule, AUTOTUNE_RULES)
+        check_float("protocol.alpha", self.alpha, 0.0, 1.0)
+        check_float("protocol.central_momentum", self.central_momentum, 0.0, 1.0)
         if self.central_momentum >= 1.0:
-            _fail("protocol.central_momentum", self.central_momentum, "a number in [0, 1)")
-        _check_int("protocol.average_every", self.average_every, 1)
+            fail("protocol.central_momentum", self.central_momentum, "a number in [0, 1)")
+        check_int("protocol.average_every", self.average_every, 1)
         spec_for(self.name).validate(self)  # λ-dependent rules of the protocol
 
     @property
@@ -261,15 +252,15 @@ class OptimizerConfig:
     nesterov: bool = False
 
     def __post_init__(self) -> None:
-        _check_float("optimizer.lr", self.lr, 0.0, min_inclusive=False)
-        _check_float("optimizer.momentum", self.momentum, 0.0, 1.0)
+        check_float("optimizer.lr", self.lr, 0.0, min_inclusive=False)
+        check_float("optimizer.momentum", self.momentum, 0.0, 1.0)
         if self.momentum >= 1.0:
-            _fail("optimizer.momentum", self.momentum, "a number in [0, 1)")
-        _check_float("optimizer.weight_decay", self.weight_decay, 0.0)
+            fail("optimizer.momentum", self.momentum, "a number in [0, 1)")
+        check_float("optimizer.weight_decay", self.weight_decay, 0.0)
         if not isinstance(self.nesterov, bool):
-            _fail("optimizer.nesterov", self.nesterov, "true or false")
+            fail("optimizer.nesterov", self.nesterov, "true or false")
         if self.nesterov and self.momentum == 0:
-            _fail("optimizer.nesterov", self.nesterov, "false when optimizer.momentum = 0")
+            fail("optimizer.nesterov", self.nesterov, "false when optimizer.momentum = 0")
 
 
 @dataclass
@@ -290,8 +281,8 @@ class ScheduleConfig:
     decay_factor: float = 0.1
 
     def __post_init__(self) -> None:
-        _check_choice("schedule.kind", self.kind, SCHEDULES)
-        _check_float("schedule.warmup_epochs", self.warmup_epochs, 0.0)
+        check_choice("schedule.kind", self.kind, SCHEDULES)
+        check_float("schedule.warmup_epochs", self.warmup_epochs, 0.0)
         if (
             not isinstance(self.decay_epochs, list)
             or any(
@@ -300,8 +291,8 @@ class ScheduleConfig:
             )
             or list(self.decay_epochs) != sorted(self.decay_epochs)
         ):
-            _fail("schedule.decay_epochs", self.decay_epochs, "an increasing list of epochs > 0")
-        _check_float("schedule.decay_factor", self.decay_factor, 0.0, 1.0, min_inclusive=False)
+            fail("schedule.decay_epochs", self.decay_epochs, "an increasing list of epochs > 0")
+        check_float("schedule.decay_factor", self.decay_factor, 0.0, 1.0, min_inclusive=False)
 
     def lr_at(self, base_lr: float, epoch: float) -> float:
         """Learning rate at fractional ``epoch`` (>= 0) for base rate ``base_lr``."""
@@ -367,7 +358,7 @@ class ClusterConfig:
         for key in ("seconds_per_sample", "seconds_per_batch", "seconds_per_replica"):
             v = getattr(self, key)
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-                _fail(f"cluster.{key}", v, "a number of seconds >= 0, or -1 to calibrate")
+                fail(f"cluster.{key}", v, "a number of seconds >= 0, or -1 to calibrate")
         rr = self.replica_ratios
         if not isinstance(rr, list) or (
             rr
@@ -383,7 +374,7 @@ class ClusterConfig:
                 or rr[0] != 1
             )
         ):
-            _fail(
+            fail(
                 "cluster.replica_ratios",
                 rr,
                 "an empty list, or t(k)/t(1) for k = 1 … n: n >= 2 positive numbers, the first 1",
@@ -395,10 +386,10 @@ class ClusterConfig:
             or not math.isfinite(s)
             for s in self.speed_factors
         ):
-            _fail("cluster.speed_factors", self.speed_factors, "a list of positive numbers")
-        _check_float("cluster.jitter", self.jitter, 0.0, 2.0)
-        _check_float("cluster.latency_s", self.latency_s, 0.0)
-        _check_float("cluster.bandwidth_gbps", self.bandwidth_gbps, 0.0)
+            fail("cluster.speed_factors", self.speed_factors, "a list of positive numbers")
+        check_float("cluster.jitter", self.jitter, 0.0, 2.0)
+        check_float("cluster.latency_s", self.latency_s, 0.0)
+        check_float("cluster.bandwidth_gbps", self.bandwidth_gbps, 0.0)
 
     @property
     def needs_calibration(self) -> bool:
@@ -474,11 +465,11 @@ class TrainConfig:
     save_eval_weights: bool = False
 
     def __post_init__(self) -> None:
-        _check_float("train.target_accuracy", self.target_accuracy, 0.0, 1.0)
-        _check_float("train.max_epochs", self.max_epochs, 0.0)
-        _check_int("train.max_samples", self.max_samples, 0)
-        _check_float("train.max_seconds", self.max_seconds, 0.0)
-        _check_float("train.max_virtual_seconds", self.max_virtual_seconds, 0.0)
+        check_float("train.target_accuracy", self.target_accuracy, 0.0, 1.0)
+        check_float("train.max_epochs", self.max_epochs, 0.0)
+        check_int("train.max_samples", self.max_samples, 0)
+        check_float("train.max_seconds", self.max_seconds, 0.0)
+        check_float("train.max_virtual_seconds", self.max_virtual_seconds, 0.0)
         if (
             self.max_epochs == 0
             and self.max_samples == 0
@@ -486,26 +477,26 @@ class TrainConfig:
             and self.max_virtual_seconds == 0
             and (self.target_accuracy == 0 or not self.stop_at_target)
         ):
-            _fail(
+            fail(
                 "train.max_epochs",
                 self.max_epochs,
                 "a budget > 0 (max_epochs, max_samples or max_seconds) when no target stops the run",
             )
-        _check_int("train.eval_every_samples", self.eval_every_samples, 0)
-        _check_int("train.eval_batch_size", self.eval_batch_size, 1)
-        _check_int("train.bn_recalibration_samples", self.bn_recalibration_samples, 1)
-        _check_int("train.checkpoint_every_evals", self.checkpoint_every_evals, 0)
-        _check_int("train.seed", self.seed, 0, 2**31 - 1)
-        _check_int("train.num_threads", self.num_threads, 0, 256)
+        check_int("train.eval_every_samples", self.eval_every_samples, 0)
+        check_int("train.eval_batch_size", self.eval_batch_size, 1)
+        check_int("train.bn_recalibration_samples", self.bn_recalibration_samples, 1)
+        check_int("train.checkpoint_every_evals", self.checkpoint_every_evals, 0)
+        check_int("train.seed", self.seed, 0, 2**31 - 1)
+        check_int("train.num_threads", self.num_threads, 0, 256)
         if not isinstance(self.stop_at_target, bool):
-            _fail("train.stop_at_target", self.stop_at_target, "true or false")
+            fail("train.stop_at_target", self.stop_at_target, "true or false")
         if not isinstance(self.tensorboard, bool):
-            _fail("train.tensorboard", self.tensorboard, "true or false")
+            fail("train.tensorboard", self.tensorboard, "true or false")
         if not isinstance(self.initial_weights, str):
-            _fail("train.initial_weights", self.initial_weights, 'a file path or ""')
+            fail("train.initial_weights", self.initial_weights, 'a file path or ""')
         for key in ("record_ticks", "evaluate", "save_eval_weights"):
             if not isinstance(getattr(self, key), bool):
-                _fail(f"train.{key}", getattr(self, key), "true or false")
+                fail(f"train.{key}", getattr(self, key), "true or false")
 
 
 @dataclass
@@ -551,13 +542,13 @@ class DistConfig:
     num_servers: int = 1
 
     def __post_init__(self) -> None:
-        _check_int("dist.num_processes", self.num_processes, 0, 4096)
-        _check_choice("dist.backend", self.backend, DIST_BACKENDS)
+        check_int("dist.num_processes", self.num_processes, 0, 4096)
+        check_choice("dist.backend", self.backend, DIST_BACKENDS)
         if not isinstance(self.master_addr, str) or not self.master_addr:
-            _fail("dist.master_addr", self.master_addr, "a host name or IP address")
-        _check_int("dist.master_port", self.master_port, 0, 65535)
-        _check_float("dist.timeout_s", self.timeout_s, 1.0, 3600.0)
-        _check_int("dist.num_servers", self.num_servers, 1, 64)
+            fail("dist.master_addr", self.master_addr, "a host name or IP address")
+        check_int("dist.master_port", self.master_port, 0, 65535)
+        check_float("dist.timeout_s", self.timeout_s, 1.0, 3600.0)
+        check_int("dist.num_servers", self.num_servers, 1, 64)
 
 
 def required_processes(protocol: ProtocolConfig, dist: DistConfig) -> tuple[int, str]:
@@ -726,7 +717,7 @@ def _check_list(key: str, value: Any, kind: type, minimum: float, maximum: float
         )
     ):
         what = "integers" if kind is int else "numbers"
-        _fail(key, value, f"a non-empty list of {what} in [{minimum}, {maximum}]")
+        fail(key, value, f"a non-empty list of {what} in [{minimum}, {maximum}]")
 
 
 @dataclass
@@ -788,36 +779,36 @@ class TuneConfig:
     step_margin: float = 0.03
 
     def __post_init__(self) -> None:
-        _check_float("tune.budget_s", self.budget_s, 0.0, min_inclusive=False)
-        _check_float("tune.probe_seconds", self.probe_seconds, 0.0, min_inclusive=False)
-        _check_int("tune.score_window", self.score_window, 1)
+        check_float("tune.budget_s", self.budget_s, 0.0, min_inclusive=False)
+        check_float("tune.probe_seconds", self.probe_seconds, 0.0, min_inclusive=False)
+        check_int("tune.score_window", self.score_window, 1)
         _check_list("tune.lrs", self.lrs, float, 1e-8, 10.0)
         _check_list("tune.momenta", self.momenta, float, 0.0, 0.99)
-        _check_float("tune.cold_momentum", self.cold_momentum, 0.0, 0.99)
-        _check_int("tune.max_groups", self.max_groups, 0)
-        _check_float("tune.tie_buffer", self.tie_buffer, 0.0, 1.0)
-        _check_float("tune.he_gain", self.he_gain, 0.0, 1.0)
+        check_float("tune.cold_momentum", self.cold_momentum, 0.0, 0.99)
+        check_int("tune.max_groups", self.max_groups, 0)
+        check_float("tune.tie_buffer", self.tie_buffer, 0.0, 1.0)
+        check_float("tune.he_gain", self.he_gain, 0.0, 1.0)
         if (
             not isinstance(self.families, list)
             or not self.families
             or any(f not in TUNE_FAMILIES for f in self.families)
         ):
-            _fail(
+            fail(
                 "tune.families", self.families, "a non-empty list from " + ", ".join(TUNE_FAMILIES)
             )
         _check_list("tune.batch_sizes", self.batch_sizes, int, 1, 65536)
-        _check_int("tune.extra_probes", self.extra_probes, 0)
-        _check_float("tune.segment_fraction", self.segment_fraction, 0.0, 0.9)
+        check_int("tune.extra_probes", self.extra_probes, 0)
+        check_float("tune.segment_fraction", self.segment_fraction, 0.0, 0.9)
         if self.segment_fraction >= 1 - TUNE_STEADY_SHARE:
-            _fail(
+            fail(
                 "tune.segment_fraction",
                 self.segment_fraction,
                 f"a number >= 0 and < {1 - TUNE_STEADY_SHARE:g} (steady state takes "
                 f"{TUNE_STEADY_SHARE:g} of the budget; the search needs a positive share)",
             )
-        _check_float("tune.noise_scale", self.noise_scale, 0.0)
-        _check_int("tune.step_points", self.step_points, 0, 20)
-        _check_float("tune.step_margin", self.step_margin, 0.0, 1.0, min_inclusive=False)
+        check_float("tune.noise_scale", self.noise_scale, 0.0)
+        check_int("tune.step_points", self.step_points, 0, 20)
+        check_float("tune.step_margin", self.step_margin, 0.0, 1.0, min_inclusive=False)
 
 
 _SECTIONS: dict[str, type] = {
@@ -860,9 +851,9 @@ class RunConfig:
     tune: TuneConfig = field(default_factory=TuneConfig)
 
     def __post_init__(self) -> None:
-        _check_choice("runtime", self.runtime, RUNTIMES)
+        check_choice("runtime", self.runtime, RUNTIMES)
         if not isinstance(self.name, str):
-            _fail("name", self.name, "a string")
+            fail("name", self.name, "a string")
         spec_for(self.protocol).check_optimizer(self.protocol, self.optimizer)
         # The layout is fitted to an explicit process count before anything that depends
         # on λ is checked; ``layout_changes`` lists what changed (empty when it fitted).
@@ -873,13 +864,13 @@ class RunConfig:
             )
         sf = self.cluster.speed_factors
         if sf and self.protocol.auto_replicas:
-            _fail(
+            fail(
                 "cluster.speed_factors",
                 sf,
                 "[] with protocol.replicas_per_device = 'auto' (λ changes during the run)",
             )
         if sf and len(sf) != self.protocol.num_learners:
-            _fail(
+            fail(
                 "cluster.speed_factors",
                 sf,
                 f"a list of {self.protocol.num_learners} speeds (one per learner) or []",
@@ -896,7 +887,7 @@ class RunConfig:
             if key in _SECTIONS:
                 section_cls = _SECTIONS[key]
                 if not isinstance(value, dict):
-                    _fail(key, value, f"a table [{key}]")
+                    fail(key, value, f"a table [{key}]")
                 known = {f.name for f in fields(section_cls)}
                 for sub in value:
                     if sub not in known:

@@ -154,7 +154,7 @@ class Trainer:
         """Set up the process (threads; the process group on real processes), load the
         data, fold the runtime's calibration into the config, then build the model, the
         protocol and the runtime under the run's seed."""
-        kind = runtime_kind(self.cfg, self.faults)
+        kind = self._kind
         kind.prepare(self.cfg)
         cfg = self._load_data()
         self.cfg, self.profile_calibrated = kind.calibrate(cfg, self.dataset)
@@ -412,7 +412,8 @@ class Trainer:
         """
         self._claim: RunDirClaim | None = None
         try:
-            if runtime_kind(self.cfg).single_process:
+            self._kind = runtime_kind(self.cfg, self.faults)
+            if self._kind.single_process:
                 # the claim first (held for the run's life; a run that fails to start
                 # removes it, and the directory if it made it): no work before it
                 self._claim = RunDirClaim.acquire(self.out_dir)

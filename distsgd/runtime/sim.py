@@ -33,6 +33,7 @@ per learner. Virtual time is still charged per learner at batch b.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import statistics
@@ -86,9 +87,10 @@ class DeviceProfile:
     seconds_per_replica: float | None = None
     replica_ratios: tuple[float, ...] = ()
 
-    @property
+    @functools.cached_property
     def model(self) -> cm.ClusterModel:
-        """This profile as the cluster timing model's device part."""
+        """This profile as the cluster timing model's device part (built once: the
+        simulator asks for a device's seconds on every tick)."""
         return cm.ClusterModel(
             self.seconds_per_batch,
             self.seconds_per_sample,
