@@ -75,10 +75,10 @@ def summarise(label: str, dirs: list[Path]) -> tuple[str, dict]:
         "label": label,
         "runs": len(sums),
         "reached": len(reached),
-        "wall_s": [s["time_to_accuracy_s"] for s in reached],
-        "virtual_s": [s["time_to_accuracy_virtual_s"] for s in reached],
-        "samples": [s["samples_to_accuracy"] for s in reached],
-        "best_accuracy": [s["best_accuracy"] for s in sums],
+        "wall_s": [s["time_to_target_s"] for s in reached],
+        "virtual_s": [s["time_to_target_virtual_s"] for s in reached],
+        "samples": [s["samples_to_target"] for s in reached],
+        "best_metric": [s["best_metric"] for s in sums],
         "k": [s.get("replicas_per_device") for s in sums],
         "throughput": [s["throughput_samples_per_s"] for s in sums],
     }
@@ -86,7 +86,7 @@ def summarise(label: str, dirs: list[Path]) -> tuple[str, dict]:
     line = (
         f"| {label} | {row['reached']}/{row['runs']} | {_stat(row['wall_s'], '.1f')} | "
         f"{_stat(row['virtual_s'], '.1f')} | {_stat([x / 1000 for x in row['samples']], '.0f')} | "
-        f"{_stat([100 * a for a in row['best_accuracy']], '.2f')} | "
+        f"{_stat([100 * a for a in row['best_metric']], '.2f')} | "
         f"{_stat(row['throughput'], '.0f')} | {k} |"
     )
     return line, row
@@ -125,7 +125,7 @@ def main() -> None:
         "schedule.kind=step",
         "schedule.decay_epochs=[2.0]",
         "schedule.decay_factor=0.2",
-        "train.target_accuracy=0.9",
+        "train.target=0.9",
         "train.stop_at_target=true",
         f"train.max_epochs={args.max_epochs}",
         f"train.eval_every_samples={args.eval_every}",
@@ -145,8 +145,8 @@ def main() -> None:
         """Least wall time to the target; without one, the best accuracy."""
         s = json.loads((d / "summary.json").read_text())
         if s["reached"]:
-            return (False, s["time_to_accuracy_s"])
-        return (True, -s["best_accuracy"])
+            return (False, s["time_to_target_s"])
+        return (True, -s["best_metric"])
 
     best_b = args.hardsync_batches[min(range(len(pre)), key=lambda i: score(pre[i]))]
     sma = [

@@ -101,10 +101,10 @@ def main() -> None:
             "global_batch": global_batch,
             "lr": args.lr,
             "momentum": args.momentum,
-            "target_accuracy": args.target,
+            "target": args.target,
             "reached": reached is not None,
-            "time_to_accuracy_s": reached["train_s"] if reached else None,
-            "samples_to_accuracy": reached["samples"] if reached else None,
+            "time_to_target_s": reached["train_s"] if reached else None,
+            "samples_to_target": reached["samples"] if reached else None,
             "total_wall_s": total,
             "history": history,
         }

@@ -198,7 +198,7 @@ def distsgd_overrides(args: argparse.Namespace, model_name: str, b: int, samples
         "optimizer.momentum=0.9",
         f"train.max_samples={samples}",
         "train.max_epochs=0",
-        "train.target_accuracy=0",
+        "train.target=0",
         "train.evaluate=false",
         "train.checkpoint_every_evals=0",
         "train.tensorboard=false",

@@ -85,7 +85,7 @@ def main() -> None:
         losses = [last_train_loss(d) for d in by_point[name]]
         ok = [x for x in losses if x is not None]
         accs = [
-            json.loads((d / "summary.json").read_text())["final_accuracy"]
+            json.loads((d / "summary.json").read_text())["final_metric"]
             for d in by_point[name]
             if last_train_loss(d) is not None
         ]

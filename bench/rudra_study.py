@@ -82,7 +82,7 @@ def study_points() -> list[tuple[str, list[str], dict]]:
 
 
 def summarise(runs: list[dict]) -> dict:
-    accs = [r["final_accuracy"] for r in runs if r["status"] == "completed"]
+    accs = [r["final_metric"] for r in runs if r["status"] == "completed"]
     diverged = sum(r["status"] != "completed" for r in runs)
     return {
         "acc_mean": statistics.mean(accs) if accs else None,
@@ -195,7 +195,7 @@ def main() -> None:
         "optimizer.momentum=0.9",
         f"train.max_epochs={args.epochs}",
         "train.stop_at_target=false",
-        "train.target_accuracy=0.9",
+        "train.target=0.9",
         f"train.eval_every_samples={int(args.epochs * ds.num_train)}",
         "train.checkpoint_every_evals=0",
         "train.tensorboard=false",

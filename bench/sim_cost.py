@@ -80,7 +80,7 @@ def sim_run(overrides: list[str], samples: int, batch_size: int, seed: int, thre
                 f"protocol.batch_size={batch_size}",
                 f"train.max_samples={samples}",
                 "train.max_epochs=0",
-                "train.target_accuracy=0",
+                "train.target=0",
                 f"train.eval_every_samples={10 * samples}",
                 "train.checkpoint_every_evals=0",
                 f"train.seed={seed}",

@@ -142,7 +142,7 @@ def main() -> None:
         if args.skip_ddp
         else run_ddp(out, args.eval_every, args.ddp_target)
     )
-    print(f"DDP: {ddp['time_to_accuracy_s']} s to {ddp['target_accuracy']}", flush=True)
+    print(f"DDP: {ddp['time_to_target_s']} s to {ddp['target']}", flush=True)
 
     # The simulated devices run at the speed the DDP processes actually ran in this run:
     # the configured one-thread profile scaled so one minibatch of 64 takes DDP's measured
@@ -151,7 +151,7 @@ def main() -> None:
     from distsgd.config import RunConfig  # noqa: PLC0415
 
     base = RunConfig.from_toml(args.config)
-    per_step = ddp["time_to_accuracy_s"] / (ddp["samples_to_accuracy"] / ddp["global_batch"])
+    per_step = ddp["time_to_target_s"] / (ddp["samples_to_target"] / ddp["global_batch"])
     quiet = base.cluster.seconds_per_batch + 64 * base.cluster.seconds_per_sample
     scale = per_step / quiet if quiet > 0 else 1.0
     profile = [
@@ -187,9 +187,9 @@ def main() -> None:
     plan = train_plan(tune_dir, plan_dir)
     load_after = _load()
 
-    ddp_t = ddp["time_to_accuracy_s"]
-    sim_t = plan["time_to_accuracy_virtual_s"]
-    wall_t = plan["time_to_accuracy_s"]
+    ddp_t = ddp["time_to_target_s"]
+    sim_t = plan["time_to_target_virtual_s"]
+    wall_t = plan["time_to_target_s"]
     pred = (state.get("prediction") or {}).get("predicted_s")
 
     copy_tune_outputs(tune_dir, args.results)
@@ -218,10 +218,10 @@ def main() -> None:
         "|---|---|---|---|---|",
         f"| DDP baseline, 2 processes × 1 thread, batch 2×64, lr 0.05, μ 0.9 | "
         f"{ddp['reached']} | {fmt(ddp_t)} s wall (training only) | "
-        f"{ddp['samples_to_accuracy']} | {ddp['total_wall_s']:.1f} s wall incl. evaluation |",
+        f"{ddp['samples_to_target']} | {ddp['total_wall_s']:.1f} s wall incl. evaluation |",
         f"| tuned plan `{state.get('plan_name') or state['chosen_label']}` on the simulated cluster (2 devices) | "
         f"{plan['reached']} | **{fmt(sim_t, '.2f')} s simulated** | "
-        f"{plan['samples_to_accuracy']} | {fmt(wall_t)} s wall of one-process simulation "
+        f"{plan['samples_to_target']} | {fmt(wall_t)} s wall of one-process simulation "
         f"(all learners in turn) |",
         f"| tuning (`distsgd tune`, budget {state['budget_s']:.0f} s) | | {tuning_wall:.1f} s wall | | "
         f"{len(state['probes'])} probes + 1 long run |",
@@ -283,8 +283,8 @@ def dist_main(args: argparse.Namespace, ddp: dict, per_step: float, load_before:
     plan_dir = out / "plan"
     plan = train_plan(tune_dir, plan_dir, "--runtime", "dist")
     load_after = _load()
-    ddp_t = ddp["time_to_accuracy_s"]
-    wall_t = plan["time_to_accuracy_s"]
+    ddp_t = ddp["time_to_target_s"]
+    wall_t = plan["time_to_target_s"]
     pred = (state.get("prediction") or {}).get("predicted_s")
 
     copy_tune_outputs(tune_dir, args.results)
@@ -307,11 +307,11 @@ def dist_main(args: argparse.Namespace, ddp: dict, per_step: float, load_before:
         "| what | reached | time to 90% | samples to 90% | note |",
         "|---|---|---|---|---|",
         f"| DDP baseline, 2 processes × 1 thread, batch 2×64, lr 0.05, μ 0.9 | "
-        f"{ddp['reached']} | {fmt(ddp_t)} s wall | {ddp['samples_to_accuracy']} | "
+        f"{ddp['reached']} | {fmt(ddp_t)} s wall | {ddp['samples_to_target']} | "
         f"{ddp['total_wall_s']:.1f} s wall incl. evaluation |",
         f"| tuned plan `{state.get('plan_name') or state['chosen_label']}`, "
         f"{plan.get('num_processes')} processes | {plan['reached']} | **{fmt(wall_t)} s wall** | "
-        f"{plan['samples_to_accuracy']} | {plan['train_wall_s'] + plan['eval_wall_s']:.1f} s "
+        f"{plan['samples_to_target']} | {plan['train_wall_s'] + plan['eval_wall_s']:.1f} s "
         "wall incl. evaluation |",
         f"| tuning (`distsgd tune --runtime dist`, budget {state['budget_s']:.0f} s) | | "
         f"{tuning_wall:.1f} s wall | | {len(state['probes'])} probes |",

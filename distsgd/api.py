@@ -11,7 +11,7 @@ Example::
 
     import distsgd
     s = distsgd.train("configs/async.toml", overrides=["train.max_epochs=1"])
-    print(s["best_accuracy"], s["staleness_mean"])
+    print(s["best_metric"], s["staleness_mean"])
 """
 
 from __future__ import annotations
@@ -177,8 +177,8 @@ def train(
 
     Returns:
         The summary (as in ``summary.json``): ``protocol``, ``runtime``,
-        ``target_accuracy``, ``best_accuracy``, ``reached``, ``time_to_accuracy_s`` (wall,
-        training only), ``time_to_accuracy_virtual_s``, ``samples_to_accuracy``,
+        ``target``, ``best_metric``, ``reached``, ``time_to_target_s`` (wall,
+        training only), ``time_to_target_virtual_s``, ``samples_to_target``,
         ``throughput_samples_per_s``, ``staleness_mean``, ``staleness_max`` and more.
 
     Raises:
@@ -197,7 +197,7 @@ def train(
 
         import distsgd
         s = distsgd.train("configs/async.toml", overrides=["train.max_epochs=1"])
-        print(s["best_accuracy"], s["staleness_mean"])
+        print(s["best_metric"], s["staleness_mean"])
     """
     if resume is not None:
         if config is not None:

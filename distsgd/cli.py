@@ -38,17 +38,16 @@ def _fmt_acc(v: float | None) -> str:
 
 
 def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
-    target = s["target_accuracy"]
+    target = s["target"]
     if target > 0:
         outcome = f"target {target:.4f}: {'reached' if s['reached'] else 'NOT reached'}"
     else:
         outcome = "no target"
-    if s["best_accuracy"] is None:
+    if s["best_metric"] is None:
         accuracy = "not evaluated (train.evaluate = false)"
     else:
         accuracy = (
-            f"best {_fmt_acc(s['best_accuracy'])}, final {_fmt_acc(s['final_accuracy'])} "
-            f"({outcome})"
+            f"best {_fmt_acc(s['best_metric'])}, final {_fmt_acc(s['final_metric'])} ({outcome})"
         )
     lines = [
         f"protocol      {s['protocol']} ({s['layout']}) on the {s['runtime']} runtime",
@@ -56,13 +55,13 @@ def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
     ]
     if s["reached"]:
         lines.append(
-            f"time to acc.  {_fmt_s(s['time_to_accuracy_s'])} wall (training only), "
+            f"time to acc.  {_fmt_s(s['time_to_target_s'])} wall (training only), "
             + (
-                f"{_fmt_s(s['time_to_accuracy_virtual_s'])} simulated, "
+                f"{_fmt_s(s['time_to_target_virtual_s'])} simulated, "
                 if s["runtime"] == "sim"
                 else ""
             )
-            + f"{s['samples_to_accuracy']} samples ({s['epochs_to_accuracy']:.2f} epochs)"
+            + f"{s['samples_to_target']} samples ({s['epochs_to_target']:.2f} epochs)"
         )
     tput = s["throughput_samples_per_s"]
     lines += [

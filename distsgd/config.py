@@ -401,7 +401,7 @@ class TrainConfig:
     """Stop rule, evaluation, checkpoints and seeding.
 
     Attributes:
-        target_accuracy: test accuracy in [0, 1] at which the run stops (time to accuracy
+        target: test accuracy in [0, 1] at which the run stops (time to accuracy
             is measured to it); 0 disables early stopping.
         max_epochs: budget in epochs of training samples (0: no limit).
         max_samples: budget in training samples (0: no limit); a run stops at the first
@@ -424,7 +424,7 @@ class TrainConfig:
             the run stops at its target or budget).
         seed: seeds model initialisation, data order and simulated timing.
         num_threads: torch intra-op threads (0: all cores).
-        stop_at_target: stop as soon as ``target_accuracy`` is reached.
+        stop_at_target: stop as soon as ``target`` is reached.
         tensorboard: also write TensorBoard event files (one scalar per metric, step =
             training samples) to the run directory's ``tb/``; needs the optional
             ``tensorboard`` package and is skipped silently without it.
@@ -446,7 +446,7 @@ class TrainConfig:
             from which it tries a learning-rate step.
     """
 
-    target_accuracy: float = 0.9
+    target: float = 0.9
     max_epochs: float = 10.0
     max_samples: int = 0
     max_seconds: float = 0.0
@@ -465,7 +465,7 @@ class TrainConfig:
     save_eval_weights: bool = False
 
     def __post_init__(self) -> None:
-        check_float("train.target_accuracy", self.target_accuracy, 0.0, 1.0)
+        check_float("train.target", self.target, 0.0, 1.0)
         check_float("train.max_epochs", self.max_epochs, 0.0)
         check_int("train.max_samples", self.max_samples, 0)
         check_float("train.max_seconds", self.max_seconds, 0.0)
@@ -475,7 +475,7 @@ class TrainConfig:
             and self.max_samples == 0
             and self.max_seconds == 0
             and self.max_virtual_seconds == 0
-            and (self.target_accuracy == 0 or not self.stop_at_target)
+            and (self.target == 0 or not self.stop_at_target)
         ):
             fail(
                 "train.max_epochs",
@@ -889,6 +889,7 @@ class RunConfig:
                 if not isinstance(value, dict):
                     fail(key, value, f"a table [{key}]")
                 known = {f.name for f in fields(section_cls)}
+                value = {_RENAMED.get((key, sub), sub): v for sub, v in value.items()}
                 for sub in value:
                     if sub not in known:
                         raise ConfigError(
@@ -955,6 +956,10 @@ class RunConfig:
     def replace(self, **sections: Any) -> RunConfig:
         """A copy with whole sections or top-level fields replaced (validated again)."""
         return dataclasses.replace(self, **sections)
+
+
+_RENAMED: dict[tuple[str, str], str] = {("train", "target_accuracy"): "target"}
+"""Settings read under their former names (config.toml of runs written before the rename)."""
 
 
 def _toml_value(v: Any) -> str:

@@ -393,7 +393,7 @@ def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: lis
     if not metrics.exists():
         metrics.touch()
     last = records[-1] if records else {}
-    accuracies = [r["test_accuracy"] for r in records if "test_accuracy" in r]
+    accuracies = [r["eval_metric"] for r in records if "eval_metric" in r]
     p = cfg.protocol
     write_json(
         out / "summary.json",
@@ -410,12 +410,11 @@ def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: lis
             "batch_size": p.batch_size,
             "lr": cfg.optimizer.lr,
             "seed": cfg.train.seed,
-            "target_accuracy": cfg.train.target_accuracy,
-            "best_accuracy": max(accuracies, default=0.0),
-            "final_accuracy": last.get("test_accuracy"),
+            "target": cfg.train.target,
+            "best_metric": max(accuracies, default=0.0),
+            "final_metric": last.get("eval_metric"),
             "reached": bool(
-                cfg.train.target_accuracy > 0
-                and max(accuracies, default=0.0) >= cfg.train.target_accuracy
+                cfg.train.target > 0 and max(accuracies, default=0.0) >= cfg.train.target
             ),
             "samples": last.get("samples", 0),
             "num_processes": required_processes(cfg.protocol, cfg.dist)[0],

@@ -3,8 +3,8 @@
 Keys carry their unit as a suffix: ``_s`` for seconds, ``samples`` for training samples.
 Each ``metrics.jsonl`` record has at least: ``eval`` (index), ``samples``, ``epoch``,
 ``virtual_s`` (simulated seconds), ``wall_s`` (wall seconds of training only, evaluation
-excluded), ``eval_wall_s`` (cumulative wall seconds spent evaluating), ``test_accuracy``
-(fraction in [0, 1]), ``test_loss``, ``train_loss`` (mean minibatch loss since the previous
+excluded), ``eval_wall_s`` (cumulative wall seconds spent evaluating), ``eval_metric``
+(fraction in [0, 1]), ``eval_loss``, ``train_loss`` (mean minibatch loss since the previous
 evaluation; null at the first), ``lr`` (base learning rate from the schedule),
 ``staleness_mean`` (mean σ of all gradients applied so far).
 
@@ -186,8 +186,8 @@ class MetricsWriter:
 
 # metrics.jsonl key -> TensorBoard scalar tag; the unit is part of the tag.
 TENSORBOARD_TAGS: dict[str, str] = {
-    "test_accuracy": "test/accuracy(fraction)",
-    "test_loss": "test/loss(nats)",
+    "eval_metric": "test/accuracy(fraction)",
+    "eval_loss": "test/loss(nats)",
     "train_loss": "train/loss(nats)",
     "lr": "lr",
     "staleness_mean": "staleness/mean(updates)",
@@ -217,7 +217,7 @@ class TensorBoardWriter:
     Example::
 
         tb = TensorBoardWriter("runs/r/tb")
-        tb.write({"samples": 512, "test_accuracy": 0.81, "wall_s": 1.2})
+        tb.write({"samples": 512, "eval_metric": 0.81, "wall_s": 1.2})
         tb.close()
     """
 

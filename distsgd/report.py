@@ -40,7 +40,7 @@ _X_AXES = (
 )
 # (record key, axis label, scale to the plotted unit) of the curves' y axes, one row each
 _Y_AXES = (
-    ("test_accuracy", "test accuracy (%)", 100.0),
+    ("eval_metric", "test accuracy (%)", 100.0),
     ("train_loss", "training loss (nats)", 1.0),
 )
 
@@ -91,7 +91,28 @@ def _default_label(summary: dict[str, Any], run_dir: Path) -> str:
 
 
 # the simulated clock's entries of summary.json (None on real processes, which have none)
-_SIMULATED_KEYS = ("virtual_s", "time_to_accuracy_virtual_s", "throughput_virtual_samples_per_s")
+_SIMULATED_KEYS = ("virtual_s", "time_to_target_virtual_s", "throughput_virtual_samples_per_s")
+
+
+# keys of summaries and records written before the metric became general (accuracy only)
+_FORMER_KEYS = {
+    "target_accuracy": "target",
+    "best_accuracy": "best_metric",
+    "final_accuracy": "final_metric",
+    "time_to_accuracy_s": "time_to_target_s",
+    "time_to_accuracy_virtual_s": "time_to_target_virtual_s",
+    "samples_to_accuracy": "samples_to_target",
+    "epochs_to_accuracy": "epochs_to_target",
+    "test_accuracy": "eval_metric",
+    "test_loss": "eval_loss",
+}
+
+
+def _upgraded(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with its former keys renamed (an accuracy run of an earlier version)."""
+    if not any(k in d for k in _FORMER_KEYS):
+        return d
+    return {_FORMER_KEYS.get(k, k): v for k, v in d.items()}
 
 
 def load_run(run_dir: str | Path) -> Run:
@@ -118,8 +139,13 @@ def load_run(run_dir: str | Path) -> Run:
     summary = _read_json(path / "summary.json")
     if not isinstance(summary, dict):
         raise ValueError(f"{path / 'summary.json'}: expected a JSON object")
+    summary = _upgraded(summary)
+    if "metric" not in summary:
+        summary = {**summary, "metric": "accuracy", "metric_direction": "max"}
     try:
-        records = [r for r in read_metrics(path / "metrics.jsonl") if isinstance(r, dict)]
+        records = [
+            _upgraded(r) for r in read_metrics(path / "metrics.jsonl") if isinstance(r, dict)
+        ]
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{path / 'metrics.jsonl'}: not readable ({e})") from None
     if summary.get("runtime") == "dist":  # older runs wrote wall seconds as "virtual"
@@ -180,7 +206,7 @@ def _figure(width_in: float, height_in: float) -> Any:
 def _targets(runs: Sequence[Run]) -> list[float]:
     out = set()
     for run in runs:
-        t = _number(run.summary.get("target_accuracy"))
+        t = _number(run.summary.get("target"))
         if t is not None and t > 0:
             out.add(t)
     return sorted(out)
@@ -236,7 +262,7 @@ def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
                 handles.setdefault(run.label, line)
                 drawn += ys
                 per_run.append((run.label, ys))
-            if ykey == "test_accuracy":
+            if ykey == "eval_metric":
                 for t in _targets(runs):
                     line = ax.axhline(
                         t * 100.0, color="0.3", linestyle="--", linewidth=1.0, zorder=0
@@ -266,7 +292,7 @@ def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
-            if ykey == "test_accuracy" and drawn:
+            if ykey == "eval_metric" and drawn:
                 top = min(100.0, max(drawn + [t * 100 for t in _targets(runs)]) + 3)
                 # zoom on the part of training that decides time to accuracy: the first
                 # evaluation (untrained model) is left below the axis when a run has
@@ -345,7 +371,7 @@ def _cell(v: Any, fmt: str = "{}") -> str:
 
 
 def _reached(s: dict[str, Any]) -> str:
-    target = _number(s.get("target_accuracy"))
+    target = _number(s.get("target"))
     if not target:
         text = "no target"
     else:
@@ -366,12 +392,12 @@ def _row(run: Run) -> list[str]:
         _cell(s.get("global_batch")),
         _cell(_number(s.get("lr")), "{:g}"),
         _reached(s),
-        _cell(_number(s.get("time_to_accuracy_s")), "{:.2f}"),
-        _cell(_number(s.get("time_to_accuracy_virtual_s")), "{:.2f}"),
-        _cell(s.get("samples_to_accuracy")),
+        _cell(_number(s.get("time_to_target_s")), "{:.2f}"),
+        _cell(_number(s.get("time_to_target_virtual_s")), "{:.2f}"),
+        _cell(s.get("samples_to_target")),
         _cell(_number(s.get("throughput_samples_per_s")), "{:.0f}"),
         f"{_cell(st_mean, '{:.2f}')} / {_cell(st_max)}",
-        _cell(_number(s.get("best_accuracy")), "{:.4f}"),
+        _cell(_number(s.get("best_metric")), "{:.4f}"),
     ]
 
 

@@ -341,16 +341,16 @@ class Trainer:
             "virtual_s": self._simulated_s(),  # None on real processes: wall_s is their clock
             "wall_s": c["train_wall_s"],
             "eval_wall_s": c["eval_wall_s"],
-            "test_accuracy": acc,
-            "test_loss": loss,
+            "eval_metric": acc,
+            "eval_loss": loss,
             "train_loss": train_loss,
             "lr": self._lr(),
             "staleness_mean": st_mean,
         }
         c["evals"] += 1
-        if acc > c["best_accuracy"]:
-            c["best_accuracy"] = acc
-        target = self.cfg.train.target_accuracy
+        if acc > c["best_metric"]:
+            c["best_metric"] = acc
+        target = self.cfg.train.target
         if target > 0 and acc >= target and c["reached_samples"] < 0:
             c["reached_samples"] = samples
             c["reached_wall_s"] = c["train_wall_s"]
@@ -469,7 +469,7 @@ class Trainer:
             "evals": 0,
             "train_wall_s": 0.0,
             "eval_wall_s": 0.0,
-            "best_accuracy": 0.0,
+            "best_metric": 0.0,
             "reached_samples": -1,
             "reached_wall_s": -1.0,
             "reached_virtual_s": -1.0,
@@ -589,8 +589,8 @@ class Trainer:
                             metrics.write(record)
                             self.tensorboard.write(record)
                             bar.set_postfix(
-                                acc=f"{record['test_accuracy']:.4f}",
-                                loss=f"{record['test_loss']:.3f}",
+                                acc=f"{record['eval_metric']:.4f}",
+                                loss=f"{record['eval_loss']:.3f}",
                                 sigma=f"{record['staleness_mean']:.2f}",
                                 refresh=False,
                             )
@@ -598,7 +598,7 @@ class Trainer:
                         next_eval += eval_every
                     reached = c["reached_samples"] >= 0
                     if reached and t.stop_at_target:
-                        c["stop_reason"] = "target_accuracy"
+                        c["stop_reason"] = "target"
                     elif budget_hit:
                         c["stop_reason"] = "max_epochs/max_samples"
                     elif time_hit:
@@ -704,17 +704,17 @@ class Trainer:
             "lr": cfg.optimizer.lr,
             "momentum": cfg.optimizer.momentum,
             "seed": cfg.train.seed,
-            "target_accuracy": cfg.train.target_accuracy,
+            "target": cfg.train.target,
             # None: the run never evaluated (train.evaluate = false)
-            "best_accuracy": c["best_accuracy"] if c["evals"] > 0 else None,
-            "final_accuracy": last.get("test_accuracy"),
+            "best_metric": c["best_metric"] if c["evals"] > 0 else None,
+            "final_metric": last.get("eval_metric"),
             "reached": reached,
-            "time_to_accuracy_s": c["reached_wall_s"] if reached else None,
-            "time_to_accuracy_virtual_s": (
+            "time_to_target_s": c["reached_wall_s"] if reached else None,
+            "time_to_target_virtual_s": (
                 c["reached_virtual_s"] if reached and simulated_s is not None else None
             ),
-            "samples_to_accuracy": c["reached_samples"] if reached else None,
-            "epochs_to_accuracy": (
+            "samples_to_target": c["reached_samples"] if reached else None,
+            "epochs_to_target": (
                 c["reached_samples"] / self.dataset.num_train if reached else None
             ),
             "samples": rt.samples,

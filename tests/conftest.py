@@ -22,7 +22,7 @@ def small_config(**sections) -> RunConfig:
         "optimizer": {"lr": 0.05, "momentum": 0.9},
         "cluster": dict(FIXED_CLUSTER),
         "train": {
-            "target_accuracy": 0.0,
+            "target": 0.0,
             "max_epochs": 2,
             "eval_every_samples": 512,
             "num_threads": 1,

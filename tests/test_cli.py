@@ -79,7 +79,7 @@ batch_size = 32
 seconds_per_sample = 1e-4
 seconds_per_batch = 1e-3
 [train]
-target_accuracy = 0.3
+target = 0.3
 max_epochs = 2
 num_threads = 1
 """

@@ -59,7 +59,7 @@ def test_overrides_parse_toml_values_and_bare_words():
         ("protocol.num_learners=0", "protocol.num_learners = 0"),
         ("protocol.batch_size=2.5", "protocol.batch_size = 2.5"),
         ("optimizer.momentum=1.0", "optimizer.momentum = 1.0"),
-        ("train.target_accuracy=1.5", "train.target_accuracy = 1.5"),
+        ("train.target=1.5", "train.target = 1.5"),
         ("model.name=vgg", "model.name = 'vgg'"),
         ("data.dataset=imagenet", "data.dataset = 'imagenet'"),
         ("protocol.staleness_lr=sometimes", "protocol.staleness_lr = 'sometimes'"),

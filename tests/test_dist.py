@@ -115,7 +115,7 @@ def check_equivalent(sim_dir: Path, dist_dir: Path, keys: list[str], tol: float)
     assert [r["samples"] for r in real_records] == [r["samples"] for r in sim_records]
     for r_sim, r_real in zip(sim_records, real_records, strict=True):
         # accuracy on 256 test samples: a 1e-6 weight difference flips no prediction
-        assert r_real["test_accuracy"] == r_sim["test_accuracy"]
+        assert r_real["eval_metric"] == r_sim["eval_metric"]
         # real processes have no simulated clock: their clock is the wall (honest names)
         assert r_real["virtual_s"] is None and r_real["wall_s"] >= 0
     for f in ("config.toml", "metrics.jsonl", "summary.json", "staleness.json", "checkpoint.pt"):
@@ -237,7 +237,7 @@ def test_hardsync_learner_killed_then_resume_matches(tmp_path, hardsync_run, hoo
     )
     a = [json.loads(x) for x in (out / "metrics.jsonl").open()]
     b = [json.loads(x) for x in (ref / "metrics.jsonl").open()]
-    keys = ("samples", "test_accuracy", "test_loss", "train_loss", "lr")
+    keys = ("samples", "eval_metric", "eval_loss", "train_loss", "lr")
     assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
 
 
@@ -468,7 +468,7 @@ def test_autotune_on_two_ranks_agrees_resumes_and_replays_on_the_simulator(tmp_p
     sim_cfg = config({**protocol, "replicas_per_device": 1}, "sim")
     sim = Trainer(sim_cfg, tmp_path / "sim", progress=False, on_tick=replay).run()
     assert sim["samples"] == summary["samples"] and sim["replicas_per_device"] == k
-    assert sim["final_accuracy"] == summary["final_accuracy"]
+    assert sim["final_metric"] == summary["final_metric"]
     for key in ["replicas", "central"] if protocol["name"] == "sma" else ["replicas"]:
         a, b = protocol_state(tmp_path / "sim", key), protocol_state(dist_dir, key)
         assert a.shape == b.shape

@@ -252,12 +252,12 @@ def test_resume_of_a_checkpoint_distsgd_did_not_write_is_one_line_exit_2(
 
 # ---- 9: train.evaluate = false -------------------------------------------------------------
 def test_a_run_without_evaluation_summarises_none_and_prints(tmp_path, capsys):
-    """Before the fix: best_accuracy 0.0 in summary.json, then a TypeError (exit 1)."""
+    """Before the fix: best_metric 0.0 in summary.json, then a TypeError (exit 1)."""
     cfg = write_config(tmp_path, train={"evaluate": False})
     out = tmp_path / "run"
     assert main(["train", cfg, "--out", str(out), "--quiet"]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["best_accuracy"] is None and summary["final_accuracy"] is None
+    assert summary["best_metric"] is None and summary["final_metric"] is None
     assert summary["reached"] is False
     assert "accuracy      not evaluated (train.evaluate = false)" in capsys.readouterr().out
 

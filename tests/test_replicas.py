@@ -431,7 +431,7 @@ def test_autotune_resume_continues_identically(tmp_path):
     distsgd.train(half, out_dir=tmp_path / "half")
     resumed = distsgd.train(resume=tmp_path / "half", overrides=["train.max_epochs=1.0"])
     assert resumed["replicas_per_device"] == full["replicas_per_device"]
-    assert resumed["final_accuracy"] == full["final_accuracy"]
+    assert resumed["final_metric"] == full["final_metric"]
     a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["protocol"]
     b = torch.load(tmp_path / "half" / "checkpoint.pt", weights_only=True)["protocol"]
     assert torch.equal(a["central"], b["central"])
@@ -547,7 +547,7 @@ def test_autotune_resume_in_the_middle_of_a_measurement(tmp_path):
     b = json.loads((tmp_path / "half" / "autotune.json").read_text())
     assert a == b
     assert resumed["replicas_per_device"] == full["replicas_per_device"]
-    assert resumed["final_accuracy"] == full["final_accuracy"]
+    assert resumed["final_metric"] == full["final_metric"]
     wa = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["protocol"]
     wb = torch.load(tmp_path / "half" / "checkpoint.pt", weights_only=True)["protocol"]
     assert torch.equal(wa["central"], wb["central"])

@@ -31,9 +31,7 @@ def runs(tmp_path_factory):
     """Three 2-epoch runs on synthetic data: hardsync, asynchronous PS (λ=4), SMA."""
     root = tmp_path_factory.mktemp("runs")
     for name, protocol in PROTOCOLS.items():
-        cfg = small_config(
-            protocol=protocol, train={"target_accuracy": 0.5, "stop_at_target": False}
-        )
+        cfg = small_config(protocol=protocol, train={"target": 0.5, "stop_at_target": False})
         distsgd.train(cfg, out_dir=root / name)
     return {name: root / name for name in PROTOCOLS}
 
@@ -130,9 +128,7 @@ def test_diverged_single_record_run_without_virtual_time(runs, tmp_path):
     (odd / "metrics.jsonl").write_text(json.dumps(first) + "\n")
     (odd / "staleness.json").unlink()
     summary = json.loads((odd / "summary.json").read_text())
-    summary.update(
-        status="diverged", name="odd run", reached=False, time_to_accuracy_virtual_s=None
-    )
+    summary.update(status="diverged", name="odd run", reached=False, time_to_target_virtual_s=None)
     (odd / "summary.json").write_text(json.dumps(summary))
 
     out = tmp_path / "r"
@@ -207,12 +203,12 @@ def test_tensorboard_resume_hides_repeated_steps(tmp_path):
 
     first = TensorBoardWriter(tmp_path / "tb")
     for samples, accuracy in [(0, 0.1), (512, 0.5), (1024, 0.6)]:
-        first.write({"samples": samples, "test_accuracy": accuracy})
+        first.write({"samples": samples, "eval_metric": accuracy})
     first.close()
     first.close()  # idempotent
     # the checkpoint covered samples 512; the resumed run evaluates 1024 again
     resumed = TensorBoardWriter(tmp_path / "tb", purge_step=513)
-    resumed.write({"samples": 1024, "test_accuracy": 0.7})
+    resumed.write({"samples": 1024, "eval_metric": 0.7})
     resumed.close()
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
@@ -223,7 +219,7 @@ def test_tensorboard_resume_hides_repeated_steps(tmp_path):
 def test_tensorboard_off(tmp_path):
     tb = TensorBoardWriter(tmp_path / "tb", enabled=False)
     assert not tb.enabled
-    tb.write({"samples": 0, "test_accuracy": 0.1})
+    tb.write({"samples": 0, "eval_metric": 0.1})
     tb.close()
     assert not (tmp_path / "tb").exists()
     assert small_config(train={"tensorboard": False}).train.tensorboard is False

@@ -17,17 +17,17 @@ from tests.conftest import small_config
 SUMMARY_KEYS = {
     "protocol",
     "runtime",
-    "target_accuracy",
-    "best_accuracy",
+    "target",
+    "best_metric",
     "reached",
-    "time_to_accuracy_s",
-    "time_to_accuracy_virtual_s",
-    "samples_to_accuracy",
+    "time_to_target_s",
+    "time_to_target_virtual_s",
+    "samples_to_target",
     "throughput_samples_per_s",
     "staleness_mean",
     "staleness_max",
 }
-METRIC_KEYS = {"samples", "virtual_s", "wall_s", "test_accuracy", "test_loss", "train_loss", "lr"}
+METRIC_KEYS = {"samples", "virtual_s", "wall_s", "eval_metric", "eval_loss", "train_loss", "lr"}
 
 
 def final_weights(run_dir):
@@ -56,14 +56,14 @@ def test_run_directory_contents(tmp_path):
 
 
 def test_reaches_target_and_records_time_to_accuracy(tmp_path):
-    cfg = small_config(train={"target_accuracy": 0.5, "max_epochs": 5})
+    cfg = small_config(train={"target": 0.5, "max_epochs": 5})
     s = distsgd.train(cfg, out_dir=tmp_path / "r")
-    assert s["reached"] and s["stop_reason"] == "target_accuracy"
+    assert s["reached"] and s["stop_reason"] == "target"
     records = read_metrics(tmp_path / "r" / "metrics.jsonl")
-    first = next(r for r in records if r["test_accuracy"] >= 0.5)
-    assert s["samples_to_accuracy"] == first["samples"] == records[-1]["samples"]
-    assert s["time_to_accuracy_s"] == first["wall_s"]
-    assert s["time_to_accuracy_virtual_s"] == first["virtual_s"]
+    first = next(r for r in records if r["eval_metric"] >= 0.5)
+    assert s["samples_to_target"] == first["samples"] == records[-1]["samples"]
+    assert s["time_to_target_s"] == first["wall_s"]
+    assert s["time_to_target_virtual_s"] == first["virtual_s"]
 
 
 def test_hardsync_matches_single_learner_with_global_batch(tmp_path):
@@ -75,8 +75,8 @@ def test_hardsync_matches_single_learner_with_global_batch(tmp_path):
         small_config(protocol={"name": "hardsync", "num_learners": 1, "batch_size": 64}),
         out_dir=tmp_path / "b",
     )
-    la = [r["test_loss"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
-    lb = [r["test_loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")]
+    la = [r["eval_loss"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
+    lb = [r["eval_loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")]
     assert len(la) == len(lb) == 5
     # The four learners share weights, so the simulator computes their mean gradient as one
     # batch of 64 ordered exactly as the single learner's: the runs are bit-identical.
@@ -93,7 +93,7 @@ def test_softsync_with_one_learner_equals_plain_sgd(tmp_path):
     wb = final_weights(tmp_path / "b")["protocol"]
     ra = read_metrics(tmp_path / "a" / "metrics.jsonl")
     rb = read_metrics(tmp_path / "b" / "metrics.jsonl")
-    assert [r["test_loss"] for r in ra] == [r["test_loss"] for r in rb]
+    assert [r["eval_loss"] for r in ra] == [r["eval_loss"] for r in rb]
     assert a["staleness_max"] == 0
     assert wa and wb
 
@@ -105,8 +105,8 @@ def test_groups_with_one_group_equal_hardsync(tmp_path):
     hs = small_config(protocol={"name": "hardsync", "num_learners": 4, "batch_size": 16})
     distsgd.train(g1, out_dir=tmp_path / "a")
     distsgd.train(hs, out_dir=tmp_path / "b")
-    la = [r["test_loss"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
-    lb = [r["test_loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")]
+    la = [r["eval_loss"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
+    lb = [r["eval_loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")]
     assert la == pytest.approx(lb, abs=1e-5)  # same maths, only summation order differs
 
 
@@ -125,7 +125,7 @@ def test_same_seed_gives_identical_weights(tmp_path, protocol):
     distsgd.train(cfg, out_dir=tmp_path / "b")
     ma = read_metrics(tmp_path / "a" / "metrics.jsonl")
     mb = read_metrics(tmp_path / "b" / "metrics.jsonl")
-    assert [r["test_loss"] for r in ma] == [r["test_loss"] for r in mb]
+    assert [r["eval_loss"] for r in ma] == [r["eval_loss"] for r in mb]
     assert [r["virtual_s"] for r in ma] == [r["virtual_s"] for r in mb]
     pa = final_weights(tmp_path / "a")["protocol"]
     pb = final_weights(tmp_path / "b")["protocol"]
@@ -138,7 +138,7 @@ def test_same_seed_gives_identical_weights(tmp_path, protocol):
     )
     distsgd.train(other, out_dir=tmp_path / "c")
     mc = read_metrics(tmp_path / "c" / "metrics.jsonl")
-    assert [r["test_loss"] for r in mc] != [r["test_loss"] for r in ma]
+    assert [r["eval_loss"] for r in mc] != [r["eval_loss"] for r in ma]
 
 
 @pytest.mark.parametrize(
@@ -158,13 +158,13 @@ def test_resume_equals_uninterrupted_run(tmp_path, protocol):
     mf = read_metrics(tmp_path / "full" / "metrics.jsonl")
     mh = read_metrics(tmp_path / "half" / "metrics.jsonl")
     assert [r["samples"] for r in mh] == [r["samples"] for r in mf]
-    assert [r["test_loss"] for r in mh] == [r["test_loss"] for r in mf]
+    assert [r["eval_loss"] for r in mh] == [r["eval_loss"] for r in mf]
     assert [r["virtual_s"] for r in mh] == [r["virtual_s"] for r in mf]
 
 
 def test_resume_refuses_changes_to_what_was_computed(tmp_path):
     distsgd.train(small_config(train={"max_epochs": 1}), out_dir=tmp_path / "r")
-    for item in ("optimizer.lr=0.1", "train.seed=5", "train.target_accuracy=0.99"):
+    for item in ("optimizer.lr=0.1", "train.seed=5", "train.target=0.99"):
         with pytest.raises(ConfigError, match="only these settings may change"):
             distsgd.train(resume=tmp_path / "r", overrides=[item])
     with pytest.raises(ConfigError, match="does not exist"):
@@ -172,13 +172,13 @@ def test_resume_refuses_changes_to_what_was_computed(tmp_path):
 
 
 def test_resume_of_a_run_that_reached_its_target_needs_stop_at_target_off(tmp_path):
-    cfg = small_config(train={"target_accuracy": 0.3, "max_epochs": 3})
+    cfg = small_config(train={"target": 0.3, "max_epochs": 3})
     s = distsgd.train(cfg, out_dir=tmp_path / "r")
     assert s["reached"]
     with pytest.raises(ConfigError, match="already reached its target"):
         distsgd.train(resume=tmp_path / "r")
     s2 = distsgd.train(resume=tmp_path / "r", overrides=["train.stop_at_target=false"])
-    assert s2["epochs"] == 3 and s2["samples_to_accuracy"] == s["samples_to_accuracy"]
+    assert s2["epochs"] == 3 and s2["samples_to_target"] == s["samples_to_target"]
 
 
 def test_python_api_leaves_the_callers_dict_alone(tmp_path):
@@ -230,7 +230,7 @@ def test_divergence_stops_with_step_learner_and_lr_and_keeps_checkpoint(tmp_path
         for v in w.values()
         if isinstance(v, torch.Tensor) and v.is_floating_point()
     )
-    assert not math.isnan(summary["best_accuracy"])
+    assert not math.isnan(summary["best_metric"])
 
 
 def test_global_batch_larger_than_dataset_is_a_config_error(tmp_path):
@@ -253,7 +253,7 @@ def test_hardsync_4x32_matches_1x128_on_fashion_mnist(tmp_path):
             train={"max_epochs": 0, "max_samples": 1920, "eval_every_samples": 960},
         )
         distsgd.train(cfg, out_dir=tmp_path / name)
-        return [r["test_loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")]
+        return [r["eval_loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")]
 
     a, b = run(4, 32, "a"), run(1, 128, "b")
     assert len(a) == 3

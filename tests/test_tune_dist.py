@@ -46,7 +46,7 @@ def test_record_ticks_and_initial_weights_file_continue_a_run(tmp_path):
     Trainer(cont, tmp_path / "b", progress=False).run()
     last_a = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[-1])
     first_b = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
-    assert first_b["samples"] == 0 and first_b["test_accuracy"] == last_a["test_accuracy"]
+    assert first_b["samples"] == 0 and first_b["eval_metric"] == last_a["eval_metric"]
     bad = small_config(train={"initial_weights": str(tmp_path / "missing.pt")})
     with pytest.raises(ConfigError, match="train.initial_weights = "):
         Trainer(bad, tmp_path / "c", progress=False).run()
@@ -108,7 +108,7 @@ def test_unprobed_he_is_scaled_by_measured_over_predicted():
 def test_tune_on_dist_writes_a_plan_that_train_dist_accepts(tmp_path, capsys):
     base = small_config(
         protocol={"num_learners": 2, "batch_size": 16},
-        train={"target_accuracy": 0.5, "max_epochs": 1, "eval_every_samples": 256},
+        train={"target": 0.5, "max_epochs": 1, "eval_every_samples": 256},
         dist={"timeout_s": 60},
         tune={
             "probe_seconds": 0.5,
@@ -154,7 +154,7 @@ def test_tune_on_dist_writes_a_plan_that_train_dist_accepts(tmp_path, capsys):
     v = json.loads((out / "tune.json").read_text())["verify"]
     verify = json.loads((out / "verify" / "summary.json").read_text())
     assert verify["runtime"] == "dist"
-    assert v["measured_s"] == verify["time_to_accuracy_s"]  # wall (None if not reached)
+    assert v["measured_s"] == verify["time_to_target_s"]  # wall (None if not reached)
 
 
 @pytest.mark.slow
@@ -175,7 +175,7 @@ def test_dist_ranks_start_from_the_initial_weights_file(tmp_path):
     last_sim = json.loads((tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()[-1])
     first = json.loads((tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()[0])
     # the same weights on the same test set: the same count of correct answers
-    assert first["samples"] == 0 and first["test_accuracy"] == last_sim["test_accuracy"]
+    assert first["samples"] == 0 and first["eval_metric"] == last_sim["eval_metric"]
     ticks = (tmp_path / "dist" / "ticks.jsonl").read_text().splitlines()
     assert len(ticks) == json.loads((tmp_path / "dist" / "summary.json").read_text())["iterations"]
 

@@ -27,7 +27,7 @@ ACCS = [0.80, 0.86, 0.87, 0.88, 0.885, 0.89, 0.895, 0.91, 0.92]
 
 def evals(accs=ACCS):
     """Evaluation records every 5000 samples; clock 2 s per evaluation interval."""
-    recs = [{"eval": 0, "samples": 0, "epoch": 0.0, "iterations": 0, "test_accuracy": 0.1}]
+    recs = [{"eval": 0, "samples": 0, "epoch": 0.0, "iterations": 0, "eval_metric": 0.1}]
     for i, a in enumerate(accs, 1):
         recs.append(
             {
@@ -36,7 +36,7 @@ def evals(accs=ACCS):
                 "epoch": 5000 * i / 60000,
                 "iterations": 40 * i,
                 "virtual_s": 2.0 * i,
-                "test_accuracy": a,
+                "eval_metric": a,
             }
         )
     return recs
@@ -75,8 +75,8 @@ class FakeStepRuns:
         reached = t is not None and t <= horizon
         run = ProbeResult(Candidate("hardsync", 2, 16, 0.01, 0.9), f"eval{point['eval']}")
         run.run_dir = f"run{point['eval']}"
-        summary = {"reached": reached, "best_accuracy": 0.9 if reached else 0.89}
-        summary["time_to_accuracy_virtual_s"] = t if reached else None
+        summary = {"reached": reached, "best_metric": 0.9 if reached else 0.89}
+        summary["time_to_target_virtual_s"] = t if reached else None
         return run, summary
 
 
@@ -102,7 +102,7 @@ def test_choose_step_takes_the_soonest_and_cuts_runs_that_cannot_beat_it():
     assert c.point["eval"] == 5 and c.seconds == 13.0 and c.run.run_dir == "run5"
     # horizons: what is left to beat the soonest so far
     assert runs.calls == [(7, 2.0), (5, 5.0), (3, 7.0)]
-    assert [r["time_to_accuracy_s"] for r in c.runs] == [15.0, 13.0, None]
+    assert [r["time_to_target_s"] for r in c.runs] == [15.0, 13.0, None]
     # no step beats the long run: no step
     c = choose(points, 16.0, FakeStepRuns({7: 5.0, 5: 9.0, 3: None}))
     assert c.point is None and c.seconds == 16.0 and c.run is None
@@ -165,7 +165,7 @@ def test_long_run_keeps_the_model_of_every_evaluation(tmp_path):
     )
     Trainer(cont, tmp_path / "b", progress=False).run()
     start = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
-    assert start["test_accuracy"] == mid["test_accuracy"]
+    assert start["eval_metric"] == mid["eval_metric"]
 
 
 def test_plan_keeps_its_momentum_and_takes_the_better_lr_at_it():
@@ -228,7 +228,7 @@ def test_tune_steps_where_its_runs_from_the_snapshots_reached_the_target_soonest
 
     base = small_config(
         protocol={"num_learners": 2, "batch_size": 16},
-        train={"target_accuracy": 0.845, "max_epochs": 6, "eval_every_samples": 128},
+        train={"target": 0.845, "max_epochs": 6, "eval_every_samples": 128},
         tune={
             "probe_seconds": 0.03,
             "lrs": [0.1],
@@ -248,18 +248,18 @@ def test_tune_steps_where_its_runs_from_the_snapshots_reached_the_target_soonest
     assert len(runs) >= 3 and state["step_at"] is not None
     clock = long_run["virtual_s"]
     tick = max(clock[i + 1] - clock[i] for i in range(len(clock) - 1))  # one iteration
-    best = long_run["summary"]["time_to_accuracy_virtual_s"]
+    best = long_run["summary"]["time_to_target_virtual_s"]
     for r in runs:
         recs = [
             json.loads(x) for x in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()
         ]
         # started from the evaluation's snapshot: same model, same test accuracy
-        assert recs[0]["samples"] == 0 and recs[0]["test_accuracy"] == r["accuracy"]
+        assert recs[0]["samples"] == 0 and recs[0]["eval_metric"] == r["accuracy"]
         summary = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
         assert summary["virtual_s"] <= best - r["clock_s"] + tick + 1e-9  # cut at its horizon
-        if r["reached"] and r["time_to_accuracy_s"] < best * 0.99:
-            best = r["time_to_accuracy_s"]
-    chosen = min((r for r in runs if r["reached"]), key=lambda r: r["time_to_accuracy_s"])
+        if r["reached"] and r["time_to_target_s"] < best * 0.99:
+            best = r["time_to_target_s"]
+    chosen = min((r for r in runs if r["reached"]), key=lambda r: r["time_to_target_s"])
     assert state["step_at"]["eval"] == chosen["eval"]
     # the bisection ran after the spread points (the plan's step comes from it here)
     assert any(r["why"].startswith("midway") for r in runs)
@@ -317,13 +317,13 @@ def test_truncate_run_keeps_the_ticks_and_evaluations_up_to_the_step():
 
 def test_run_clock_names_the_keys_a_run_writes(tmp_path):
     """The keys the step search and the plan read exist in a real run's records."""
-    cfg = small_config(train={"max_epochs": 0.5, "target_accuracy": 0.2})
+    cfg = small_config(train={"max_epochs": 0.5, "target": 0.2})
     summary = Trainer(cfg, tmp_path / "a", progress=False).run()
     recs = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert summary["reached"]
     for clock in (RunClock.of(simulated=True), RunClock.of(simulated=False)):
         assert clock.at(recs[-1]) == recs[-1][clock.eval_key] > 0
-        assert summary[clock.time_to_accuracy_key] > 0
+        assert summary[clock.time_to_target_key] > 0
         assert summary[clock.run_seconds_key] > 0
     assert RunClock.of(simulated=True).name == "simulated"
     assert RunClock.of(simulated=False).name == "wall"

@@ -302,7 +302,7 @@ def test_trainer_stops_at_virtual_time_and_starts_from_given_weights(tmp_path):
     tr2.run()
     first = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
     last = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert first["test_accuracy"] == last["test_accuracy"]  # evaluated at the same weights
+    assert first["eval_metric"] == last["eval_metric"]  # evaluated at the same weights
     with pytest.raises(ConfigError, match="initial weights"):
         Trainer(cfg, tmp_path / "c", progress=False, initial_weights=torch.zeros(3)).run()
 
@@ -320,7 +320,7 @@ def test_unknown_runtime_and_bad_budget_are_one_line_exit_2(tmp_path, capsys):
 def test_tune_end_to_end_writes_a_plan_that_train_accepts(tmp_path, capsys):
     base = small_config(
         protocol={"num_learners": 2, "batch_size": 16},
-        train={"target_accuracy": 0.7, "max_epochs": 2, "eval_every_samples": 256},
+        train={"target": 0.7, "max_epochs": 2, "eval_every_samples": 256},
         tune={
             "probe_seconds": 0.03,
             "lrs": [0.1, 0.01],
@@ -372,7 +372,7 @@ def test_prediction_recovers_the_time_of_a_known_run():
             losses=[float(curve(i)) for i in it],
         )
         r.evals = [
-            {"iterations": i, "test_accuracy": 1 - (0.02 + 0.25 * float(curve(i)))}
+            {"iterations": i, "eval_metric": 1 - (0.02 + 0.25 * float(curve(i)))}
             for i in range(50, n + 1, 50)
         ]
         return r
@@ -401,7 +401,7 @@ def _known_run(curve, n, eval_every, he=0.02):
         losses=[float(curve(i)) for i in it],
     )
     r.evals = [
-        {"iterations": i, "test_accuracy": 1 - (0.02 + 0.25 * float(curve(i)))}
+        {"iterations": i, "eval_metric": 1 - (0.02 + 0.25 * float(curve(i)))}
         for i in range(eval_every, n + 1, eval_every)
     ]
     return r
@@ -467,7 +467,7 @@ def test_prediction_says_why_when_the_target_loss_is_not_positive():
     losses = [2.0 * (i + 1) ** -0.5 + 0.5 for i in its]
     # accuracy rises steeply as the loss falls: 99.9% maps to a loss below 0
     evals = [
-        {"iterations": i, "test_accuracy": 0.5 + 0.1 * (2.5 - loss)}
+        {"iterations": i, "eval_metric": 0.5 + 0.1 * (2.5 - loss)}
         for i, loss in zip(its[9::10], losses[9::10], strict=True)
     ]
     seg = SimpleNamespace(
@@ -477,7 +477,7 @@ def test_prediction_says_why_when_the_target_loss_is_not_positive():
         evals=evals,
         diverged=False,
     )
-    pred = predict_plan([seg], target_accuracy=0.999)
+    pred = predict_plan([seg], target=0.999)
     assert not pred["target_loss"] > 0
     assert "too far from the target" in pred["reason"]
     assert math.isnan(pred["predicted_s"])

@@ -138,7 +138,7 @@ class ProbeResult:
         losses: mean training loss of each tick, ``[T]`` (nats).
         diverged: a loss became NaN/inf.
         wall_s: wall seconds the probe took (training and evaluation).
-        evals: the probe's evaluation records (``samples``, ``test_accuracy``,
+        evals: the probe's evaluation records (``samples``, ``eval_metric``,
             ``train_loss``, …).
         score_window: losses averaged by :attr:`score`.
         run_dir: where the probe's run directory is, if it has one.

@@ -250,9 +250,9 @@ class ErrorVsLoss:
     e0: float
     s: float
 
-    def target_loss(self, target_accuracy: float) -> float:
-        """Training loss (nats) at which test accuracy reaches ``target_accuracy``."""
-        return (1.0 - target_accuracy - self.e0) / self.s
+    def target_loss(self, target: float) -> float:
+        """Training loss (nats) at which test accuracy reaches ``target``."""
+        return (1.0 - target - self.e0) / self.s
 
 
 def fit_error_vs_loss(

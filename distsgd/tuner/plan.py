@@ -58,7 +58,7 @@ def _fitted_curves(long_runs: list[ProbeResult]) -> list[pm.LossCurve | None]:
     return curves
 
 
-def predict_plan(long_runs: list[ProbeResult], target_accuracy: float) -> dict[str, Any]:
+def predict_plan(long_runs: list[ProbeResult], target: float) -> dict[str, Any]:
     """Predicted time to accuracy of the plan from scratch: HE · SE.
 
     ``long_runs`` are the long runs in order (the first from the initial weights, each
@@ -102,7 +102,7 @@ def predict_plan(long_runs: list[ProbeResult], target_accuracy: float) -> dict[s
         return out
     out["curve"] = dataclasses.asdict(last)
     pts = [
-        (float(curve(e["iterations"])), e["test_accuracy"])
+        (float(curve(e["iterations"])), e["eval_metric"])
         for run, curve in zip(long_runs, curves, strict=True)
         if curve is not None
         for e in run.evals
@@ -118,7 +118,7 @@ def predict_plan(long_runs: list[ProbeResult], target_accuracy: float) -> dict[s
         ev = pm.fit_error_vs_loss(np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
     except ValueError:
         return out
-    target_loss = ev.target_loss(target_accuracy)
+    target_loss = ev.target_loss(target)
     if not target_loss > 0:  # cross-entropy is positive: the linear map does not hold there
         out.update(
             target_loss=target_loss,

@@ -49,22 +49,22 @@ class RunClock:
         name: ``simulated`` or ``wall`` (as the decisions and the report say it).
         eval_key: the key of an evaluation record (``metrics.jsonl``) with its time on
             this clock, seconds since the run's start.
-        time_to_accuracy_key: the key of a run summary (``summary.json``) with its time to
+        time_to_target_key: the key of a run summary (``summary.json``) with its time to
             the target accuracy on this clock, seconds (None when not reached).
         run_seconds_key: the key of a run summary with the run's length on this clock.
     """
 
     name: str
     eval_key: str
-    time_to_accuracy_key: str
+    time_to_target_key: str
     run_seconds_key: str
 
     @classmethod
     def of(cls, simulated: bool) -> RunClock:
         """The simulated clock (``sim`` runtime) or the wall clock (real processes)."""
         if simulated:
-            return cls("simulated", "virtual_s", "time_to_accuracy_virtual_s", "virtual_s")
-        return cls("wall", "wall_s", "time_to_accuracy_s", "train_wall_s")
+            return cls("simulated", "virtual_s", "time_to_target_virtual_s", "virtual_s")
+        return cls("wall", "wall_s", "time_to_target_s", "train_wall_s")
 
     def at(self, record: dict[str, Any]) -> float:
         """Seconds on this clock at an evaluation record."""
@@ -78,7 +78,7 @@ class LongRun:
     Attributes:
         result: its ticks (losses, iterations, clock) and evaluation records.
         summary: its ``summary.json`` (empty when the run wrote none): ``reached``,
-            ``epochs``, ``best_accuracy``, ``virtual_s``, ``train_wall_s``, the times to
+            ``epochs``, ``best_metric``, ``virtual_s``, ``train_wall_s``, the times to
             accuracy, ….
     """
 

@@ -163,7 +163,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
         ev = [e for e in long_run["evals"] if e.get(key) is not None]
         ax.plot(
             [e[key] for e in ev],
-            [e["test_accuracy"] for e in ev],
+            [e["eval_metric"] for e in ev],
             "o-",
             color="tab:blue",
             ms=3,
@@ -175,14 +175,14 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
             chosen = r["eval"] == step_at.get("eval")
             ax.plot(
                 [r["clock_s"] + e["clock_s"] for e in pts],
-                [e["test_accuracy"] for e in pts],
+                [e["eval_metric"] for e in pts],
                 ".-" if chosen else ".:",
                 color="tab:red" if chosen else "tab:gray",
                 label=f"step at epoch {r['epoch']:.2f}" + (" (plan)" if chosen else ""),
             )
-        ax.axhline(state["target_accuracy"], color="k", lw=0.8, ls="--", label="target")
-        accs = [e["test_accuracy"] for e in ev[1:]] or [0.0]
-        ax.set_ylim(max(min(accs) - 0.02, 0.0), min(state["target_accuracy"] + 0.03, 1.0))
+        ax.axhline(state["target"], color="k", lw=0.8, ls="--", label="target")
+        accs = [e["eval_metric"] for e in ev[1:]] or [0.0]
+        ax.set_ylim(max(min(accs) - 0.02, 0.0), min(state["target"] + 0.03, 1.0))
         ax.set_xlabel(f"{clock} seconds of training")
         ax.set_ylabel("test accuracy")
         ax.set_title("where to step η: runs from the long run's snapshots")
@@ -197,7 +197,7 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
         ax.bar([0, 1], [pred, m], color=["tab:gray", "tab:blue"])
         ax.axhspan(0.75 * m, 1.25 * m, color="tab:blue", alpha=0.1, label="measured ± 25%")
         ax.set_xticks([0, 1], ["predicted", "measured"])
-        ax.set_ylabel(f"time to {100 * state['target_accuracy']:g}% ({clock} s)")
+        ax.set_ylabel(f"time to {100 * state['target']:g}% ({clock} s)")
         ax.set_title("plan: predicted vs measured time to accuracy")
         ax.legend(fontsize=8)
         figs.append(_save(fig, out, "verify.png"))
@@ -211,7 +211,7 @@ def _head_lines(state: dict[str, Any]) -> list[str]:
     return [
         "# distsgd tune report",
         "",
-        f"Target: {100 * state['target_accuracy']:g}% test accuracy on the `{state['runtime']}` "
+        f"Target: {100 * state['target']:g}% test accuracy on the `{state['runtime']}` "
         f"runtime, λ = {state['num_learners']} devices; search budget {state['budget_s']:.0f} s, "
         f"tuning took {state['tuning_wall_s']:.1f} wall s.",
         "",
@@ -342,7 +342,7 @@ def _step_lines(state: dict[str, Any]) -> list[str]:
     for r in runs:
         lines.append(
             f"| {r['epoch']:.3f} | {r['accuracy']:.4f} | {r['reached']} | "
-            f"{_fmt(r['time_to_accuracy_s'], '.2f')} | {_fmt(r['best_accuracy'], '.4f')} | "
+            f"{_fmt(r['time_to_target_s'], '.2f')} | {_fmt(r['best_metric'], '.4f')} | "
             + ("**plan**" if r["eval"] == plan_eval else "")
             + " |"
         )

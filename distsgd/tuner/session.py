@@ -636,7 +636,7 @@ class TuneSession:
         self.log(
             "long run",
             f"train {cand.label()} from the initial weights",
-            f"until {100 * cfg.train.target_accuracy:g}% test accuracy or {wall:.1f} wall "
+            f"until {100 * cfg.train.target:g}% test accuracy or {wall:.1f} wall "
             f"seconds of training, evaluating every {st.eval_every_samples} samples (Omnivore's "
             "long run; it gives the steady-state snapshot and the loss curve for the SE fit; "
             "its length is what the budget leaves after its evaluations and the later phases)",
@@ -650,7 +650,7 @@ class TuneSession:
         self.log(
             "long run",
             "reached the target" if run.reached else "stopped before the target",
-            f"best accuracy {summary.get('best_accuracy', 0):.4f} after {run.epochs:.3f} "
+            f"best accuracy {summary.get('best_metric', 0):.4f} after {run.epochs:.3f} "
             f"epochs, {summary.get(self.clock.run_seconds_key) or 0:.2f} {self.clock.name} s, "
             f"{summary.get('train_wall_s', 0):.1f} wall s of training",
         )
@@ -673,7 +673,7 @@ class TuneSession:
             return
         chosen = st.chosen_candidate
         if run.reached:
-            st.long_run_s = float(run.summary.get(self.clock.time_to_accuracy_key) or math.inf)
+            st.long_run_s = float(run.summary.get(self.clock.time_to_target_key) or math.inf)
             st.tuner_measured_s = st.long_run_s
             st.switch = dataclasses.replace(chosen, lr=chosen.lr / 10)
             self.log(
@@ -719,7 +719,7 @@ class TuneSession:
         assert run is not None
         points, pool = usable_step_points(
             run.result.evals,
-            self.cfg.train.target_accuracy,
+            self.cfg.train.target,
             self.settings,
             self._max_epochs(),
             include_last=not run.reached,
@@ -751,7 +751,7 @@ class TuneSession:
         budget leaves less than one probe's training."""
         st, run, switch = self.state, self.state.long_run, self.state.switch
         assert run is not None and switch is not None
-        at = f"epoch {point['epoch']:.3f} (accuracy {point['test_accuracy']:.4f})"
+        at = f"epoch {point['epoch']:.3f} (accuracy {point['eval_metric']:.4f})"
         wall = self.costs.second_long_run_seconds(self._long_run_rate(), st.eval_every_samples)
         if wall <= 0:
             self.log(
@@ -822,13 +822,13 @@ class TuneSession:
         self.log(
             "long run",
             "reached the target" if second.reached else "stopped before the target",
-            f"best accuracy {second.summary.get('best_accuracy', 0):.4f} after "
+            f"best accuracy {second.summary.get('best_metric', 0):.4f} after "
             f"{run.epochs:.3f} + {second.epochs:.3f} epochs",
         )
         if second.reached:
             first_s = run.summary.get(self.clock.run_seconds_key)
             st.tuner_measured_s = float(first_s or 0) + float(
-                second.summary[self.clock.time_to_accuracy_key]
+                second.summary[self.clock.time_to_target_key]
             )
 
     # ---- 7. plan -------------------------------------------------------------------------
@@ -841,7 +841,7 @@ class TuneSession:
         steady = st.switch if st.step_at is not None else None
         st.plan = plan_config(self.cfg, chosen, steady, step_epoch, self.log)
         (self.out / "plan.toml").write_text(st.plan.to_toml())
-        prediction = predict_plan(st.plan_runs, self.cfg.train.target_accuracy)
+        prediction = predict_plan(st.plan_runs, self.cfg.train.target)
         prediction["tuner_measured_s"] = st.tuner_measured_s
         st.prediction = prediction
         if math.isfinite(prediction["predicted_s"]):
@@ -895,7 +895,7 @@ class TuneSession:
                 "report",
             },
             "tuning_wall_s": costs.elapsed(),
-            "target_accuracy": cfg.train.target_accuracy,
+            "target": cfg.train.target,
             "num_learners": fixed.num_learners,
             "num_processes": fixed.num_processes if cfg.runtime == "dist" else None,
             "network": None if fixed.network is None else dataclasses.asdict(fixed.network),

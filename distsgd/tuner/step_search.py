@@ -15,7 +15,7 @@ the target came soonest:
 * :func:`truncate_run` — the long run up to the chosen point (for the prediction).
 
 Evaluation records are the runs' ``metrics.jsonl`` lines (``eval``, ``samples``,
-``epoch``, ``iterations``, ``test_accuracy``, the clock's seconds); times are read on the
+``epoch``, ``iterations``, ``eval_metric``, the clock's seconds); times are read on the
 runtime's clock (:class:`~distsgd.tuner.probes.RunClock`).
 """
 
@@ -50,14 +50,14 @@ on the runtime's clock; inf: none); returns the run and its ``summary.json``, or
 when the budget allows no more runs."""
 
 
-def step_pool(evals: list[dict[str, Any]], target_accuracy: float) -> list[dict[str, Any]]:
+def step_pool(evals: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
     """Every evaluation a step may start from, in order: after some training and before
-    the first that reached ``target_accuracy`` (all of them if none did)."""
+    the first that reached ``target`` (all of them if none did)."""
     pool = []
     for e in evals:
         if e.get("samples", 0) <= 0:
             continue
-        if e["test_accuracy"] >= target_accuracy:
+        if e["eval_metric"] >= target:
             break
         pool.append(e)
     return pool
@@ -65,7 +65,7 @@ def step_pool(evals: list[dict[str, Any]], target_accuracy: float) -> list[dict[
 
 def step_points(
     evals: list[dict[str, Any]],
-    target_accuracy: float,
+    target: float,
     margin: float,
     count: int,
     include_last: bool = False,
@@ -74,7 +74,7 @@ def step_points(
     latest first.
 
     Qualify: evaluations after some training (``samples > 0``) before the first one that
-    reached ``target_accuracy``, with test accuracy >= ``target_accuracy − margin``. Of
+    reached ``target``, with test accuracy >= ``target − margin``. Of
     these, ``count`` spread evenly from the last qualifying one back to the first (one:
     the last). With ``include_last`` (a long run that stopped before the target) its last
     evaluation is always among them, qualifying or not: Omnivore's steady state steps
@@ -82,16 +82,16 @@ def step_points(
 
     Args:
         evals: the run's ``metrics.jsonl`` records in order (``eval``, ``samples``,
-            ``test_accuracy``, …).
-        target_accuracy: the target, in [0, 1].
+            ``eval_metric``, …).
+        target: the target, in [0, 1].
         margin: accuracy below the target that still qualifies, in (0, 1).
         count: at most this many points (0: only the forced last one).
 
     Returns:
         The chosen records, latest first.
     """
-    before = step_pool(evals, target_accuracy)
-    ok = [e for e in before if e["test_accuracy"] >= target_accuracy - margin]
+    before = step_pool(evals, target)
+    ok = [e for e in before if e["eval_metric"] >= target - margin]
     last = before[-1] if include_last and before else None
     n = count
     if last is not None:
@@ -107,7 +107,7 @@ def step_points(
 
 def usable_step_points(
     evals: list[dict[str, Any]],
-    target_accuracy: float,
+    target: float,
     settings: TuneConfig,
     max_epochs: float,
     include_last: bool,
@@ -121,9 +121,7 @@ def usable_step_points(
     Returns:
         (the points, latest first; the pool, in order).
     """
-    points = step_points(
-        evals, target_accuracy, settings.step_margin, settings.step_points, include_last
-    )
+    points = step_points(evals, target, settings.step_margin, settings.step_points, include_last)
     spent = [p for p in points if max_epochs - float(p["epoch"]) < _MIN_EPOCHS_LEFT]
     if spent:
         log(
@@ -133,9 +131,7 @@ def usable_step_points(
         )
         points = [p for p in points if p not in spent]
     pool = [
-        p
-        for p in step_pool(evals, target_accuracy)
-        if max_epochs - float(p["epoch"]) >= _MIN_EPOCHS_LEFT
+        p for p in step_pool(evals, target) if max_epochs - float(p["epoch"]) >= _MIN_EPOCHS_LEFT
     ]
     if not points and settings.step_points == 0:
         log("step", "no step search", "tune.step_points = 0")
@@ -149,7 +145,7 @@ def usable_step_points(
         log(
             "step",
             "no evaluation of the long run qualifies as a step point",
-            f"none reached {100 * (target_accuracy - settings.step_margin):g}"
+            f"none reached {100 * (target - settings.step_margin):g}"
             "% test accuracy before the target (tune.step_margin)",
         )
     return points, pool
@@ -166,7 +162,7 @@ class StepChoice:
             (inf if it stopped before the target).
         run: the run from ``point`` (None without a step).
         runs: one record per run tried (``eval``, ``epoch``, ``accuracy``, ``clock_s``,
-            ``why``, ``reached``, ``time_to_accuracy_s``, ``best_accuracy``, ``run_dir``,
+            ``why``, ``reached``, ``time_to_target_s``, ``best_metric``, ``run_dir``,
             ``evals``), as ``tune.json`` keeps them.
     """
 
@@ -212,7 +208,7 @@ class _StepTrials:
         if out is None:
             return False
         run, summary = out
-        tta = summary.get(clock.time_to_accuracy_key)
+        tta = summary.get(clock.time_to_target_key)
         reached = bool(summary.get("reached")) and tta is not None
         chain = clock.at(point) + float(tta) if reached else math.inf
         self.runs.append(_trial_record(point, why, run, summary, clock, chain, reached))
@@ -233,7 +229,7 @@ class _StepTrials:
         )
         self.log(
             "step",
-            at + outcome + f" (best accuracy {summary.get('best_accuracy') or 0:.4f})",
+            at + outcome + f" (best accuracy {summary.get('best_metric') or 0:.4f})",
             f"not sooner than {best_s:.4g} {clock.name} s"
             if math.isfinite(best_s)
             else "no time to accuracy",
@@ -280,15 +276,15 @@ def _trial_record(
     return {
         "eval": point["eval"],
         "epoch": point["epoch"],
-        "accuracy": point["test_accuracy"],
+        "accuracy": point["eval_metric"],
         "clock_s": point[clock.eval_key],
         "why": why,
         "reached": reached,
-        "time_to_accuracy_s": chain if reached else None,
-        "best_accuracy": summary.get("best_accuracy"),
+        "time_to_target_s": chain if reached else None,
+        "best_metric": summary.get("best_metric"),
         "run_dir": run.run_dir,
         "evals": [
-            {"clock_s": e.get(clock.eval_key), "test_accuracy": e.get("test_accuracy")}
+            {"clock_s": e.get(clock.eval_key), "eval_metric": e.get("eval_metric")}
             for e in run.evals
         ],
     }

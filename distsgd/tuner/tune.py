@@ -124,21 +124,21 @@ def verify_plan(tune_dir: Path, progress: bool = True) -> dict[str, Any]:
     else:
         summary = Trainer(cfg, tune_dir / "verify", progress=progress).run()
     state = json.loads((tune_dir / "tune.json").read_text())
-    measured = summary.get(RunClock.of(cfg.runtime == "sim").time_to_accuracy_key)
+    measured = summary.get(RunClock.of(cfg.runtime == "sim").time_to_target_key)
     pred = state["prediction"]["predicted_s"]
     state["verify"] = {
         "run_dir": str(tune_dir / "verify"),
         "reached": summary["reached"],
         "measured_s": measured,
-        "measured_wall_s": summary.get("time_to_accuracy_s"),
+        "measured_wall_s": summary.get("time_to_target_s"),
         "measured_iterations": None,
-        "samples_to_accuracy": summary.get("samples_to_accuracy"),
+        "samples_to_target": summary.get("samples_to_target"),
         "ratio_predicted_to_measured": (
             pred / measured if measured and pred and math.isfinite(pred) else None
         ),
     }
     recs = [json.loads(x) for x in (tune_dir / "verify" / "metrics.jsonl").read_text().splitlines()]
-    hit = [r for r in recs if r["test_accuracy"] >= cfg.train.target_accuracy]
+    hit = [r for r in recs if r["eval_metric"] >= cfg.train.target]
     if hit:
         state["verify"]["measured_iterations"] = hit[0]["iterations"]
     write_tune_json(tune_dir, state)
