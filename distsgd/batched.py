@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from distsgd.models import CNN, MLP
+from distsgd.models import CNN, MLP, LeNet, ResNet20
 
 __all__ = ["PATHS", "choose_path", "batched_logits", "supports"]
 
@@ -68,14 +68,16 @@ def supports(model: nn.Module, path: str) -> bool:
 def choose_path(model: nn.Module, k: int, b: int) -> str:
     """The path ``replica_gradients`` takes for k replicas × b samples (path ``"auto"``).
 
-    Rule: ``loop`` for k = 1, for b > ``BATCHED_MAX_BATCH`` (32) and for models with
-    BatchNorm or Dropout; otherwise ``grouped`` for ``cnn``, ``bmm`` for ``mlp`` and
+    Rule: ``loop`` for k = 1, for b > ``BATCHED_MAX_BATCH`` (32), for models with
+    BatchNorm or Dropout and for models outside the built-in zoo (a user's model may hold
+    layers ``vmap`` cannot batch, e.g. recurrent ones); otherwise ``grouped`` for ``cnn``, ``bmm`` for ``mlp`` and
     ``vmap`` for any other model. The rule is static (no timing at run time) so that a
     run is reproducible bit for bit; ``bench/results/replicas_throughput.md`` measured the
     ``grouped`` path faster than k separate learners for cnn at every k in 2…16 and b in
     4…32; b > 32 and the ``bmm`` / ``vmap`` paths are not covered by that benchmark.
     """
-    if k == 1 or b > BATCHED_MAX_BATCH or not supports(model, "vmap"):
+    zoo = type(model) in (MLP, CNN, LeNet, ResNet20)
+    if k == 1 or b > BATCHED_MAX_BATCH or not zoo or not supports(model, "vmap"):
         return "loop"
     for path in ("grouped", "bmm"):
         if supports(model, path):

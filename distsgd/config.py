@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.checks import ConfigError, check_choice, check_float, check_int, fail
+from distsgd.factories import is_import_path
 from distsgd.layout import PROTOCOLS, fitted, spec_for
 from distsgd.protocols import SERVER_OPTIMIZERS, STALENESS_LR
 
@@ -47,6 +48,8 @@ __all__ = [
 ]
 
 DATASETS = ("fashion_mnist", "mnist", "cifar10", "synthetic")
+LOSSES = ("cross_entropy", "mse", "bce_with_logits")  # distsgd.objectives.LOSSES
+METRICS = {"accuracy": "max", "loss": "min", "perplexity": "min"}  # objectives.METRICS
 MODELS = ("mlp", "cnn", "lenet", "resnet20")
 PS_MODES = ("softsync", "async", "hardsync")
 AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.replicas.RULES
@@ -61,20 +64,33 @@ class ConfigWarning(UserWarning):
 
 @dataclass
 class DataConfig:
-    """Dataset and its location.
+    """The data set: a built-in one by name, or the user's by factory.
 
     Attributes:
-        dataset: ``fashion_mnist`` | ``mnist`` (IDX gzip files), ``cifar10`` (python pickle
-            batches) or ``synthetic`` (Gaussian class clusters made in memory, for tests).
-        root: directory holding the files. Empty means the ``DISTSGD_DATA_DIR`` environment
-            variable if set, else the dataset's default directory
-            (``/usr/share/datasets/fashion-mnist`` for Fashion-MNIST).
+        dataset: a built-in data set: ``fashion_mnist`` | ``mnist`` (IDX gzip files),
+            ``cifar10`` (python pickle batches) or ``synthetic`` (Gaussian class clusters
+            made in memory, for tests). Ignored when ``factory`` is set.
+        factory: import path ``"package.module:function"`` of the user's data factory,
+            called as ``function(**kwargs)``; it returns ``(train, eval)``, each a
+            map-style ``torch.utils.data.Dataset`` of ``(input, target)`` tensor pairs or a
+            pair of tensors ``(inputs [N, ...], targets [N, ...])``; ``eval`` may be None
+            (the metric is then measured on the training set). "" (default): ``dataset``.
+        kwargs: keyword arguments of ``factory`` (a TOML table ``[data.kwargs]``).
+        collate: import path of the function that makes a batch of a map-style data
+            set's items (list of ``(input, target)`` → ``(inputs, targets)``); "" (default):
+            ``torch.utils.data.default_collate``.
+        root: built-in file data sets: directory holding the files. Empty means the
+            ``DISTSGD_DATA_DIR`` environment variable if set, else the dataset's default
+            directory (``/usr/share/datasets/fashion-mnist`` for Fashion-MNIST).
         num_train: synthetic only: number of training samples.
         num_test: synthetic only: number of test samples.
         noise: synthetic only: standard deviation of the per-sample noise (unitless).
     """
 
     dataset: str = "fashion_mnist"
+    factory: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    collate: str = ""
     root: str = ""
     num_train: int = 2048
     num_test: int = 512
@@ -82,21 +98,68 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_choice("data.dataset", self.dataset, DATASETS)
+        check_import_path("data.factory", self.factory)
+        check_kwargs("data.kwargs", self.kwargs)
+        check_import_path("data.collate", self.collate)
         if not isinstance(self.root, str):
             fail("data.root", self.root, "a directory path (string)")
         check_int("data.num_train", self.num_train, 1, 1_000_000)
         check_int("data.num_test", self.num_test, 1, 1_000_000)
         check_float("data.noise", self.noise, 0.0)
 
+    @property
+    def label(self) -> str:
+        """What the run trains on: the factory's path, else the built-in data set."""
+        return self.factory or self.dataset
+
 
 @dataclass
 class ModelConfig:
-    """Model by name: ``mlp``, ``cnn``, ``lenet`` or ``resnet20`` (see :mod:`distsgd.models`)."""
+    """The model: a built-in one by name, or the user's by factory.
+
+    Attributes:
+        name: a built-in model (:mod:`distsgd.models`): ``mlp``, ``cnn``, ``lenet`` or
+            ``resnet20``, for images ``[C, H, W]``. Ignored when ``factory`` is set.
+        factory: import path ``"package.module:function"`` of a function (or class) called
+            as ``function(**kwargs)`` that returns a ``torch.nn.Module``; "" (default):
+            ``name``.
+        kwargs: keyword arguments of the factory (a TOML table ``[model.kwargs]``). A
+            built-in model takes ``input_shape`` ``[C, H, W]`` and ``num_classes``; when
+            they are missing the run fills them in from the data (and records them in the
+            run's ``config.toml``).
+    """
 
     name: str = "cnn"
+    factory: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_choice("model.name", self.name, MODELS)
+        check_import_path("model.factory", self.factory)
+        check_kwargs("model.kwargs", self.kwargs)
+
+    @property
+    def label(self) -> str:
+        """What the run trains: the factory's path, else the built-in model's name."""
+        return self.factory or self.name
+
+
+def check_import_path(setting: str, value: Any) -> None:
+    """``value`` must be "" or an import path ``"package.module:function"``.
+
+    Raises:
+        ConfigError: naming ``setting``, the value and the form allowed.
+    """
+    if value != "" and not is_import_path(value):
+        fail(setting, value, '"" or an import path "package.module:function"')
+
+
+def check_kwargs(setting: str, value: Any) -> None:
+    """``value`` must be a table of keyword arguments (string keys)."""
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and k.isidentifier() for k in value
+    ):
+        fail(setting, value, "a table of keyword arguments, e.g. [" + setting + "] hidden = 64")
 
 
 @dataclass
@@ -401,8 +464,17 @@ class TrainConfig:
     """Stop rule, evaluation, checkpoints and seeding.
 
     Attributes:
-        target: test accuracy in [0, 1] at which the run stops (time to accuracy
-            is measured to it); 0 disables early stopping.
+        loss: the training loss (:mod:`distsgd.objectives`): ``cross_entropy``, ``mse``,
+            ``bce_with_logits`` or an import path ``"module:function"`` of
+            ``(outputs, targets) -> scalar`` (the minibatch's mean loss).
+        metric: what an evaluation measures: ``accuracy``, ``loss`` (mean evaluation
+            loss), ``perplexity`` (its exp) or an import path ``"module:function"`` of
+            ``(outputs, targets) -> the batch's mean value``.
+        metric_direction: ``"max"`` (higher is better) or ``"min"``; required for a user
+            metric, "" for a built-in one (accuracy: max; loss, perplexity: min).
+        target: the metric value at which the run stops (time to target is measured to
+            it): reached when the metric is ``>=`` it (direction max) or ``<=`` it (min);
+            0 disables early stopping. An accuracy target is a fraction in [0, 1].
         max_epochs: budget in epochs of training samples (0: no limit).
         max_samples: budget in training samples (0: no limit); a run stops at the first
             iteration (or push) that reaches it, so it may overshoot by less than one.
@@ -446,6 +518,9 @@ class TrainConfig:
             from which it tries a learning-rate step.
     """
 
+    loss: str = "cross_entropy"
+    metric: str = "accuracy"
+    metric_direction: str = ""
     target: float = 0.9
     max_epochs: float = 10.0
     max_samples: int = 0
@@ -465,7 +540,27 @@ class TrainConfig:
     save_eval_weights: bool = False
 
     def __post_init__(self) -> None:
-        check_float("train.target", self.target, 0.0, 1.0)
+        if self.loss not in LOSSES:
+            check_import_path("train.loss", self.loss)
+        if self.metric not in METRICS:
+            check_import_path("train.metric", self.metric)
+        check_choice("train.metric_direction", self.metric_direction, ("", "max", "min"))
+        if self.metric in METRICS and self.metric_direction not in ("", METRICS[self.metric]):
+            fail(
+                "train.metric_direction",
+                self.metric_direction,
+                f'"" or {METRICS[self.metric]!r} with train.metric = {self.metric!r}',
+            )
+        if self.metric not in METRICS and not self.metric_direction:
+            fail(
+                "train.metric_direction",
+                self.metric_direction,
+                f'"max" or "min" with train.metric = {self.metric!r} (is higher better?)',
+            )
+        if self.metric == "accuracy":
+            check_float("train.target", self.target, 0.0, 1.0)
+        else:
+            check_float("train.target", self.target, -math.inf)
         check_float("train.max_epochs", self.max_epochs, 0.0)
         check_int("train.max_samples", self.max_samples, 0)
         check_float("train.max_seconds", self.max_seconds, 0.0)
@@ -575,6 +670,8 @@ work; the tuner's probes are stricter still (at most one per core)."""
 
 def _train_size_and_floats(data: DataConfig) -> tuple[int, int]:
     """(training samples, float32 values held per rank for the train + test sets)."""
+    if data.factory:  # the user's data: unknown until loaded
+        return 0, 0
     if data.dataset == "synthetic":
         return data.num_train, (data.num_train + data.num_test) * 784
     train, test, floats = _DATASET_SIZES[data.dataset]
@@ -637,7 +734,7 @@ def schedule_conflicts(cfg: RunConfig) -> list[str]:
     budgets = []
     if t.max_epochs > 0:
         budgets.append((t.max_epochs, f"train.max_epochs = {t.max_epochs}"))
-    if t.max_samples > 0:
+    if t.max_samples > 0 and num_train > 0:  # 0: the user's data, unknown until loaded
         epochs = t.max_samples / num_train
         budgets.append(
             (
@@ -969,8 +1066,10 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
+    if isinstance(v, list | tuple):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table; keys are identifiers (check_kwargs)
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
 
 

@@ -41,8 +41,7 @@ import pickle
 import struct
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +49,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.data import TensorDataset, default_collate
 
+from distsgd.checks import ConfigError
 from distsgd.config import DataConfig
+from distsgd.factories import resolve_callable
 
 __all__ = [
     "DatasetError",
     "Dataset",
+    "Split",
+    "TensorSplit",
+    "MapSplit",
+    "as_split",
+    "BUILTIN_DATASETS",
     "load_dataset",
     "resolve_root",
     "ShardedSampler",
@@ -102,42 +109,218 @@ class DatasetError(ValueError):
     """
 
 
-@dataclass
-class Dataset:
-    """A normalised classification dataset held in memory.
+class Split:
+    """One split of a data set (training or evaluation): samples indexed ``0 … N−1``.
 
-    Attributes:
-        name: the ``data.dataset`` value it was loaded for.
-        train_x: float32 ``[N, C, H, W]``, per channel (x − mean) / std with the training
-            set's statistics.
-        train_y: int64 ``[N]``, class labels in ``[0, num_classes)``.
-        test_x: float32 ``[M, C, H, W]``, normalised with the *training* statistics.
-        test_y: int64 ``[M]``.
-        num_classes: number of classes.
+    A batch is a pair ``(inputs, targets)`` of tensors whose leading dimension is the
+    number of samples. :class:`TensorSplit` holds tensors (the built-in data sets' fast
+    path: a batch is two index operations); :class:`MapSplit` holds a map-style
+    ``torch.utils.data.Dataset`` and makes a batch with its collate function.
     """
 
-    name: str
-    train_x: Tensor
-    train_y: Tensor
-    test_x: Tensor
-    test_y: Tensor
-    num_classes: int
+    num_samples: int
+
+    def batch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """The samples ``idx`` (int64, any shape ``S``): inputs ``[*S, ...]`` and targets
+        ``[*S, ...]``."""
+        raise NotImplementedError
+
+    def batches(
+        self, batch_size: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """Consecutive batches of ``batch_size`` samples covering ``[start, stop)`` once
+        (the last one holds the rest)."""
+        _check_count("train.eval_batch_size", batch_size, 1)
+        stop = self.num_samples if stop is None else stop
+        for lo in range(start, stop, batch_size):
+            yield self.batch(torch.arange(lo, min(lo + batch_size, stop)))
+
+
+class TensorSplit(Split):
+    """A split held as two tensors: inputs ``x [N, ...]`` and targets ``y [N, ...]``."""
+
+    def __init__(self, x: Tensor, y: Tensor) -> None:
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(f"{x.shape[0]} inputs but {y.shape[0]} targets")
+        self.x, self.y = x, y
+        self.num_samples = int(x.shape[0])
+
+    def batch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        return self.x[idx], self.y[idx]
+
+    def batches(
+        self, batch_size: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        stop = self.num_samples if stop is None else stop
+        return iter_eval_batches(self.x[start:stop], self.y[start:stop], batch_size)
+
+
+class MapSplit(Split):
+    """A split held as a map-style data set whose items are ``(input, target)`` tensors.
+
+    Args:
+        dataset: has ``__len__`` and ``__getitem__(i)`` → ``(input, target)``.
+        collate: list of items → ``(inputs, targets)`` batch tensors
+            (``torch.utils.data.default_collate`` when None).
+        setting: the config setting that named the data (for error messages).
+
+    Raises:
+        ConfigError: the data set is empty, or its first items are not pairs of tensors
+            or do not make a batch.
+    """
+
+    def __init__(
+        self, dataset: Any, collate: Callable[[list[Any]], Any] | None, setting: str
+    ) -> None:
+        self.dataset = dataset
+        self.collate = collate or default_collate
+        self.setting = setting
+        self.num_samples = len(dataset)
+        if self.num_samples < 1:
+            raise ConfigError(f"{setting}: the data set is empty")
+        self.batch(torch.arange(min(2, self.num_samples)))  # fail now, in one line
+
+    def batch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        items = [self.dataset[i] for i in idx.reshape(-1).tolist()]
+        try:
+            made = self.collate(items)
+        except Exception as e:  # noqa: BLE001 - the user's items or collate function
+            raise ConfigError(
+                f"{self.setting}: its items do not make a batch ({type(e).__name__}: {e}); "
+                "items must be (input, target) pairs of tensors of one shape, or set "
+                "data.collate to a function that batches them"
+            ) from None
+        if (
+            not isinstance(made, tuple | list)
+            or len(made) != 2
+            or not all(isinstance(t, Tensor) for t in made)
+        ):
+            raise ConfigError(
+                f"{self.setting}: a batch of its items is a {type(made).__name__}, expected "
+                "(inputs, targets) tensors: items must be (input, target) pairs of tensors "
+                "(or data.collate must return such a pair)"
+            )
+        x, y = made
+        shape = tuple(idx.shape)
+        return x.reshape(*shape, *x.shape[1:]), y.reshape(*shape, *y.shape[1:])
+
+
+def as_split(data: Any, collate: Callable[[list[Any]], Any] | None, setting: str) -> Split:
+    """A :class:`Split` of ``data``: a pair of tensors ``(inputs, targets)``, a
+    ``TensorDataset`` of two tensors, or a map-style data set of ``(input, target)`` items.
+
+    Raises:
+        ConfigError: ``data`` is none of these (the message names ``setting``).
+    """
+    if (
+        isinstance(data, tuple | list)
+        and len(data) == 2
+        and all(isinstance(t, Tensor) for t in data)
+    ):
+        try:
+            return TensorSplit(data[0], data[1])
+        except ValueError as e:
+            raise ConfigError(f"{setting}: {e}") from None
+    if isinstance(data, TensorDataset) and len(data.tensors) == 2 and collate is None:
+        return TensorSplit(*data.tensors)
+    if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        return MapSplit(data, collate, setting)
+    raise ConfigError(
+        f"{setting} gave a {type(data).__name__}: expected a map-style torch.utils.data."
+        "Dataset of (input, target) pairs or a pair of tensors (inputs, targets)"
+    )
+
+
+class Dataset:
+    """A data set in memory: a training split and an evaluation split.
+
+    Args:
+        name: what it was loaded from (``data.dataset`` or ``data.factory``).
+        train: the training split (the sharded samplers index it).
+        test: the evaluation split; the training split when the data has none.
+        num_classes: number of classes when known (the built-in data sets: 10), else
+            None.
+
+    The built-in data sets are float32 inputs normalised per channel with the training
+    set's mean and standard deviation, and int64 labels; ``train_x`` … ``test_y`` give
+    their tensors.
+    """
+
+    def __init__(
+        self, name: str, train: Split, test: Split | None = None, num_classes: int | None = None
+    ) -> None:
+        self.name = name
+        self.train = train
+        self.test = test if test is not None else train
+        self.num_classes = num_classes
+
+    @classmethod
+    def of_tensors(
+        cls,
+        name: str,
+        train_x: Tensor,
+        train_y: Tensor,
+        test_x: Tensor,
+        test_y: Tensor,
+        num_classes: int | None = None,
+    ) -> Dataset:
+        """A data set of tensors (the built-in data sets' form)."""
+        return cls(name, TensorSplit(train_x, train_y), TensorSplit(test_x, test_y), num_classes)
+
+    def _tensors(self, split: Split) -> TensorSplit:
+        if not isinstance(split, TensorSplit):
+            raise TypeError(f"data set {self.name!r} is not held as tensors")
+        return split
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """Shape of one sample, ``(C, H, W)``."""
-        c, h, w = self.train_x.shape[1:]
-        return (int(c), int(h), int(w))
+    def train_x(self) -> Tensor:
+        """Training inputs ``[N, ...]`` (tensor-held data sets only)."""
+        return self._tensors(self.train).x
+
+    @property
+    def train_y(self) -> Tensor:
+        """Training targets ``[N, ...]`` (tensor-held data sets only)."""
+        return self._tensors(self.train).y
+
+    @property
+    def test_x(self) -> Tensor:
+        """Evaluation inputs ``[M, ...]`` (tensor-held data sets only)."""
+        return self._tensors(self.test).x
+
+    @property
+    def test_y(self) -> Tensor:
+        """Evaluation targets ``[M, ...]`` (tensor-held data sets only)."""
+        return self._tensors(self.test).y
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one training input, e.g. ``(C, H, W)``."""
+        x, _ = self.train.batch(torch.zeros(1, dtype=torch.int64))
+        return tuple(int(d) for d in x.shape[1:])
+
+    def class_count(self) -> int | None:
+        """``num_classes`` when known; else, for integer class labels ``[N]`` held as a
+        tensor, ``max label + 1``; else None."""
+        if self.num_classes is not None:
+            return self.num_classes
+        split = self.train
+        if (
+            isinstance(split, TensorSplit)
+            and split.y.dim() == 1
+            and not split.y.is_floating_point()
+        ):
+            return int(split.y.max()) + 1
+        return None
 
     @property
     def num_train(self) -> int:
         """Number of training samples N."""
-        return int(self.train_x.shape[0])
+        return self.train.num_samples
 
     @property
     def num_test(self) -> int:
-        """Number of test samples M."""
-        return int(self.test_x.shape[0])
+        """Number of evaluation samples M."""
+        return self.test.num_samples
 
 
 # ---- loading -------------------------------------------------------------------------------
@@ -162,33 +345,105 @@ def resolve_root(cfg: DataConfig) -> Path:
     return Path(DEFAULT_ROOTS[cfg.dataset])
 
 
-def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
-    """Load the dataset ``cfg`` describes, normalised per channel.
+def load_dataset(
+    cfg: DataConfig,
+    seed: int = 0,
+    factory: Callable[..., Any] | None = None,
+) -> Dataset:
+    """Load the data set ``cfg`` describes: the user's factory, or a built-in one.
+
+    The built-in data sets are registered factories (:data:`BUILTIN_DATASETS`) of the
+    same kind as a user's: a function of keyword arguments returning ``(train, eval)``.
 
     Args:
-        cfg: dataset name and location (``root``; ``num_train``, ``num_test`` and
-            ``noise`` for ``synthetic``).
-        seed: seeds the synthetic dataset (class means, labels, noise); unused otherwise.
+        cfg: ``factory`` + ``kwargs`` (+ ``collate``), else the built-in ``dataset`` and
+            its settings (``root``; ``num_train``, ``num_test`` and ``noise`` for
+            ``synthetic``).
+        seed: seeds the synthetic data set (class means, labels, noise); unused otherwise
+            (a user factory runs under the run's ``torch.manual_seed``).
+        factory: a data factory object instead of ``cfg.factory`` (the simulated runtime
+            in one process only: :func:`distsgd.fit`).
 
     Returns:
         A :class:`Dataset`: Fashion-MNIST and MNIST 60000/10000 samples of
         ``[1, 28, 28]``, CIFAR-10 50000/10000 of ``[3, 32, 32]``, synthetic
-        ``cfg.num_train``/``cfg.num_test`` of ``[1, 28, 28]``; 10 classes each.
+        ``cfg.num_train``/``cfg.num_test`` of ``[1, 28, 28]``, 10 classes each; a user's
+        factory's splits as it returns them.
 
     Raises:
-        DatasetError: a file or directory is missing, unreadable or corrupt; the message
-            names the path and how to fix it.
+        DatasetError: a built-in data set's file or directory is missing, unreadable or
+            corrupt; the message names the path and how to fix it.
+        ConfigError: the factory does not import, fails, or returns something that is not
+            ``(train, eval)`` data; its items are not tensor pairs or do not collate.
     """
-    if cfg.dataset == "synthetic":
-        return _load_synthetic(cfg, seed)
-    root = resolve_root(cfg)
-    if cfg.dataset in ("fashion_mnist", "mnist"):
-        train_x, train_y, test_x, test_y = _load_idx_dataset(cfg.dataset, root)
-    elif cfg.dataset == "cifar10":
-        train_x, train_y, test_x, test_y = _load_cifar10(root)
-    else:  # pragma: no cover - DataConfig validates the name
-        raise ValueError(f"data.dataset = {cfg.dataset!r} is not a known dataset")
-    return _normalise_uint8(cfg.dataset, train_x, train_y, test_x, test_y, num_classes=10)
+    if factory is None and not cfg.factory:
+        make, num_classes = BUILTIN_DATASETS[cfg.dataset]
+        if cfg.dataset == "synthetic":
+            kwargs = {"num_train": cfg.num_train, "num_test": cfg.num_test, "noise": cfg.noise}
+            (train_x, train_y), (test_x, test_y) = make(**kwargs, seed=seed)
+        else:
+            (train_x, train_y), (test_x, test_y) = make(root=str(resolve_root(cfg)))
+        return Dataset.of_tensors(cfg.dataset, train_x, train_y, test_x, test_y, num_classes)
+    setting = f"data.factory = {cfg.factory!r}" if factory is None else "the data factory"
+    make = resolve_callable("data.factory", factory or cfg.factory)
+    collate = resolve_callable("data.collate", cfg.collate) if cfg.collate else None
+    try:
+        made = make(**cfg.kwargs)
+    except Exception as e:  # noqa: BLE001 - the user's factory failed: one line says how
+        raise ConfigError(f"{setting} raised {type(e).__name__}: {e}") from None
+    if not isinstance(made, tuple | list) or len(made) != 2:
+        raise ConfigError(
+            f"{setting} returned a {type(made).__name__}: expected a pair (train, eval) of "
+            "data sets (eval may be None)"
+        )
+    train = as_split(made[0], collate, f"{setting} (train)")
+    test = None if made[1] is None else as_split(made[1], collate, f"{setting} (eval)")
+    return Dataset(cfg.factory or getattr(make, "__name__", "data"), train, test)
+
+
+def _file_dataset(name: str, root: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    path = Path(root)
+    if name == "cifar10":
+        arrays = _load_cifar10(path)
+    else:
+        arrays = _load_idx_dataset(name, path)
+    ds = _normalise_uint8(name, *arrays, num_classes=10)
+    return (ds.train_x, ds.train_y), (ds.test_x, ds.test_y)
+
+
+def fashion_mnist(root: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """Fashion-MNIST from ``root``'s IDX files: ``((x [60000, 1, 28, 28], y [60000]),
+    (x [10000, 1, 28, 28], y [10000]))``, normalised per channel with the training set's
+    statistics."""
+    return _file_dataset("fashion_mnist", root)
+
+
+def mnist(root: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """MNIST from ``root``'s IDX files, as :func:`fashion_mnist`."""
+    return _file_dataset("mnist", root)
+
+
+def cifar10(root: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """CIFAR-10 from ``root``'s python batches: ``[50000, 3, 32, 32]`` / ``[10000, 3, 32,
+    32]``, normalised per channel."""
+    return _file_dataset("cifar10", root)
+
+
+def synthetic(
+    num_train: int, num_test: int, noise: float, seed: int
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """Gaussian class clusters (see :func:`_load_synthetic`)."""
+    ds = _load_synthetic(num_train, num_test, noise, seed)
+    return (ds.train_x, ds.train_y), (ds.test_x, ds.test_y)
+
+
+BUILTIN_DATASETS: dict[str, tuple[Callable[..., Any], int]] = {
+    "fashion_mnist": (fashion_mnist, 10),
+    "mnist": (mnist, 10),
+    "cifar10": (cifar10, 10),
+    "synthetic": (synthetic, 10),
+}
+"""The built-in data sets (``data.dataset``): factory and number of classes."""
 
 
 def _normalise_uint8(
@@ -218,13 +473,13 @@ def _normalise_uint8(
     def convert(x: np.ndarray) -> Tensor:
         return torch.from_numpy(x.astype(np.float32)).sub_(shift).mul_(scale)
 
-    return Dataset(
-        name=name,
-        train_x=convert(train_x),
-        train_y=torch.from_numpy(train_y.astype(np.int64)),
-        test_x=convert(test_x),
-        test_y=torch.from_numpy(test_y.astype(np.int64)),
-        num_classes=num_classes,
+    return Dataset.of_tensors(
+        name,
+        convert(train_x),
+        torch.from_numpy(train_y.astype(np.int64)),
+        convert(test_x),
+        torch.from_numpy(test_y.astype(np.int64)),
+        num_classes,
     )
 
 
@@ -438,7 +693,7 @@ def _load_cifar10(root: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
 # ---- synthetic -----------------------------------------------------------------------------
 
 
-def _load_synthetic(cfg: DataConfig, seed: int) -> Dataset:
+def _load_synthetic(num_train: int, num_test: int, noise: float, seed: int) -> Dataset:
     """Gaussian class clusters: x = m_y + noise · ε, ε ~ N(0, I), y uniform over 10 classes.
 
     The class means m_0..m_9 are smooth ``[1, 28, 28]`` patterns (a 7×7 standard normal
@@ -455,23 +710,23 @@ def _load_synthetic(cfg: DataConfig, seed: int) -> Dataset:
     def draw(n: int, split_seed: int) -> tuple[Tensor, Tensor]:
         gs = torch.Generator().manual_seed(split_seed)
         y = torch.randint(0, _SYNTHETIC_CLASSES, (n,), generator=gs)
-        x = means[y] + cfg.noise * torch.randn(n, *_SYNTHETIC_SHAPE, generator=gs)
+        x = means[y] + noise * torch.randn(n, *_SYNTHETIC_SHAPE, generator=gs)
         return x, y
 
-    train_x, train_y = draw(cfg.num_train, train_seed)
-    test_x, test_y = draw(cfg.num_test, test_seed)
+    train_x, train_y = draw(num_train, train_seed)
+    test_x, test_y = draw(num_test, test_seed)
     dims = (0, 2, 3)
     mean = train_x.to(torch.float64).mean(dim=dims, keepdim=True)
     std = train_x.to(torch.float64).std(dim=dims, keepdim=True, correction=0)
     std = torch.where(std > 0, std, torch.ones_like(std))
     shift, scale = mean.to(torch.float32), (1.0 / std).to(torch.float32)
-    return Dataset(
-        name="synthetic",
-        train_x=(train_x - shift) * scale,
-        train_y=train_y,
-        test_x=(test_x - shift) * scale,
-        test_y=test_y,
-        num_classes=_SYNTHETIC_CLASSES,
+    return Dataset.of_tensors(
+        "synthetic",
+        (train_x - shift) * scale,
+        train_y,
+        (test_x - shift) * scale,
+        test_y,
+        _SYNTHETIC_CLASSES,
     )
 
 

@@ -9,8 +9,12 @@ path (DESIGN.md, performance notes).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distsgd.batched import (
@@ -20,9 +24,19 @@ from distsgd.batched import (
     supports,
     vmap_replica_gradients,
 )
-from distsgd.data import Dataset, iter_eval_batches
+from distsgd.config import RunConfig
+from distsgd.data import DEFAULT_ROOTS, Dataset, Split, resolve_root
+from distsgd.models import model_from_config, with_data_shape
+from distsgd.objectives import Loss, Metric, build_loss, build_metric
 
-__all__ = ["GradientEngine", "bn_recalibration_indices", "bn_recalibration_inputs"]
+__all__ = [
+    "GradientEngine",
+    "UserCode",
+    "build_engine",
+    "config_for_data",
+    "bn_recalibration_indices",
+    "bn_recalibration_inputs",
+]
 
 # Offset of the recalibration slice's generator from ``train.seed`` (any fixed number: the
 # slice must be the same on every runtime, rank and protocol for the same seed).
@@ -57,29 +71,98 @@ def bn_recalibration_indices(
 def bn_recalibration_inputs(
     dataset: Dataset, num_samples: int, batch_size: int, seed: int
 ) -> tuple[Tensor, int]:
-    """The recalibration slice's inputs ``[n, C, H, W]`` (a copy) and its batch size
+    """The recalibration slice's inputs ``[n, ...]`` (a copy) and its batch size
     ``min(batch_size, n)``; see :func:`bn_recalibration_indices`."""
     idx = bn_recalibration_indices(dataset.num_train, num_samples, batch_size, seed)
-    return dataset.train_x[idx], min(batch_size, idx.numel())
+    return dataset.train.batch(idx)[0], min(batch_size, idx.numel())
+
+
+@dataclass(frozen=True)
+class UserCode:
+    """The user's objects in place of the config's import paths (the simulated runtime
+    in one process only: a closure cannot reach another process). None: the config's.
+
+    Attributes:
+        model: called as ``model(**model.kwargs)`` → ``nn.Module``.
+        data: called as ``data(**data.kwargs)`` → ``(train, eval)``.
+        loss: ``(outputs, targets)`` → scalar tensor.
+        metric: ``(outputs, targets)`` → the batch's mean value.
+    """
+
+    model: Callable[..., nn.Module] | None = None
+    data: Callable[..., Any] | None = None
+    loss: Callable[[Tensor, Tensor], Tensor] | None = None
+    metric: Callable[[Tensor, Tensor], Any] | None = None
+
+    @property
+    def any(self) -> bool:
+        """True when some object replaces an import path."""
+        return any(v is not None for v in (self.model, self.data, self.loss, self.metric))
+
+
+def build_engine(cfg: RunConfig, code: UserCode | None = None) -> GradientEngine:
+    """The engine of ``cfg``'s model (built from torch's global generator: seed it first),
+    loss and metric; ``code``'s objects replace the config's import paths.
+
+    Raises:
+        ConfigError: a factory, loss or metric does not resolve, fails or returns the
+            wrong type.
+    """
+    code = code or UserCode()
+    t = cfg.train
+    return GradientEngine(
+        model_from_config(cfg.model, code.model),
+        build_loss(code.loss or t.loss),
+        build_metric(code.metric or t.metric, t.metric_direction),
+    )
+
+
+def config_for_data(cfg: RunConfig, dataset: Dataset, code: UserCode | None = None) -> RunConfig:
+    """``cfg`` completed from its loaded data, so that the run's ``config.toml``
+    reproduces it anywhere: a built-in file data set's resolved ``data.root``, a built-in
+    model's ``input_shape`` and ``num_classes`` (:func:`~distsgd.models.with_data_shape`).
+
+    Raises:
+        ConfigError: a built-in model needs ``num_classes`` and the data does not say it.
+    """
+    code = code or UserCode()
+    if not cfg.data.factory and code.data is None and cfg.data.dataset in DEFAULT_ROOTS:
+        if not cfg.data.root:
+            cfg = cfg.replace(data=dataclasses.replace(cfg.data, root=str(resolve_root(cfg.data))))
+    if not cfg.model.factory and code.model is None:
+        data = f"data.factory = {cfg.data.factory!r}" if cfg.data.factory else "this data"
+        model = with_data_shape(cfg.model, dataset.input_shape, dataset.class_count(), data)
+        cfg = cfg.replace(model=model)
+    return cfg
 
 
 class GradientEngine:
-    """Mean cross-entropy gradients of ``model`` at arbitrary flat weights.
+    """Gradients of the mean training loss of ``model`` at arbitrary flat weights, and
+    evaluations of its metric.
 
     Args:
-        model: any ``nn.Module`` mapping ``[B, C, H, W]`` inputs to ``[B, K]`` logits. Its
+        model: any ``nn.Module`` mapping a batch of inputs (leading dimension B) to
+            outputs the loss takes (e.g. logits ``[B, K]``). Its
             parameters are re-pointed into one flat buffer; buffers (e.g. BatchNorm running
             statistics) stay with the module and are shared by every caller. The running
             statistics that training forwards leave behind belong to no model in
             particular (every learner's forwards update them, at its own weights): an
             evaluation that needs them recomputes them first (:meth:`recalibrate`).
+        loss: the training loss (:func:`distsgd.objectives.build_loss`); None: the mean
+            cross-entropy.
+        metric: the evaluation metric (:func:`distsgd.objectives.build_metric`); None:
+            accuracy.
 
     Attributes:
         num_parameters: P.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(
+        self, model: nn.Module, loss: Loss | None = None, metric: Metric | None = None
+    ) -> None:
         self.model = model
+        self.loss = loss or build_loss("cross_entropy")
+        self.metric = metric or build_metric("accuracy")
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
@@ -106,7 +189,7 @@ class GradientEngine:
         num_chunks: int = 1,
         module: nn.Module | None = None,
     ) -> tuple[Tensor, list[float]]:
-        """Gradient of the mean cross-entropy over the minibatch at ``weights``.
+        """Gradient of the mean training loss over the minibatch at ``weights``.
 
         With ``num_chunks = m`` the minibatch is the concatenation of m learners' equal
         minibatches that share ``weights``: the gradient of the mean over all samples is
@@ -115,7 +198,7 @@ class GradientEngine:
 
         Args:
             weights: shape ``[P]``.
-            x: inputs ``[B, C, H, W]``; y: labels ``[B]`` (int64); B divisible by m.
+            x: inputs ``[B, ...]``; y: targets ``[B, ...]``; B divisible by m.
             num_chunks: m >= 1.
             module: run the forward/backward through this wrapper of the engine's model
                 instead (e.g. ``DistributedDataParallel(engine.model)``, whose backward
@@ -127,10 +210,9 @@ class GradientEngine:
         self._flat.copy_(weights)
         self._grad.zero_()
         self.model.train()
-        per_sample = F.cross_entropy((module or self.model)(x), y, reduction="none")
-        per_sample.mean().backward()
-        losses = per_sample.detach().view(num_chunks, -1).mean(dim=1).tolist()
-        return self._grad.clone(), losses
+        total, chunk_losses = self.loss.chunk_means((module or self.model)(x), y, num_chunks)
+        total.backward()
+        return self._grad.clone(), chunk_losses.tolist()
 
     def replica_gradients(
         self, weights: Tensor, x: Tensor, y: Tensor, path: str = "auto"
@@ -158,9 +240,9 @@ class GradientEngine:
         Raises:
             ValueError: ``path`` unknown or not applicable to the model.
         """
-        k, b = y.shape
-        if path == "auto":
-            path = choose_path(self.model, k, b)
+        k, b = y.shape[:2]
+        if path == "auto":  # the batched paths compute the built-in cross-entropy
+            path = choose_path(self.model, k, b) if self.loss.name == "cross_entropy" else "loop"
         elif path not in PATHS or not supports(self.model, path):
             raise ValueError(
                 f"path = {path!r} is not allowed for {type(self.model).__name__}: expected "
@@ -321,37 +403,54 @@ class GradientEngine:
     def evaluate(
         self,
         weights: Tensor,
-        x: Tensor,
-        y: Tensor,
+        split: Split,
         batch_size: int,
         recalibration: tuple[Tensor, int] | None = None,
     ) -> tuple[float, float]:
-        """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``weights`` on (x, y).
+        """The metric and the mean loss of ``weights`` on the evaluation ``split``.
 
         Every sample is counted exactly once; batches of ``batch_size`` samples.
 
         Args:
             weights: shape ``[P]``.
-            x: inputs ``[M, C, H, W]``; y: labels ``[M]`` (int64).
+            split: the evaluation data (:class:`distsgd.data.Split`).
             batch_size: samples per evaluation batch.
-            recalibration: ``(inputs [n, C, H, W], batch size)`` over which
+            recalibration: ``(inputs [n, ...], batch size)`` over which
                 :meth:`recalibrate` recomputes the BatchNorm statistics for ``weights``
                 first (:func:`bn_recalibration_inputs`); None: evaluate with the buffers
                 as they are.
+
+        Returns:
+            (the metric, e.g. accuracy as a fraction in [0, 1]; the mean loss).
         """
         if recalibration is not None:
             self.recalibrate(weights, *recalibration)
+        metric_sum, loss_sum, count = self.evaluation_sums(weights, split, batch_size)
+        return self.metric.value(metric_sum, loss_sum, count), loss_sum / count
+
+    def evaluation_sums(
+        self,
+        weights: Tensor,
+        split: Split,
+        batch_size: int,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> tuple[float, float, int]:
+        """Sums over the samples ``[start, stop)`` of ``split`` of the metric's and the
+        loss's per-sample values, and the sample count: what ranks that share an
+        evaluation add up (:meth:`Metric.value` turns the totals into the metric).
+        The buffers are used as they are."""
         self.model.eval()
-        correct = 0
-        loss_sum = 0.0
-        n = x.shape[0]
+        metric_sum = loss_sum = 0.0
+        count = 0
         with torch.inference_mode():  # no autograd graph for a forward-only pass
             self._flat.copy_(weights)
-            for xb, yb in iter_eval_batches(x, y, batch_size):
-                logits = self.model(xb)
-                loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
-                correct += int((logits.argmax(dim=1) == yb).sum())
-        return correct / n, loss_sum / n
+            for xb, yb in split.batches(batch_size, start, stop):
+                outputs = self.model(xb)
+                loss_sum += self.loss.batch_sum(outputs, yb)
+                metric_sum += self.metric.batch_sum(outputs, yb)
+                count += int(yb.shape[0])
+        return metric_sum, loss_sum, count
 
     def buffers_state(self) -> dict[str, Tensor]:
         """The module's buffers (e.g. BatchNorm statistics), for checkpoints."""

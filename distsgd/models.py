@@ -1,4 +1,5 @@
-"""Model zoo by name: ``mlp``, ``cnn``, ``lenet``, ``resnet20``.
+"""Built-in models by name (``mlp``, ``cnn``, ``lenet``, ``resnet20``) and the user's by
+factory (:func:`model_from_config`).
 
 Every model maps float32 images ``[B, C, H, W]`` to logits ``[B, num_classes]``; the
 sizes of flattened layers follow from ``input_shape``, so each model works on
@@ -28,13 +29,27 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from distsgd.config import MODELS
+from distsgd.checks import ConfigError
+from distsgd.config import MODELS, ModelConfig
+from distsgd.factories import resolve_callable
 
-__all__ = ["build_model", "num_parameters", "MLP", "CNN", "LeNet", "ResNet20"]
+__all__ = [
+    "build_model",
+    "model_from_config",
+    "with_data_shape",
+    "num_parameters",
+    "MLP",
+    "CNN",
+    "LeNet",
+    "ResNet20",
+]
 
 
 def _check_input_shape(input_shape: tuple[int, int, int], min_side: int, name: str) -> None:
@@ -248,3 +263,75 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) 
 def num_parameters(model: nn.Module) -> int:
     """Number of scalar parameters of ``model`` (trainable or not; buffers excluded)."""
     return sum(p.numel() for p in model.parameters())
+
+
+_BUILTIN_KWARGS = ("input_shape", "num_classes")
+
+
+def model_from_config(
+    cfg: ModelConfig, factory: Callable[..., nn.Module] | None = None
+) -> nn.Module:
+    """The model ``cfg`` names: ``factory(**kwargs)`` (``cfg.factory`` resolved, or the
+    object given), else the built-in ``cfg.name`` with ``kwargs`` ``input_shape`` and
+    ``num_classes`` (:func:`with_data_shape` fills them in from the data).
+
+    Parameters are initialised from torch's global generator: seed it first.
+
+    Raises:
+        ConfigError: the factory does not import, raises, or returns no ``nn.Module``; a
+            built-in model's kwargs are missing or unknown.
+    """
+    if factory is None and not cfg.factory:
+        kw = cfg.kwargs
+        extra = sorted(set(kw) - set(_BUILTIN_KWARGS))
+        missing = [k for k in _BUILTIN_KWARGS if k not in kw]
+        if extra or missing:
+            raise ConfigError(
+                f"model.kwargs = {kw!r} is not allowed for model.name = {cfg.name!r}: expected "
+                "input_shape ([C, H, W]) and num_classes, and nothing else"
+            )
+        shape = kw["input_shape"]
+        if not isinstance(shape, list | tuple):
+            raise ConfigError(
+                f"model.kwargs.input_shape = {shape!r} is not allowed: expected [C, H, W]"
+            )
+        return build_model(cfg.name, tuple(shape), kw["num_classes"])
+    setting = f"model.factory = {cfg.factory!r}" if factory is None else "the model factory"
+    make = resolve_callable("model.factory", factory or cfg.factory)
+    try:
+        model = make(**cfg.kwargs)
+    except Exception as e:  # noqa: BLE001 - the user's factory failed: one line says how
+        raise ConfigError(f"{setting} raised {type(e).__name__}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"{setting} returned a {type(model).__name__}: expected a torch.nn.Module"
+        )
+    return model
+
+
+def with_data_shape(
+    cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int | None, data: str
+) -> ModelConfig:
+    """``cfg`` with a built-in model's ``input_shape`` and ``num_classes`` filled in from
+    the data where ``kwargs`` lacks them (a user's factory: ``cfg`` unchanged).
+
+    Args:
+        input_shape: one training input's shape.
+        num_classes: the data's number of classes, None when unknown.
+        data: the data's setting, for the error message.
+
+    Raises:
+        ConfigError: ``num_classes`` is needed but unknown.
+    """
+    if cfg.factory:
+        return cfg
+    kw = dict(cfg.kwargs)
+    kw.setdefault("input_shape", list(input_shape))
+    if "num_classes" not in kw:
+        if num_classes is None:
+            raise ConfigError(
+                f"model.kwargs.num_classes is required for model.name = {cfg.name!r} with "
+                f"{data} (its number of classes is not known): set it"
+            )
+        kw["num_classes"] = num_classes
+    return dataclasses.replace(cfg, kwargs=kw)

@@ -25,7 +25,6 @@ Run directory layout (``out_dir``):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -42,8 +41,8 @@ from distsgd.config import (
     ConfigError,
     RunConfig,
 )
-from distsgd.data import load_dataset, resolve_root
-from distsgd.engine import GradientEngine
+from distsgd.data import load_dataset
+from distsgd.engine import UserCode, build_engine, config_for_data
 from distsgd.layout import spec_for
 from distsgd.metrics import (
     ChecksumMismatch,
@@ -53,7 +52,7 @@ from distsgd.metrics import (
     save_checked,
     write_json,
 )
-from distsgd.models import build_model
+from distsgd.objectives import reached as target_reached
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.replicas import ReplicaAutoTuner
 from distsgd.rundir import RunDirClaim, check_out_dir_writable
@@ -122,8 +121,10 @@ class Trainer:
         on_tick: Callable[[Tick, Trainer], None] | None = None,
         evaluate: bool = True,
         faults: RankFaults | None = None,
+        code: UserCode | None = None,
     ) -> None:
         self.cfg = cfg
+        self.code = code or UserCode()
         self.out_dir = Path(out_dir)
         self.progress = progress
         self.is_writer = True  # the dist runtime: rank 0 (coordinating server) only
@@ -138,10 +139,8 @@ class Trainer:
         (so config.toml reproduces the run anywhere) and check it holds one iteration."""
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)
-        self.dataset = load_dataset(cfg.data, seed=cfg.train.seed)
-        if cfg.data.dataset != "synthetic" and not cfg.data.root:
-            root = str(resolve_root(cfg.data))
-            self.cfg = cfg = cfg.replace(data=dataclasses.replace(cfg.data, root=root))
+        self.dataset = load_dataset(cfg.data, seed=cfg.train.seed, factory=self.code.data)
+        self.cfg = cfg = config_for_data(cfg, self.dataset, self.code)
         if self.dataset.num_train < cfg.protocol.global_batch:
             raise ConfigError(
                 f"protocol.batch_size = {cfg.protocol.batch_size} with protocol.num_learners = "
@@ -157,10 +156,9 @@ class Trainer:
         kind = self._kind
         kind.prepare(self.cfg)
         cfg = self._load_data()
-        self.cfg, self.profile_calibrated = kind.calibrate(cfg, self.dataset)
+        self.cfg, self.profile_calibrated = kind.calibrate(cfg, self.dataset, self.code)
         torch.manual_seed(self.cfg.train.seed)  # same seed => same initial weights
-        shape, classes = self.dataset.input_shape, self.dataset.num_classes
-        self.engine = GradientEngine(build_model(self.cfg.model.name, shape, classes))
+        self.engine = build_engine(self.cfg, self.code)
         initial = self._start_weights(self.engine.initial_weights())
         self.runtime = kind.build(self.cfg, self.engine, self.dataset, initial)
         self.protocol = self.runtime.protocol
@@ -320,11 +318,8 @@ class Trainer:
         c["loss_sum"], c["loss_count"] = 0.0, 0
         # the runtime evaluates: on dist the ranks in lock step share the test set; both
         # recompute BatchNorm statistics for the evaluated weights first
-        acc, loss = self.runtime.evaluate(
-            weights,
-            self.dataset.test_x,
-            self.dataset.test_y,
-            self.cfg.train.eval_batch_size,
+        value, loss = self.runtime.evaluate(
+            weights, self.dataset.test, self.cfg.train.eval_batch_size
         )
         if not self.is_writer:
             c["evals"] += 1
@@ -341,17 +336,20 @@ class Trainer:
             "virtual_s": self._simulated_s(),  # None on real processes: wall_s is their clock
             "wall_s": c["train_wall_s"],
             "eval_wall_s": c["eval_wall_s"],
-            "eval_metric": acc,
+            "eval_metric": value,
             "eval_loss": loss,
             "train_loss": train_loss,
             "lr": self._lr(),
             "staleness_mean": st_mean,
         }
         c["evals"] += 1
-        if acc > c["best_metric"]:
-            c["best_metric"] = acc
-        target = self.cfg.train.target
-        if target > 0 and acc >= target and c["reached_samples"] < 0:
+        metric = self.engine.metric
+        if c["best_metric"] is None or metric.better(value, c["best_metric"]):
+            c["best_metric"] = value
+        if (
+            target_reached(value, self.cfg.train.target, metric.direction)
+            and c["reached_samples"] < 0
+        ):
             c["reached_samples"] = samples
             c["reached_wall_s"] = c["train_wall_s"]
             c["reached_virtual_s"] = self._simulated_s()
@@ -469,7 +467,7 @@ class Trainer:
             "evals": 0,
             "train_wall_s": 0.0,
             "eval_wall_s": 0.0,
-            "best_metric": 0.0,
+            "best_metric": None,
             "reached_samples": -1,
             "reached_wall_s": -1.0,
             "reached_virtual_s": -1.0,
@@ -482,7 +480,7 @@ class Trainer:
         self.counters["stop_reason"] = ""
         if self.counters["reached_samples"] >= 0 and self.cfg.train.stop_at_target:
             raise ConfigError(
-                f"the run in {str(self.out_dir)!r} already reached its target accuracy; "
+                f"the run in {str(self.out_dir)!r} already reached its target; "
                 "to train on, resume with --set train.stop_at_target=false"
             )
 
@@ -696,14 +694,17 @@ class Trainer:
             "protocol": p.name,
             "runtime": cfg.runtime,
             "layout": _layout(cfg, rt.num_learners, rt.replicas_per_device),
-            "model": cfg.model.name,
-            "dataset": cfg.data.dataset,
+            "model": cfg.model.label if self.code.model is None else "(object)",
+            "dataset": cfg.data.label if self.code.data is None else "(object)",
             "num_learners": rt.num_learners,
             "batch_size": p.batch_size,
             "global_batch": rt.num_learners * p.batch_size,
             "lr": cfg.optimizer.lr,
             "momentum": cfg.optimizer.momentum,
             "seed": cfg.train.seed,
+            "metric": self.engine.metric.name,
+            "metric_direction": self.engine.metric.direction,
+            "loss": self.engine.loss.name,
             "target": cfg.train.target,
             # None: the run never evaluated (train.evaluate = false)
             "best_metric": c["best_metric"] if c["evals"] > 0 else None,

@@ -130,14 +130,14 @@ def test_evaluation_does_not_depend_on_the_buffers_training_left():
     engine, ds = engine_and_data()
     w = engine.initial_weights()
     recal = bn_recalibration_inputs(ds, 512, 128, seed=0)
-    fresh = engine.evaluate(w, ds.test_x, ds.test_y, 128, recal)
+    fresh = engine.evaluate(w, ds.test, 128, recal)
     with torch.no_grad():
         for name, buf in engine.model.named_buffers():
             if not name.endswith("num_batches_tracked"):
                 buf.fill_(1e3)
-    stale = engine.evaluate(w, ds.test_x, ds.test_y, 128)
+    stale = engine.evaluate(w, ds.test, 128)
     assert stale != fresh  # without recalibration the absurd buffers are used
-    assert engine.evaluate(w, ds.test_x, ds.test_y, 128, recal) == fresh
+    assert engine.evaluate(w, ds.test, 128, recal) == fresh
     engine.model.train()
     engine.batch_statistics_sums(w, recal[0], 128)
     bns = [m for m in engine.model.modules() if isinstance(m, nn.BatchNorm2d)]
@@ -175,9 +175,7 @@ def test_models_without_batchnorm_evaluate_bit_identically():
     assert not engine.has_running_statistics
     w = engine.initial_weights()
     recal = (ds.train_x[:256], 128)
-    assert engine.evaluate(w, ds.test_x, ds.test_y, 128, recal) == engine.evaluate(
-        w, ds.test_x, ds.test_y, 128
-    )
+    assert engine.evaluate(w, ds.test, 128, recal) == engine.evaluate(w, ds.test, 128)
 
 
 def test_recalibration_slice_is_seeded_and_whole_batches():
@@ -277,7 +275,7 @@ def test_dist_evaluation_is_the_recalibrated_one_of_its_weights(tmp_path, protoc
     assert len(rd) == 3
     for r in rd:
         w = torch.load(tmp_path / "eval_weights" / f"{r['eval']:04d}.pt", weights_only=True)
-        acc, loss = engine.evaluate(w, ds.test_x, ds.test_y, 128, recal)
+        acc, loss = engine.evaluate(w, ds.test, 128, recal)
         assert r["eval_metric"] == acc
         assert r["eval_loss"] == pytest.approx(loss, rel=1e-5)
         ref_acc, ref_loss = reference_evaluation(w, ds, cfg)

@@ -1,5 +1,6 @@
 """The training loop end to end on synthetic data: outputs, equivalences, resume, failures."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -49,9 +50,10 @@ def test_run_directory_contents(tmp_path):
     assert records[-1]["virtual_s"] > records[1]["virtual_s"] > 0
     assert summary["staleness_mean"] > 0
     assert summary["runtime"] == "sim"
-    # the resolved config reproduces the run settings
+    # the resolved config reproduces the run settings, with the built-in model's shape
     again = distsgd.RunConfig.from_toml(run / "config.toml")
-    assert again == cfg
+    shape = {"input_shape": [1, 28, 28], "num_classes": 10}
+    assert again == cfg.replace(model=dataclasses.replace(cfg.model, kwargs=shape))
     assert sum(json.loads((run / "staleness.json").read_text())["counts"].values()) == 2048 // 32
 
 

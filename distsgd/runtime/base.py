@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from distsgd.data import Split
 from distsgd.engine import GradientEngine
 
 __all__ = ["Runtime", "Tick", "TrainingDiverged"]
@@ -96,11 +97,10 @@ class Runtime(abc.ABC):
         """The model to evaluate, shape ``[P]`` (collective on real processes where the
         protocol needs one)."""
 
-    def evaluate(
-        self, weights: Tensor, x: Tensor, y: Tensor, batch_size: int
-    ) -> tuple[float, float]:
-        """Accuracy (fraction) and mean loss (nats) of ``weights`` on ``(x, y)``."""
-        return self.engine.evaluate(weights, x, y, batch_size)
+    def evaluate(self, weights: Tensor, split: Split, batch_size: int) -> tuple[float, float]:
+        """The metric (e.g. accuracy, a fraction) and the mean loss of ``weights`` on the
+        evaluation ``split``."""
+        return self.engine.evaluate(weights, split, batch_size)
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any] | None:

@@ -64,7 +64,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from distsgd.config import ConfigError, RunConfig, required_processes
-from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
+from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.layout import build_protocol, sma_alpha, spec_for
 from distsgd.protocols.base import AsynchronousProtocol
@@ -545,7 +545,7 @@ class SyncDistRuntime(_DistBase):
 
     def _minibatches(self) -> tuple[Tensor, Tensor]:
         idx = torch.stack([s.next_indices() for s in self.streams])  # [k, b]
-        return self.dataset.train_x[idx], self.dataset.train_y[idx]
+        return self.dataset.train.batch(idx)
 
     def advance(self, lr: float) -> Tick:
         """One synchronous iteration of all λ learners; returns this rank's losses."""
@@ -593,12 +593,11 @@ class SyncDistRuntime(_DistBase):
             return total.div_(self.num_learners)
         return proto.eval_weights()
 
-    def evaluate(
-        self, weights: Tensor, x: Tensor, y: Tensor, batch_size: int
-    ) -> tuple[float, float]:
-        """Collective: accuracy and mean loss of ``weights`` on (x, y), each rank
-        evaluating a contiguous slice; the correct counts add up exactly, the loss sums in
-        float64 (the simulator's single-process sum may differ in its last bits).
+    def evaluate(self, weights: Tensor, split: Split, batch_size: int) -> tuple[float, float]:
+        """Collective: the metric and the mean loss of ``weights`` on ``split``, each rank
+        evaluating a contiguous slice; the per-sample sums add up in float64 (accuracy's
+        right-prediction counts exactly; the simulator's single-process loss sum may
+        differ in its last bits).
 
         A model with BatchNorm running statistics first gets them recomputed for
         ``weights`` on the recalibration slice of the training set, as on the simulator
@@ -610,7 +609,7 @@ class SyncDistRuntime(_DistBase):
         for it as long as its heartbeat goes on (:meth:`Heartbeats.wait_for`: the
         evaluation's own length, not ``timeout_s``).
         """
-        n = x.shape[0]
+        n = split.num_samples
         if self.engine.has_running_statistics:
             self._recalibrate(weights, batch_size)
         if self.engine.evaluates_with_batch_statistics:
@@ -619,16 +618,19 @@ class SyncDistRuntime(_DistBase):
             if not self.is_writer:
                 self.heartbeats.wait_for(done, 0)
                 return 0.0, 0.0
-            acc, loss = self.engine.evaluate(weights, x, y, batch_size)
+            metric, loss = self.engine.evaluate(weights, split, batch_size)
             self.heartbeats.post(done)
-            return acc, loss
+            return metric, loss
         lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
         t = torch.zeros(2, dtype=torch.float64)
         if hi > lo:
-            acc, loss = self.engine.evaluate(weights, x[lo:hi], y[lo:hi], batch_size)
-            t[0], t[1] = round(acc * (hi - lo)), loss * (hi - lo)
+            metric_sum, loss_sum, _ = self.engine.evaluation_sums(
+                weights, split, batch_size, lo, hi
+            )
+            t[0], t[1] = metric_sum, loss_sum
         self._collective(dist.all_reduce, t, op=dist.ReduceOp.SUM)
-        return float(t[0]) / n, float(t[1]) / n
+        metric_sum, loss_sum = float(t[0]), float(t[1])
+        return self.engine.metric.value(metric_sum, loss_sum, n), loss_sum / n
 
     def _recalibrate(self, weights: Tensor, batch_size: int) -> None:
         """Collective: BatchNorm statistics of ``weights`` ``[P]`` over the recalibration
@@ -818,10 +820,8 @@ class PSDistRuntime(_DistBase):
         self.virtual_time += time.perf_counter() - t0
         return Tick(event.samples, list(event.losses), event.update)
 
-    def evaluate(
-        self, weights: Tensor, x: Tensor, y: Tensor, batch_size: int
-    ) -> tuple[float, float]:
-        """Accuracy and mean loss on the coordinator (the learners go on computing).
+    def evaluate(self, weights: Tensor, split: Split, batch_size: int) -> tuple[float, float]:
+        """The metric and the mean loss on the coordinator (the learners go on computing).
 
         A model with BatchNorm running statistics is evaluated with statistics recomputed
         for ``weights`` (the central model) on the recalibration slice of the training
@@ -837,7 +837,7 @@ class PSDistRuntime(_DistBase):
                 batch_size,
                 self.cfg.train.seed,
             )
-        return self.engine.evaluate(weights, x, y, batch_size, recalibration)
+        return self.engine.evaluate(weights, split, batch_size, recalibration)
 
     def eval_weights(self) -> Tensor:
         """The central model, shape ``[P]`` (gathered from the server shards when S > 1)."""
@@ -884,12 +884,11 @@ class PSDistRuntime(_DistBase):
         stream = LearnerStream(sampler, learner)
         done = self.pushes[worker]
         stream.epoch, stream.step = divmod(done, sampler.steps_per_epoch)
-        x, y = self.dataset.train_x, self.dataset.train_y
+        train = self.dataset.train
 
         def compute(weights: Tensor, version: int) -> tuple[Tensor, list[float]]:
             self._tick_hook()
-            idx = stream.next_indices()
-            return self.engine.gradient(weights, x[idx], y[idx])
+            return self.engine.gradient(weights, *train.batch(stream.next_indices()))
 
         ps.run_learner(
             self.layout,

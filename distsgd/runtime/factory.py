@@ -23,9 +23,8 @@ from torch import Tensor
 
 from distsgd.config import ConfigError, RunConfig
 from distsgd.data import Dataset
-from distsgd.engine import GradientEngine
+from distsgd.engine import GradientEngine, UserCode, build_engine
 from distsgd.layout import build_protocol, spec_for
-from distsgd.models import build_model
 from distsgd.runtime import dist as rdist
 from distsgd.runtime.base import Runtime
 from distsgd.runtime.faults import RankFaults
@@ -47,22 +46,25 @@ __all__ = [
 ]
 
 
-def _throwaway_engine(cfg: RunConfig, dataset: Dataset) -> GradientEngine:
+def _throwaway_engine(cfg: RunConfig, code: UserCode | None) -> GradientEngine:
     """A model only for timing: it must not touch the run's weights, BatchNorm statistics
     or seeded RNG stream (the caller reseeds before building the run's model)."""
-    return GradientEngine(build_model(cfg.model.name, dataset.input_shape, dataset.num_classes))
+    return build_engine(cfg, code)
 
 
-def with_device_profile(cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool]:
+def with_device_profile(
+    cfg: RunConfig, dataset: Dataset, code: UserCode | None = None
+) -> tuple[RunConfig, bool]:
     """``cfg`` with the simulated device's ``cluster.seconds_per_sample`` and
-    ``seconds_per_batch`` measured on this machine where the config asks for it (-1).
+    ``seconds_per_batch`` measured on this machine where the config asks for it (-1),
+    on a throwaway model of the run's (``code``: the user's objects, :class:`UserCode`).
 
     Returns:
         ``(config, calibrated)``: whether the profile was measured here.
     """
     if not cfg.cluster.needs_calibration:
         return cfg, False
-    prof = calibrate(_throwaway_engine(cfg, dataset), dataset)
+    prof = calibrate(_throwaway_engine(cfg, code), dataset)
     cluster = dataclasses.replace(
         cfg.cluster,
         seconds_per_sample=prof.seconds_per_sample,
@@ -71,7 +73,9 @@ def with_device_profile(cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bo
     return cfg.replace(cluster=cluster), True
 
 
-def with_replica_profile(cfg: RunConfig, dataset: Dataset, calibrated: bool) -> RunConfig:
+def with_replica_profile(
+    cfg: RunConfig, dataset: Dataset, calibrated: bool, code: UserCode | None = None
+) -> RunConfig:
     """``cfg`` with Crossbow's t(k)/t(1) (``cluster.replica_ratios``) measured at the run's
     b for SMA and local SGD with k > 1 or ``"auto"`` when the device profile was
     ``calibrated`` here; without a measurement, k separate minibatches
@@ -89,7 +93,7 @@ def with_replica_profile(cfg: RunConfig, dataset: Dataset, calibrated: bool) -> 
         # continues the last measured step)
         top = min(p.autotune_max_replicas, REPLICA_CALIBRATION_MAX_K)
         ratios, _ = calibrate_replicas(
-            _throwaway_engine(cfg, dataset),
+            _throwaway_engine(cfg, code),
             dataset,
             p.batch_size,
             max_replicas=top if p.auto_replicas else k,
@@ -101,12 +105,14 @@ def with_replica_profile(cfg: RunConfig, dataset: Dataset, calibrated: bool) -> 
     return cfg.replace(cluster=c)
 
 
-def calibrated_config(cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool]:
+def calibrated_config(
+    cfg: RunConfig, dataset: Dataset, code: UserCode | None = None
+) -> tuple[RunConfig, bool]:
     """``cfg`` with the simulated cluster's profile measured on this machine where the
     config asks for it: the device (:func:`with_device_profile`), then replicas
     (:func:`with_replica_profile`). Returns ``(config, calibrated)``."""
-    cfg, calibrated = with_device_profile(cfg, dataset)
-    return with_replica_profile(cfg, dataset, calibrated), calibrated
+    cfg, calibrated = with_device_profile(cfg, dataset, code)
+    return with_replica_profile(cfg, dataset, calibrated, code), calibrated
 
 
 def device_profile(cfg: RunConfig, calibrated: bool) -> DeviceProfile:
@@ -133,9 +139,11 @@ class RuntimeKind(abc.ABC):
     #: directory can be claimed and checked before any set-up
     single_process: bool = True
 
-    def calibrate(self, cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool]:
+    def calibrate(
+        self, cfg: RunConfig, dataset: Dataset, code: UserCode | None = None
+    ) -> tuple[RunConfig, bool]:
         """The config with what this runtime measures folded in, and whether the device
-        profile was measured."""
+        profile was measured (on a throwaway model built like the run's)."""
         return cfg, False
 
     @abc.abstractmethod
@@ -152,8 +160,10 @@ class _Simulated(RuntimeKind):
     def prepare(self, cfg: RunConfig) -> None:
         torch.set_num_threads(cfg.train.num_threads or (os.cpu_count() or 1))
 
-    def calibrate(self, cfg: RunConfig, dataset: Dataset) -> tuple[RunConfig, bool]:
-        cfg, self.calibrated = calibrated_config(cfg, dataset)
+    def calibrate(
+        self, cfg: RunConfig, dataset: Dataset, code: UserCode | None = None
+    ) -> tuple[RunConfig, bool]:
+        cfg, self.calibrated = calibrated_config(cfg, dataset, code)
         return cfg, self.calibrated
 
     def build(

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from distsgd.config import ClusterConfig, TrainConfig
-from distsgd.data import Dataset, LearnerStream, ShardedSampler, reshard_streams
+from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol
 from distsgd.protocols.hardsync import HardSync
@@ -132,7 +132,7 @@ def calibrate(
     n = dataset.num_train
     for b in batch_sizes:
         b = min(b, n)
-        x, y = dataset.train_x[:b], dataset.train_y[:b]
+        x, y = dataset.train.batch(torch.arange(b))
         engine.gradient(w, x, y)
         times = []
         for _ in range(repeats):
@@ -185,9 +185,8 @@ def measure_replica_seconds(
     for k in replicas:
         if k * batch_size > n:
             continue
-        x = dataset.train_x[: k * batch_size]
-        y = dataset.train_y[: k * batch_size]
-        args = (w.expand(k, -1).clone(), x.reshape(k, batch_size, *x.shape[1:]), y.view(k, -1))
+        x, y = dataset.train.batch(torch.arange(k * batch_size).view(k, batch_size))
+        args = (w.expand(k, -1).clone(), x, y)
         inputs[k] = args
         engine.replica_gradients(*args)  # warm-up: one-off costs of a new shape
     times: dict[int, list[float]] = {k: [] for k in inputs}
@@ -384,9 +383,7 @@ class SimRuntime(Runtime):
     ) -> tuple[Tensor, float]:
         """One learner's gradient ``[P]`` and loss on its next minibatch at ``weights``."""
         idx = self.streams[learner].next_indices()
-        grad, losses = self.engine.gradient(
-            weights, self.dataset.train_x[idx], self.dataset.train_y[idx]
-        )
+        grad, losses = self.engine.gradient(weights, *self.dataset.train.batch(idx))
         self._check_losses([learner], losses, lr, step)
         return grad, losses[0]
 
@@ -402,10 +399,7 @@ class SimRuntime(Runtime):
         if len(learners) > 1 and self._fuse:
             idx = torch.cat([self.streams[m].next_indices() for m in learners])
             grad, losses = self.engine.gradient(
-                weights,
-                self.dataset.train_x[idx],
-                self.dataset.train_y[idx],
-                num_chunks=len(learners),
+                weights, *self.dataset.train.batch(idx), num_chunks=len(learners)
             )
             self._check_losses(learners, losses, lr, step)
             return grad, losses
@@ -435,11 +429,7 @@ class SimRuntime(Runtime):
             stack = getattr(proto, "replicas", None)  # [λ, P] as held: no copy
             if stack is None:
                 stack = torch.stack([proto.learner_weights(lrn) for lrn in range(lam)])
-            grads, losses = self.engine.replica_gradients(
-                stack,
-                self.dataset.train_x[idx],
-                self.dataset.train_y[idx],
-            )
+            grads, losses = self.engine.replica_gradients(stack, *self.dataset.train.batch(idx))
             self._check_losses(list(range(lam)), losses, lr, step)
             proto.step(grads, lr)
         comm = 0.0
@@ -517,10 +507,8 @@ class SimRuntime(Runtime):
     def eval_weights(self) -> Tensor:
         return self.protocol.eval_weights()
 
-    def evaluate(
-        self, weights: Tensor, x: Tensor, y: Tensor, batch_size: int
-    ) -> tuple[float, float]:
-        """Accuracy (fraction in [0, 1]) and mean loss of ``weights`` ``[P]`` on (x, y).
+    def evaluate(self, weights: Tensor, split: Split, batch_size: int) -> tuple[float, float]:
+        """The metric and the mean loss of ``weights`` ``[P]`` on ``split``.
 
         A model with BatchNorm running statistics is evaluated with statistics recomputed
         for ``weights`` on the recalibration slice of the training set
@@ -534,7 +522,7 @@ class SimRuntime(Runtime):
             recalibration = bn_recalibration_inputs(
                 self.dataset, self.bn_recalibration_samples, batch_size, self.seed
             )
-        return self.engine.evaluate(weights, x, y, batch_size, recalibration)
+        return self.engine.evaluate(weights, split, batch_size, recalibration)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {

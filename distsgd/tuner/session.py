@@ -54,8 +54,7 @@ from tqdm import tqdm
 
 from distsgd.config import TUNE_STEADY_SHARE, ConfigError, RunConfig, TuneConfig, required_processes
 from distsgd.data import load_dataset
-from distsgd.engine import GradientEngine
-from distsgd.models import build_model
+from distsgd.engine import build_engine, config_for_data
 from distsgd.runtime.factory import with_device_profile
 from distsgd.runtime.netcal import NetworkProfile, calibrate_network
 from distsgd.tuner import perf_model as pm
@@ -168,17 +167,18 @@ def _fixed_profile(
     torch.manual_seed(cfg.train.seed)
     t0 = time.perf_counter()
     ds = load_dataset(cfg.data, seed=cfg.train.seed)
+    cfg = config_for_data(cfg, ds)
     build_s = time.perf_counter() - t0
     cfg, _ = with_device_profile(cfg, ds)
     torch.manual_seed(cfg.train.seed)  # the same initial weights as distsgd train
     t0 = time.perf_counter()
-    engine = GradientEngine(build_model(cfg.model.name, ds.input_shape, ds.num_classes))
+    engine = build_engine(cfg)
     build_s += time.perf_counter() - t0
     initial = engine.initial_weights()
     # one evaluation, timed on a part of the test set and scaled to all of it
     n = min(ds.num_test, 2 * cfg.train.eval_batch_size)
     t0 = time.perf_counter()
-    engine.evaluate(initial, ds.test_x[:n], ds.test_y[:n], cfg.train.eval_batch_size)
+    engine.evaluation_sums(initial, ds.test, cfg.train.eval_batch_size, 0, n)
     timings = {"build_s": build_s, "eval_s": (time.perf_counter() - t0) * ds.num_test / n}
     return cfg, initial, engine.num_parameters, timings
 
