@@ -20,8 +20,9 @@ for protocol in "${PROTOCOLS[@]}"; do
         read -r -a profile < <("$PYTHON" -c '
 import sys, tomllib
 c = tomllib.load(open(sys.argv[1], "rb"))["cluster"]
-print(f"--set cluster.seconds_per_sample={c[\"seconds_per_sample\"]!r}",
-      f"--set cluster.seconds_per_batch={c[\"seconds_per_batch\"]!r}")' "$OUT/$protocol-sim/config.toml")
+for key in ("seconds_per_sample", "seconds_per_batch"):
+    print("--set", f"cluster.{key}={c[key]!r}", end=" ")
+print()' "$OUT/$protocol-sim/config.toml")
     fi
 done
 
