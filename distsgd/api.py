@@ -33,6 +33,7 @@ from distsgd.config import (
     check_local_processes,
     schedule_conflicts,
 )
+from distsgd.engine import check_user_code
 from distsgd.rundir import RunDirClaim
 from distsgd.runtime.faults import RankFaults
 from distsgd.trainer import Trainer
@@ -137,6 +138,7 @@ def run(
     if launch.under_launcher():  # torchrun: this process is a rank; rank 0 claims `out`
         return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)
     check_local_processes(cfg)
+    check_user_code(cfg)  # one line here, not one failure per rank
     claim = RunDirClaim.acquire(out)
     try:
         return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)

@@ -26,13 +26,15 @@ from distsgd.batched import (
 )
 from distsgd.config import RunConfig
 from distsgd.data import DEFAULT_ROOTS, Dataset, Split, resolve_root
+from distsgd.factories import resolve_callable
 from distsgd.models import model_from_config, with_data_shape
-from distsgd.objectives import Loss, Metric, build_loss, build_metric
+from distsgd.objectives import LOSSES, METRICS, Loss, Metric, build_loss, build_metric
 
 __all__ = [
     "GradientEngine",
     "UserCode",
     "build_engine",
+    "check_user_code",
     "config_for_data",
     "bn_recalibration_indices",
     "bn_recalibration_inputs",
@@ -98,6 +100,27 @@ class UserCode:
     def any(self) -> bool:
         """True when some object replaces an import path."""
         return any(v is not None for v in (self.model, self.data, self.loss, self.metric))
+
+
+def check_user_code(cfg: RunConfig) -> None:
+    """Resolve every import path ``cfg`` names (model and data factories, collate, loss,
+    metric) without calling them: the launcher does this before it starts any rank, so
+    that a path that does not import is one line, not one failure per process.
+
+    Raises:
+        ConfigError: a path does not import or names no callable.
+    """
+    t = cfg.train
+    paths = {
+        "model.factory": cfg.model.factory,
+        "data.factory": cfg.data.factory,
+        "data.collate": cfg.data.collate,
+        "train.loss": "" if t.loss in LOSSES else t.loss,
+        "train.metric": "" if t.metric in METRICS else t.metric,
+    }
+    for setting, path in paths.items():
+        if path:
+            resolve_callable(setting, path)
 
 
 def build_engine(cfg: RunConfig, code: UserCode | None = None) -> GradientEngine:

@@ -252,3 +252,15 @@ def test_tune_refuses_a_lower_is_better_metric_in_one_line(tmp_path, capsys):
     assert cli_main(["tune", str(tmp_path / "base.toml"), "--out", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "train.metric = 'perplexity'" in err
+
+
+def test_dist_run_checks_import_paths_before_starting_any_process(tmp_path, capsys):
+    out = tmp_path / "r"
+    args = ["train", "--set", "runtime=dist", "--set", f"train.metric={ZOO}:nothing"]
+    code = cli_main([*args, "--set", "train.metric_direction=max", "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].endswith(
+        f"train.metric = '{ZOO}:nothing' is not allowed: {ZOO!r} has no attribute 'nothing'"
+    )
+    assert not out.exists()
