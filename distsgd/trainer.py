@@ -287,7 +287,7 @@ class Trainer:
         self.runtime.load_state_dict(state["runtime"])
         self.engine.load_buffers_state(state["buffers"])
         torch.set_rng_state(state["torch_rng"])
-        self.counters.update(state["trainer"])
+        self.counters.update(_upgraded_counters(state["trainer"]))
 
     # ---- evaluation --------------------------------------------------------------------
     def _staleness(self) -> tuple[float, int, dict[int, int]]:
@@ -743,6 +743,15 @@ class Trainer:
         if error:
             summary["error"] = error
         return summary
+
+
+def _upgraded_counters(saved: dict[str, Any]) -> dict[str, Any]:
+    """Trainer counters of a checkpoint, with the name an earlier version gave the best
+    evaluation (``best_accuracy``: accuracy was the only metric) changed to today's."""
+    saved = dict(saved)
+    if "best_accuracy" in saved:
+        saved.setdefault("best_metric", saved.pop("best_accuracy"))
+    return saved
 
 
 def _check_checkpoint_entries(state: dict[str, Any], path: Path) -> None:
