@@ -155,11 +155,24 @@ def check_import_path(setting: str, value: Any) -> None:
 
 
 def check_kwargs(setting: str, value: Any) -> None:
-    """``value`` must be a table of keyword arguments (string keys)."""
+    """``value`` must be a table of keyword arguments (identifier keys) whose values TOML
+    can hold (``config.toml`` records them): strings, numbers, booleans, lists, tables."""
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and k.isidentifier() for k in value
     ):
         fail(setting, value, "a table of keyword arguments, e.g. [" + setting + "] hidden = 64")
+    for key, v in value.items():
+        _check_toml_value(f"{setting}.{key}", v)
+
+
+def _check_toml_value(setting: str, value: Any) -> None:
+    if isinstance(value, dict):
+        check_kwargs(setting, value)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_toml_value(f"{setting}[{i}]", v)
+    elif not isinstance(value, str | int | float | bool):
+        fail(setting, value, "a string, number, boolean, list or table (a TOML value)")
 
 
 @dataclass
