@@ -489,7 +489,7 @@ class Trainer:
     def _run_writing(self, resume: bool) -> dict[str, Any]:
         """The writing rank's run: files, the training loop, the outcome."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.toml").write_text(self.cfg.to_toml())
+        (self.out_dir / "config.toml").write_text(self.cfg.to_toml(applicable_only=True))
         metrics = MetricsWriter(
             self.out_dir / "metrics.jsonl", keep_evals=self.counters["evals"] if resume else None
         )
