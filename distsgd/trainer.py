@@ -85,6 +85,71 @@ def _layout(cfg: RunConfig, num_learners: int | None = None, replicas: int | Non
     return spec_for(cfg.protocol).label(cfg.protocol, num_learners, replicas)
 
 
+# the progress bar's words for each stop reason of the summary
+_STOP_WORDS = {
+    "target": "stopped",  # after "target … reached at …"
+    "max_epochs/max_samples": "stopped: sample budget",
+    "max_seconds": "stopped: train.max_seconds",
+    "max_virtual_seconds": "stopped: train.max_virtual_seconds",
+}
+
+
+def _metric_name(cfg: RunConfig) -> str:
+    """What the run's metric is called on the progress bar: ``train.metric`` (a built-in
+    name, the function name of a ``"module:function"`` path or of a callable), else
+    ``"accuracy"``."""
+    metric = getattr(cfg.train, "metric", "accuracy")
+    if isinstance(metric, str):
+        return metric.rsplit(":", 1)[-1] or "metric"
+    return getattr(metric, "__name__", "metric")
+
+
+def _count(samples: int) -> str:
+    """A sample count as the bar shows counts: ``512``, ``45.0k``, ``1.20M``."""
+    return tqdm.format_sizeof(samples) if samples >= 1000 else str(int(samples))
+
+
+def _bar_postfix(
+    cfg: RunConfig,
+    record: dict[str, Any] | None,
+    best: float | None,
+    reached_samples: int,
+    stop_reason: str = "",
+) -> str:
+    """The progress bar's postfix: the last evaluation's metric labelled with the training
+    samples it was evaluated at (``eval@45.0k``, so it does not pass for a live value),
+    the best so far and the target (``→ 0.9 target``, or where it was reached); while the
+    run goes on, the evaluation loss when the metric is another and the mean staleness σ
+    (updates) for protocols with a parameter server; once it stops, the stop reason
+    (``stop_reason`` as in the summary) instead, kept short because a narrow terminal cuts
+    the end of the line. Before the first evaluation (``record`` None): what ends the
+    run. Formatted at evaluations only, never per tick."""
+    name, target = _metric_name(cfg), cfg.train.target
+    parts = []
+    if record is not None:
+        parts.append(f"eval@{_count(record['samples'])} {name} {record['eval_metric']:.4f}")
+        if best is not None:
+            parts.append(f"(best {best:.4f})")
+    elif target > 0:
+        parts.append(name)
+    if target > 0:
+        where = _count(reached_samples)
+        parts.append(
+            f"target {target:g} reached at {where}"
+            if reached_samples >= 0
+            else f"→ {target:g} target"
+        )
+    text = " ".join(parts)
+    if stop_reason:
+        return "; ".join(p for p in (text, _STOP_WORDS.get(stop_reason, stop_reason)) if p)
+    if record is not None and name != "loss" and record.get("eval_loss") is not None:
+        text += f", loss {record['eval_loss']:.3f}"
+    if record is not None and spec_for(cfg.protocol).has_server:
+        if record.get("staleness_mean") is not None:
+            text += f", σ {record['staleness_mean']:.2f}"
+    return text
+
+
 class Trainer:
     """Builds every component from a :class:`RunConfig` and runs it to the stop rule.
 
@@ -487,7 +552,7 @@ class Trainer:
     def _run_writing(self, resume: bool) -> dict[str, Any]:
         """The writing rank's run: files, the training loop, the outcome."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.toml").write_text(self.cfg.to_toml())
+        (self.out_dir / "config.toml").write_text(self.cfg.to_toml(applicable_only=True))
         metrics = MetricsWriter(
             self.out_dir / "metrics.jsonl", keep_evals=self.counters["evals"] if resume else None
         )
@@ -556,6 +621,9 @@ class Trainer:
         eval_every = t.eval_every_samples or num_train
         budget = self._budget_samples()
         next_eval = c["evals"] * eval_every if not resumed else c.get("next_eval", 0)
+        # the bar counts training samples towards the sample budget (none: a count), its
+        # postfix the last evaluation towards the target; the target or a time budget
+        # ending the run first closes it at 100% with the stop reason
         bar = tqdm(
             total=budget,
             initial=min(rt.samples, budget or rt.samples),
@@ -566,6 +634,8 @@ class Trainer:
             desc=f"{cfg.protocol.name} [{_layout(cfg)}]",
             leave=True,
         )
+        postfix = (None, None)  # (last evaluation record, best metric then)
+        bar.set_postfix_str(_bar_postfix(cfg, None, None, c["reached_samples"]), refresh=False)
         last_eval_samples = -1 if not resumed else c.get("last_eval_samples", -1)
         try:
             while True:
@@ -586,11 +656,9 @@ class Trainer:
                         if record is not None and metrics is not None:
                             metrics.write(record)
                             self.tensorboard.write(record)
-                            bar.set_postfix(
-                                acc=f"{record['eval_metric']:.4f}",
-                                loss=f"{record['eval_loss']:.3f}",
-                                sigma=f"{record['staleness_mean']:.2f}",
-                                refresh=False,
+                            postfix = (record, c.get("best_metric"))
+                            bar.set_postfix_str(
+                                _bar_postfix(cfg, *postfix, c["reached_samples"]), refresh=False
                             )
                     while next_eval <= rt.samples:
                         next_eval += eval_every
@@ -612,6 +680,11 @@ class Trainer:
                     if c["stop_reason"] or (every and c["evals"] % every == 0):
                         self._save_checkpoint()
                     if c["stop_reason"]:
+                        bar.total = bar.n  # what ended the run is reached: 100%
+                        bar.set_postfix_str(
+                            _bar_postfix(cfg, *postfix, c["reached_samples"], c["stop_reason"]),
+                            refresh=False,
+                        )
                         break
                 lr = self._lr()
                 t0 = time.perf_counter()
