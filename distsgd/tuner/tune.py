@@ -118,7 +118,7 @@ def check_tunable(config: RunConfig) -> None:
     covered by that model.
 
     Raises:
-        ConfigError: ``train.metric`` is lower-is-better, or ``train.target`` is 0.
+        ConfigError: ``train.metric`` is lower-is-better.
     """
     t = config.train
     direction = t.metric_direction or ("max" if t.metric == "accuracy" else "min")
@@ -128,11 +128,6 @@ def check_tunable(config: RunConfig) -> None:
             "'min', and the tuner's time-to-target model covers higher-is-better metrics "
             "(accuracy, or a user metric with train.metric_direction = 'max'); train it "
             "with distsgd train"
-        )
-    if t.target == 0:
-        raise ConfigError(
-            "train.target = 0 is not allowed for distsgd tune: the search minimises the "
-            "time to a target; give one"
         )
 
 
