@@ -195,7 +195,8 @@ def train(
     progress: bool = False,
     faults: RankFaults | None = None,
 ) -> dict[str, Any]:
-    """Train as ``distsgd train`` does and return the summary dict.
+    """Train as ``distsgd train`` does and return the summary dict (the trained model is
+    the run directory's ``model.pt``; :func:`fit` returns it as a module).
 
     Args:
         config: a RunConfig, a TOML path, a nested dict, or None for the default run.
