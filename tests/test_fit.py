@@ -256,6 +256,28 @@ def _one_line_exit_2(argv: list[str], capsys) -> str:
     return lines[0]
 
 
+def test_export_writes_model_pt_into_the_run_by_default(tmp_path, finished_run, capsys):
+    run = _copy_run(finished_run, tmp_path / "r")  # without model.pt
+    assert cli_main(["export", str(run)]) == 0
+    assert f"model written to {run / 'model.pt'}" in capsys.readouterr().out
+    assert_same_state(load_state(run / "model.pt"), load_state(finished_run / "model.pt"))
+
+
+def test_a_checkpoint_before_export_still_resumes(tmp_path, finished_run):
+    run = _copy_run(finished_run, tmp_path / "r")
+    (run / "metrics.jsonl").write_bytes((finished_run / "metrics.jsonl").read_bytes())
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    del state["eval_model"]
+    save_checked(state, run / "checkpoint.pt")
+    summary = distsgd.train(resume=run, overrides=["train.max_epochs=1.5"])
+    assert summary["status"] == "completed" and summary["epochs"] == 1.5
+    model = module_of_run(run)
+    cfg = RunConfig.from_toml(run / "config.toml")
+    data = load_dataset(cfg.data, seed=cfg.train.seed)
+    acc = accuracy_of(model, data.test_x, data.test_y, cfg.train.eval_batch_size)
+    assert acc == summary["final_metric"]
+
+
 def test_export_of_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):
     line = _one_line_exit_2(["export", str(tmp_path)], capsys)
     assert "is not a run directory (it has no config.toml)" in line
