@@ -1,5 +1,6 @@
-"""Command line: ``distsgd train [CONFIG.toml] [--set key=value ...] [--out DIR]`` and
-``distsgd report RUN_DIR [RUN_DIR ...] [--out DIR]``.
+"""Command line: ``distsgd train [CONFIG.toml] [--set key=value ...] [--out DIR]``,
+``distsgd report RUN_DIR [RUN_DIR ...] [--out DIR]`` and
+``distsgd export RUN_DIR [--out model.pt]``.
 
 User errors (bad settings, missing or corrupt data, an occupied run directory) print one
 line ``distsgd: error: ...`` and exit with status 2, never a traceback. A diverged run
@@ -226,6 +227,15 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    path = api.export_model(args.run_dir, args.out)
+    print(
+        f"model written to {path} (a state_dict: "
+        f"model.load_state_dict(torch.load({str(path)!r}, weights_only=True)))"
+    )
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     md = make_report([Path(d) for d in args.runs], Path(args.out))
     print(f"report written to {md} (figures in {md.parent})")
@@ -298,6 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="report", help="report folder (default report/, created if missing)"
     )
     r.set_defaults(func=_cmd_report)
+    e = sub.add_parser(
+        "export",
+        help="write a run's trained model (the last evaluated model) as a plain state_dict "
+        "from its checkpoint",
+    )
+    e.add_argument("run_dir", metavar="RUN_DIR", help="run directory of distsgd train")
+    e.add_argument("--out", default=None, help="file to write (default RUN_DIR/model.pt)")
+    e.set_defaults(func=_cmd_export)
     u = sub.add_parser(
         "tune",
         help="search protocol, layout, batch size, learning rate and momentum for the least "

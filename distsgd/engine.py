@@ -193,8 +193,10 @@ class GradientEngine:
             self._flat = torch.cat([p.detach().reshape(-1) for p in params]).contiguous()
         self._grad = torch.zeros_like(self._flat)
         offset = 0
+        self._slices: dict[int, tuple[int, int]] = {}  # id(parameter) -> its [start, end)
         for p in params:
             n = p.numel()
+            self._slices[id(p)] = (offset, offset + n)
             p.data = self._flat[offset : offset + n].view_as(p)
             p.grad = self._grad[offset : offset + n].view_as(p)
             offset += n
@@ -474,6 +476,38 @@ class GradientEngine:
                 metric_sum += self.metric.batch_sum(outputs, yb)
                 count += int(yb.shape[0])
         return metric_sum, loss_sum, count
+
+    @torch.no_grad()
+    def state_dict_at(self, weights: Tensor) -> dict[str, Tensor]:
+        """The model's ``state_dict()`` with its trainable parameters at ``weights`` and
+        every other entry (BatchNorm running statistics, frozen parameters) as the module
+        holds it now: what ``model.pt`` saves, loadable into a fresh module of the model's
+        class with ``load_state_dict``.
+
+        Args:
+            weights: shape ``[P]``, in the order of ``model.parameters()``.
+
+        Returns:
+            New tensors (copies; the engine's buffers are not touched), keyed as
+            ``model.state_dict()`` keys them (a parameter shared by two modules appears
+            under both names).
+
+        Raises:
+            ValueError: ``weights`` is not of shape ``[P]``.
+        """
+        if weights.shape != (self.num_parameters,):
+            raise ValueError(
+                f"weights of shape {tuple(weights.shape)} do not fit the model: expected "
+                f"[{self.num_parameters}]"
+            )
+        state = {}
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            where = self._slices.get(id(value))
+            if where is None:
+                state[name] = value.detach().clone()
+            else:
+                state[name] = weights[where[0] : where[1]].reshape(value.shape).clone()
+        return state
 
     def buffers_state(self) -> dict[str, Tensor]:
         """The module's buffers (e.g. BatchNorm statistics), for checkpoints."""

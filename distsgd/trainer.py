@@ -14,6 +14,17 @@ Run directory layout (``out_dir``):
   with its SHA-256 digest in ``checkpoint.pt.sha256`` (every tensor file distsgd writes
   has one, see :func:`distsgd.metrics.save_checked`; ``--resume`` and
   ``train.initial_weights`` refuse a file that does not match its digest);
+* ``model.pt`` — the trained model to take away: a plain ``state_dict()`` of the last
+  evaluated model (the central model for SMA, the parameter server and compute groups:
+  what :meth:`Runtime.eval_weights` returns) with the BatchNorm running statistics its
+  evaluation used, so that ``model.load_state_dict(torch.load(p, weights_only=True))``
+  into a fresh module of the run's model, evaluated in eval mode on the evaluation set,
+  gives the last ``metrics.jsonl`` record's ``eval_metric`` (the summary's
+  ``final_metric``). Written with every checkpoint and when a run ends otherwise
+  (diverged, interrupted, a process lost: the last evaluated model). A run with
+  ``train.evaluate = false`` saves the weights of each checkpoint with the buffers as the
+  module holds them then (:meth:`Trainer._model_state`); ``distsgd export`` writes the
+  same file from ``checkpoint.pt``;
 * ``run.lock`` — while a run holds the directory: the claim of that run (see
   :class:`RunDirClaim`), removed when it ends;
 * ``autotune.json`` — with ``protocol.replicas_per_device = "auto"``: every decision of
@@ -197,6 +208,8 @@ class Trainer:
         self.on_tick = on_tick
         self.evaluate = evaluate and cfg.train.evaluate
         self.faults = faults
+        # state_dict of the last evaluated model (model.pt), on every rank of the loop
+        self._eval_model: dict[str, torch.Tensor] | None = None
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_data(self) -> RunConfig:
@@ -270,6 +283,26 @@ class Trainer:
         return given.to(initial.dtype).clone()
 
     # ---- checkpoints -------------------------------------------------------------------
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """What ``model.pt`` holds now: the ``state_dict()`` of the last evaluated model
+        (parameters at the evaluated weights, the BatchNorm buffers recomputed for them by
+        that evaluation); for a run that does not evaluate (``train.evaluate = false``) or
+        has not since resuming a checkpoint without it, the weights
+        :meth:`Runtime.eval_weights` gives now with the buffers as the module holds them.
+
+        Every rank of the training loop calls it (``eval_weights`` may be collective).
+        """
+        if self.evaluate and self._eval_model is not None:
+            return self._eval_model
+        return self.engine.state_dict_at(self.runtime.eval_weights())
+
+    def _save_evaluated_model(self) -> None:
+        """``model.pt`` of the last evaluation, on the writer, without a collective: for a
+        run that ends on an exception (the model of a later step may be diverged or
+        unreachable)."""
+        if self.is_writer and self.evaluate and self._eval_model is not None:
+            save_checked(self._eval_model, self.out_dir / "model.pt")
+
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
             "format": CHECKPOINT_FORMAT,
@@ -281,6 +314,8 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "trainer": dict(self.counters),
             "autotune": self.tuner.state_dict() if self.tuner is not None else None,
+            # model.pt's contents (absent from checkpoints before distsgd export)
+            "eval_model": self._model_state(),
         }
 
     def _save_checkpoint(self) -> None:
@@ -288,6 +323,7 @@ class Trainer:
         if not self.is_writer:
             return
         save_checked(state, self.out_dir / "checkpoint.pt")
+        save_checked(state["eval_model"], self.out_dir / "model.pt")
 
     def _load_checkpoint(self) -> None:
         self._apply_checkpoint(self._read_checkpoint())
@@ -351,6 +387,8 @@ class Trainer:
         self.protocol.load_state_dict(state["protocol"])
         self.runtime.load_state_dict(state["runtime"])
         self.engine.load_buffers_state(state["buffers"])
+        eval_model = state.get("eval_model")  # None in a checkpoint before distsgd export
+        self._eval_model = eval_model if isinstance(eval_model, dict) else None
         torch.set_rng_state(state["torch_rng"])
         self.counters.update(_upgraded_counters(state["trainer"]))
 
@@ -386,6 +424,8 @@ class Trainer:
         value, loss = self.runtime.evaluate(
             weights, self.dataset.test, self.cfg.train.eval_batch_size
         )
+        # the evaluated model with the BatchNorm statistics it was scored with (model.pt)
+        self._eval_model = self.engine.state_dict_at(weights)
         if not self.is_writer:
             c["evals"] += 1
             return None
@@ -573,14 +613,17 @@ class Trainer:
                 save_checked(self._final_weights, self.out_dir / "final_weights.pt")
         except TrainingDiverged as e:
             self.counters["stop_reason"] = "diverged"
+            self._save_evaluated_model()
             self._write_outcome(self._summary(status="diverged", error=str(e)))
             raise
         except KeyboardInterrupt:
             self.counters["stop_reason"] = "interrupted"
+            self._save_evaluated_model()
             self._write_outcome(self._summary(status="interrupted"))
             raise
         except self.runtime.failure_types as e:
             self.counters["stop_reason"] = "process_lost"
+            self._save_evaluated_model()
             self._write_outcome(self._summary(status="failed", error=str(e)))
             raise
         finally:
