@@ -6,10 +6,15 @@ model averaging, local SGD. One call trains and returns the summary::
 
     import distsgd
     summary = distsgd.train("configs/hardsync.toml")
+
+and one trains the user's own module and data and returns the trained model with it::
+
+    result = distsgd.fit(my_module, (x_train, y_train), (x_test, y_test))
+    result.model, result.summary["final_metric"]
 """
 
-from distsgd.api import train
+from distsgd.api import FitResult, export_model, fit, train
 from distsgd.config import ConfigError, RunConfig
 
 __version__ = "0.1.0"
-__all__ = ["train", "RunConfig", "ConfigError", "__version__"]
+__all__ = ["train", "fit", "FitResult", "export_model", "RunConfig", "ConfigError", "__version__"]

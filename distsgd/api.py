@@ -1,5 +1,6 @@
 """The one entry below the CLI: resolve a config, then train on the simulated cluster or
-on real processes.
+on real processes; train the user's own model and data (:func:`fit`) and take the trained
+model out of a run (:func:`export_model`).
 
 ``distsgd train`` and :func:`distsgd.train` both come here, so a config given as a TOML
 path, a dict or a :class:`~distsgd.config.RunConfig`, with ``--set``-style overrides,
@@ -12,17 +13,27 @@ Example::
     import distsgd
     s = distsgd.train("configs/async.toml", overrides=["train.max_epochs=1"])
     print(s["best_metric"], s["staleness_mean"])
+
+    result = distsgd.fit(my_module, (x_train, y_train), (x_test, y_test),
+                         overrides=["protocol.name=sma", "train.max_epochs=2"])
+    result.model  # my_module's class, with the evaluated weights, in eval mode
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
 
 from distsgd import launch
 from distsgd.config import (
@@ -33,11 +44,24 @@ from distsgd.config import (
     check_local_processes,
     schedule_conflicts,
 )
+from distsgd.engine import UserCode, check_user_code
+from distsgd.factories import is_import_path
+from distsgd.metrics import ChecksumMismatch, load_checked, read_metrics, save_checked
+from distsgd.models import model_from_config
 from distsgd.rundir import RunDirClaim
 from distsgd.runtime.faults import RankFaults
 from distsgd.trainer import Trainer
 
-__all__ = ["RESUMABLE_SETTINGS", "default_out_dir", "resolve_config", "run", "train"]
+__all__ = [
+    "RESUMABLE_SETTINGS",
+    "FitResult",
+    "default_out_dir",
+    "export_model",
+    "fit",
+    "resolve_config",
+    "run",
+    "train",
+]
 
 # Settings that may change when a run is resumed: budgets and bookkeeping, nothing that
 # changes what has been computed so far (data, seed, target, evaluation points).
@@ -115,11 +139,14 @@ def run(
     progress: bool = False,
     resume: bool = False,
     faults: RankFaults | None = None,
+    code: UserCode | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` into the run directory ``out``: on the simulated cluster in this
     process (``runtime = "sim"``), or on real processes started by the launcher
     (``runtime = "dist"``; under torchrun, this process's rank). Returns the summary
-    (``{}`` on a rank other than the writer under torchrun).
+    (``{}`` on a rank other than the writer under torchrun). ``code``: the user's objects
+    in place of the config's import paths (:class:`~distsgd.engine.UserCode`; the
+    simulated runtime only).
 
     Before anything starts: a ``dist`` run on this machine is refused when its processes
     cannot fit it (:func:`~distsgd.config.check_local_processes`); schedule settings the
@@ -129,14 +156,21 @@ def run(
     rank 0 under torchrun, claim it in the trainer).
 
     Raises:
-        ConfigError: see :func:`train`.
+        ConfigError: see :func:`train`; ``code`` holds objects and the runtime is not
+            ``sim``.
     """
+    if code is not None and code.any and cfg.runtime != "sim":
+        raise ConfigError(
+            f"runtime = {cfg.runtime!r} is not allowed with Python objects for the model, "
+            "data, loss or metric: they cannot reach other processes; give import paths"
+        )
     _warn_schedule(cfg)
     if cfg.runtime == "sim":
-        return Trainer(cfg, out, progress).run(resume=resume)
+        return Trainer(cfg, out, progress, code=code).run(resume=resume)
     if launch.under_launcher():  # torchrun: this process is a rank; rank 0 claims `out`
         return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)
     check_local_processes(cfg)
+    check_user_code(cfg)  # one line here, not one failure per rank
     claim = RunDirClaim.acquire(out)
     try:
         return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)
@@ -162,7 +196,8 @@ def train(
     progress: bool = False,
     faults: RankFaults | None = None,
 ) -> dict[str, Any]:
-    """Train as ``distsgd train`` does and return the summary dict.
+    """Train as ``distsgd train`` does and return the summary dict (the trained model is
+    the run directory's ``model.pt``; :func:`fit` returns it as a module).
 
     Args:
         config: a RunConfig, a TOML path, a nested dict, or None for the default run.
@@ -209,3 +244,307 @@ def train(
     cfg = resolve_config(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(cfg)
     return run(cfg, out, progress=progress, faults=faults)
+
+
+# ---- the trained model out of a run --------------------------------------------------------
+
+
+def export_model(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the trained model of the run in ``run_dir`` as a plain ``state_dict()``,
+    from its ``checkpoint.pt``: the same file the run writes as ``model.pt`` (the last
+    evaluated model, the central model for SMA / parameter server / compute groups, with
+    the BatchNorm statistics of its evaluation; see :mod:`distsgd.trainer`).
+
+    The module is rebuilt from the run's ``config.toml``
+    (:func:`~distsgd.models.model_from_config`) and must take the state with
+    ``load_state_dict`` (strict), so the file is known to load into the run's model; a
+    run whose model was a Python object (:func:`fit`) is not rebuilt (its
+    ``summary.json`` says ``"model": "(object)"``) and the state is written as saved.
+
+    Args:
+        run_dir: a run directory of ``distsgd train`` / :func:`train` / :func:`fit`.
+        out: the file to write (default ``run_dir/model.pt``); its folder is created.
+
+    Returns:
+        The path written (with its SHA-256 sidecar ``<file>.sha256``).
+
+    Raises:
+        ConfigError: ``run_dir`` is not a run directory, has no readable checkpoint or
+            config, the checkpoint predates ``distsgd export`` (holds no evaluated
+            model), the model's factory no longer imports or builds, the state does not
+            fit the rebuilt model, or ``out`` cannot be written.
+    """
+    run = Path(run_dir)
+    if not (run / "config.toml").is_file():
+        raise ConfigError(
+            f"cannot export: {str(run)!r} is not a run directory (it has no config.toml)"
+        )
+    state = _read_eval_model(run / "checkpoint.pt")
+    if not _trained_on_object(run):
+        cfg = RunConfig.from_toml(run / "config.toml")
+        with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
+            module = model_from_config(cfg.model)
+        try:
+            module.load_state_dict(state)
+        except RuntimeError as e:
+            detail = str(e).splitlines()[0]
+            raise ConfigError(
+                f"cannot export: the model config.toml names ({cfg.model.label}) does not "
+                f"take the state in {run / 'checkpoint.pt'} ({detail})"
+            ) from None
+    path = Path(out) if out is not None else run / "model.pt"
+    if path.is_dir():
+        raise ConfigError(f"--out {str(path)!r} is a directory: expected a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_checked(state, path)
+    except OSError as e:
+        raise ConfigError(f"--out {str(path)!r} cannot be written: {e.strerror or e}") from None
+    return path
+
+
+def _read_eval_model(path: Path) -> dict[str, torch.Tensor]:
+    """The ``eval_model`` entry (model.pt's state) of the checkpoint at ``path``.
+
+    Raises:
+        ConfigError: the checkpoint is missing, unreadable, not distsgd's, or predates
+            ``distsgd export``.
+    """
+    if not path.is_file():
+        raise ConfigError(
+            f"cannot export: {path} does not exist (a run writes it at its first checkpoint)"
+        )
+    try:
+        state = load_checked(path)
+    except ChecksumMismatch as e:
+        raise ConfigError(f"cannot export: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
+        raise ConfigError(f"cannot export: {path} is not a readable checkpoint ({e})") from None
+    if not isinstance(state, dict) or "protocol" not in state:
+        raise ConfigError(f"cannot export: {path} is not a checkpoint written by distsgd")
+    model = state.get("eval_model")
+    if not isinstance(model, dict):
+        raise ConfigError(
+            f"cannot export: {path} predates distsgd export (it holds no evaluated model); "
+            "resume the run with a larger budget to write one"
+        )
+    return model
+
+
+def _trained_on_object(run: Path) -> bool:
+    """True when the run's summary says its model was a Python object (:func:`fit`)."""
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("model") == "(object)"
+
+
+# ---- fit: the user's model and data ----------------------------------------------------
+
+
+@dataclass
+class FitResult:
+    """What :func:`fit` returns.
+
+    Attributes:
+        summary: the run's summary (as in ``summary.json``; see :func:`train`);
+            ``summary["final_metric"]`` is the metric of :attr:`model`.
+        run_dir: the run directory (``model.pt``, ``metrics.jsonl``, ``checkpoint.pt``, …).
+        model: a fresh module of the user's model class with ``model.pt`` loaded — the
+            last evaluated weights (the central model for SMA / parameter server /
+            compute groups) and the BatchNorm statistics of that evaluation — in eval
+            mode; None on a rank other than 0 under torchrun.
+        metrics: the ``metrics.jsonl`` records, one per evaluation.
+    """
+
+    summary: dict[str, Any]
+    run_dir: Path
+    model: nn.Module | None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+def fit(
+    model: str | Callable[[], nn.Module] | nn.Module,
+    train_data: Any,
+    eval_data: Any = None,
+    *,
+    loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "cross_entropy",
+    metric: str | Callable[[torch.Tensor, torch.Tensor], Any] = "accuracy",
+    metric_direction: str = "",
+    config: RunConfig | str | Path | dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+) -> FitResult:
+    """Train the user's model on the user's data with any protocol, and return the
+    trained model with the summary: :func:`train` with the model, data, loss and metric
+    given here in place of the config's ``model.*``, ``data.*``, ``train.loss``,
+    ``train.metric`` and ``train.metric_direction`` (every other setting — protocol,
+    layout, optimizer, budget, target — from ``config`` and ``overrides``).
+
+    Import paths ``"package.module:function"`` go into the config and work on both
+    runtimes; Python objects work on the simulated runtime (one process) only.
+
+    Args:
+        model: an import path of a factory called as ``factory(**model.kwargs)``; or a
+            callable returning an ``nn.Module`` (called the same way); or an ``nn.Module``
+            instance, which is deep-copied (it is not trained in place).
+        train_data: an import path of a data factory returning ``(train, eval)`` (then
+            ``eval_data`` must be None); or the training data: a map-style
+            ``torch.utils.data.Dataset`` of ``(input, target)`` tensor pairs, a
+            ``TensorDataset`` of two tensors or a pair ``(inputs [N, ...], targets
+            [N, ...])``.
+        eval_data: the evaluation data, in the same forms; None: evaluate on the
+            training data.
+        loss: ``cross_entropy``, ``mse``, ``bce_with_logits``, an import path, or a
+            callable ``(outputs, targets) → scalar`` (the minibatch's mean loss).
+        metric: ``accuracy``, ``loss``, ``perplexity``, an import path, or a callable
+            ``(outputs, targets) → the batch's mean``.
+        metric_direction: ``"max"`` or ``"min"``, required for a user metric.
+        config, overrides: the rest of the run, as for :func:`train`.
+        out_dir: run directory (default ``runs/<time>-<protocol>``).
+        progress: show a progress bar.
+
+    Returns:
+        A :class:`FitResult`: ``summary``, ``run_dir``, ``model`` (the trained model, a
+        new module of the user's class) and ``metrics``. The run's ``config.toml`` names
+        an object loss or metric by its module and qualified name (e.g.
+        ``"__main__:my_metric"``): a record of what ran, importable only where that
+        function is.
+
+    Raises:
+        ConfigError: a model, data, loss or metric of the wrong kind; a Python object
+            with ``runtime = "dist"`` (one line naming it); anything :func:`train`
+            raises.
+        TrainingDiverged, DistRunFailed: as :func:`train`.
+
+    Example::
+
+        import torch, distsgd
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                  torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        x, y = torch.randn(512, 8), torch.randint(0, 3, (512,))
+        result = distsgd.fit(net, (x, y), overrides=["protocol.name=sma",
+                             "protocol.num_learners=4", "train.max_epochs=2"])
+        print(result.summary["final_metric"], result.model)
+    """
+    raw = resolve_config(config, overrides).to_dict()
+    code = UserCode(
+        model=_fit_model(raw, model),
+        data=_fit_data(raw, train_data, eval_data),
+        loss=_fit_objective(raw, "loss", loss),
+        metric=_fit_objective(raw, "metric", metric),
+    )
+    raw["train"]["metric_direction"] = metric_direction
+    cfg = RunConfig.from_dict(raw)
+    if cfg.runtime != "sim":
+        _refuse_objects_on(cfg.runtime, model, train_data, eval_data, loss, metric)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(cfg)
+    summary = run(cfg, out, progress=progress, code=code)
+    if not summary:  # a rank other than 0 under torchrun
+        return FitResult({}, out, None, [])
+    return FitResult(summary, out, _trained_model(out, code), read_metrics(out / "metrics.jsonl"))
+
+
+def _fit_model(raw: dict[str, Any], model: Any) -> Callable[..., nn.Module] | None:
+    """Put ``model`` into ``raw["model"]`` (an import path) or return the factory object
+    that builds it (an instance: a deep copy each call)."""
+    if isinstance(model, str):
+        _check_path("model", model)
+        raw["model"]["factory"] = model
+        return None
+    raw["model"]["factory"] = ""
+    if isinstance(model, nn.Module):
+        raw["model"]["kwargs"] = {}
+        return lambda: copy.deepcopy(model)
+    if callable(model):
+        return model
+    raise ConfigError(
+        f"model = <{type(model).__name__} object> is not allowed: expected an import path "
+        "'module:function', a function returning a torch.nn.Module, or an nn.Module"
+    )
+
+
+def _fit_data(raw: dict[str, Any], train_data: Any, eval_data: Any) -> Callable[[], Any] | None:
+    """Put ``train_data`` into ``raw["data"]`` (an import path) or return a data factory
+    object returning ``(train_data, eval_data)``."""
+    if isinstance(train_data, str):
+        _check_path("train_data", train_data)
+        if eval_data is not None:
+            raise ConfigError(
+                f"eval_data = <{type(eval_data).__name__} object> is not allowed with "
+                f"train_data = {train_data!r}: the data factory returns both (train, eval)"
+            )
+        raw["data"]["factory"] = train_data
+        return None
+    if isinstance(eval_data, str):
+        raise ConfigError(
+            f"eval_data = {eval_data!r} is not allowed: an import path names a data "
+            "factory, given as train_data (it returns both splits)"
+        )
+    raw["data"]["factory"] = ""
+    raw["data"]["kwargs"] = {}
+    return lambda: (train_data, eval_data)
+
+
+def _fit_objective(raw: dict[str, Any], key: str, value: Any) -> Callable[..., Any] | None:
+    """Put the loss or metric ``value`` into ``raw["train"][key]``: a name or import path
+    as it is (the config checks it), a callable by its label (and returned)."""
+    if isinstance(value, str):
+        raw["train"][key] = value
+        return None
+    if not callable(value):
+        raise ConfigError(
+            f"{key} = <{type(value).__name__} object> is not allowed: expected a name, an "
+            "import path 'module:function' or a function (outputs, targets)"
+        )
+    raw["train"][key] = _object_label(value)
+    return value
+
+
+def _check_path(argument: str, value: str) -> None:
+    if not is_import_path(value):
+        raise ConfigError(
+            f"{argument} = {value!r} is not allowed: expected an import path "
+            "'package.module:function' (or, on the simulated runtime, the object itself)"
+        )
+
+
+def _object_label(obj: Any) -> str:
+    """``"module:qualified.name"`` of a function or class (characters an import path
+    cannot hold, as in ``<lambda>``, become ``_``)."""
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    module, name = (re.sub(r"[^A-Za-z0-9_.]", "_", s).strip(".") for s in (module, name))
+    label = f"{module}:{name}"
+    return label if is_import_path(label) else "__main__:user_function"
+
+
+def _refuse_objects_on(runtime: str, *values: Any) -> None:
+    """One line naming the first of fit's arguments that is an object, not a path."""
+    names = ("model", "train_data", "eval_data", "loss", "metric")
+    for name, value in zip(names, values, strict=True):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(
+                f"{name} = <{type(value).__name__} object> cannot reach the processes of "
+                f"runtime {runtime!r}: give an import path 'module:function'"
+            )
+
+
+def _trained_model(run_dir: Path, code: UserCode) -> nn.Module:
+    """A fresh module of the run's model (the user's object's class, or what its
+    config.toml names) with ``model.pt`` loaded, in eval mode.
+
+    Raises:
+        ConfigError: ``model.pt`` does not match its checksum.
+    """
+    try:
+        state = load_checked(run_dir / "model.pt")
+    except ChecksumMismatch as e:
+        raise ConfigError(str(e)) from None
+    cfg = RunConfig.from_toml(run_dir / "config.toml")
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
+        module = model_from_config(cfg.model, code.model)
+    module.load_state_dict(state)
+    return module.eval()

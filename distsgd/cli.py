@@ -1,5 +1,6 @@
-"""Command line: ``distsgd train [CONFIG.toml] [--set key=value ...] [--out DIR]`` and
-``distsgd report RUN_DIR [RUN_DIR ...] [--out DIR]``.
+"""Command line: ``distsgd train [CONFIG.toml] [--set key=value ...] [--out DIR]``,
+``distsgd report RUN_DIR [RUN_DIR ...] [--out DIR]`` and
+``distsgd export RUN_DIR [--out model.pt]``.
 
 User errors (bad settings, missing or corrupt data, an occupied run directory) print one
 line ``distsgd: error: ...`` and exit with status 2, never a traceback. A diverged run
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import warnings
@@ -70,9 +72,30 @@ def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
         + (f", {s['virtual_s']:.1f} s simulated" if s["runtime"] == "sim" else ""),
         f"throughput    {tput:.0f} samples/s wall" if tput else "throughput    -",
         f"staleness     mean {s['staleness_mean']:.2f}, max {s['staleness_max']}",
-        f"run directory {out_dir}",
     ]
-    print("\n".join(lines))
+    print("\n".join(lines + _results_lines(out_dir)))
+
+
+def _results_lines(out_dir: Path) -> list[str]:
+    """Where a finished run's results are and how to look at them: the run directory,
+    ``distsgd report`` (what it writes), TensorBoard on ``RUN_DIR/tb`` when event files
+    were written there, and the trained model ``RUN_DIR/model.pt`` when the run wrote
+    one. Paths are quoted for a POSIX shell, so each command can be pasted as is."""
+    run = shlex.quote(str(out_dir))
+    lines = [
+        f"run directory {out_dir} (summary.json, metrics.jsonl, config.toml, checkpoint.pt)",
+        f"report        distsgd report {run}  (writes report/report.md: learning curves, "
+        "staleness, a table)",
+    ]
+    tb = out_dir / "tb"
+    if tb.is_dir() and any(tb.iterdir()):
+        lines.append(f"tensorboard   tensorboard --logdir {shlex.quote(str(tb))}")
+    model = out_dir / "model.pt"
+    if model.is_file():
+        lines.append(
+            f"model         {model}  (model.load_state_dict(torch.load(path, weights_only=True)))"
+        )
+    return lines
 
 
 def _check_num_processes(num_processes: int | None, runtime: str) -> None:
@@ -171,6 +194,10 @@ def _print_tune(state: dict[str, Any], out: Path) -> None:
             )
         )
     lines.append(f"report        {out / 'report.md'}")
+    lines.append(
+        f"results       {out} (decisions.jsonl, probes/); train the plan: distsgd train "
+        + shlex.quote(str(out / "plan.toml"))
+    )
     print("\n".join(lines))
 
 
@@ -198,6 +225,15 @@ def _one_line_config_warning(show: Any) -> Any:
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    path = api.export_model(args.run_dir, args.out)
+    print(
+        f"model written to {path} (a state_dict: "
+        f"model.load_state_dict(torch.load({str(path)!r}, weights_only=True)))"
+    )
+    return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -272,6 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="report", help="report folder (default report/, created if missing)"
     )
     r.set_defaults(func=_cmd_report)
+    e = sub.add_parser(
+        "export",
+        help="write a run's trained model (the last evaluated model) as a plain state_dict "
+        "from its checkpoint",
+    )
+    e.add_argument("run_dir", metavar="RUN_DIR", help="run directory of distsgd train")
+    e.add_argument("--out", default=None, help="file to write (default RUN_DIR/model.pt)")
+    e.set_defaults(func=_cmd_export)
     u = sub.add_parser(
         "tune",
         help="search protocol, layout, batch size, learning rate and momentum for the least "

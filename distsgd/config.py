@@ -23,7 +23,7 @@ from typing import Any
 
 from distsgd.checks import ConfigError, check_choice, check_float, check_int, fail
 from distsgd.factories import is_import_path
-from distsgd.layout import PROTOCOLS, fitted, spec_for
+from distsgd.layout import PROTOCOL_SETTINGS, PROTOCOLS, fitted, spec_for
 from distsgd.protocols import SERVER_OPTIMIZERS, STALENESS_LR
 
 __all__ = [
@@ -155,11 +155,24 @@ def check_import_path(setting: str, value: Any) -> None:
 
 
 def check_kwargs(setting: str, value: Any) -> None:
-    """``value`` must be a table of keyword arguments (string keys)."""
+    """``value`` must be a table of keyword arguments (identifier keys) whose values TOML
+    can hold (``config.toml`` records them): strings, numbers, booleans, lists, tables."""
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and k.isidentifier() for k in value
     ):
         fail(setting, value, "a table of keyword arguments, e.g. [" + setting + "] hidden = 64")
+    for key, v in value.items():
+        _check_toml_value(f"{setting}.{key}", v)
+
+
+def _check_toml_value(setting: str, value: Any) -> None:
+    if isinstance(value, dict):
+        check_kwargs(setting, value)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_toml_value(f"{setting}[{i}]", v)
+    elif not isinstance(value, str | int | float | bool):
+        fail(setting, value, "a string, number, boolean, list or table (a TOML value)")
 
 
 @dataclass
@@ -1039,16 +1052,92 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def to_toml(self) -> str:
-        """Serialise to TOML text that :meth:`from_toml` reads back to an equal config."""
+    def to_toml(self, *, applicable_only: bool = False) -> str:
+        """Serialise to TOML text that :meth:`from_toml` reads back.
+
+        Args:
+            applicable_only: write only the settings that apply to this training run (the
+                run directory's ``config.toml``): leave out each setting of
+                :meth:`unread_settings`, which the run does not read, whatever its value.
+                False (default): every setting, so ``from_toml`` gives back an equal
+                config (the launcher hands configs to its ranks this way, and tests write
+                configs for ``distsgd tune``).
+
+        A setting left out reads back as its default, so ``from_toml(to_toml(cfg,
+        applicable_only=True))`` equals ``cfg`` where every unread setting holds its default
+        (the usual case) and otherwise differs only in unread settings, which the run never
+        looks at; the text written is then a fixed point. A field of value None (TOML has no
+        null) is left out when its default is None too. Dict-valued fields (e.g.
+        ``[model.kwargs]``) are written as inline tables ``kwargs = {hidden = 64}``.
+
+        Raises:
+            TypeError: a value TOML cannot hold (None where the default is not None, or an
+                object that is no bool, number, string, list or dict).
+        """
         d = self.to_dict()
+        unread = self.unread_settings() if applicable_only else frozenset()
         lines = [f"{k} = {_toml_value(d[k])}" for k in ("runtime", "name")]
-        for section in _SECTIONS:
-            lines.append("")
-            lines.append(f"[{section}]")
+        for section, section_cls in _SECTIONS.items():
+            defaults = _field_defaults(section_cls)
+            body = []
             for k, v in d[section].items():
-                lines.append(f"{k} = {_toml_value(v)}")
+                if f"{section}.{k}" in unread or (v is None and defaults.get(k) is None):
+                    continue
+                if v is None:
+                    raise TypeError(f"cannot write {section}.{k} = None as TOML")
+                body.append(f"{_toml_key(k)} = {_toml_value(v)}")
+            if body or not applicable_only:
+                lines += ["", f"[{section}]", *body]
         return "\n".join(lines) + "\n"
+
+    def unread_settings(self) -> frozenset[str]:
+        """The settings (dotted keys) that a training run of this config does not read,
+        whatever their values; every other setting, one added later included, is read.
+
+        * ``data.num_train``, ``data.num_test``, ``data.noise``: synthetic data only;
+          ``data.root``: file-backed data sets only (unread for ``synthetic``); with a
+          ``data.factory``, none of the built-in data set's settings (``dataset`` included),
+          without one, not ``factory``, ``kwargs``, ``collate``;
+        * ``model.name`` with a ``model.factory``, else ``model.factory``;
+        * ``protocol.*``: the settings of other protocols, and those of this protocol's
+          other modes (:meth:`distsgd.layout.ProtocolSpec.settings`: n-softsync's ``softsync``
+          outside mode ``softsync``, the auto-tuner's ``autotune_*`` unless
+          ``replicas_per_device = "auto"``);
+        * ``schedule.decay_epochs``, ``schedule.decay_factor``: with ``kind = "constant"``;
+        * ``cluster.*``: on the ``dist`` runtime (the simulated cluster's device and
+          network; ``summary.json`` echoes the configured profile, nothing uses it);
+          ``cluster.seconds_per_replica`` and ``cluster.replica_ratios`` on the ``sim``
+          runtime for protocols with one learner per device (k = 1: t(1) alone);
+        * ``train.max_virtual_seconds``: on the ``dist`` runtime (no virtual clock);
+        * ``dist.*``: on the ``sim`` runtime; ``dist.num_servers`` for protocols without a
+          parameter server;
+        * ``tune.*``: ``distsgd tune`` reads them, a training run does not.
+        """
+        unread = {f"tune.{f.name}" for f in fields(TuneConfig)}
+        data = self.data
+        if data.factory:  # the user's data: no built-in data set's settings
+            unread |= {"data.dataset", "data.root", "data.num_train", "data.num_test", "data.noise"}
+        else:
+            unread |= {"data.factory", "data.kwargs", "data.collate"}
+            if data.dataset != "synthetic":
+                unread |= {"data.num_train", "data.num_test", "data.noise"}
+            else:
+                unread.add("data.root")
+        unread.add("model.name" if self.model.factory else "model.factory")
+        spec = spec_for(self.protocol)
+        unread |= {f"protocol.{k}" for k in PROTOCOL_SETTINGS - spec.settings(self.protocol)}
+        if self.schedule.kind == "constant":
+            unread |= {"schedule.decay_epochs", "schedule.decay_factor"}
+        if self.runtime == "dist":
+            unread |= {f"cluster.{f.name}" for f in fields(ClusterConfig)}
+            unread.add("train.max_virtual_seconds")
+            if not spec.has_server:
+                unread.add("dist.num_servers")
+        else:
+            unread |= {f"dist.{f.name}" for f in fields(DistConfig)}
+            if not spec.replicated:
+                unread |= {"cluster.seconds_per_replica", "cluster.replica_ratios"}
+        return frozenset(unread)
 
     def replace(self, **sections: Any) -> RunConfig:
         """A copy with whole sections or top-level fields replaced (validated again)."""
@@ -1059,18 +1148,68 @@ _RENAMED: dict[tuple[str, str], str] = {("train", "target_accuracy"): "target"}
 """Settings read under their former names (config.toml of runs written before the rename)."""
 
 
+_TOML_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped."""
+    out = []
+    for ch in text:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_key(key: str) -> str:
+    """A TOML key: bare when it is letters, digits, ``_`` and ``-`` only, else quoted."""
+    if key and all(ch.isascii() and (ch.isalnum() or ch in "_-") for ch in key):
+        return key
+    return _toml_string(key)
+
+
 def _toml_value(v: Any) -> str:
+    """One TOML value: bool, int, float (``inf``/``nan`` too), string, list, or dict as an
+    inline table (nested as deep as it goes).
+
+    Raises:
+        TypeError: any other object (None included: TOML has no null).
+    """
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _toml_string(v)
     if isinstance(v, list | tuple):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):  # an inline table; keys are identifiers (check_kwargs)
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, dict):
+        if any(not isinstance(k, str) for k in v):
+            raise TypeError(f"cannot write {v!r} as TOML: table keys must be strings")
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def _field_defaults(section_cls: type) -> dict[str, Any]:
+    """Each field's default value (from ``default_factory`` where it has one)."""
+    out: dict[str, Any] = {}
+    for f in fields(section_cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -26,13 +26,15 @@ from distsgd.batched import (
 )
 from distsgd.config import RunConfig
 from distsgd.data import DEFAULT_ROOTS, Dataset, Split, resolve_root
+from distsgd.factories import resolve_callable
 from distsgd.models import model_from_config, with_data_shape
-from distsgd.objectives import Loss, Metric, build_loss, build_metric
+from distsgd.objectives import LOSSES, METRICS, Loss, Metric, build_loss, build_metric
 
 __all__ = [
     "GradientEngine",
     "UserCode",
     "build_engine",
+    "check_user_code",
     "config_for_data",
     "bn_recalibration_indices",
     "bn_recalibration_inputs",
@@ -98,6 +100,27 @@ class UserCode:
     def any(self) -> bool:
         """True when some object replaces an import path."""
         return any(v is not None for v in (self.model, self.data, self.loss, self.metric))
+
+
+def check_user_code(cfg: RunConfig) -> None:
+    """Resolve every import path ``cfg`` names (model and data factories, collate, loss,
+    metric) without calling them: the launcher does this before it starts any rank, so
+    that a path that does not import is one line, not one failure per process.
+
+    Raises:
+        ConfigError: a path does not import or names no callable.
+    """
+    t = cfg.train
+    paths = {
+        "model.factory": cfg.model.factory,
+        "data.factory": cfg.data.factory,
+        "data.collate": cfg.data.collate,
+        "train.loss": "" if t.loss in LOSSES else t.loss,
+        "train.metric": "" if t.metric in METRICS else t.metric,
+    }
+    for setting, path in paths.items():
+        if path:
+            resolve_callable(setting, path)
 
 
 def build_engine(cfg: RunConfig, code: UserCode | None = None) -> GradientEngine:
@@ -170,8 +193,10 @@ class GradientEngine:
             self._flat = torch.cat([p.detach().reshape(-1) for p in params]).contiguous()
         self._grad = torch.zeros_like(self._flat)
         offset = 0
+        self._slices: dict[int, tuple[int, int]] = {}  # id(parameter) -> its [start, end)
         for p in params:
             n = p.numel()
+            self._slices[id(p)] = (offset, offset + n)
             p.data = self._flat[offset : offset + n].view_as(p)
             p.grad = self._grad[offset : offset + n].view_as(p)
             offset += n
@@ -451,6 +476,38 @@ class GradientEngine:
                 metric_sum += self.metric.batch_sum(outputs, yb)
                 count += int(yb.shape[0])
         return metric_sum, loss_sum, count
+
+    @torch.no_grad()
+    def state_dict_at(self, weights: Tensor) -> dict[str, Tensor]:
+        """The model's ``state_dict()`` with its trainable parameters at ``weights`` and
+        every other entry (BatchNorm running statistics, frozen parameters) as the module
+        holds it now: what ``model.pt`` saves, loadable into a fresh module of the model's
+        class with ``load_state_dict``.
+
+        Args:
+            weights: shape ``[P]``, in the order of ``model.parameters()``.
+
+        Returns:
+            New tensors (copies; the engine's buffers are not touched), keyed as
+            ``model.state_dict()`` keys them (a parameter shared by two modules appears
+            under both names).
+
+        Raises:
+            ValueError: ``weights`` is not of shape ``[P]``.
+        """
+        if weights.shape != (self.num_parameters,):
+            raise ValueError(
+                f"weights of shape {tuple(weights.shape)} do not fit the model: expected "
+                f"[{self.num_parameters}]"
+            )
+        state = {}
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            where = self._slices.get(id(value))
+            if where is None:
+                state[name] = value.detach().clone()
+            else:
+                state[name] = weights[where[0] : where[1]].reshape(value.shape).clone()
+        return state
 
     def buffers_state(self) -> dict[str, Tensor]:
         """The module's buffers (e.g. BatchNorm statistics), for checkpoints."""

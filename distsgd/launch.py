@@ -88,9 +88,10 @@ from typing import Any, NoReturn
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from distsgd.config import ConfigError, RunConfig, required_processes
+from distsgd.config import METRICS, ConfigError, RunConfig, required_processes
 from distsgd.layout import spec_for
 from distsgd.metrics import read_metrics, write_json
+from distsgd.objectives import reached as target_reached
 from distsgd.runtime import dist as rdist
 from distsgd.runtime.base import TrainingDiverged
 from distsgd.runtime.dist import PeerLost
@@ -393,7 +394,10 @@ def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: lis
     if not metrics.exists():
         metrics.touch()
     last = records[-1] if records else {}
-    accuracies = [r["eval_metric"] for r in records if "eval_metric" in r]
+    values = [r["eval_metric"] for r in records if r.get("eval_metric") is not None]
+    t = cfg.train
+    direction = t.metric_direction or METRICS[t.metric]
+    best = (max if direction == "max" else min)(values, default=None)
     p = cfg.protocol
     write_json(
         out / "summary.json",
@@ -404,18 +408,18 @@ def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: lis
             "protocol": p.name,
             "runtime": cfg.runtime,
             "layout": spec_for(cfg.protocol).label(cfg.protocol, None, None),
-            "model": cfg.model.name,
-            "dataset": cfg.data.dataset,
+            "model": cfg.model.label,
+            "dataset": cfg.data.label,
             "num_learners": p.num_learners,
             "batch_size": p.batch_size,
             "lr": cfg.optimizer.lr,
             "seed": cfg.train.seed,
-            "target": cfg.train.target,
-            "best_metric": max(accuracies, default=0.0),
+            "metric": t.metric,
+            "metric_direction": direction,
+            "target": t.target,
+            "best_metric": best,
             "final_metric": last.get("eval_metric"),
-            "reached": bool(
-                cfg.train.target > 0 and max(accuracies, default=0.0) >= cfg.train.target
-            ),
+            "reached": best is not None and target_reached(best, t.target, direction),
             "samples": last.get("samples", 0),
             "num_processes": required_processes(cfg.protocol, cfg.dist)[0],
             "error": error,

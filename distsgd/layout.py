@@ -39,7 +39,14 @@ from distsgd.protocols import (
 if TYPE_CHECKING:  # the config imports this module: types only
     from distsgd.config import DistConfig, OptimizerConfig, ProtocolConfig, RunConfig
 
-__all__ = ["PROTOCOLS", "ProtocolSpec", "build_protocol", "sma_alpha", "spec_for"]
+__all__ = [
+    "PROTOCOLS",
+    "PROTOCOL_SETTINGS",
+    "ProtocolSpec",
+    "build_protocol",
+    "sma_alpha",
+    "spec_for",
+]
 
 Protocol = SynchronousProtocol | AsynchronousProtocol
 
@@ -67,11 +74,20 @@ class ProtocolSpec:
         name: ``protocol.name``.
         replicated: k learners per device (``protocol.replicas_per_device``, Crossbow).
         has_server: ``dist.num_servers`` server ranks come before the learner ranks.
+        reads: the ``protocol.*`` settings (names without the section) that the protocol
+            may read; :meth:`settings` narrows them to one config's mode.
     """
 
     name: ClassVar[str]
     replicated: ClassVar[bool] = False
     has_server: ClassVar[bool] = False
+    reads: ClassVar[frozenset[str]] = frozenset({"name", "num_learners", "batch_size"})
+
+    def settings(self, p: ProtocolConfig) -> frozenset[str]:
+        """The ``protocol.*`` settings (names without the section) that a run of ``p``
+        reads: what builds, validates, fits and labels it. A setting of another protocol
+        is not among them (the run's ``config.toml`` leaves it out)."""
+        return self.reads
 
     def validate(self, p: ProtocolConfig) -> None:
         """Layout rules beyond the per-field checks.
@@ -149,6 +165,7 @@ class _Served(ProtocolSpec):
     """Learners push to ``dist.num_servers`` server shards (ranks 0 … S−1)."""
 
     has_server = True
+    reads = ProtocolSpec.reads | {"staleness_lr", "server_optimizer"}
 
     def check_optimizer(self, p: ProtocolConfig, o: OptimizerConfig) -> None:
         """AdaGrad has no momentum (Rudra retunes its learning rate instead, SPEC §2).
@@ -190,6 +207,11 @@ class _ParameterServer(_Served):
     """SPEC §2: Rudra's parameter server, n-softsync (n divides λ), async or hardsync."""
 
     name = "parameter_server"
+    reads = _Served.reads | {"mode", "softsync"}
+
+    def settings(self, p: ProtocolConfig) -> frozenset[str]:
+        """n (``softsync``) is read in mode ``softsync`` only (async: n = λ; hardsync: 1)."""
+        return self.reads if p.mode == "softsync" else self.reads - {"softsync"}
 
     def validate(self, p: ProtocolConfig) -> None:
         lam = p.num_learners
@@ -234,6 +256,7 @@ class _ComputeGroups(_Served):
     """SPEC §3: Omnivore's g compute groups (g divides λ), asynchronous across groups."""
 
     name = "compute_groups"
+    reads = _Served.reads | {"num_groups", "momentum_compensation"}
 
     def validate(self, p: ProtocolConfig) -> None:
         lam = p.num_learners
@@ -269,10 +292,20 @@ class _ComputeGroups(_Served):
         return f"{super().label(p, num_learners, replicas)} g={p.num_groups}"
 
 
+_AUTOTUNE_SETTINGS = frozenset(
+    {"autotune_threshold", "autotune_interval", "autotune_max_replicas", "autotune_rule"}
+)
+
+
 class _Replicated(ProtocolSpec):
     """k learners per device (Crossbow, SPEC §4): one process per device."""
 
     replicated = True
+    reads = ProtocolSpec.reads | {"replicas_per_device"} | _AUTOTUNE_SETTINGS
+
+    def settings(self, p: ProtocolConfig) -> frozenset[str]:
+        """The auto-tuner's settings are read with ``replicas_per_device = "auto"`` only."""
+        return self.reads if p.auto_replicas else self.reads - _AUTOTUNE_SETTINGS
 
     def validate(self, p: ProtocolConfig) -> None:
         k, lam = p.initial_replicas_per_device, p.num_learners
@@ -306,6 +339,7 @@ class _SMA(_Replicated):
     """SPEC §4: Crossbow's synchronous model averaging with a central model."""
 
     name = "sma"
+    reads = _Replicated.reads | {"alpha", "central_momentum"}
 
     def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
         return SMA(
@@ -328,6 +362,7 @@ class _LocalSGD(_Replicated):
     """SPEC §5: local steps, model averaging every H iterations."""
 
     name = "local_sgd"
+    reads = _Replicated.reads | {"average_every"}
 
     def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
         return LocalSGD(
@@ -353,6 +388,9 @@ _SPECS: dict[str, ProtocolSpec] = {
 }
 PROTOCOLS = tuple(_SPECS)
 """Every ``protocol.name``."""
+PROTOCOL_SETTINGS = frozenset().union(*(s.reads for s in _SPECS.values()))
+"""The ``protocol.*`` settings some protocol reads (a setting outside it is read by none
+that this module knows, e.g. one added later: a run's ``config.toml`` keeps it)."""
 
 
 def spec_for(protocol: ProtocolConfig | str) -> ProtocolSpec:

@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -52,14 +53,18 @@ __all__ = [
 ]
 
 
-def _check_input_shape(input_shape: tuple[int, int, int], min_side: int, name: str) -> None:
+def _check_input_shape(input_shape: tuple[int, ...], min_side: int, name: str) -> None:
+    rank_ok = len(input_shape) >= 1 if name == "mlp" else len(input_shape) == 3
     ok = (
         isinstance(input_shape, tuple | list)
-        and len(input_shape) == 3
+        and rank_ok
         and all(isinstance(d, int) and d >= 1 for d in input_shape)
     )
     if not ok:
-        raise ValueError(f"input_shape = {input_shape!r} is not allowed: expected (C, H, W)")
+        allowed = "any shape of one sample" if name == "mlp" else "(C, H, W)"
+        raise ValueError(f"input_shape = {input_shape!r} is not allowed: expected {allowed}")
+    if name == "mlp":
+        return
     if min(input_shape[1:]) < min_side:
         raise ValueError(
             f"model.name = {name!r} needs images of at least {min_side}×{min_side}, "
@@ -70,16 +75,16 @@ def _check_input_shape(input_shape: tuple[int, int, int], min_side: int, name: s
 class MLP(nn.Module):
     """Multilayer perceptron with two hidden layers of 256 ReLU units.
 
-    Shapes: ``[B, C, H, W]`` → flatten ``[B, C·H·W]`` → fc ``[B, 256]`` → ReLU →
-    fc ``[B, 256]`` → ReLU → fc ``[B, num_classes]``.
+    Shapes: ``[B, *input_shape]`` (images ``[B, C, H, W]``, or features ``[B, F]``) →
+    flatten ``[B, D]`` → fc ``[B, 256]`` → ReLU → fc ``[B, 256]`` → ReLU →
+    fc ``[B, num_classes]``.
     """
 
-    def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__()
-        c, h, w = input_shape
         self.net = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(c * h * w, 256),
+            nn.Linear(math.prod(input_shape), 256),
             nn.ReLU(),
             nn.Linear(256, 256),
             nn.ReLU(),
@@ -233,7 +238,7 @@ _MIN_SIDE = {"mlp": 1, "cnn": 4, "lenet": 4, "resnet20": 1}
 _CLASSES = {"mlp": MLP, "cnn": CNN, "lenet": LeNet, "resnet20": ResNet20}
 
 
-def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The model called ``name`` for images of ``input_shape`` and ``num_classes`` classes.
 
     Args:
@@ -295,7 +300,10 @@ def model_from_config(
             raise ConfigError(
                 f"model.kwargs.input_shape = {shape!r} is not allowed: expected [C, H, W]"
             )
-        return build_model(cfg.name, tuple(shape), kw["num_classes"])
+        try:
+            return build_model(cfg.name, tuple(shape), kw["num_classes"])
+        except ValueError as e:
+            raise ConfigError(f"model.kwargs for model.name = {cfg.name!r}: {e}") from None
     setting = f"model.factory = {cfg.factory!r}" if factory is None else "the model factory"
     make = resolve_callable("model.factory", factory or cfg.factory)
     try:

@@ -226,6 +226,14 @@ def _scale_loss_axis(ax: Any, drawn: list[float], per_run: list[tuple[str, list[
         ax.set_yscale("log")
 
 
+def _metric_limits(drawn: list[float], targets: list[float]) -> dict[str, float]:
+    """The accuracy axis (percent): every evaluation drawn in view, the first (untrained
+    model) included, with 5 points below the lowest and 3 above the highest point or
+    target, within [0, 100]."""
+    top = min(100.0, max(drawn + [t * 100 for t in targets]) + 3)
+    return {"bottom": max(0.0, min(drawn) - 5), "top": top}
+
+
 def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
     """Draw ``curves.png``: rows test accuracy (%) and training loss (nats), columns wall
     seconds of training, simulated seconds and training samples; one line per run.
@@ -293,13 +301,7 @@ def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
             if ykey == "eval_metric" and drawn:
-                top = min(100.0, max(drawn + [t * 100 for t in _targets(runs)]) + 3)
-                # zoom on the part of training that decides time to accuracy: the first
-                # evaluation (untrained model) is left below the axis when a run has
-                # others; a run with a single evaluation keeps it in view
-                lowest = [min(ys[1:]) if len(ys) > 1 else ys[0] for _, ys in per_run if ys]
-                bottom = max(0.0, min(lowest) - 5) if lowest else 0.0
-                ax.set_ylim(bottom=bottom, top=top)
+                ax.set_ylim(**_metric_limits(drawn, _targets(runs)))
             if xkey == "samples":
                 ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     fig.suptitle("Learning curves: test accuracy and training loss", fontsize=13)

@@ -14,6 +14,17 @@ Run directory layout (``out_dir``):
   with its SHA-256 digest in ``checkpoint.pt.sha256`` (every tensor file distsgd writes
   has one, see :func:`distsgd.metrics.save_checked`; ``--resume`` and
   ``train.initial_weights`` refuse a file that does not match its digest);
+* ``model.pt`` — the trained model to take away: a plain ``state_dict()`` of the last
+  evaluated model (the central model for SMA, the parameter server and compute groups:
+  what :meth:`Runtime.eval_weights` returns) with the BatchNorm running statistics its
+  evaluation used, so that ``model.load_state_dict(torch.load(p, weights_only=True))``
+  into a fresh module of the run's model, evaluated in eval mode on the evaluation set,
+  gives the last ``metrics.jsonl`` record's ``eval_metric`` (the summary's
+  ``final_metric``). Written with every checkpoint and when a run ends otherwise
+  (diverged, interrupted, a process lost: the last evaluated model). A run with
+  ``train.evaluate = false`` saves the weights of each checkpoint with the buffers as the
+  module holds them then (:meth:`Trainer._model_state`); ``distsgd export`` writes the
+  same file from ``checkpoint.pt``;
 * ``run.lock`` — while a run holds the directory: the claim of that run (see
   :class:`RunDirClaim`), removed when it ends;
 * ``autotune.json`` — with ``protocol.replicas_per_device = "auto"``: every decision of
@@ -85,6 +96,71 @@ def _layout(cfg: RunConfig, num_learners: int | None = None, replicas: int | Non
     return spec_for(cfg.protocol).label(cfg.protocol, num_learners, replicas)
 
 
+# the progress bar's words for each stop reason of the summary
+_STOP_WORDS = {
+    "target": "stopped",  # after "target … reached at …"
+    "max_epochs/max_samples": "stopped: sample budget",
+    "max_seconds": "stopped: train.max_seconds",
+    "max_virtual_seconds": "stopped: train.max_virtual_seconds",
+}
+
+
+def _metric_name(cfg: RunConfig) -> str:
+    """What the run's metric is called on the progress bar: ``train.metric`` (a built-in
+    name, the function name of a ``"module:function"`` path or of a callable), else
+    ``"accuracy"``."""
+    metric = getattr(cfg.train, "metric", "accuracy")
+    if isinstance(metric, str):
+        return metric.rsplit(":", 1)[-1] or "metric"
+    return getattr(metric, "__name__", "metric")
+
+
+def _count(samples: int) -> str:
+    """A sample count as the bar shows counts: ``512``, ``45.0k``, ``1.20M``."""
+    return tqdm.format_sizeof(samples) if samples >= 1000 else str(int(samples))
+
+
+def _bar_postfix(
+    cfg: RunConfig,
+    record: dict[str, Any] | None,
+    best: float | None,
+    reached_samples: int,
+    stop_reason: str = "",
+) -> str:
+    """The progress bar's postfix: the last evaluation's metric labelled with the training
+    samples it was evaluated at (``eval@45.0k``, so it does not pass for a live value),
+    the best so far and the target (``→ 0.9 target``, or where it was reached); while the
+    run goes on, the evaluation loss when the metric is another and the mean staleness σ
+    (updates) for protocols with a parameter server; once it stops, the stop reason
+    (``stop_reason`` as in the summary) instead, kept short because a narrow terminal cuts
+    the end of the line. Before the first evaluation (``record`` None): what ends the
+    run. Formatted at evaluations only, never per tick."""
+    name, target = _metric_name(cfg), cfg.train.target
+    parts = []
+    if record is not None:
+        parts.append(f"eval@{_count(record['samples'])} {name} {record['eval_metric']:.4f}")
+        if best is not None:
+            parts.append(f"(best {best:.4f})")
+    elif target > 0:
+        parts.append(name)
+    if target > 0:
+        where = _count(reached_samples)
+        parts.append(
+            f"target {target:g} reached at {where}"
+            if reached_samples >= 0
+            else f"→ {target:g} target"
+        )
+    text = " ".join(parts)
+    if stop_reason:
+        return "; ".join(p for p in (text, _STOP_WORDS.get(stop_reason, stop_reason)) if p)
+    if record is not None and name != "loss" and record.get("eval_loss") is not None:
+        text += f", loss {record['eval_loss']:.3f}"
+    if record is not None and spec_for(cfg.protocol).has_server:
+        if record.get("staleness_mean") is not None:
+            text += f", σ {record['staleness_mean']:.2f}"
+    return text
+
+
 class Trainer:
     """Builds every component from a :class:`RunConfig` and runs it to the stop rule.
 
@@ -132,6 +208,8 @@ class Trainer:
         self.on_tick = on_tick
         self.evaluate = evaluate and cfg.train.evaluate
         self.faults = faults
+        # state_dict of the last evaluated model (model.pt), on every rank of the loop
+        self._eval_model: dict[str, torch.Tensor] | None = None
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_data(self) -> RunConfig:
@@ -205,6 +283,26 @@ class Trainer:
         return given.to(initial.dtype).clone()
 
     # ---- checkpoints -------------------------------------------------------------------
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """What ``model.pt`` holds now: the ``state_dict()`` of the last evaluated model
+        (parameters at the evaluated weights, the BatchNorm buffers recomputed for them by
+        that evaluation); for a run that does not evaluate (``train.evaluate = false``) or
+        has not since resuming a checkpoint without it, the weights
+        :meth:`Runtime.eval_weights` gives now with the buffers as the module holds them.
+
+        Every rank of the training loop calls it (``eval_weights`` may be collective).
+        """
+        if self.evaluate and self._eval_model is not None:
+            return self._eval_model
+        return self.engine.state_dict_at(self.runtime.eval_weights())
+
+    def _save_evaluated_model(self) -> None:
+        """``model.pt`` of the last evaluation, on the writer, without a collective: for a
+        run that ends on an exception (the model of a later step may be diverged or
+        unreachable)."""
+        if self.is_writer and self.evaluate and self._eval_model is not None:
+            save_checked(self._eval_model, self.out_dir / "model.pt")
+
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
             "format": CHECKPOINT_FORMAT,
@@ -216,6 +314,8 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "trainer": dict(self.counters),
             "autotune": self.tuner.state_dict() if self.tuner is not None else None,
+            # model.pt's contents (absent from checkpoints before distsgd export)
+            "eval_model": self._model_state(),
         }
 
     def _save_checkpoint(self) -> None:
@@ -223,6 +323,7 @@ class Trainer:
         if not self.is_writer:
             return
         save_checked(state, self.out_dir / "checkpoint.pt")
+        save_checked(state["eval_model"], self.out_dir / "model.pt")
 
     def _load_checkpoint(self) -> None:
         self._apply_checkpoint(self._read_checkpoint())
@@ -286,8 +387,10 @@ class Trainer:
         self.protocol.load_state_dict(state["protocol"])
         self.runtime.load_state_dict(state["runtime"])
         self.engine.load_buffers_state(state["buffers"])
+        eval_model = state.get("eval_model")  # None in a checkpoint before distsgd export
+        self._eval_model = eval_model if isinstance(eval_model, dict) else None
         torch.set_rng_state(state["torch_rng"])
-        self.counters.update(state["trainer"])
+        self.counters.update(_upgraded_counters(state["trainer"]))
 
     # ---- evaluation --------------------------------------------------------------------
     def _staleness(self) -> tuple[float, int, dict[int, int]]:
@@ -321,6 +424,8 @@ class Trainer:
         value, loss = self.runtime.evaluate(
             weights, self.dataset.test, self.cfg.train.eval_batch_size
         )
+        # the evaluated model with the BatchNorm statistics it was scored with (model.pt)
+        self._eval_model = self.engine.state_dict_at(weights)
         if not self.is_writer:
             c["evals"] += 1
             return None
@@ -487,7 +592,7 @@ class Trainer:
     def _run_writing(self, resume: bool) -> dict[str, Any]:
         """The writing rank's run: files, the training loop, the outcome."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.toml").write_text(self.cfg.to_toml())
+        (self.out_dir / "config.toml").write_text(self.cfg.to_toml(applicable_only=True))
         metrics = MetricsWriter(
             self.out_dir / "metrics.jsonl", keep_evals=self.counters["evals"] if resume else None
         )
@@ -508,14 +613,17 @@ class Trainer:
                 save_checked(self._final_weights, self.out_dir / "final_weights.pt")
         except TrainingDiverged as e:
             self.counters["stop_reason"] = "diverged"
+            self._save_evaluated_model()
             self._write_outcome(self._summary(status="diverged", error=str(e)))
             raise
         except KeyboardInterrupt:
             self.counters["stop_reason"] = "interrupted"
+            self._save_evaluated_model()
             self._write_outcome(self._summary(status="interrupted"))
             raise
         except self.runtime.failure_types as e:
             self.counters["stop_reason"] = "process_lost"
+            self._save_evaluated_model()
             self._write_outcome(self._summary(status="failed", error=str(e)))
             raise
         finally:
@@ -556,6 +664,9 @@ class Trainer:
         eval_every = t.eval_every_samples or num_train
         budget = self._budget_samples()
         next_eval = c["evals"] * eval_every if not resumed else c.get("next_eval", 0)
+        # the bar counts training samples towards the sample budget (none: a count), its
+        # postfix the last evaluation towards the target; the target or a time budget
+        # ending the run first closes it at 100% with the stop reason
         bar = tqdm(
             total=budget,
             initial=min(rt.samples, budget or rt.samples),
@@ -566,6 +677,8 @@ class Trainer:
             desc=f"{cfg.protocol.name} [{_layout(cfg)}]",
             leave=True,
         )
+        postfix = (None, None)  # (last evaluation record, best metric then)
+        bar.set_postfix_str(_bar_postfix(cfg, None, None, c["reached_samples"]), refresh=False)
         last_eval_samples = -1 if not resumed else c.get("last_eval_samples", -1)
         try:
             while True:
@@ -586,11 +699,9 @@ class Trainer:
                         if record is not None and metrics is not None:
                             metrics.write(record)
                             self.tensorboard.write(record)
-                            bar.set_postfix(
-                                acc=f"{record['eval_metric']:.4f}",
-                                loss=f"{record['eval_loss']:.3f}",
-                                sigma=f"{record['staleness_mean']:.2f}",
-                                refresh=False,
+                            postfix = (record, c.get("best_metric"))
+                            bar.set_postfix_str(
+                                _bar_postfix(cfg, *postfix, c["reached_samples"]), refresh=False
                             )
                     while next_eval <= rt.samples:
                         next_eval += eval_every
@@ -612,6 +723,11 @@ class Trainer:
                     if c["stop_reason"] or (every and c["evals"] % every == 0):
                         self._save_checkpoint()
                     if c["stop_reason"]:
+                        bar.total = bar.n  # what ended the run is reached: 100%
+                        bar.set_postfix_str(
+                            _bar_postfix(cfg, *postfix, c["reached_samples"], c["stop_reason"]),
+                            refresh=False,
+                        )
                         break
                 lr = self._lr()
                 t0 = time.perf_counter()
@@ -743,6 +859,15 @@ class Trainer:
         if error:
             summary["error"] = error
         return summary
+
+
+def _upgraded_counters(saved: dict[str, Any]) -> dict[str, Any]:
+    """Trainer counters of a checkpoint, with the name an earlier version gave the best
+    evaluation (``best_accuracy``: accuracy was the only metric) changed to today's."""
+    saved = dict(saved)
+    if "best_accuracy" in saved:
+        saved.setdefault("best_metric", saved.pop("best_accuracy"))
+    return saved
 
 
 def _check_checkpoint_entries(state: dict[str, Any], path: Path) -> None:

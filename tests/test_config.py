@@ -257,3 +257,35 @@ def test_layouts_that_cannot_fit_are_config_errors(overrides, fragment):
     with pytest.raises(ConfigError, match="dist.num_processes = ") as e:
         RunConfig.from_toml(None, ["runtime=dist", *overrides])
     assert fragment in str(e.value)
+
+
+def test_factory_settings_and_kwargs_round_trip_and_bad_values_are_one_line(tmp_path):
+    cfg = RunConfig.from_toml(
+        None,
+        [
+            "model.factory=pkg.model:build",
+            "model.kwargs.hidden=3",
+            "model.kwargs.shape=[1, 2]",
+            'data.kwargs={path = "a \\"b\\"", sub = {n = 1}}',
+            "train.metric=pkg.metrics:f1",
+            "train.metric_direction=max",
+        ],
+    )
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.to_toml())
+    assert RunConfig.from_toml(path) == cfg
+    assert cfg.data.kwargs == {"path": 'a "b"', "sub": {"n": 1}}
+    bad = [
+        ({"model": {"factory": "no_colon"}}, r"model.factory = 'no_colon' is not allowed"),
+        ({"model": {"kwargs": {"x": None}}}, r"model.kwargs.x = None is not allowed"),
+        ({"data": {"kwargs": [1]}}, r"data.kwargs = \[1\] is not allowed"),
+        ({"train": {"metric": "f1"}}, r"train.metric = 'f1' is not allowed"),
+        ({"train": {"metric": "perplexity", "target": -1.0}}, None),
+    ]
+    for raw, message in bad:
+        if message is None:
+            RunConfig.from_dict(raw)  # a min metric's target may be any number
+            continue
+        with pytest.raises(ConfigError, match=message) as e:
+            RunConfig.from_dict(raw)
+        assert "\n" not in str(e.value)

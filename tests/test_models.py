@@ -82,10 +82,17 @@ def test_unknown_name() -> None:
     assert "'resnet20'" in str(info.value)
 
 
-@pytest.mark.parametrize("shape", [(1, 28), (0, 28, 28), (1, 28.0, 28)])
-def test_bad_input_shape(shape: tuple) -> None:
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [("cnn", (1, 28)), ("mlp", (0, 28, 28)), ("mlp", (1, 28.0, 28)), ("mlp", ())],
+)
+def test_bad_input_shape(name: str, shape: tuple) -> None:
     with pytest.raises(ValueError, match="input_shape"):
-        build_model("mlp", shape, 10)
+        build_model(name, shape, 10)
+
+
+def test_mlp_takes_features_of_any_shape() -> None:
+    assert build_model("mlp", (12,), 3)(torch.zeros(5, 12)).shape == (5, 3)
 
 
 def test_too_small_images_and_bad_classes() -> None:

@@ -269,3 +269,22 @@ def test_read_metrics_ignores_a_torn_last_line_but_not_corruption(tmp_path):
     p.write_text('{"a": 1}\ngarbage\n{"a": 3}\n')
     with pytest.raises(ValueError, match="line 2"):
         read_metrics(p)
+
+
+def test_resume_of_a_run_written_with_the_former_accuracy_names(tmp_path):
+    """A run directory of the version whose only metric was accuracy: config.toml says
+    ``train.target_accuracy``, the checkpoint's counters ``best_accuracy``."""
+    from distsgd.metrics import save_checked
+
+    run = tmp_path / "r"
+    distsgd.train(small_config(train={"max_epochs": 1}), out_dir=run)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    state["trainer"]["best_accuracy"] = state["trainer"].pop("best_metric")
+    save_checked(state, run / "checkpoint.pt")
+    toml = (run / "config.toml").read_text().replace("\ntarget = ", "\ntarget_accuracy = ")
+    assert "\ntarget_accuracy = " in toml
+    (run / "config.toml").write_text(toml)
+    s = distsgd.train(resume=run, overrides=["train.max_epochs=2"])
+    records = read_metrics(run / "metrics.jsonl")
+    assert s["status"] == "completed" and s["epochs"] == 2
+    assert s["best_metric"] == max(r["eval_metric"] for r in records)

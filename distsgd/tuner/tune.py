@@ -93,6 +93,7 @@ def tune(
         KeyboardInterrupt: Ctrl-C; the probes' run directories and ``decisions.jsonl``
             written so far stay in ``out_dir``, no plan is written.
     """
+    check_tunable(config)
     session = TuneSession.setup(config, out_dir, budget_s=budget_s, progress=progress)
     session.cold_start()
     session.joint_search()
@@ -104,6 +105,30 @@ def tune(
     if verify:
         saved = verify_plan(session.out, progress=progress)
     return saved
+
+
+def check_tunable(config: RunConfig) -> None:
+    """Refuse what the search cannot tune, in one line.
+
+    The plan maps the target to a training loss through a line fitted between the metric
+    and the training loss near the target (``1 − metric = e0 + s · loss``, accuracy-like
+    metrics: higher is better, :class:`~distsgd.tuner.perf_model.ErrorVsLoss`), and its
+    learning-rate step qualifies evaluations within ``tune.step_margin`` of the target in
+    the metric's units. A metric whose direction is ``min`` (a loss, perplexity) is not
+    covered by that model.
+
+    Raises:
+        ConfigError: ``train.metric`` is lower-is-better.
+    """
+    t = config.train
+    direction = t.metric_direction or ("max" if t.metric == "accuracy" else "min")
+    if direction != "max":
+        raise ConfigError(
+            f"train.metric = {t.metric!r} is not allowed for distsgd tune: its direction is "
+            "'min', and the tuner's time-to-target model covers higher-is-better metrics "
+            "(accuracy, or a user metric with train.metric_direction = 'max'); train it "
+            "with distsgd train"
+        )
 
 
 def verify_plan(tune_dir: Path, progress: bool = True) -> dict[str, Any]:
