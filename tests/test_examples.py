@@ -1,13 +1,15 @@
 """The two user projects in ``examples/``: their own code on its own (shapes, a loss that
 falls in a few plain steps), then each trained through distsgd at small size, as a user
 runs it (the example's directory current and on ``sys.path``), on hardsync, n-softsync and
-SMA on the simulated runtime, and on real processes (slow)."""
+SMA on the simulated runtime (its model.pt loaded into a fresh module reproduces the
+final evaluation), and on real processes (slow)."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import math
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
@@ -193,6 +195,15 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _fresh_model_from(run_dir: Path, build) -> tuple[nn.Module, dict]:
+    """A new module built with the run's ``[model.kwargs]`` holding the run's ``model.pt``
+    (as the examples' READMEs show), and the run's config."""
+    cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    model = build(**cfg["model"]["kwargs"])
+    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+    return model, cfg
+
+
 def _check_summary(summary: dict, records: list[dict], direction: str, target: float) -> None:
     """The summary's metric keys agree with the evaluation records."""
     metrics = [r["eval_metric"] for r in records]
@@ -211,8 +222,7 @@ def _check_summary(summary: dict, records: list[dict], direction: str, target: f
 
 
 @pytest.mark.parametrize("config", PROTOCOL_CONFIGS)
-def test_charlm_trains_on_the_simulated_runtime(monkeypatch, tmp_path, config):
-    _enter(monkeypatch, "charlm")
+def test_charlm_trains_on_the_simulated_runtime(charlm, tmp_path, config):
     summary = distsgd.train(config, overrides=CHARLM_SMALL + FIXED_DEVICE, out_dir=tmp_path / "r")
     records = _records(tmp_path / "r")
     assert [r["samples"] for r in records] == [0, 128, 256, 384]
@@ -223,11 +233,17 @@ def test_charlm_trains_on_the_simulated_runtime(monkeypatch, tmp_path, config):
     assert records[0]["eval_metric"] > 150
     assert records[-1]["eval_metric"] < records[0]["eval_metric"] / 2
     _check_summary(summary, records, "min", 60.0)
+    # model.pt (the central model for SMA and the parameter server) in a fresh module
+    # reproduces the final evaluation; float32 sums in other batches: 1e-5 relative
+    model, cfg = _fresh_model_from(tmp_path / "r", charlm[1].build)
+    _, (eval_x, eval_y) = charlm[0].load(**cfg["data"]["kwargs"])
+    assert charlm[1].perplexity(model, eval_x, eval_y) == pytest.approx(
+        summary["final_metric"], rel=1e-5
+    )
 
 
 @pytest.mark.parametrize("config", PROTOCOL_CONFIGS)
-def test_tabular_trains_on_the_simulated_runtime(monkeypatch, tmp_path, config):
-    _enter(monkeypatch, "tabular")
+def test_tabular_trains_on_the_simulated_runtime(tabular, tmp_path, config):
     summary = distsgd.train(config, overrides=TABULAR_SMALL + FIXED_DEVICE, out_dir=tmp_path / "r")
     records = _records(tmp_path / "r")
     assert [r["samples"] for r in records] == [0, 128, 256, 384]
@@ -236,6 +252,15 @@ def test_tabular_trains_on_the_simulated_runtime(monkeypatch, tmp_path, config):
     assert records[0]["eval_metric"] < 0.3
     assert records[-1]["eval_metric"] > records[0]["eval_metric"] + 0.3
     _check_summary(summary, records, "max", 0.5)
+    # model.pt with its BatchNorm buffers (recomputed for the evaluated model) reproduces
+    # the final evaluation; another batch size may round a logit differently in float32,
+    # which could flip a near tie: one row of the 80 at most
+    model, cfg = _fresh_model_from(tmp_path / "r", tabular[1].build)
+    _, held_out = tabular[0].load(**cfg["data"]["kwargs"])
+    assert len(held_out) == 80
+    assert tabular[1].accuracy(model, *held_out.tensors) == pytest.approx(
+        summary["final_metric"], abs=1 / 80
+    )
 
 
 @pytest.mark.slow
