@@ -166,8 +166,11 @@ def check_kwargs(setting: str, value: Any) -> None:
 
 
 def _check_toml_value(setting: str, value: Any) -> None:
-    if isinstance(value, dict):
-        check_kwargs(setting, value)
+    if isinstance(value, dict):  # a nested table: any string keys
+        if not all(isinstance(k, str) for k in value):
+            fail(setting, value, "a table with string keys")
+        for key, v in value.items():
+            _check_toml_value(f"{setting}.{key}", v)
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
             _check_toml_value(f"{setting}[{i}]", v)
