@@ -371,6 +371,29 @@ def test_parameter_server_softsync_with_adamw_on_real_processes(tmp_path):
     assert "AdamW" in server["config"]["optimizer"]
 
 
+@pytest.mark.slow
+def test_sma_with_adamw_on_real_processes_equals_the_simulator(tmp_path):
+    """The replicas' local AdamW on two device ranks of two replicas each: SMA's schedule is
+    deterministic, so the replicas equal the simulator's (SPEC's sim ≡ dist equivalence)."""
+    stacks = {}
+    for runtime in ("sim", "dist"):
+        cfg = small_config(
+            runtime=runtime,
+            protocol={"name": "sma", "num_learners": 4, "replicas_per_device": 2, "batch_size": 16},
+            optimizer={"name": ADAMW, "lr": 0.003, "kwargs": ADAMW_KWARGS},
+            train={"max_epochs": 0, "max_samples": 512, "eval_every_samples": 256},
+            dist={"timeout_s": 60.0},
+        )
+        distsgd.train(cfg, out_dir=tmp_path / runtime)
+        state = torch.load(tmp_path / runtime / "checkpoint.pt", weights_only=True)
+        ranks = state["runtime"].get("ranks")
+        protos = [r["protocol"] for r in ranks] if ranks else [state["protocol"]]
+        stacks[runtime] = torch.cat([p["replicas"] for p in protos])
+    # each rank applies the same float32 maths to its rows as the simulator's one stack;
+    # the bound leaves room for another kernel order on another CPU (measured: equal)
+    torch.testing.assert_close(stacks["dist"], stacks["sim"], rtol=0, atol=1e-6)
+
+
 # ---- (e) refusals: one line each ------------------------------------------------------
 
 
