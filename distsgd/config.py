@@ -1289,22 +1289,55 @@ _RENAMED: dict[tuple[str, str], str] = {("train", "target_accuracy"): "target"}
 """Settings read under their former names (config.toml of runs written before the rename)."""
 
 
-def _toml_key(k: str) -> str:
-    """``k`` as a TOML key: bare when it is ASCII letters, digits, ``_`` and ``-``."""
-    bare = k.isascii() and k.replace("_", "").replace("-", "").isalnum()
-    return k if bare else _toml_value(k)
+_TOML_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped."""
+    out = []
+    for ch in text:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_key(key: str) -> str:
+    """A TOML key: bare when it is letters, digits, ``_`` and ``-`` only, else quoted."""
+    if key and all(ch.isascii() and (ch.isalnum() or ch in "_-") for ch in key):
+        return key
+    return _toml_string(key)
 
 
 def _toml_value(v: Any) -> str:
+    """One TOML value: bool, int, float (``inf``/``nan`` too), string, list, or dict as an
+    inline table (nested as deep as it goes).
+
+    Raises:
+        TypeError: any other object (None included: TOML has no null).
+    """
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _toml_string(v)
     if isinstance(v, list | tuple):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):  # an inline table: optimizer.kwargs, schedule.kwargs
+    if isinstance(v, dict):
+        if any(not isinstance(k, str) for k in v):
+            raise TypeError(f"cannot write {v!r} as TOML: table keys must be strings")
         return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
 

@@ -38,7 +38,14 @@ from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
 from distsgd.tuner.omnivore import Candidate, ProbeResult
 
-__all__ = ["candidate_config", "Prober", "check_runtime", "check_tunable", "RunClock", "LongRun"]
+__all__ = [
+    "candidate_config",
+    "Prober",
+    "check_runtime",
+    "check_optimizer_searchable",
+    "RunClock",
+    "LongRun",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +113,7 @@ def check_runtime(runtime: str) -> None:
         )
 
 
-def check_tunable(cfg: RunConfig) -> None:
+def check_optimizer_searchable(cfg: RunConfig) -> None:
     """Raise ConfigError when the base config names what the tuner would silently replace:
     an ``optimizer.name`` other than ``"sgd"`` (Omnivore's search, SPEC §3, and the joint
     search probe SGD's η × μ grids) or a torch scheduler in ``schedule.kind`` (the plan
