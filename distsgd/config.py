@@ -14,6 +14,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+import inspect
 import math
 import os
 import tomllib
@@ -21,10 +24,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from distsgd.checks import ConfigError, check_choice, check_float, check_int, fail
 from distsgd.factories import is_import_path
 from distsgd.layout import PROTOCOL_SETTINGS, PROTOCOLS, fitted, spec_for
-from distsgd.protocols import SERVER_OPTIMIZERS, STALENESS_LR
+from distsgd.protocols import SERVER_OPTIMIZERS, STALENESS_LR, OptimizerFactory
 
 __all__ = [
     "ConfigError",
@@ -166,8 +171,11 @@ def check_kwargs(setting: str, value: Any) -> None:
 
 
 def _check_toml_value(setting: str, value: Any) -> None:
-    if isinstance(value, dict):
-        check_kwargs(setting, value)
+    if isinstance(value, dict):  # a nested table: any string keys
+        if not all(isinstance(k, str) for k in value):
+            fail(setting, value, "a table with string keys")
+        for key, v in value.items():
+            _check_toml_value(f"{setting}.{key}", v)
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
             _check_toml_value(f"{setting}[{i}]", v)
@@ -192,10 +200,14 @@ class ProtocolConfig:
         staleness_lr: learning-rate modulation by staleness (parameter server and compute
             groups): ``none`` (α0), ``softsync`` (α0/n), ``measured`` (α0 / running mean σ)
             or ``per_gradient`` (each gradient scaled by α0/σ; α0 when σ = 0).
-        server_optimizer: ``sgd`` (with momentum, Caffe-style experiments) or ``adagrad``.
+        server_optimizer: ``sgd``: the ``[optimizer]`` section's optimizer (SGD with
+            momentum by default, as Rudra's Caffe-style experiments; another torch.optim
+            optimizer when ``optimizer.name`` names one), or ``adagrad``: Rudra's AdaGrad
+            server, its own optimizer (needs ``optimizer.name = "sgd"``).
         num_groups: g compute groups; must divide λ.
         momentum_compensation: compute groups: explicit momentum
-            μ = max(0, μ_target − (1 − 1/g)) where μ_target is ``optimizer.momentum``.
+            μ = max(0, μ_target − (1 − 1/g)) where μ_target is ``optimizer.momentum``
+            (SGD momentum: needs ``optimizer.name = "sgd"``).
         replicas_per_device: k learners sharing one device (SMA, local SGD); must divide λ.
             ``"auto"``: Crossbow's auto-tuner chooses k (SPEC.md §4; simulated seconds on
             the simulated runtime, the slowest rank's wall seconds on ``dist``): the run starts with
@@ -309,23 +321,125 @@ class ProtocolConfig:
         return self.num_learners * self.batch_size
 
 
+def _one_line(error: BaseException) -> str:
+    """``"Type: message"`` of ``error`` on one line (at most 200 characters)."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _import_class(key: str, path: Any, base: type, what: str) -> type:
+    """The subclass of ``base`` an import path ``"package.module:Name"`` names (``Name``
+    may be dotted).
+
+    Raises:
+        ConfigError: ``path`` is not of that form, its module does not import, the module
+            has no such name, or it is not a subclass of ``base``; the message names
+            ``key`` and ``what`` is expected.
+    """
+    module_name, _, attr = path.partition(":") if isinstance(path, str) else ("", "", "")
+    if not module_name or not attr:
+        fail(key, path, f"an import path 'module:Class' of {what}")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # the user's module may raise anything while importing
+        fail(key, path, f"an import path of {what} whose module imports ({_one_line(e)})")
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            fail(key, path, f"an import path of {what} (module {module_name!r} has no {attr!r})")
+        obj = getattr(obj, part)
+    if not isinstance(obj, type) or not issubclass(obj, base):
+        named = f"{obj.__module__}.{obj.__qualname__}" if isinstance(obj, type) else "a "
+        named += "" if isinstance(obj, type) else type(obj).__name__
+        fail(key, path, f"an import path of {what} (it names {named})")
+    return obj
+
+
+def _check_kwargs(key: str, kwargs: Any, reserved: tuple[str, ...]) -> None:
+    """``kwargs`` must be a table of keyword arguments (:func:`check_kwargs`) without the
+    ``reserved`` names."""
+    check_kwargs(key, kwargs)
+    taken = [k for k in reserved if k in kwargs]
+    if taken:
+        fail(key, kwargs, f"no {', '.join(repr(k) for k in taken)} key (distsgd passes it)")
+
+
+def _accepts_keyword(cls: type, name: str) -> bool:
+    """Whether ``cls(...)`` takes the keyword argument ``name`` (or any, ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the constructor decide
+        return True
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _probe_coordinate_wise(make: OptimizerFactory) -> bool:
+    """Whether ``make``'s optimizer updates a ``[2, 3]`` stack row by row exactly as two
+    optimizers of the rows would, over three steps with rows of unlike gradients.
+
+    Raises:
+        Exception: whatever constructing or stepping the optimizer raises.
+    """
+    grads = torch.tensor([[0.5, -1.0, 2.0], [30.0, 0.1, -7.0]])
+    stack = torch.tensor([[0.1, 0.2, 0.3], [1.0, -2.0, 3.0]])
+    rows = [stack[i].clone() for i in range(2)]
+    pairs = [(stack, grads)] + [(r, grads[i]) for i, r in enumerate(rows)]
+    optimizers = [make([p]) for p, _ in pairs]
+    for t in range(1, 4):
+        for opt, (p, g) in zip(optimizers, pairs, strict=True):
+            p.grad = g * t
+            opt.step()
+            p.grad = None
+    # rtol: the same elementwise maths on a [2, 3] and a [3] tensor may take other
+    # vectorised kernels (fused multiply-adds or not) on some CPUs, a few float32 ulps
+    # apart; an optimizer that mixes rows (a factored or norm-based one) is off by far more.
+    return all(torch.allclose(stack[i], rows[i], rtol=1e-5, atol=1e-7) for i in range(2))
+
+
 @dataclass
 class OptimizerConfig:
-    """Learning rate and momentum of the update rule.
+    """The optimizer that applies the protocol's updates, and its base learning rate.
+
+    What it steps (SPEC.md §1–§5): hardsync / plain the shared weights; the parameter
+    server and compute groups the server's weights (``protocol.server_optimizer = "sgd"``;
+    ``"adagrad"`` is Rudra's own AdaGrad server and needs ``name = "sgd"``); SMA and local
+    SGD each replica's weights (one optimizer over the stack of replicas, each replica's
+    state its own). Every optimizer steps one flat vector of all parameters ``[P]`` (or
+    the stack ``[λ, P]``), so it must be *coordinate-wise*: each coordinate updated from its
+    own gradient history, as SGD, Adam, AdamW, Adagrad, RMSprop, NAdam, RAdam, Adamax,
+    Adadelta, ASGD and Rprop are. A probe at validation checks it (Adafactor's factored
+    moments and Muon's orthogonalisation are refused).
+
+    What assumes SGD: ``momentum``, ``nesterov`` and ``protocol.momentum_compensation``
+    (Omnivore's rule lowers SGD momentum), Rudra's AdaGrad server, and ``distsgd tune``
+    (it searches SGD's η × μ grids); each refuses another ``name`` with one line.
 
     Attributes:
-        lr: base learning rate α0 (γ for SMA), > 0.
-        momentum: μ in [0, 1): the optimizer's momentum (server momentum for the parameter
-            server, the target momentum for compute groups, local momentum for SMA and
-            local SGD replicas).
-        weight_decay: L2 coefficient, >= 0.
-        nesterov: Nesterov momentum (SGD only).
+        name: ``"sgd"`` (torch.optim.SGD with ``momentum``, ``weight_decay`` and
+            ``nesterov``; the default) or the import path ``"module:Class"`` of a
+            torch.optim.Optimizer subclass, e.g. ``"torch.optim:AdamW"``, built as
+            ``Class([param], lr=lr, **kwargs)`` (plus ``weight_decay`` when > 0).
+        lr: base learning rate α0 (γ for SMA), > 0, of every optimizer; the schedule
+            scales it and the protocol sets it on every step.
+        momentum: μ in [0, 1), SGD only: the server momentum for the parameter server, the
+            target momentum for compute groups, local momentum for SMA and local SGD
+            replicas. With an import path it is not used (a momentum-like setting goes in
+            ``kwargs``, e.g. ``betas``) and a value other than its default 0.9 is refused.
+        weight_decay: L2 coefficient, >= 0. ``"sgd"``: SGD's. Import path: when > 0,
+            passed as the class's ``weight_decay`` argument (refused when it has none, or
+            when ``kwargs`` sets it too); 0 leaves the class's own default (AdamW: 0.01;
+            write ``kwargs = {weight_decay = 0.0}`` for none).
+        nesterov: Nesterov momentum, SGD only.
+        kwargs: keyword arguments of the class named by an import path (TOML table
+            ``[optimizer.kwargs]``, or ``--set optimizer.kwargs.betas=[0.9, 0.95]``); no
+            ``lr`` (use ``lr``) or ``params``; ``{}`` with ``"sgd"``.
     """
 
+    name: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
     nesterov: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_float("optimizer.lr", self.lr, 0.0, min_inclusive=False)
@@ -337,27 +451,180 @@ class OptimizerConfig:
             fail("optimizer.nesterov", self.nesterov, "true or false")
         if self.nesterov and self.momentum == 0:
             fail("optimizer.nesterov", self.nesterov, "false when optimizer.momentum = 0")
+        _check_kwargs("optimizer.kwargs", self.kwargs, ("lr", "params"))
+        self._class: type[torch.optim.Optimizer] | None = None
+        if self.name == "sgd":
+            if self.kwargs:
+                fail(
+                    "optimizer.kwargs",
+                    self.kwargs,
+                    "{} with optimizer.name = 'sgd' (name an import path such as "
+                    "'torch.optim:SGD' to pass keyword arguments)",
+                )
+            return
+        self._class = self._resolve_class()
+        self._check_sgd_settings()
+        make = self.optimizer_factory()
+        assert make is not None  # an import path
+        try:
+            coordinate_wise = _probe_coordinate_wise(make)
+        except Exception as e:  # the user's class may raise anything
+            raise ConfigError(
+                f"optimizer.name = {self.name!r} with optimizer.kwargs = {self.kwargs!r} is "
+                "not allowed: expected an optimizer that these keyword arguments build and "
+                f"whose step() updates one flat tensor from its gradient ({_one_line(e)})"
+            ) from None
+        if not coordinate_wise:
+            fail(
+                "optimizer.name",
+                self.name,
+                "a coordinate-wise optimizer (each coordinate updated from its own gradient "
+                "history): distsgd steps one flat [P] vector or a [λ, P] stack of replicas, "
+                "and this one's update of a row depends on the other rows",
+            )
+
+    def _resolve_class(self) -> type[torch.optim.Optimizer]:
+        if not isinstance(self.name, str) or ":" not in self.name:
+            fail(
+                "optimizer.name",
+                self.name,
+                "'sgd' or an import path 'module:Class' of a torch.optim.Optimizer "
+                "subclass, e.g. 'torch.optim:AdamW'",
+            )
+        what = "a torch.optim.Optimizer subclass"
+        return _import_class("optimizer.name", self.name, torch.optim.Optimizer, what)
+
+    def _check_sgd_settings(self) -> None:
+        """With an import path: refuse the SGD-only settings, map ``weight_decay``."""
+        assert self._class is not None
+        why = f"with optimizer.name = {self.name!r}: it applies to 'sgd' only"
+        if self.nesterov:
+            fail("optimizer.nesterov", self.nesterov, f"false {why} (use optimizer.kwargs)")
+        if self.momentum != 0.9:
+            fail(
+                "optimizer.momentum",
+                self.momentum,
+                f"it left out (its default 0.9) {why}; the optimizer's own settings, "
+                "e.g. betas, go in optimizer.kwargs",
+            )
+        if self.weight_decay > 0:
+            if "weight_decay" in self.kwargs:
+                fail(
+                    "optimizer.weight_decay",
+                    self.weight_decay,
+                    f"0 when optimizer.kwargs sets weight_decay = "
+                    f"{self.kwargs['weight_decay']!r} (one place for it)",
+                )
+            if not _accepts_keyword(self._class, "weight_decay"):
+                fail(
+                    "optimizer.weight_decay",
+                    self.weight_decay,
+                    f"0 with optimizer.name = {self.name!r} (its constructor takes no "
+                    "weight_decay)",
+                )
+
+    @property
+    def is_sgd(self) -> bool:
+        """True for ``name = "sgd"`` (torch.optim.SGD with this section's SGD settings)."""
+        return self.name == "sgd"
+
+    def optimizer_factory(self) -> OptimizerFactory | None:
+        """``[param] → optimizer`` of the class ``name`` imports (:data:`~distsgd.protocols.
+        OptimizerFactory`): ``Class([param], lr=lr, **kwargs)`` plus ``weight_decay`` when
+        > 0. None for ``"sgd"``: the protocols build SGD from ``momentum``,
+        ``weight_decay`` and ``nesterov`` themselves (today's rule, bit for bit)."""
+        if self._class is None:
+            return None
+        kwargs = dict(self.kwargs)
+        if self.weight_decay > 0:
+            kwargs["weight_decay"] = self.weight_decay
+        return functools.partial(self._class, lr=self.lr, **kwargs)
+
+
+class _SchedulerReplay:
+    """The rate of a torch LR scheduler after n steps, replayed on a proxy optimizer.
+
+    Queries with non-decreasing n advance the live scheduler (O(1) amortised per step);
+    a smaller n, or another base rate, replays from scratch. The live scheduler is not
+    part of a copy or a pickle (it is rebuilt on the next query).
+    """
+
+    def __init__(self, cls: type, kwargs: dict[str, Any]) -> None:
+        self.cls, self.kwargs = cls, kwargs
+        self._reset()
+
+    def _reset(self) -> None:
+        self._base_lr: float | None = None
+        self._steps = 0
+        self._proxy: torch.optim.Optimizer | None = None
+        self._scheduler: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"cls": self.cls, "kwargs": self.kwargs}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.cls, self.kwargs = state["cls"], state["kwargs"]
+        self._reset()
+
+    def lr(self, base_lr: float, steps: int) -> float:
+        """The rate the scheduler sets after ``steps`` steps on an optimizer of rate
+        ``base_lr``.
+
+        Raises:
+            Exception: whatever constructing or stepping the scheduler raises (e.g.
+                OneCycleLR stepped past ``total_steps``).
+        """
+        if self._scheduler is None or base_lr != self._base_lr or steps < self._steps:
+            self._proxy = torch.optim.SGD([torch.zeros(1)], lr=base_lr)
+            self._scheduler = self.cls(self._proxy, **self.kwargs)
+            self._base_lr, self._steps = base_lr, 0
+        assert self._proxy is not None
+        while self._steps < steps:
+            self._proxy.step()  # no gradient: nothing moves; torch wants it before step()
+            self._scheduler.step()
+            self._steps += 1
+        return float(self._proxy.param_groups[0]["lr"])
 
 
 @dataclass
 class ScheduleConfig:
     """Learning-rate schedule over training progress measured in epochs (samples / train size).
 
+    The rate is a pure function of progress (asynchronous learners, a resumed run and the
+    simulated clock all ask for the rate at a number of samples), so a torch scheduler is
+    replayed: **one scheduler step per 1 / ``steps_per_epoch`` epochs of training
+    samples**, counted from the start of the run. At ``epoch`` the rate is the one the
+    scheduler sets on an optimizer of rate ``optimizer.lr`` after
+    ``⌊epoch · steps_per_epoch + 1e-9⌋`` calls of ``scheduler.step()`` (the 1e-9 absorbs
+    float rounding at exact boundaries). ``steps_per_epoch = 1`` (default) steps once per
+    epoch, as ``scheduler.step()`` at the end of each epoch of a plain loop;
+    ``steps_per_epoch = num_train / (λ·b)`` steps once per λ·b samples (a synchronous
+    iteration). Only the rate is used (momentum cycling of CyclicLR / OneCycleLR is not).
+
     Attributes:
-        kind: ``constant`` or ``step`` (multiply by ``decay_factor`` at each epoch in
-            ``decay_epochs``).
-        warmup_epochs: linear warm-up from 0.1·lr to lr over this many epochs (0: none).
+        kind: ``constant``, ``step`` (multiply by ``decay_factor`` at each epoch in
+            ``decay_epochs``), or the import path ``"module:Class"`` of a
+            ``torch.optim.lr_scheduler.LRScheduler`` subclass whose ``step()`` takes no
+            metric, e.g. ``"torch.optim.lr_scheduler:CosineAnnealingLR"`` (ReduceLROnPlateau
+            is refused: its rate depends on a metric, not on progress).
+        warmup_epochs: linear warm-up from 0.1·lr to lr over this many epochs (0: none),
+            multiplying any kind's rate.
         decay_epochs: epochs at which the step schedule decays, increasing.
         decay_factor: multiplier at each decay, in (0, 1].
+        kwargs: keyword arguments of the scheduler class (TOML table
+            ``[schedule.kwargs]``, e.g. ``{T_max = 10}`` in scheduler steps); no
+            ``optimizer``; ``{}`` with ``constant`` and ``step``.
+        steps_per_epoch: scheduler steps per epoch, > 0 (import-path kinds only).
     """
 
     kind: str = "constant"
     warmup_epochs: float = 0.0
     decay_epochs: list[float] = field(default_factory=list)
     decay_factor: float = 0.1
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    steps_per_epoch: float = 1.0
 
     def __post_init__(self) -> None:
-        check_choice("schedule.kind", self.kind, SCHEDULES)
         check_float("schedule.warmup_epochs", self.warmup_epochs, 0.0)
         if (
             not isinstance(self.decay_epochs, list)
@@ -369,14 +636,77 @@ class ScheduleConfig:
         ):
             fail("schedule.decay_epochs", self.decay_epochs, "an increasing list of epochs > 0")
         check_float("schedule.decay_factor", self.decay_factor, 0.0, 1.0, min_inclusive=False)
+        check_float("schedule.steps_per_epoch", self.steps_per_epoch, 0.0, min_inclusive=False)
+        _check_kwargs("schedule.kwargs", self.kwargs, ("optimizer",))
+        self._replay: _SchedulerReplay | None = None
+        if self.kind in SCHEDULES:
+            if self.kwargs:
+                fail(
+                    "schedule.kwargs",
+                    self.kwargs,
+                    f"{{}} with schedule.kind = {self.kind!r} (keyword arguments are for a "
+                    "torch scheduler named by an import path)",
+                )
+            return
+        if not isinstance(self.kind, str) or ":" not in self.kind:
+            fail(
+                "schedule.kind",
+                self.kind,
+                "'constant', 'step' or an import path 'module:Class' of a "
+                "torch.optim.lr_scheduler.LRScheduler subclass, e.g. "
+                "'torch.optim.lr_scheduler:CosineAnnealingLR'",
+            )
+        cls = self._resolve_class()
+        try:  # build and step it once: keyword arguments the class rejects fail now
+            _SchedulerReplay(cls, dict(self.kwargs)).lr(1.0, 2)
+        except Exception as e:  # the user's class may raise anything
+            raise ConfigError(
+                f"schedule.kind = {self.kind!r} with schedule.kwargs = {self.kwargs!r} is not "
+                "allowed: expected a scheduler that these keyword arguments build and that "
+                f"steps without arguments ({_one_line(e)})"
+            ) from None
+        self._replay = _SchedulerReplay(cls, dict(self.kwargs))
+
+    def _resolve_class(self) -> type:
+        lr_scheduler = torch.optim.lr_scheduler
+        what = "a torch.optim.lr_scheduler.LRScheduler subclass"
+        cls = _import_class("schedule.kind", self.kind, lr_scheduler.LRScheduler, what)
+        if issubclass(cls, lr_scheduler.ReduceLROnPlateau):
+            fail(
+                "schedule.kind",
+                self.kind,
+                "a scheduler whose step() takes no metric (distsgd needs the rate as a "
+                "function of training progress; ReduceLROnPlateau's follows a metric)",
+            )
+        return cls
+
+    def scheduler_steps(self, epoch: float) -> int:
+        """Scheduler steps taken by ``epoch``: ``⌊epoch · steps_per_epoch + 1e-9⌋``."""
+        return math.floor(epoch * self.steps_per_epoch + 1e-9)
 
     def lr_at(self, base_lr: float, epoch: float) -> float:
-        """Learning rate at fractional ``epoch`` (>= 0) for base rate ``base_lr``."""
+        """Learning rate at fractional ``epoch`` (>= 0) for base rate ``base_lr``.
+
+        Raises:
+            ConfigError: a torch scheduler that fails at this step (e.g. OneCycleLR past
+                its ``total_steps``).
+        """
         lr = base_lr
         if self.kind == "step":
             for e in self.decay_epochs:
                 if epoch >= e:
                     lr *= self.decay_factor
+        elif self._replay is not None:
+            steps = self.scheduler_steps(epoch)
+            try:
+                lr = self._replay.lr(base_lr, steps)
+            except Exception as e:  # the user's class may raise anything
+                raise ConfigError(
+                    f"schedule.kind = {self.kind!r} with schedule.kwargs = {self.kwargs!r} "
+                    f"is not allowed: expected a scheduler that takes {steps} steps (epoch "
+                    f"{epoch:.4g} at schedule.steps_per_epoch = {self.steps_per_epoch:g}; "
+                    f"{_one_line(e)})"
+                ) from None
         if self.warmup_epochs > 0 and epoch < self.warmup_epochs:
             lr *= 0.1 + 0.9 * epoch / self.warmup_epochs
         return lr
@@ -1103,7 +1433,10 @@ class RunConfig:
           other modes (:meth:`distsgd.layout.ProtocolSpec.settings`: n-softsync's ``softsync``
           outside mode ``softsync``, the auto-tuner's ``autotune_*`` unless
           ``replicas_per_device = "auto"``);
-        * ``schedule.decay_epochs``, ``schedule.decay_factor``: with ``kind = "constant"``;
+        * ``schedule.decay_epochs``, ``schedule.decay_factor``: unless ``kind = "step"``;
+          ``schedule.kwargs``, ``schedule.steps_per_epoch``: with a built-in kind;
+        * ``optimizer.kwargs`` with ``name = "sgd"``; ``optimizer.momentum`` and
+          ``nesterov`` with any other optimizer (they configure SGD only);
         * ``cluster.*``: on the ``dist`` runtime (the simulated cluster's device and
           network; ``summary.json`` echoes the configured profile, nothing uses it);
           ``cluster.seconds_per_replica`` and ``cluster.replica_ratios`` on the ``sim``
@@ -1126,8 +1459,14 @@ class RunConfig:
         unread.add("model.name" if self.model.factory else "model.factory")
         spec = spec_for(self.protocol)
         unread |= {f"protocol.{k}" for k in PROTOCOL_SETTINGS - spec.settings(self.protocol)}
-        if self.schedule.kind == "constant":
+        if self.schedule.kind != "step":
             unread |= {"schedule.decay_epochs", "schedule.decay_factor"}
+        if self.schedule.kind in SCHEDULES:
+            unread |= {"schedule.kwargs", "schedule.steps_per_epoch"}
+        if self.optimizer.name == "sgd":
+            unread.add("optimizer.kwargs")
+        else:
+            unread |= {"optimizer.momentum", "optimizer.nesterov"}
         if self.runtime == "dist":
             unread |= {f"cluster.{f.name}" for f in fields(ClusterConfig)}
             unread.add("train.max_virtual_seconds")

@@ -44,11 +44,23 @@ __all__ = [
     "PROTOCOL_SETTINGS",
     "ProtocolSpec",
     "build_protocol",
+    "optimizer_arguments",
     "sma_alpha",
     "spec_for",
 ]
 
 Protocol = SynchronousProtocol | AsynchronousProtocol
+
+
+def optimizer_arguments(o: OptimizerConfig) -> dict[str, Any]:
+    """The protocol constructor's optimizer arguments for the ``[optimizer]`` section:
+    ``momentum``, ``weight_decay`` and ``nesterov`` for ``name = "sgd"`` (torch.optim.SGD,
+    today's rule bit for bit), else ``make_optimizer``, the factory of the named class
+    (:meth:`~distsgd.config.OptimizerConfig.optimizer_factory`)."""
+    make = o.optimizer_factory()
+    if make is None:
+        return {"momentum": o.momentum, "weight_decay": o.weight_decay, "nesterov": o.nesterov}
+    return {"make_optimizer": make}
 
 
 def sma_alpha(alpha: float, num_learners: int) -> float:
@@ -144,7 +156,7 @@ class _HardSync(ProtocolSpec):
     name = "hardsync"
 
     def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
-        return HardSync(initial, p.num_learners, o.momentum, o.weight_decay, o.nesterov)
+        return HardSync(initial, p.num_learners, **optimizer_arguments(o))
 
 
 class _Plain(_HardSync):
@@ -168,11 +180,21 @@ class _Served(ProtocolSpec):
     reads = ProtocolSpec.reads | {"staleness_lr", "server_optimizer"}
 
     def check_optimizer(self, p: ProtocolConfig, o: OptimizerConfig) -> None:
-        """AdaGrad has no momentum (Rudra retunes its learning rate instead, SPEC §2).
+        """Rudra's AdaGrad server (SPEC §2) is its own optimizer, without momentum (Rudra
+        retunes its learning rate instead).
 
         Raises:
-            ConfigError: ``server_optimizer = "adagrad"`` with ``optimizer.momentum`` > 0.
+            ConfigError: ``server_optimizer = "adagrad"`` with ``optimizer.momentum`` > 0
+                or with an ``optimizer.name`` other than ``"sgd"``.
         """
+        if p.server_optimizer == "adagrad" and not o.is_sgd:
+            fail(
+                "protocol.server_optimizer",
+                p.server_optimizer,
+                f"'sgd' with optimizer.name = {o.name!r} (Rudra's AdaGrad server is its own "
+                "optimizer; for another one set optimizer.name alone, e.g. "
+                "'torch.optim:Adagrad')",
+            )
         if p.server_optimizer == "adagrad" and o.momentum != 0:
             fail("optimizer.momentum", o.momentum, "0 when protocol.server_optimizer = 'adagrad'")
 
@@ -231,9 +253,7 @@ class _ParameterServer(_Served):
             barrier=p.mode == "hardsync",
             staleness_lr=p.staleness_lr,
             optimizer=p.server_optimizer,
-            momentum=o.momentum,
-            weight_decay=o.weight_decay,
-            nesterov=o.nesterov,
+            **optimizer_arguments(o),
         )
 
     def fit(self, p: ProtocolConfig, dist: DistConfig, n: int) -> dict[str, int]:
@@ -258,6 +278,23 @@ class _ComputeGroups(_Served):
     name = "compute_groups"
     reads = _Served.reads | {"num_groups", "momentum_compensation"}
 
+    def check_optimizer(self, p: ProtocolConfig, o: OptimizerConfig) -> None:
+        """The server's rules, and: Omnivore's momentum compensation (SPEC §3) lowers SGD
+        momentum, so it needs SGD.
+
+        Raises:
+            ConfigError: as the parameter server's, or ``momentum_compensation`` with an
+                ``optimizer.name`` other than ``"sgd"``.
+        """
+        super().check_optimizer(p, o)
+        if p.momentum_compensation and not o.is_sgd:
+            fail(
+                "protocol.momentum_compensation",
+                p.momentum_compensation,
+                f"false with optimizer.name = {o.name!r} (Omnivore's compensation lowers "
+                "SGD momentum; it needs optimizer.name = 'sgd')",
+            )
+
     def validate(self, p: ProtocolConfig) -> None:
         lam = p.num_learners
         if p.num_groups > lam or lam % p.num_groups:
@@ -271,10 +308,8 @@ class _ComputeGroups(_Served):
             p.num_groups,
             staleness_lr=p.staleness_lr,
             optimizer=p.server_optimizer,
-            momentum=o.momentum,
-            weight_decay=o.weight_decay,
             momentum_compensation=p.momentum_compensation,
-            nesterov=o.nesterov,
+            **optimizer_arguments(o),
         )
 
     def fit(self, p: ProtocolConfig, dist: DistConfig, n: int) -> dict[str, int]:
@@ -348,9 +383,7 @@ class _SMA(_Replicated):
             replicas_per_device=p.initial_replicas_per_device,
             alpha=sma_alpha(p.alpha, p.num_learners),
             central_momentum=p.central_momentum,
-            momentum=o.momentum,
-            weight_decay=o.weight_decay,
-            nesterov=o.nesterov,
+            **optimizer_arguments(o),
         )
 
     def replica_settings(self, p: ProtocolConfig, k: int) -> dict[str, float]:
@@ -369,10 +402,8 @@ class _LocalSGD(_Replicated):
             initial,
             p.num_learners,
             average_every=p.average_every,
-            momentum=o.momentum,
-            weight_decay=o.weight_decay,
-            nesterov=o.nesterov,
             replicas_per_device=p.initial_replicas_per_device,
+            **optimizer_arguments(o),
         )
 
     def label(self, p: ProtocolConfig, num_learners: int | None, replicas: int | None) -> str:
@@ -412,12 +443,14 @@ def build_protocol(cfg: RunConfig, initial: Tensor) -> Protocol:
     :class:`ParameterServer` with ``softsync = cfg.protocol.effective_softsync`` and a
     barrier for mode ``hardsync``; ``compute_groups`` → :class:`ComputeGroups`; ``sma`` →
     :class:`SMA` with α = ``protocol.alpha``, or 1/λ when it is 0 (:func:`sma_alpha`);
-    ``local_sgd`` → :class:`LocalSGD`. ``optimizer.momentum``, ``weight_decay`` and
-    ``nesterov`` go to the protocol's optimizer (server, group server or replicas).
+    ``local_sgd`` → :class:`LocalSGD`. The protocol's optimizer (server, group server or
+    replicas) is :func:`optimizer_arguments`: ``optimizer.momentum``, ``weight_decay`` and
+    ``nesterov`` of SGD for ``optimizer.name = "sgd"``, else the factory of the named
+    torch.optim class.
 
     Raises:
-        ConfigError: ``protocol.server_optimizer = "adagrad"`` with
-            ``optimizer.momentum`` > 0 (parameter server and compute groups).
+        ConfigError: the optimizer rules of :meth:`ProtocolSpec.check_optimizer` (e.g.
+            ``protocol.server_optimizer = "adagrad"`` with ``optimizer.momentum`` > 0).
         ValueError: ``initial`` is not a non-empty 1-D floating-point tensor.
     """
     return spec_for(cfg.protocol).build(cfg.protocol, cfg.optimizer, initial)

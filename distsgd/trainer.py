@@ -816,7 +816,9 @@ class Trainer:
             "batch_size": p.batch_size,
             "global_batch": rt.num_learners * p.batch_size,
             "lr": cfg.optimizer.lr,
-            "momentum": cfg.optimizer.momentum,
+            "optimizer": cfg.optimizer.name,
+            # SGD's momentum; another optimizer's settings are optimizer.kwargs
+            "momentum": cfg.optimizer.momentum if cfg.optimizer.name == "sgd" else None,
             "seed": cfg.train.seed,
             "metric": self.engine.metric.name,
             "metric_direction": self.engine.metric.direction,

@@ -7,13 +7,20 @@
 * :class:`SMA` — Crossbow synchronous model averaging (SPEC.md §4).
 * :class:`LocalSGD` — local SGD with periodic averaging (SPEC.md §5).
 
+Each applies a torch.optim optimizer to one flat weight vector ``[P]`` (hardsync, the
+parameter server's and the compute groups' server) or to a replica stack ``[λ, P]`` (SMA,
+local SGD): SGD by default, or any coordinate-wise optimizer given as a factory
+(``make_optimizer``, :data:`OptimizerFactory`). What assumes SGD is stated in each
+docstring: Omnivore's momentum compensation (:class:`ComputeGroups`) and Rudra's AdaGrad
+server (:class:`ParameterServer`) take no factory.
+
 They know nothing of the config: :func:`distsgd.layout.build_protocol` makes the one a
 :class:`~distsgd.config.RunConfig` asks for.
 """
 
 from __future__ import annotations
 
-from ._util import SERVER_OPTIMIZERS, STALENESS_LR
+from ._util import SERVER_OPTIMIZERS, STALENESS_LR, OptimizerFactory
 from .base import AsynchronousProtocol, SynchronousProtocol, Update, make_sgd
 from .compute_groups import ComputeGroups
 from .hardsync import HardSync
@@ -24,6 +31,7 @@ from .sma import SMA
 __all__ = [
     "SERVER_OPTIMIZERS",
     "STALENESS_LR",
+    "OptimizerFactory",
     "AsynchronousProtocol",
     "ComputeGroups",
     "HardSync",

@@ -10,7 +10,10 @@ from torch import Tensor
 
 from distsgd.checks import check_bool, check_choice, check_float, check_int
 
+from .base import make_sgd
+
 __all__ = [  # re-exported for the protocol modules
+    "OptimizerFactory",
     "SERVER_OPTIMIZERS",
     "STALENESS_LR",
     "check_bool",
@@ -22,7 +25,15 @@ __all__ = [  # re-exported for the protocol modules
 STALENESS_LR = ("none", "softsync", "measured", "per_gradient")
 """Rudra's staleness-dependent learning rates (SPEC.md §2), see :class:`ParameterServer`."""
 SERVER_OPTIMIZERS = ("sgd", "adagrad")
-"""The parameter server's update rules (SPEC.md §2), see :class:`ParameterServer`."""
+"""The parameter server's update rules (SPEC.md §2), see :class:`ParameterServer`:
+``"sgd"`` is the protocol's optimizer (torch.optim.SGD, or the ``make_optimizer``
+factory's), ``"adagrad"`` Rudra's AdaGrad server."""
+
+OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
+"""``make_optimizer([param])`` → a torch.optim.Optimizer over exactly ``param``, a flat
+``[P]`` vector or a replica stack ``[λ, P]``, with its hyperparameters (the learning rate
+is set on every step). Its update must be coordinate-wise (each coordinate from its own
+gradient history), so one optimizer over a stack updates each replica as its own would."""
 
 
 def check_initial(initial: Any) -> Tensor:
@@ -47,6 +58,78 @@ def check_sgd_args(momentum: Any, weight_decay: Any, nesterov: Any) -> tuple[flo
     if nesterov and momentum == 0:
         raise ValueError("nesterov = True is not allowed with momentum = 0: expected False")
     return momentum, weight_decay, nesterov
+
+
+def check_optimizer_args(
+    make_optimizer: Any, momentum: Any, weight_decay: Any, nesterov: Any
+) -> tuple[float, float, bool]:
+    """Validate a protocol's optimizer arguments: the SGD settings, which configure the
+    default torch.optim.SGD and must stay 0 / False when ``make_optimizer`` is given (the
+    factory carries its optimizer's settings).
+
+    Raises:
+        ValueError: a bad SGD setting, a ``make_optimizer`` that is not callable, or an SGD
+            setting given together with ``make_optimizer``.
+    """
+    momentum, weight_decay, nesterov = check_sgd_args(momentum, weight_decay, nesterov)
+    if make_optimizer is None:
+        return momentum, weight_decay, nesterov
+    if not callable(make_optimizer):
+        raise ValueError(
+            f"make_optimizer = {make_optimizer!r} is not allowed: expected None or a "
+            "callable [param] -> torch.optim.Optimizer"
+        )
+    for name, value in (
+        ("momentum", momentum),
+        ("weight_decay", weight_decay),
+        ("nesterov", nesterov),
+    ):
+        if value:
+            raise ValueError(
+                f"{name} = {value!r} is not allowed with make_optimizer: expected "
+                f"{False if name == 'nesterov' else 0} (it configures the default SGD; the "
+                "factory carries its optimizer's settings)"
+            )
+    return momentum, weight_decay, nesterov
+
+
+def build_optimizer(
+    param: Tensor,
+    make_optimizer: OptimizerFactory | None,
+    momentum: float,
+    weight_decay: float,
+    nesterov: bool,
+) -> torch.optim.Optimizer:
+    """The optimizer over ``param`` (``[P]`` or a stack ``[λ, P]``): ``make_optimizer([param])``,
+    or torch.optim.SGD with the given settings when it is None.
+
+    Raises:
+        ValueError: the factory returned something other than a torch.optim.Optimizer over
+            exactly ``[param]``.
+    """
+    if make_optimizer is None:
+        return make_sgd(param, 0.0, momentum, weight_decay, nesterov)
+    opt = make_optimizer([param])
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(
+            f"make_optimizer returned {type(opt).__name__}: expected a torch.optim.Optimizer"
+        )
+    groups = opt.param_groups
+    if len(groups) != 1 or len(groups[0]["params"]) != 1 or groups[0]["params"][0] is not param:
+        raise ValueError(
+            "make_optimizer([param]) must return an optimizer with one parameter group "
+            "holding exactly param"
+        )
+    return opt
+
+
+def describe_optimizer(opt: torch.optim.Optimizer) -> str:
+    """``"module:Class(setting=value, …)"`` of ``opt``'s class and hyperparameters (the
+    learning rate left out: it is set on every step); the configuration a state_dict of
+    a protocol with a ``make_optimizer`` factory is checked against."""
+    cls = type(opt)
+    settings = ", ".join(f"{k}={v!r}" for k, v in sorted(opt.defaults.items()) if k != "lr")
+    return f"{cls.__module__}:{cls.__qualname__}({settings})"
 
 
 def check_lr(lr: Any) -> float:
@@ -147,12 +230,15 @@ def regroup_replicas(
     make_opt: Callable[[Tensor], torch.optim.Optimizer],
 ) -> tuple[Tensor, torch.optim.Optimizer]:
     """Replica stack ``[D·k, P]`` regrouped to ``[D·k', P]`` (device-major rows), with a
-    new optimizer over it (``make_opt(stack)``) holding the SGD state (momentum buffer)
-    regrouped alike.
+    new optimizer over it (``make_opt(stack)``) holding the optimizer state regrouped
+    alike.
 
     Growing appends to each device copies of that device's last replica (weights and
-    momentum buffer: "a copy of an existing replica", Crossbow, SPEC.md §4); shrinking
-    drops each device's last replicas. Returns ``(new stack, new optimizer)``.
+    per-replica optimizer state: "a copy of an existing replica", Crossbow, SPEC.md §4);
+    shrinking drops each device's last replicas. Optimizer state of the stack's shape
+    (SGD's momentum buffer; Adam's exp_avg and exp_avg_sq) is regrouped with the rows;
+    other state (Adam's scalar ``step`` tensor, shared by all replicas) is copied as it
+    is. Returns ``(new stack, new optimizer)``.
     """
     d = num_devices
     k = replicas.shape[0] // d
@@ -168,8 +254,9 @@ def regroup_replicas(
 
     state = {
         key: regroup(val)
-        for key, val in opt.state.get(replicas, {}).items()
         if isinstance(val, Tensor) and val.shape == replicas.shape
+        else clone_state(val)
+        for key, val in opt.state.get(replicas, {}).items()
     }
     stack = regroup(replicas)
     new_opt = make_opt(stack)

@@ -8,6 +8,7 @@ learners form g groups of λ/g consecutive learners (group j = learners
     group j pulls (w, i); each member computes a gradient on that w;
     the runtime pushes their mean ḡ_j = (g/λ) Σ_{l ∈ j} g_l with i
     the server applies every push at once (c = 1):   w ← SGD(w, ḡ_j, α), i ← i + 1
+                                     (SGD, or the make_optimizer factory's optimizer)
 
 This is a :class:`ParameterServer` with ``num_learners = g`` and ``softsync = g``; its
 staleness-dependent rates apply per group push (``softsync`` means α0/g). g = 1 is
@@ -15,7 +16,9 @@ hardsync with λ learners; g = λ is asynchronous SGD.
 
 Asynchrony begets momentum (Mitliagkas, Zhang, Hadjis, Ré, arXiv:1605.09774): g
 asynchronous groups add implicit momentum ≈ 1 − 1/g, so with ``momentum_compensation``
-the server uses the explicit momentum ``max(0, μ − (1 − 1/g))`` for a target μ.
+the server uses the explicit momentum ``max(0, μ − (1 − 1/g))`` for a target μ. This
+compensation assumes the server's optimizer is SGD with momentum μ: it is not allowed with
+``make_optimizer`` (the groups themselves run with any coordinate-wise optimizer).
 
 Example (two groups of two learners)::
 
@@ -42,12 +45,13 @@ from torch import Tensor
 
 from ._util import (
     SERVER_OPTIMIZERS,
+    OptimizerFactory,
     check_bool,
     check_choice,
     check_header,
     check_index,
     check_int,
-    check_sgd_args,
+    check_optimizer_args,
 )
 from .base import AsynchronousProtocol, Update
 from .parameter_server import ParameterServer
@@ -73,6 +77,9 @@ class ComputeGroups(AsynchronousProtocol):
         momentum_compensation: use ``max(0, μ − (1 − 1/g))`` as explicit momentum.
         nesterov: Nesterov momentum; requires ``momentum > 0``. It is dropped, with a
             warning, when the compensated momentum is 0.
+        make_optimizer: the server's optimizer instead of SGD, as
+            :class:`ParameterServer`'s (``momentum``, ``weight_decay``, ``nesterov`` and
+            ``momentum_compensation`` must then stay 0 / False).
 
     Raises:
         ValueError: an argument outside the allowed values (the message names it).
@@ -89,6 +96,7 @@ class ComputeGroups(AsynchronousProtocol):
         weight_decay: float = 0.0,
         momentum_compensation: bool = False,
         nesterov: bool = False,
+        make_optimizer: OptimizerFactory | None = None,
     ) -> None:
         self.num_learners = check_int("num_learners", num_learners, 1)
         self.num_groups = check_int("num_groups", num_groups, 1)
@@ -100,8 +108,15 @@ class ComputeGroups(AsynchronousProtocol):
         self.num_workers = num_groups
         self.group_size = num_learners // num_groups
         check_choice("optimizer", optimizer, SERVER_OPTIMIZERS)
-        self.momentum, weight_decay, nesterov = check_sgd_args(momentum, weight_decay, nesterov)
+        self.momentum, weight_decay, nesterov = check_optimizer_args(
+            make_optimizer, momentum, weight_decay, nesterov
+        )
         self.momentum_compensation = check_bool("momentum_compensation", momentum_compensation)
+        if momentum_compensation and make_optimizer is not None:
+            raise ValueError(
+                "momentum_compensation = True is not allowed with make_optimizer: expected "
+                "False (the compensation lowers the server's SGD momentum)"
+            )
         if momentum_compensation:
             explicit = max(0.0, self.momentum - (1.0 - 1.0 / num_groups))
         else:
@@ -122,6 +137,7 @@ class ComputeGroups(AsynchronousProtocol):
             momentum=explicit if optimizer == "sgd" else self.momentum,
             weight_decay=weight_decay,
             nesterov=nesterov and explicit > 0,
+            make_optimizer=make_optimizer,
         )
 
     # ---- layout -------------------------------------------------------------------------
@@ -166,7 +182,8 @@ class ComputeGroups(AsynchronousProtocol):
 
     @property
     def optimizer(self) -> str:
-        """The server optimizer's name, ``"sgd"`` or ``"adagrad"``."""
+        """The server optimizer's name, ``"sgd"`` (SGD or the ``make_optimizer`` factory's)
+        or ``"adagrad"``."""
         return self._server.optimizer
 
     @property

@@ -5,9 +5,12 @@ Runtime Tradeoff in Distributed Deep Learning", ICDM 2016, arXiv:1509.04210, §3
 
     every learner l computes g_l = ∇ℓ(w; B_l) on the same weights w
     w ← SGD(w, (1/λ) Σ_l g_l, lr)          # torch.optim.SGD: momentum, weight decay, nesterov
+                                           # (or the make_optimizer factory's optimizer)
 
 With mean-loss gradients over disjoint minibatches of b samples this equals one learner
-with batch λ·b; ``num_learners = 1`` is the plain training loop.
+with batch λ·b; ``num_learners = 1`` is the plain training loop. Nothing in the rule
+assumes SGD: any coordinate-wise torch.optim optimizer (``make_optimizer``, e.g. AdamW)
+applied to the mean gradient equals that optimizer in a single-process loop with batch λ·b.
 
 Example::
 
@@ -26,19 +29,22 @@ from typing import Any
 from torch import Tensor
 
 from ._util import (
+    OptimizerFactory,
+    build_optimizer,
     check_header,
     check_index,
     check_initial,
     check_int,
     check_lr,
-    check_sgd_args,
+    check_optimizer_args,
     check_vector,
+    describe_optimizer,
     load_optimizer,
     load_vector,
     optimizer_state,
     optimizer_step,
 )
-from .base import SynchronousProtocol, make_sgd
+from .base import SynchronousProtocol
 
 __all__ = ["HardSync"]
 
@@ -52,6 +58,10 @@ class HardSync(SynchronousProtocol):
         momentum: μ in [0, 1) of torch.optim.SGD.
         weight_decay: L2 coefficient >= 0 (torch.optim.SGD's, added to the mean gradient).
         nesterov: Nesterov momentum; requires ``momentum > 0``.
+        make_optimizer: ``[w] → torch.optim.Optimizer`` (see
+            :data:`~distsgd.protocols.OptimizerFactory`) applied to the weights instead
+            of SGD; ``momentum``, ``weight_decay`` and ``nesterov`` must then stay 0 /
+            False. None (default): torch.optim.SGD with those settings.
 
     Raises:
         ValueError: an argument outside the allowed values (the message names it).
@@ -64,13 +74,17 @@ class HardSync(SynchronousProtocol):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         nesterov: bool = False,
+        make_optimizer: OptimizerFactory | None = None,
     ) -> None:
         self._w = check_initial(initial)
         self.num_learners = check_int("num_learners", num_learners, 1)
-        self.momentum, self.weight_decay, self.nesterov = check_sgd_args(
-            momentum, weight_decay, nesterov
+        self.momentum, self.weight_decay, self.nesterov = check_optimizer_args(
+            make_optimizer, momentum, weight_decay, nesterov
         )
-        self._opt = make_sgd(self._w, 0.0, self.momentum, self.weight_decay, self.nesterov)
+        self._custom_optimizer = make_optimizer is not None
+        self._opt = build_optimizer(
+            self._w, make_optimizer, self.momentum, self.weight_decay, self.nesterov
+        )
         self._iteration = 0
 
     @property
@@ -88,7 +102,7 @@ class HardSync(SynchronousProtocol):
         return self._w
 
     def step(self, grads: Tensor, lr: float) -> None:
-        """Apply ``w ← SGD(w, grads.mean(0), lr)``.
+        """Apply ``w ← opt(w, grads.mean(0), lr)`` with the protocol's optimizer.
 
         Args:
             grads: shape ``[num_learners, P]``, same dtype and device as the weights; row l
@@ -102,7 +116,7 @@ class HardSync(SynchronousProtocol):
         self.apply_mean_gradient(grads.mean(0), lr)
 
     def apply_mean_gradient(self, grad: Tensor, lr: float) -> None:
-        """Apply ``w ← SGD(w, grad, lr)`` with the learners' mean gradient already reduced
+        """Apply ``w ← opt(w, grad, lr)`` with the learners' mean gradient already reduced
         (by an all-reduce, or by one forward/backward over their concatenated minibatches).
 
         Args:
@@ -122,16 +136,20 @@ class HardSync(SynchronousProtocol):
         return self._w.clone()
 
     def _config(self) -> dict[str, Any]:
-        return {
+        config = {
             "num_parameters": self.num_parameters,
             "num_learners": self.num_learners,
             "momentum": self.momentum,
             "weight_decay": self.weight_decay,
             "nesterov": self.nesterov,
         }
+        if self._custom_optimizer:
+            config["optimizer"] = describe_optimizer(self._opt)
+        return config
 
     def state_dict(self) -> dict[str, Any]:
-        """Snapshot: weights ``[P]``, iteration count and SGD state (momentum buffer)."""
+        """Snapshot: weights ``[P]``, iteration count and the optimizer's per-parameter
+        state (SGD's momentum buffer; e.g. Adam's step, exp_avg and exp_avg_sq)."""
         return {
             "protocol": "HardSync",
             "config": self._config(),

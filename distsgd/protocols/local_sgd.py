@@ -6,10 +6,13 @@ Use Local SGD", ICLR 2020, arXiv:1808.07217 — post-local SGD runs this after a
 phase)::
 
     every iteration t = 1, 2, …:
-        w_l ← SGD(w_l, ∇ℓ(w_l; B_l), γ)          # torch.optim.SGD over the stack [λ, P]
-        if t mod H == 0:  w_l ← (1/λ) Σ_j w_j     # model averaging; momentum buffers stay local
+        w_l ← SGD(w_l, ∇ℓ(w_l; B_l), γ)          # torch.optim.SGD over the stack [λ, P],
+                                                  # or the make_optimizer factory's optimizer
+        if t mod H == 0:  w_l ← (1/λ) Σ_j w_j     # model averaging; optimizer state stays local
 
-The evaluation model is the mean of the replicas. With H = 1 and no momentum the replicas
+The local optimizer may be any coordinate-wise torch.optim optimizer (e.g. local AdamW:
+each replica's moments stay its own, as momentum buffers do). The evaluation model is the
+mean of the replicas. With H = 1 and no momentum the replicas
 stay equal and each step is hardsync up to float rounding (mean of steps = step of mean).
 
 Example::
@@ -29,24 +32,28 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ._util import (
+    OptimizerFactory,
+    build_optimizer,
     check_header,
     check_index,
     check_initial,
     check_int,
     check_lr,
+    check_optimizer_args,
     check_replica_layout,
-    check_sgd_args,
     check_vector,
+    describe_optimizer,
     load_optimizer,
     load_vector,
     optimizer_state,
     optimizer_step,
     regroup_replicas,
 )
-from .base import SynchronousProtocol, make_sgd
+from .base import SynchronousProtocol
 
 __all__ = ["LocalSGD"]
 
@@ -64,6 +71,10 @@ class LocalSGD(SynchronousProtocol):
         momentum: local momentum μ in [0, 1) of each replica's SGD.
         weight_decay: L2 coefficient >= 0.
         nesterov: Nesterov local momentum; requires ``momentum > 0``.
+        make_optimizer: ``[stack] → torch.optim.Optimizer`` (see
+            :data:`~distsgd.protocols.OptimizerFactory`), the replicas' local optimizer
+            over the stack ``[λ, P]`` instead of SGD; ``momentum``, ``weight_decay`` and
+            ``nesterov`` must then stay 0 / False. None (default): SGD.
 
     Raises:
         ValueError: an argument outside the allowed values (the message names it).
@@ -78,6 +89,7 @@ class LocalSGD(SynchronousProtocol):
         weight_decay: float = 0.0,
         nesterov: bool = False,
         replicas_per_device: int | None = None,
+        make_optimizer: OptimizerFactory | None = None,
     ) -> None:
         w = check_initial(initial)
         self.num_learners = check_int("num_learners", num_learners, 1)
@@ -85,11 +97,12 @@ class LocalSGD(SynchronousProtocol):
         self.replicas_per_device, self.num_devices = check_replica_layout(
             num_learners, replicas_per_device
         )
-        self.momentum, self.weight_decay, self.nesterov = check_sgd_args(
-            momentum, weight_decay, nesterov
+        self.momentum, self.weight_decay, self.nesterov = check_optimizer_args(
+            make_optimizer, momentum, weight_decay, nesterov
         )
+        self._make_optimizer = make_optimizer
         self._replicas = w.expand(num_learners, -1).clone()
-        self._opt = make_sgd(self._replicas, 0.0, self.momentum, self.weight_decay, self.nesterov)
+        self._opt = self._new_optimizer(self._replicas)
         self._iteration = 0
 
     @property
@@ -148,7 +161,7 @@ class LocalSGD(SynchronousProtocol):
 
     def apply_average(self, mean: Tensor) -> None:
         """Set every replica to ``mean``, the average of all replicas, shape ``[P]``
-        (momentum buffers stay local).
+        (optimizer state stays local).
 
         Raises:
             ValueError: bad shape, dtype or device.
@@ -166,7 +179,7 @@ class LocalSGD(SynchronousProtocol):
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
         """Change k, the replicas on each device, between iterations (Crossbow's auto-tuner,
         SPEC.md §4): growing appends to each device copies of its last replica (weights
-        and momentum buffer), shrinking drops each device's last replicas.
+        and optimizer state), shrinking drops each device's last replicas.
         ``num_learners`` becomes ``num_devices · k``. Called right after an averaging
         step, every replica kept or added equals the average.
 
@@ -175,11 +188,7 @@ class LocalSGD(SynchronousProtocol):
         """
         k_new = check_int("replicas_per_device", replicas_per_device, 1)
         self._replicas, self._opt = regroup_replicas(
-            self._replicas,
-            self._opt,
-            self.num_devices,
-            k_new,
-            lambda stack: make_sgd(stack, 0.0, self.momentum, self.weight_decay, self.nesterov),
+            self._replicas, self._opt, self.num_devices, k_new, self._new_optimizer
         )
         self.replicas_per_device = k_new
         self.num_learners = self.num_devices * k_new
@@ -198,8 +207,13 @@ class LocalSGD(SynchronousProtocol):
             raise ValueError("cannot remove a replica: each device holds only one")
         self.set_replicas_per_device(self.replicas_per_device - 1)
 
+    def _new_optimizer(self, stack: Tensor) -> torch.optim.Optimizer:
+        return build_optimizer(
+            stack, self._make_optimizer, self.momentum, self.weight_decay, self.nesterov
+        )
+
     def _config(self) -> dict[str, Any]:
-        return {
+        config = {
             "num_parameters": self.num_parameters,
             "num_learners": self.num_learners,
             "average_every": self.average_every,
@@ -208,9 +222,12 @@ class LocalSGD(SynchronousProtocol):
             "weight_decay": self.weight_decay,
             "nesterov": self.nesterov,
         }
+        if self._make_optimizer is not None:
+            config["optimizer"] = describe_optimizer(self._opt)
+        return config
 
     def state_dict(self) -> dict[str, Any]:
-        """Snapshot: replicas ``[λ, P]``, iteration and the replicas' SGD state."""
+        """Snapshot: replicas ``[λ, P]``, iteration and the replicas' optimizer state."""
         return {
             "protocol": "LocalSGD",
             "config": self._config(),

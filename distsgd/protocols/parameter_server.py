@@ -14,7 +14,8 @@ protocols and staleness-dependent learning rate). The server holds w and a versi
               α0 / n        if staleness_lr == "softsync"   (Rudra's rule)
               α0 / max(1, mean σ over every gradient applied so far, this update's included)
                             if staleness_lr == "measured"
-        w ← optimizer(w, g, α)        # torch.optim.SGD (momentum, weight decay, nesterov)
+        w ← optimizer(w, g, α)        # torch.optim.SGD (momentum, weight decay, nesterov),
+                                      # the make_optimizer factory's optimizer (e.g. AdamW)
                                       # or torch.optim.Adagrad (weight decay)
         i ← i + 1
 
@@ -24,6 +25,14 @@ server: each learner pushes exactly one gradient per version and may not pull un
 update is applied, so σ = 0 always. ``per_gradient`` is the staleness-aware rule of Zhang,
 Gupta, Lian, Liu, "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016,
 arXiv:1511.05950.
+
+What assumes SGD: Rudra's experiments and its staleness-dependent rates were made with
+SGD (momentum 0.9) and AdaGrad. The rule itself only hands the server's optimizer an
+aggregate gradient and a rate, so any coordinate-wise torch.optim optimizer
+(``make_optimizer``) runs: ``softsync`` and ``measured`` scale that optimizer's rate,
+``per_gradient`` scales the gradients, which the normalisation of an Adam-like optimizer
+partly undoes. ``optimizer = "adagrad"`` is Rudra's own AdaGrad server and takes no
+factory.
 
 Example (asynchronous, two learners; learner 1's gradient is one update stale)::
 
@@ -51,6 +60,8 @@ from torch import Tensor
 from ._util import (
     SERVER_OPTIMIZERS,
     STALENESS_LR,
+    OptimizerFactory,
+    build_optimizer,
     check_bool,
     check_choice,
     check_header,
@@ -58,14 +69,15 @@ from ._util import (
     check_initial,
     check_int,
     check_lr,
-    check_sgd_args,
+    check_optimizer_args,
     check_vector,
+    describe_optimizer,
     load_optimizer,
     load_vector,
     optimizer_state,
     optimizer_step,
 )
-from .base import AsynchronousProtocol, Update, make_sgd
+from .base import AsynchronousProtocol, Update
 
 __all__ = ["ParameterServer"]
 
@@ -82,10 +94,16 @@ class ParameterServer(AsynchronousProtocol):
         barrier: hardsync through the server; requires ``softsync = 1``.
         staleness_lr: ``"none"``, ``"softsync"``, ``"measured"`` or ``"per_gradient"``
             (see the module docstring).
-        optimizer: ``"sgd"`` (torch.optim.SGD) or ``"adagrad"`` (torch.optim.Adagrad).
-        momentum: μ in [0, 1) of the server's SGD; must be 0 for ``"adagrad"``.
-        weight_decay: L2 coefficient >= 0 of the server optimizer.
+        optimizer: ``"sgd"`` (torch.optim.SGD, or ``make_optimizer``'s optimizer) or
+            ``"adagrad"`` (torch.optim.Adagrad, Rudra's AdaGrad server).
+        momentum: μ in [0, 1) of the server's SGD; must be 0 for ``"adagrad"`` and with
+            ``make_optimizer``.
+        weight_decay: L2 coefficient >= 0 of the server's SGD or AdaGrad; must be 0 with
+            ``make_optimizer``.
         nesterov: Nesterov momentum (SGD only); requires ``momentum > 0``.
+        make_optimizer: ``[w] → torch.optim.Optimizer`` (see
+            :data:`~distsgd.protocols.OptimizerFactory`), the server's optimizer instead
+            of SGD; only with ``optimizer = "sgd"``. None (default): SGD.
 
     Raises:
         ValueError: an argument outside the allowed values (the message names it).
@@ -102,6 +120,7 @@ class ParameterServer(AsynchronousProtocol):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         nesterov: bool = False,
+        make_optimizer: OptimizerFactory | None = None,
     ) -> None:
         self._w = check_initial(initial)
         self.num_learners = check_int("num_learners", num_learners, 1)
@@ -120,19 +139,27 @@ class ParameterServer(AsynchronousProtocol):
             )
         self.staleness_lr = check_choice("staleness_lr", staleness_lr, STALENESS_LR)
         self.optimizer = check_choice("optimizer", optimizer, SERVER_OPTIMIZERS)
-        self.momentum, self.weight_decay, self.nesterov = check_sgd_args(
-            momentum, weight_decay, nesterov
+        self.momentum, self.weight_decay, self.nesterov = check_optimizer_args(
+            make_optimizer, momentum, weight_decay, nesterov
         )
         if optimizer == "adagrad" and self.momentum != 0:
             raise ValueError(
                 f"momentum = {momentum!r} is not allowed with optimizer = 'adagrad': expected 0"
             )
+        if optimizer == "adagrad" and make_optimizer is not None:
+            raise ValueError(
+                "make_optimizer is not allowed with optimizer = 'adagrad': expected None "
+                "(Rudra's AdaGrad server is its own optimizer)"
+            )
         self.gradients_per_update = num_learners // softsync
         self._opt: torch.optim.Optimizer
         if optimizer == "sgd":
-            self._opt = make_sgd(self._w, 0.0, self.momentum, self.weight_decay, self.nesterov)
+            self._opt = build_optimizer(
+                self._w, make_optimizer, self.momentum, self.weight_decay, self.nesterov
+            )
         else:
             self._opt = torch.optim.Adagrad([self._w], lr=0.0, weight_decay=self.weight_decay)
+        self._custom_optimizer = make_optimizer is not None
         self._version = 0
         self._buffer: list[Tensor] = []
         self._buffer_clock: list[tuple[int, int]] = []
@@ -288,7 +315,9 @@ class ParameterServer(AsynchronousProtocol):
             "softsync": self.softsync,
             "barrier": self.barrier,
             "staleness_lr": self.staleness_lr,
-            "optimizer": self.optimizer,
+            "optimizer": describe_optimizer(self._opt)
+            if self._custom_optimizer
+            else self.optimizer,
             "momentum": self.momentum,
             "weight_decay": self.weight_decay,
             "nesterov": self.nesterov,

@@ -7,11 +7,15 @@ previous value z_prev; each iteration, synchronously::
 
     c_j = α (w_j − z)                          # from the replica before its update
     w_j ← SGD(w_j, ∇ℓ(w_j; B_j), γ) − c_j      # torch.optim.SGD over the stack [λ, P]
-                                               # (local momentum, weight decay)
+                                               # (local momentum, weight decay), or the
+                                               # make_optimizer factory's optimizer
     z   ← z + Σ_j c_j + μ_z (z − z_prev)       # Polyak momentum; z_prev ← old z
 
-Replicas are reset to z (their momentum buffers cleared) whenever γ is lower than the
-previous iteration's. Hierarchically (Crossbow's multi-GPU synchronisation), the λ replicas sit on λ/k devices of
+Replicas are reset to z (their optimizer state — momentum buffers, Adam's moments —
+cleared) whenever γ is lower than the previous iteration's: Crossbow's rule for step
+schedules, so a schedule that lowers γ at every step resets the replicas at every step.
+The local optimizer may be any coordinate-wise torch.optim optimizer: the rule needs only
+that each replica's update comes from its own gradient history. Hierarchically (Crossbow's multi-GPU synchronisation), the λ replicas sit on λ/k devices of
 k consecutive replicas; each device sums its own corrections, the per-device sums are
 all-reduced, and every device applies the same z update. :meth:`SMA.step` is exactly
 :meth:`SMA.local_step` followed by :meth:`SMA.apply_central` of the summed device sums,
@@ -36,25 +40,29 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ._util import (
+    OptimizerFactory,
+    build_optimizer,
     check_float,
     check_header,
     check_index,
     check_initial,
     check_int,
     check_lr,
+    check_optimizer_args,
     check_replica_layout,
-    check_sgd_args,
     check_vector,
+    describe_optimizer,
     load_optimizer,
     load_vector,
     optimizer_state,
     optimizer_step,
     regroup_replicas,
 )
-from .base import SynchronousProtocol, make_sgd
+from .base import SynchronousProtocol
 
 __all__ = ["SMA"]
 
@@ -72,6 +80,10 @@ class SMA(SynchronousProtocol):
         momentum: local momentum μ in [0, 1) of each replica's SGD.
         weight_decay: L2 coefficient >= 0 of each replica's SGD.
         nesterov: Nesterov local momentum; requires ``momentum > 0``.
+        make_optimizer: ``[stack] → torch.optim.Optimizer`` (see
+            :data:`~distsgd.protocols.OptimizerFactory`), the replicas' local optimizer
+            over the stack ``[λ, P]`` instead of SGD; ``momentum``, ``weight_decay`` and
+            ``nesterov`` must then stay 0 / False. None (default): SGD.
 
     Raises:
         ValueError: an argument outside the allowed values (the message names it).
@@ -87,6 +99,7 @@ class SMA(SynchronousProtocol):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         nesterov: bool = False,
+        make_optimizer: OptimizerFactory | None = None,
     ) -> None:
         z = check_initial(initial)
         self.num_learners = check_int("num_learners", num_learners, 1)
@@ -97,13 +110,14 @@ class SMA(SynchronousProtocol):
         self.central_momentum = check_float(
             "central_momentum", central_momentum, 0.0, 1.0, max_inclusive=False
         )
-        self.momentum, self.weight_decay, self.nesterov = check_sgd_args(
-            momentum, weight_decay, nesterov
+        self.momentum, self.weight_decay, self.nesterov = check_optimizer_args(
+            make_optimizer, momentum, weight_decay, nesterov
         )
+        self._make_optimizer = make_optimizer
         self._z = z
         self._z_prev = z.clone()
         self._replicas = z.expand(num_learners, -1).clone()
-        self._opt = make_sgd(self._replicas, 0.0, self.momentum, self.weight_decay, self.nesterov)
+        self._opt = self._new_optimizer(self._replicas)
         self._iteration = 0
         self._last_lr = -1.0  # none yet
         self._pending_central = False
@@ -146,7 +160,7 @@ class SMA(SynchronousProtocol):
         """Update the replicas: ``w_j ← SGD(w_j, grads[j], lr) − c_j``.
 
         If ``lr`` is lower than the previous iteration's, the replicas are first reset to z
-        and their momentum buffers cleared. Must be followed by :meth:`apply_central`.
+        and their optimizer state cleared. Must be followed by :meth:`apply_central`.
 
         Args:
             grads: shape ``[num_learners, P]``; row j is replica j's gradient at
@@ -168,7 +182,7 @@ class SMA(SynchronousProtocol):
             self._replicas.copy_(self._z.expand_as(self._replicas))
             self._opt.state.clear()
         r, k = self._replicas, self.replicas_per_device
-        if self.weight_decay == 0:
+        if self.weight_decay == 0 and self._make_optimizer is None:
             # The SGD direction does not depend on w_j, so the correction can come first,
             # fused: w_j ← w_j + α (z − w_j) (one pass), then the SGD step; the device
             # sums are α (Σ_j w_j − k z) from one pass over the replicas. Few passes over
@@ -177,7 +191,7 @@ class SMA(SynchronousProtocol):
             sums = r.view(self.num_devices, k, -1).sum(1).sub_(self._z, alpha=k).mul_(self.alpha)
             r.lerp_(self._z.expand_as(r), self.alpha)
             optimizer_step(self._opt, r, grads, lr)
-        else:  # weight decay reads w_j: correct after the step, from the saved c_j
+        else:  # weight decay (or another optimizer) may read w_j: correct after the step
             corrections = (r - self._z).mul_(self.alpha)
             sums = corrections.view(self.num_devices, k, -1).sum(1)
             optimizer_step(self._opt, r, grads, lr)
@@ -225,7 +239,7 @@ class SMA(SynchronousProtocol):
         Crossbow's auto-tuner (SPEC.md §4; Koliousis et al., VLDB 2019, §4.3) adds one
         learner per device as a copy of an existing replica and removes the last one added
         when throughput stops improving. Growing appends to each device copies of its last
-        replica (weights and local momentum buffer); shrinking drops each device's last
+        replica (weights and local optimizer state); shrinking drops each device's last
         replicas. z and z_prev are unchanged, so the central model, and the next
         iteration's corrections of the replicas kept, are exactly as without the change.
         ``num_learners`` becomes ``num_devices · k``.
@@ -246,11 +260,7 @@ class SMA(SynchronousProtocol):
                 "set_replicas_per_device called between local_step and apply_central"
             )
         self._replicas, self._opt = regroup_replicas(
-            self._replicas,
-            self._opt,
-            self.num_devices,
-            k_new,
-            lambda stack: make_sgd(stack, 0.0, self.momentum, self.weight_decay, self.nesterov),
+            self._replicas, self._opt, self.num_devices, k_new, self._new_optimizer
         )
         self.replicas_per_device = k_new
         self.num_learners = self.num_devices * k_new
@@ -273,8 +283,13 @@ class SMA(SynchronousProtocol):
             raise ValueError("cannot remove a replica: each device holds only one")
         self.set_replicas_per_device(self.replicas_per_device - 1, alpha)
 
+    def _new_optimizer(self, stack: Tensor) -> torch.optim.Optimizer:
+        return build_optimizer(
+            stack, self._make_optimizer, self.momentum, self.weight_decay, self.nesterov
+        )
+
     def _config(self) -> dict[str, Any]:
-        return {
+        config = {
             "num_parameters": self.num_parameters,
             "num_learners": self.num_learners,
             "replicas_per_device": self.replicas_per_device,
@@ -284,10 +299,14 @@ class SMA(SynchronousProtocol):
             "weight_decay": self.weight_decay,
             "nesterov": self.nesterov,
         }
+        if self._make_optimizer is not None:
+            config["optimizer"] = describe_optimizer(self._opt)
+        return config
 
     def state_dict(self) -> dict[str, Any]:
         """Snapshot: replicas ``[λ, P]``, z and z_prev ``[P]``, iteration, last lr (-1.0
-        before the first step) and the replicas' SGD state (momentum buffers).
+        before the first step) and the replicas' optimizer state (SGD's momentum buffers;
+        e.g. Adam's step, exp_avg and exp_avg_sq, of the stack's shape).
 
         Raises:
             RuntimeError: called between ``local_step`` and ``apply_central``.

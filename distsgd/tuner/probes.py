@@ -31,13 +31,21 @@ from typing import Any
 import torch
 
 from distsgd import launch
+from distsgd.checks import fail
 from distsgd.config import ConfigError, RunConfig
 from distsgd.metrics import load_checked, save_checked
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
 from distsgd.tuner.omnivore import Candidate, ProbeResult
 
-__all__ = ["candidate_config", "Prober", "check_runtime", "RunClock", "LongRun"]
+__all__ = [
+    "candidate_config",
+    "Prober",
+    "check_runtime",
+    "check_optimizer_searchable",
+    "RunClock",
+    "LongRun",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +110,26 @@ def check_runtime(runtime: str) -> None:
     if runtime not in ("sim", "dist"):
         raise ConfigError(
             f"runtime = {runtime!r} is not allowed for distsgd tune: expected 'sim' or 'dist'"
+        )
+
+
+def check_optimizer_searchable(cfg: RunConfig) -> None:
+    """Raise ConfigError when the base config names what the tuner would silently replace:
+    an ``optimizer.name`` other than ``"sgd"`` (Omnivore's search, SPEC §3, and the joint
+    search probe SGD's η × μ grids) or a torch scheduler in ``schedule.kind`` (the plan
+    sets the schedule: η constant, or one step the tuner searches)."""
+    if not cfg.optimizer.is_sgd:
+        fail(
+            "optimizer.name",
+            cfg.optimizer.name,
+            "'sgd' for distsgd tune (it searches SGD's learning rate × momentum grids)",
+        )
+    if cfg.schedule.kind not in ("constant", "step"):
+        fail(
+            "schedule.kind",
+            cfg.schedule.kind,
+            "'constant' or 'step' for distsgd tune (the plan sets the schedule: a constant "
+            "learning rate or one step the tuner searches)",
         )
 
 

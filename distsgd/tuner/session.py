@@ -76,7 +76,7 @@ from distsgd.tuner.plan import (
     plan_switch,
     predict_plan,
 )
-from distsgd.tuner.probes import LongRun, Prober, check_runtime
+from distsgd.tuner.probes import LongRun, Prober, check_optimizer_searchable, check_runtime
 from distsgd.tuner.report import clean_state, write_report, write_tune_json
 from distsgd.tuner.step_search import choose_step, truncate_run, usable_step_points
 
@@ -438,11 +438,14 @@ class TuneSession:
             progress: show a progress bar over the budget and one line per decision.
 
         Raises:
-            ConfigError: an unavailable runtime, an ``out_dir`` that is a file or holds a
-                tune, the layout errors of :func:`tune_layout`, a budget below the setup
-                and one probe (nothing is written then).
+            ConfigError: an unavailable runtime, an optimizer or schedule the tuner does not
+                search (:func:`~distsgd.tuner.probes.check_optimizer_searchable`), an
+                ``out_dir`` that is a file or holds a tune, the layout errors of
+                :func:`tune_layout`, a budget below the setup and one probe (nothing is
+                written then).
         """
         check_runtime(config.runtime)
+        check_optimizer_searchable(config)
         if budget_s is not None:
             config = config.replace(tune=dataclasses.replace(config.tune, budget_s=budget_s))
         out = Path(out_dir)
