@@ -35,29 +35,31 @@ def _fmt_s(v: Any) -> str:
     return "-" if v is None else f"{v:.1f} s"
 
 
-def _fmt_acc(v: float | None) -> str:
+def _fmt_metric(v: float | None) -> str:
     return "-" if v is None else f"{v:.4f}"
 
 
 def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
     target = s["target"]
-    if target > 0:
-        outcome = f"target {target:.4f}: {'reached' if s['reached'] else 'NOT reached'}"
+    metric = str(s.get("metric") or "accuracy")
+    name = metric.rsplit(":", 1)[-1]  # a user metric "module:function": its function
+    if target != 0:
+        sign = "<=" if s.get("metric_direction") == "min" else ">="
+        outcome = f"target {sign} {target:.4g}: {'reached' if s['reached'] else 'NOT reached'}"
     else:
         outcome = "no target"
     if s["best_metric"] is None:
-        accuracy = "not evaluated (train.evaluate = false)"
+        value = "not evaluated (train.evaluate = false)"
     else:
-        accuracy = (
-            f"best {_fmt_acc(s['best_metric'])}, final {_fmt_acc(s['final_metric'])} ({outcome})"
-        )
+        best, final = _fmt_metric(s["best_metric"]), _fmt_metric(s["final_metric"])
+        value = f"best {best}, final {final} ({outcome})"
     lines = [
         f"protocol      {s['protocol']} ({s['layout']}) on the {s['runtime']} runtime",
-        f"accuracy      {accuracy}",
+        f"{name:<13} {value}" if len(name) <= 13 else f"{name} {value}",
     ]
     if s["reached"]:
         lines.append(
-            f"time to acc.  {_fmt_s(s['time_to_target_s'])} wall (training only), "
+            f"to target     {_fmt_s(s['time_to_target_s'])} wall (training only), "
             + (
                 f"{_fmt_s(s['time_to_target_virtual_s'])} simulated, "
                 if s["runtime"] == "sim"

@@ -3,14 +3,15 @@
 ``distsgd report RUN_DIR [RUN_DIR ...] [--out DIR]`` calls :func:`make_report`, which
 writes into ``DIR`` (default ``report/``):
 
-* ``curves.png`` — test accuracy (top row) and training loss (bottom row) against wall
-  seconds of training, simulated (virtual) seconds and training samples, one line per run,
-  the target accuracy as a dashed line;
+* ``curves.png`` — the evaluation metric (top row: test accuracy in %, or the runs'
+  ``train.metric``) and training loss (bottom row) against wall seconds of training,
+  simulated (virtual) seconds and training samples, one line per run, the target as a
+  dashed line;
 * ``staleness.png`` — for each asynchronous run (``staleness_max > 0``), the fraction of
   gradients applied at each staleness σ (in updates), its mean marked; absent when no run
   is asynchronous;
 * ``report.md`` — one table row per run (protocol, layout, global batch, learning rate,
-  time to accuracy, throughput, staleness, best accuracy) and both images.
+  time to target, throughput, staleness, best metric) and both images.
 
 :func:`load_run` reads one run directory and is meant for benchmark scripts too. The plots
 use matplotlib's Agg canvas directly (no pyplot, no global backend switch).
@@ -38,9 +39,10 @@ _X_AXES = (
     ("virtual_s", "simulated time (s)"),
     ("samples", "training samples"),
 )
-# (record key, axis label, scale to the plotted unit) of the curves' y axes, one row each
+# (record key, axis label, scale to the plotted unit) of the curves' y axes, one row each;
+# the metric's row is labelled and scaled by :func:`_metric_axis`
 _Y_AXES = (
-    ("eval_metric", "test accuracy (%)", 100.0),
+    ("eval_metric", "evaluation metric", 1.0),
     ("train_loss", "training loss (nats)", 1.0),
 )
 
@@ -203,11 +205,32 @@ def _figure(width_in: float, height_in: float) -> Any:
     return fig
 
 
+def _metric_axis(runs: Sequence[Run]) -> tuple[str, float]:
+    """The metric's axis label and scale: accuracy in percent when every run measured
+    accuracy, else the metric's name (runs of different metrics: "evaluation metric")."""
+    names = {str(run.summary.get("metric") or "accuracy") for run in runs}
+    if names == {"accuracy"}:
+        return "test accuracy (%)", 100.0
+    if len(names) == 1:
+        return f"evaluation {names.pop().rsplit(':', 1)[-1]}", 1.0
+    return "evaluation metric", 1.0
+
+
+def _target_text(runs: Sequence[Run], targets: list[float]) -> str:
+    """The targets as a sentence: accuracy in percent, other metrics with their sense."""
+    label, scale = _metric_axis(runs)
+    if scale == 100.0:
+        return "Target test accuracy: " + ", ".join(f"{t * 100:g}%" for t in targets) + "."
+    mins = {run.summary.get("metric_direction") == "min" for run in runs}
+    sign = "<= " if mins == {True} else (">= " if mins == {False} else "")
+    return f"Target {label}: " + ", ".join(f"{sign}{t:g}" for t in targets) + "."
+
+
 def _targets(runs: Sequence[Run]) -> list[float]:
     out = set()
     for run in runs:
         t = _number(run.summary.get("target"))
-        if t is not None and t > 0:
+        if t is not None and t != 0:
             out.add(t)
     return sorted(out)
 
@@ -226,16 +249,22 @@ def _scale_loss_axis(ax: Any, drawn: list[float], per_run: list[tuple[str, list[
         ax.set_yscale("log")
 
 
-def _metric_limits(drawn: list[float], targets: list[float]) -> dict[str, float]:
-    """The accuracy axis (percent): every evaluation drawn in view, the first (untrained
-    model) included, with 5 points below the lowest and 3 above the highest point or
-    target, within [0, 100]."""
-    top = min(100.0, max(drawn + [t * 100 for t in targets]) + 3)
-    return {"bottom": max(0.0, min(drawn) - 5), "top": top}
+def _metric_limits(drawn: list[float], targets: list[float], scale: float) -> dict[str, float]:
+    """The metric's axis: every evaluation drawn in view, the first (untrained model)
+    included. Accuracy (percent, ``scale`` 100): 5 points below the lowest and 3 above the
+    highest point or target, within [0, 100]; another metric: 5% of its range either
+    side of the points and targets."""
+    if scale == 100.0:
+        top = min(100.0, max(drawn + [t * 100 for t in targets]) + 3)
+        return {"bottom": max(0.0, min(drawn) - 5), "top": top}
+    lo, hi = min(drawn + targets), max(drawn + targets)
+    pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 1.0
+    return {"bottom": lo - pad, "top": hi + pad}
 
 
 def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
-    """Draw ``curves.png``: rows test accuracy (%) and training loss (nats), columns wall
+    """Draw ``curves.png``: rows the evaluation metric (test accuracy in %, or the runs'
+    metric) and training loss (nats), columns wall
     seconds of training, simulated seconds and training samples; one line per run.
 
     Records without a value for a panel's x or y (``train_loss`` at the first evaluation,
@@ -248,7 +277,10 @@ def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
     colors = [f"C{i % 10}" for i in range(len(runs))]
     styles = ["-", "--", "-.", ":"]
     handles: dict[str, Any] = {}
+    metric_label, metric_scale = _metric_axis(runs)
     for row, (ykey, ylabel, scale) in enumerate(_Y_AXES):
+        if ykey == "eval_metric":
+            ylabel, scale = metric_label, metric_scale
         for col, (xkey, xlabel) in enumerate(_X_AXES):
             ax = axes[row][col]
             drawn: list[float] = []
@@ -273,9 +305,10 @@ def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
             if ykey == "eval_metric":
                 for t in _targets(runs):
                     line = ax.axhline(
-                        t * 100.0, color="0.3", linestyle="--", linewidth=1.0, zorder=0
+                        t * scale, color="0.3", linestyle="--", linewidth=1.0, zorder=0
                     )
-                    handles.setdefault(f"target {t * 100:g}%", line)
+                    unit = "%" if scale == 100.0 else ""
+                    handles.setdefault(f"target {t * scale:g}{unit}", line)
             if not drawn:
                 ax.text(
                     0.5,
@@ -301,10 +334,10 @@ def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
             if ykey == "eval_metric" and drawn:
-                ax.set_ylim(**_metric_limits(drawn, _targets(runs)))
+                ax.set_ylim(**_metric_limits(drawn, _targets(runs), scale))
             if xkey == "samples":
                 ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    fig.suptitle("Learning curves: test accuracy and training loss", fontsize=13)
+    fig.suptitle(f"Learning curves: {metric_label.split(' (')[0]} and training loss", fontsize=13)
     ncol = min(4, max(1, len(handles)))
     nrows_legend = math.ceil(len(handles) / ncol) if handles else 0
     bottom = 0.02 + 0.035 * nrows_legend
@@ -410,12 +443,12 @@ _HEADER = [
     "global batch",
     "learning rate",
     "reached",
-    "time to accuracy (s)",
-    "simulated time to accuracy (s)",
-    "samples to accuracy",
+    "time to target (s)",
+    "simulated time to target (s)",
+    "samples to target",
     "throughput (samples/s)",
     "mean / max staleness",
-    "best accuracy",
+    "best metric",
 ]
 
 # markdown column alignment: text left, numbers right
@@ -460,11 +493,11 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> Path:
     lines = ["# distsgd report", ""]
     targets = _targets(runs)
     if targets:
-        lines.append("Target test accuracy: " + ", ".join(f"{t * 100:g}%" for t in targets) + ".")
+        lines.append(_target_text(runs, targets))
     else:
-        lines.append("No run has a target accuracy.")
+        lines.append("No run has a target.")
     lines += [
-        "Times to accuracy are wall seconds of training only (evaluation excluded) and "
+        f"The metric is {_metric_axis(runs)[0]}. Times to target are wall seconds of training only (evaluation excluded) and "
         "simulated seconds of the virtual clock; staleness σ is in updates.",
         "",
         "| " + " | ".join(_HEADER) + " |",

@@ -86,7 +86,7 @@ num_threads = 1
     )
     r = run_cli("train", str(cfg), "--out", str(tmp_path / "run"), "--quiet")
     assert r.returncode == 0, r.stderr
-    assert "time to acc." in r.stdout and "staleness" in r.stdout
+    assert "to target" in r.stdout and "staleness" in r.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["reached"] is True
     # resume a finished run with a bigger budget

@@ -225,3 +225,29 @@ def test_tensorboard_off(tmp_path):
     assert small_config(train={"tensorboard": False}).train.tensorboard is False
     with pytest.raises(ConfigError, match="train.tensorboard"):
         small_config(train={"tensorboard": "yes"})
+
+
+def test_report_of_a_lower_is_better_metric_names_it(tmp_path):
+    """A perplexity run's report speaks of perplexity and its target's sense, not of
+    accuracy in percent."""
+    run = tmp_path / "run"
+    run.mkdir()
+    summary = {
+        "protocol": "hardsync",
+        "metric": "perplexity",
+        "metric_direction": "min",
+        "target": 7.0,
+        "reached": True,
+        "best_metric": 6.8,
+        "time_to_target_s": 1.5,
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+    records = [
+        {"samples": 0, "wall_s": 0.0, "eval_metric": 250.0, "eval_loss": 5.5},
+        {"samples": 100, "wall_s": 1.5, "eval_metric": 6.8, "eval_loss": 1.9, "train_loss": 2.0},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    md = make_report([run], tmp_path / "rep").read_text()
+    assert "Target evaluation perplexity: <= 7." in md
+    assert "accuracy" not in md and "%" not in md.split("|")[0]
+    assert (tmp_path / "rep" / "curves.png").stat().st_size > 0
