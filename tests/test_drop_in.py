@@ -1,0 +1,433 @@
+"""The drop-in for a user's own loop (:mod:`distsgd.torch`): sharding, bad input, and on
+real processes (gloo, CPU) the equivalences of issue 16: hardsync ≡ DDP in the same
+script, local SGD with H = 1 ≡ hardsync (parameters passed as a generator), SMA ≡ the
+trainer's SMA with k = 1 per process, and a parameter-server run (1 server, 2 learners)
+that writes its staleness histogram.
+
+Ranks are forks of a forkserver that imported this module once (as tests/test_dist_ps.py):
+each run costs a few seconds, most of it process set-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import distsgd.torch as dsgd
+from distsgd.config import ConfigError
+from distsgd.data import ShardedSampler, load_dataset
+from distsgd.models import build_model
+from distsgd.trainer import Trainer
+from tests.conftest import small_config
+
+JOIN_S = 90.0  # generous: no process may outlive its test, but the machine is shared
+
+
+# ---- the sampler ---------------------------------------------------------------------------
+
+
+def test_sampler_shards_are_disjoint_equal_and_the_trainers_minibatches():
+    n, lam, b, seed = 103, 3, 4, 7
+    samplers = [
+        dsgd.Sampler(n, batch_size=b, seed=seed, num_learners=lam, learner=lrn)
+        for lrn in range(lam)
+    ]
+    shards = [list(s) for s in samplers]
+    assert {len(s) for s in shards} == {103 // 12 * 4}  # equal: nobody waits at the end
+    seen = [i for s in shards for i in s]
+    assert len(seen) == len(set(seen))  # no sample twice in an epoch
+    ref = ShardedSampler(n, lam, b, seed)
+    for lrn, shard in enumerate(shards):
+        steps = [ref.batch_indices(lrn, 0, s).tolist() for s in range(ref.steps_per_epoch)]
+        assert shard == [i for step in steps for i in step]
+
+
+def test_sampler_epochs_and_state():
+    s = dsgd.Sampler(64, batch_size=4, num_learners=2, learner=1)
+    first = list(s)
+    s.set_epoch(1)
+    assert len(list(s)) == len(first) and list(s) != first  # a new permutation
+    state = s.state_dict()
+    t = dsgd.Sampler(64, batch_size=4, num_learners=2, learner=1)
+    t.load_state_dict(state)
+    assert t.epoch == 1 and list(t) == list(s)
+    other = dsgd.Sampler(64, batch_size=8, num_learners=2, learner=1)
+    with pytest.raises(ValueError, match="batch_size = 4"):
+        other.load_state_dict(state)
+
+
+# ---- bad input: one line, before anything joins --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("protocol", "settings", "match"),
+    [
+        ("sma", {"learning_rate": 0.1}, "learning_rate = 0.1 is not a setting"),
+        ("sma", {"alpha": 2.0}, "protocol.alpha"),
+        ("gossip", {}, "protocol = 'gossip' is not allowed"),
+        ("parameter_server", {}, "needs a server rank and at least one learner"),
+    ],
+)
+def test_bad_settings_are_one_line(protocol, settings, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        dsgd.init(protocol, **settings)
+    assert "\n" not in str(e.value)
+
+
+def test_world_of_one_hardsync_is_the_plain_loop():
+    """Without torchrun the script is a world of one: the wrapper step is the user's."""
+    torch.manual_seed(0)
+    a = nn.Linear(5, 3)
+    b = nn.Linear(5, 3)
+    b.load_state_dict(a.state_dict())
+    ctx = dsgd.init("hardsync")
+    try:
+        opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+        opt_b = dsgd.DistributedOptimizer(
+            torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b, ctx
+        )
+        for _ in range(3):
+            x = torch.randn(8, 5)
+            for m, o in ((a, opt_a), (b, opt_b)):
+                o.zero_grad()
+                m(x).pow(2).mean().backward()
+                o.step()
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            assert torch.equal(p, q)  # mean over one rank: the same floats
+    finally:
+        ctx.close()
+
+
+# ---- real processes -----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _data(spec: dict) -> TensorDataset:
+    cfg = small_config()
+    ds = load_dataset(cfg.data, seed=cfg.train.seed)
+    return TensorDataset(ds.train_x, ds.train_y)
+
+
+def _mlp(spec: dict) -> nn.Module:
+    torch.manual_seed(0)
+    model = build_model("mlp", tuple(spec["input_shape"]), 10)
+    if "initial" in spec:
+        torch.nn.utils.vector_to_parameters(spec["initial"].clone(), model.parameters())
+    return model
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _train(model, opt, loader, sampler, epochs, kill_at=None):
+    step = 0
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            step += 1
+            if kill_at is not None and step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step(loss) if isinstance(opt, dsgd.DistributedOptimizer) else opt.step()
+    return step
+
+
+def _scenario_ddp(spec: dict, record: dict) -> None:
+    """DDP and the wrapper in the same script, same data, same initial weights."""
+    ctx = dsgd.init("hardsync", timeout_s=spec["timeout_s"])
+    data = _data(spec)
+    sampler = dsgd.Sampler(data, ctx, batch_size=16)
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    ref, mine = _mlp(spec), _mlp(spec)
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    opt = dsgd.DistributedOptimizer(
+        torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4), mine, ctx
+    )
+    initial = _flat(mine)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            for m, o in ((ddp, ref_opt), (mine, opt)):
+                o.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                o.step()
+    record.update(ddp=_flat(ref), wrapper=_flat(mine), initial=initial)
+    ctx.close()
+
+
+def _scenario_local_sgd(spec: dict, record: dict) -> None:
+    """hardsync reference, local SGD H = 1 given a generator of parameters, and
+    local SGD H = 3 (its averaging must move every rank to the same weights)."""
+    hard = dsgd.init("hardsync", timeout_s=spec["timeout_s"])
+    local1 = dsgd.init("local_sgd", average_every=1, timeout_s=spec["timeout_s"])
+    local3 = dsgd.init("local_sgd", average_every=3, timeout_s=spec["timeout_s"])
+    data = _data(spec)
+    sampler = dsgd.Sampler(data, hard, batch_size=16)
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    models = [_mlp(spec) for _ in range(3)]
+    opts = [
+        dsgd.DistributedOptimizer(
+            torch.optim.SGD(models[0].parameters(), lr=0.05, momentum=0.9), models[0], hard
+        ),
+        dsgd.DistributedOptimizer(
+            torch.optim.SGD(models[1].parameters(), lr=0.05, momentum=0.9),
+            (p for p in models[1].parameters()),  # a generator: read once
+            local1,
+        ),
+        dsgd.DistributedOptimizer(
+            torch.optim.SGD(models[2].parameters(), lr=0.05, momentum=0.9), models[2], local3
+        ),
+    ]
+    initial = _flat(models[0])
+    steps = 0
+    for x, y in loader:
+        steps += 1
+        for m, o in zip(models, opts, strict=True):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        if steps == 9:  # 9 mod 3 = 0: local SGD H = 3 has just averaged
+            break
+    record.update(
+        initial=initial,
+        hardsync=_flat(models[0]),
+        local1=_flat(models[1]),
+        local3=_flat(models[2]),
+        local3_iteration=opts[2].state_dict()["rule"]["protocol"]["iteration"],
+    )
+    local3.close()
+
+
+def _scenario_sma(spec: dict, record: dict) -> None:
+    ctx = dsgd.init("sma", alpha=0.1, central_momentum=0.9, timeout_s=spec["timeout_s"])
+    data = _data(spec)
+    sampler = dsgd.Sampler(data, ctx, batch_size=16)
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    model = _mlp(spec)
+    opt = dsgd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, ctx
+    )
+    _train(model, opt, loader, sampler, 1)
+    record.update(central=opt.eval_weights(), state=ctx.state_dict())
+    ctx.close()
+
+
+def _scenario_ps(spec: dict, record: dict) -> None:
+    ctx = dsgd.init(
+        "parameter_server",
+        mode=spec["mode"],
+        staleness_lr="softsync",
+        momentum=0.9,
+        timeout_s=spec["timeout_s"],
+    )
+    model = _mlp(spec)
+    record["role"] = ctx.role
+    if ctx.is_server:
+        result = ctx.serve(model, out_dir=spec["out_dir"])
+        record.update(result=result.__dict__, weights=_flat(model))
+        ctx.close()
+        return
+    data = _data(spec)
+    sampler = dsgd.Sampler(data, ctx, batch_size=16)
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    opt = dsgd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, ctx
+    )
+    kill_at = spec.get("kill", {}).get(ctx.rank)
+    record["steps"] = _train(model, opt, loader, sampler, spec["epochs"], kill_at)
+    ctx.close()
+
+
+def _scenario_lost_rank(spec: dict, record: dict) -> None:
+    """hardsync: rank 1 dies at its third step; rank 0 must stop naming it."""
+    ctx = dsgd.init("hardsync", timeout_s=spec["timeout_s"])
+    data = _data(spec)
+    sampler = dsgd.Sampler(data, ctx, batch_size=16)
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    model = _mlp(spec)
+    opt = dsgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, ctx)
+    record["t0"] = time.monotonic()
+    try:
+        _train(model, opt, loader, sampler, 1, kill_at=3 if ctx.rank == 1 else None)
+    except RuntimeError as e:
+        record.update(error=type(e).__name__, message=str(e), at=time.monotonic())
+
+
+SCENARIOS = {
+    "ddp": _scenario_ddp,
+    "local_sgd": _scenario_local_sgd,
+    "sma": _scenario_sma,
+    "ps": _scenario_ps,
+    "lost_rank": _scenario_lost_rank,
+}
+
+
+def _child(rank: int, world: int, port: int, spec: dict, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    record: dict = {}
+    try:
+        SCENARIOS[spec["scenario"]](spec, record)
+    except Exception:  # reported to the test, which fails on it
+        record["crash"] = traceback.format_exc()
+    torch.save(record, out)
+
+
+def _spawn(spec: dict, world: int, tmp_path: Path) -> dict[int, dict]:
+    """One process per rank; each rank's record (missing: the rank was killed)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    port = _free_port()
+    spec = {"timeout_s": 20.0, "input_shape": _input_shape(), **spec}
+    procs = [
+        ctx.Process(target=_child, args=(r, world, port, spec, str(tmp_path / f"{r}.pt")))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + JOIN_S
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        assert not alive, f"ranks {alive} still running after {JOIN_S} s"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    records = {}
+    for r in range(world):
+        f = tmp_path / f"{r}.pt"
+        if f.exists():
+            records[r] = torch.load(f, weights_only=False)
+            assert "crash" not in records[r], records[r]["crash"]
+    return records
+
+
+def _input_shape() -> list[int]:
+    cfg = small_config()
+    return list(load_dataset(cfg.data, seed=cfg.train.seed).input_shape)
+
+
+@pytest.mark.slow
+def test_hardsync_wrapper_matches_ddp_in_the_same_script(tmp_path):
+    records = _spawn({"scenario": "ddp"}, 2, tmp_path)
+    for r in (0, 1):
+        rec = records[r]
+        assert not torch.equal(rec["wrapper"], rec["initial"])  # it trained
+        # same maths; DDP divides each bucket by W before its all-reduce, the wrapper
+        # after: float32 rounding of 64 steps, far below 1e-5 on any CPU's kernels
+        torch.testing.assert_close(rec["wrapper"], rec["ddp"], rtol=0, atol=1e-5)
+    assert torch.equal(records[0]["wrapper"], records[1]["wrapper"])  # one model
+
+
+@pytest.mark.slow
+def test_local_sgd_h1_is_hardsync_and_a_generator_of_parameters_is_averaged(tmp_path):
+    records = _spawn({"scenario": "local_sgd"}, 2, tmp_path)
+    for r in (0, 1):
+        rec = records[r]
+        assert not torch.equal(rec["local1"], rec["initial"])  # the generator's params moved
+        # H = 1: mean of the ranks' SGD steps (momentum is linear) = the step of the mean
+        # gradient, up to float32 rounding of 9 steps (1e-5 holds on any CPU's kernels)
+        torch.testing.assert_close(rec["local1"], rec["hardsync"], rtol=0, atol=1e-5)
+        assert rec["local3_iteration"] == 9
+    # averaged at step 9: every rank holds the same weights, bit for bit
+    assert torch.equal(records[0]["local1"], records[1]["local1"])
+    assert torch.equal(records[0]["local3"], records[1]["local3"])
+    assert not torch.equal(records[0]["local3"], records[0]["hardsync"])  # H = 3 differs
+
+
+@pytest.mark.slow
+def test_sma_wrapper_matches_the_trainers_sma(tmp_path):
+    """The trainer's SMA (simulated runtime, λ = 2, k = 1, one epoch) and the wrapper on
+    two processes drawing the same minibatches from the same initial weights end with
+    the same central model z."""
+    shape = _input_shape()
+    initial = _flat(_mlp({"input_shape": shape}))
+    cfg = small_config(
+        protocol={"name": "sma", "num_learners": 2, "batch_size": 16, "replicas_per_device": 1},
+        optimizer={"lr": 0.05, "momentum": 0.9},
+        train={"max_epochs": 1, "eval_every_samples": 4096, "tensorboard": False},
+    )
+    Trainer(cfg, tmp_path / "sim", initial_weights=initial).run()
+    state = torch.load(tmp_path / "sim" / "checkpoint.pt", weights_only=True)
+    central = state["protocol"]["central"]
+    records = _spawn({"scenario": "sma", "initial": initial}, 2, tmp_path)
+    for r in (0, 1):
+        assert not torch.equal(records[r]["central"], initial)
+        # the trainer computes both replicas' gradients as one vmap-batched computation,
+        # the wrapper one forward/backward per process, and feeds SMA the user's step:
+        # float32 rounding over 32 steps stays far below 1e-4 on any CPU's kernels
+        torch.testing.assert_close(records[r]["central"], central, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["async", "softsync"])
+def test_parameter_server_run_completes_and_writes_staleness(tmp_path, mode):
+    out = tmp_path / "ps"
+    records = _spawn(
+        {"scenario": "ps", "mode": mode, "epochs": 1, "out_dir": str(out)}, 3, tmp_path
+    )
+    server = records[0]
+    assert server["role"] == "server"
+    steps = records[1]["steps"]
+    assert steps == records[2]["steps"] == 1024 // 32  # equal shards of b = 16 over λ = 2
+    result = server["result"]
+    assert result["num_pushes"] == 2 * steps and result["lost_ranks"] == []
+    assert sum(result["staleness_counts"].values()) == 2 * steps
+    expected_updates = 2 * steps if mode == "async" else steps  # 1-softsync: c = λ = 2
+    assert result["num_updates"] == expected_updates
+    counts = json.loads((out / "staleness.json").read_text())["counts"]
+    assert sum(counts.values()) == 2 * steps
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_pushes"] == 2 * steps and summary["protocol"] == "parameter_server"
+
+
+@pytest.mark.slow
+def test_async_run_goes_on_without_a_killed_learner(tmp_path):
+    out = tmp_path / "ps"
+    spec = {"scenario": "ps", "mode": "async", "epochs": 2, "out_dir": str(out), "kill": {2: 5}}
+    records = _spawn(spec, 3, tmp_path)
+    assert 2 not in records  # killed
+    assert records[1]["steps"] == 2 * 1024 // 32
+    result = records[0]["result"]
+    assert result["lost_ranks"] == [2]
+    assert result["num_pushes"] == 2 * 1024 // 32 + 4  # learner 2 pushed 4 times
+
+
+@pytest.mark.slow
+def test_hardsync_stops_naming_the_lost_rank(tmp_path):
+    records = _spawn({"scenario": "lost_rank", "timeout_s": 10.0}, 2, tmp_path)
+    assert 1 not in records
+    rec = records[0]
+    assert rec["error"] == "PeerLost", rec
+    assert "rank 1" in rec["message"], rec["message"]  # names the lost rank
