@@ -29,10 +29,12 @@ import distsgd.torch as dsgd
 from distsgd.config import ConfigError
 from distsgd.data import ShardedSampler, load_dataset
 from distsgd.models import build_model
+from distsgd.protocols import ParameterServer
 from distsgd.trainer import Trainer
 from tests.conftest import small_config
 
 JOIN_S = 90.0  # generous: no process may outlive its test, but the machine is shared
+PS_LR = 0.03  # the learners' rate under the parameter server
 
 
 # ---- the sampler ---------------------------------------------------------------------------
@@ -108,6 +110,44 @@ def test_world_of_one_hardsync_is_the_plain_loop():
             assert torch.equal(p, q)  # mean over one rank: the same floats
     finally:
         ctx.close()
+
+
+@pytest.mark.parametrize("protocol", ["sma", "local_sgd"])
+def test_state_dict_resumes_exactly(protocol):
+    """Saving after 3 steps and continuing in a fresh context gives the floats of an
+    uninterrupted run: the central model z, z_prev, the iteration (local SGD's period)
+    and the optimizer's momentum are in ctx.state_dict()."""
+    batches = [torch.randn(8, 5, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        ctx = dsgd.init(protocol, average_every=2, alpha=0.3)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, ctx, dsgd.DistributedOptimizer(sgd, model, ctx)
+
+    def run(model, opt, xs):
+        for x in xs:
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+    model, ctx, opt = make()
+    run(model, opt, batches)
+    straight = (opt.eval_weights(), torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    ctx.close()
+
+    model, ctx, opt = make()
+    run(model, opt, batches[:3])
+    saved = (model.state_dict(), ctx.state_dict())
+    ctx.close()
+    model, ctx, opt = make()
+    model.load_state_dict(saved[0])
+    ctx.load_state_dict(saved[1])
+    run(model, opt, batches[3:])
+    resumed = (opt.eval_weights(), torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    ctx.close()
+    assert torch.equal(straight[0], resumed[0]) and torch.equal(straight[1], resumed[1])
 
 
 # ---- real processes -----------------------------------------------------------------------
@@ -251,8 +291,9 @@ def _scenario_ps(spec: dict, record: dict) -> None:
     data = _data(spec)
     sampler = dsgd.Sampler(data, ctx, batch_size=16)
     loader = DataLoader(data, batch_size=16, sampler=sampler)
+    # not the config's default 0.05: the server must apply the learner's rate
     opt = dsgd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, ctx
+        torch.optim.SGD(model.parameters(), lr=PS_LR, momentum=0.9), model, ctx
     )
     kill_at = spec.get("kill", {}).get(ctx.rank)
     record["steps"] = _train(model, opt, loader, sampler, spec["epochs"], kill_at)
@@ -410,6 +451,44 @@ def test_parameter_server_run_completes_and_writes_staleness(tmp_path, mode):
     assert sum(counts.values()) == 2 * steps
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_pushes"] == 2 * steps and summary["protocol"] == "parameter_server"
+    replayed = _replay_pushes(result["push_order"], mode)
+    assert not torch.equal(server["weights"], _flat(_mlp({"input_shape": _input_shape()})))
+    # the same torch ops on the same floats in one process: only the kernels' threading
+    # could differ (one thread in both), so 1e-6 is slack on any CPU
+    torch.testing.assert_close(server["weights"], replayed, rtol=0, atol=1e-6)
+
+
+def _replay_pushes(order: list[tuple[int, int]], mode: str) -> torch.Tensor:
+    """The parameter server alone, in this process, fed the recorded pushes in the
+    recorded order: learner w's k-th push is the gradient of its k-th minibatch (its
+    Sampler's order) at the weights of the version it had pulled."""
+    shape = _input_shape()
+    model = _mlp({"input_shape": shape})
+    initial = _flat(model)
+    proto = ParameterServer(
+        initial, 2, softsync=2 if mode == "async" else 1, staleness_lr="softsync", momentum=0.9
+    )
+    data = _data({})
+    batches = {
+        w: iter(
+            DataLoader(
+                data,
+                batch_size=16,
+                sampler=dsgd.Sampler(data, batch_size=16, num_learners=2, learner=w),
+            )
+        )
+        for w in (0, 1)
+    }
+    at_version = {0: initial}
+    for worker, pulled in order:
+        x, y = next(batches[worker])
+        torch.nn.utils.vector_to_parameters(at_version[pulled].clone(), model.parameters())
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        proto.push(worker, grad, pulled, PS_LR)
+        at_version[proto.version] = proto.eval_weights()
+    return proto.eval_weights()
 
 
 @pytest.mark.slow
