@@ -14,6 +14,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -29,7 +31,7 @@ import distsgd.torch as dsgd
 from distsgd.config import ConfigError
 from distsgd.data import ShardedSampler, load_dataset
 from distsgd.models import build_model
-from distsgd.protocols import ParameterServer
+from distsgd.protocols import ComputeGroups, ParameterServer
 from distsgd.trainer import Trainer
 from tests.conftest import small_config
 
@@ -274,13 +276,17 @@ def _scenario_sma(spec: dict, record: dict) -> None:
 
 
 def _scenario_ps(spec: dict, record: dict) -> None:
-    ctx = dsgd.init(
-        "parameter_server",
-        mode=spec["mode"],
-        staleness_lr="softsync",
-        momentum=0.9,
-        timeout_s=spec["timeout_s"],
-    )
+    if spec["mode"] == "groups":  # Omnivore: one compute group of both learners
+        settings = {"num_groups": 1}
+        ctx = dsgd.init("compute_groups", momentum=0.9, timeout_s=spec["timeout_s"], **settings)
+    else:
+        ctx = dsgd.init(
+            "parameter_server",
+            mode=spec["mode"],
+            staleness_lr="softsync",
+            momentum=0.9,
+            timeout_s=spec["timeout_s"],
+        )
     model = _mlp(spec)
     record["role"] = ctx.role
     if ctx.is_server:
@@ -458,6 +464,24 @@ def test_parameter_server_run_completes_and_writes_staleness(tmp_path, mode):
     torch.testing.assert_close(server["weights"], replayed, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_compute_group_run_matches_its_replay(tmp_path):
+    """One compute group of the two learners (g = 1): every push is their mean gradient,
+    never stale; the server's weights are those of a ComputeGroups protocol fed the
+    same pushes in one process."""
+    records = _spawn(
+        {"scenario": "ps", "mode": "groups", "epochs": 1, "out_dir": None}, 3, tmp_path
+    )
+    steps = records[1]["steps"]
+    assert steps == records[2]["steps"] == 1024 // 32
+    result = records[0]["result"]
+    assert result["num_pushes"] == steps and result["staleness_counts"] == {0: steps}
+    replayed = _replay_pushes(result["push_order"], "groups")
+    # as the parameter server's replay; the group's all-reduce of two float32 gradients
+    # is one addition, as in the replay
+    torch.testing.assert_close(records[0]["weights"], replayed, rtol=0, atol=1e-6)
+
+
 def _replay_pushes(order: list[tuple[int, int]], mode: str) -> torch.Tensor:
     """The parameter server alone, in this process, fed the recorded pushes in the
     recorded order: learner w's k-th push is the gradient of its k-th minibatch (its
@@ -465,9 +489,13 @@ def _replay_pushes(order: list[tuple[int, int]], mode: str) -> torch.Tensor:
     shape = _input_shape()
     model = _mlp({"input_shape": shape})
     initial = _flat(model)
-    proto = ParameterServer(
-        initial, 2, softsync=2 if mode == "async" else 1, staleness_lr="softsync", momentum=0.9
-    )
+    if mode == "groups":
+        proto = ComputeGroups(initial, 2, 1, momentum=0.9)
+    else:
+        softsync = 2 if mode == "async" else 1
+        proto = ParameterServer(
+            initial, 2, softsync=softsync, staleness_lr="softsync", momentum=0.9
+        )
     data = _data({})
     batches = {
         w: iter(
@@ -480,12 +508,16 @@ def _replay_pushes(order: list[tuple[int, int]], mode: str) -> torch.Tensor:
         for w in (0, 1)
     }
     at_version = {0: initial}
+    members = {0: [0, 1]} if mode == "groups" else {0: [0], 1: [1]}
     for worker, pulled in order:
-        x, y = next(batches[worker])
-        torch.nn.utils.vector_to_parameters(at_version[pulled].clone(), model.parameters())
-        model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        grads = []
+        for learner in members[worker]:
+            x, y = next(batches[learner])
+            torch.nn.utils.vector_to_parameters(at_version[pulled].clone(), model.parameters())
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        grad = grads[0] if len(grads) == 1 else (grads[0] + grads[1]) / 2
         proto.push(worker, grad, pulled, PS_LR)
         at_version[proto.version] = proto.eval_weights()
     return proto.eval_weights()
@@ -510,3 +542,23 @@ def test_hardsync_stops_naming_the_lost_rank(tmp_path):
     rec = records[0]
     assert rec["error"] == "PeerLost", rec
     assert "rank 1" in rec["message"], rec["message"]  # names the lost rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("protocol", "processes"), [("sma", 2), ("async", 3)])
+def test_example_under_torchrun(tmp_path, protocol, processes):
+    """examples/own_loop/train.py, one short epoch under torchrun: the script's own
+    report line, exit status 0 once the (lowered) target is reached; the server of the
+    asynchronous run writes its staleness histogram."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    cmd += [str(root / "examples" / "own_loop" / "train.py"), "--protocol", protocol]
+    cmd += ["--epochs", "1", "--target", "0.5", "--out", str(tmp_path / "out")]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOIN_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "test accuracy" in done.stdout and "reached" in done.stdout
+    if protocol == "async":
+        counts = json.loads((tmp_path / "out" / "staleness.json").read_text())["counts"]
+        assert sum(counts.values()) == 2 * (8000 // (2 * 32))  # every push of one epoch
