@@ -206,15 +206,23 @@ def _scenario_ddp(spec: dict, record: dict) -> None:
     opt = dsgd.DistributedOptimizer(
         torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4), mine, ctx
     )
+    normed = nn.Sequential(
+        nn.Flatten(), nn.Linear(int(torch.tensor(spec["input_shape"]).prod()), 8)
+    )
+    normed.append(nn.BatchNorm1d(8)).append(nn.Linear(8, 10))
+    normed_opt = dsgd.DistributedOptimizer(
+        torch.optim.SGD(normed.parameters(), lr=0.05), normed, ctx
+    )
     initial = _flat(mine)
     for epoch in range(2):
         sampler.set_epoch(epoch)
         for x, y in loader:
-            for m, o in ((ddp, ref_opt), (mine, opt)):
+            for m, o in ((ddp, ref_opt), (mine, opt), (normed, normed_opt)):
                 o.zero_grad()
                 F.cross_entropy(m(x), y).backward()
                 o.step()
     record.update(ddp=_flat(ref), wrapper=_flat(mine), initial=initial)
+    record["buffers"] = [b.clone() for b in normed.buffers()]
     ctx.close()
 
 
@@ -395,6 +403,11 @@ def test_hardsync_wrapper_matches_ddp_in_the_same_script(tmp_path):
         # after: float32 rounding of 64 steps, far below 1e-5 on any CPU's kernels
         torch.testing.assert_close(rec["wrapper"], rec["ddp"], rtol=0, atol=1e-5)
     assert torch.equal(records[0]["wrapper"], records[1]["wrapper"])  # one model
+    # BatchNorm statistics are averaged every step: the same on both ranks, and moved
+    mean0, var0, count0 = records[0]["buffers"]
+    mean1, var1, count1 = records[1]["buffers"]
+    assert torch.equal(mean0, mean1) and torch.equal(var0, var1)
+    assert mean0.abs().sum() > 0 and int(count0) == int(count1) == 2 * 1024 // 32
 
 
 @pytest.mark.slow

@@ -25,8 +25,9 @@ rank roles (:mod:`distsgd.layout`) and the failure handling (heartbeats, one
 ``PeerLost`` naming the lost rank) are those of ``distsgd train``.
 """
 
+from distsgd.config import ConfigError
 from distsgd.torch.context import Context, ServeResult, init
 from distsgd.torch.optimizer import DistributedOptimizer
 from distsgd.torch.sampler import Sampler
 
-__all__ = ["Context", "DistributedOptimizer", "Sampler", "ServeResult", "init"]
+__all__ = ["ConfigError", "Context", "DistributedOptimizer", "Sampler", "ServeResult", "init"]

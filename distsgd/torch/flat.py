@@ -32,9 +32,12 @@ def write_back(vector: Tensor, tensors: list[Tensor]) -> None:
 
 
 def write_grads(vector: Tensor, params: list[Tensor]) -> None:
-    """Set the gradients of ``params`` from ``vector`` ``[P]`` (allocating missing ones)."""
+    """Set the gradients of ``params`` from ``vector`` ``[P]`` (allocating missing ones;
+    frozen parameters, ``requires_grad = False``, are left without one)."""
     with torch.no_grad():
         for p, v in zip(params, vector.split([p.numel() for p in params]), strict=True):
+            if not p.requires_grad:
+                continue
             if p.grad is None:
                 p.grad = v.view_as(p).to(p.dtype).clone()
             else:

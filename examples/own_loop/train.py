@@ -71,7 +71,11 @@ def main() -> int:
     torch.set_num_threads(1)
 
     name, settings = PROTOCOLS[args.protocol]
-    ctx = dsgd.init(name, **settings)  # 1. join the run
+    try:
+        ctx = dsgd.init(name, **settings)  # 1. join the run
+    except dsgd.ConfigError as e:  # a layout the world cannot hold: one line, exit status 2
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     model = make_model()
     test = make_data(2000, seed=2)
