@@ -115,7 +115,7 @@ def _resolve(raw: dict, world_size: int) -> RunConfig:
             f"dist.num_servers = {raw['dist']['num_servers']!r} is not allowed: expected 1 "
             "(the drop-in serves from one server rank)"
         )
-    servers = 1 if p["name"] in ("parameter_server", "compute_groups") else 0
+    servers = 1 if spec_for(p["name"]).has_server else 0
     if world_size <= servers:
         raise ConfigError(
             f"protocol = {p['name']!r} needs a server rank and at least one learner rank; "
@@ -220,6 +220,11 @@ class Context:
     def protocol(self) -> str:
         """``protocol.name``."""
         return self.config.protocol.name
+
+    @property
+    def has_server(self) -> bool:
+        """True when the protocol has a server rank (parameter server, compute groups)."""
+        return self.spec.has_server
 
     @property
     def is_server(self) -> bool:

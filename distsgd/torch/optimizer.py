@@ -87,16 +87,7 @@ class DistributedOptimizer:
             else []
         )
         self.num_parameters = sum(p.numel() for p in self.params)
-        name = ctx.protocol
-        self._rule: _Rule
-        if name == "hardsync":
-            self._rule = _AllReduce(self)
-        elif name == "local_sgd":
-            self._rule = _Averaging(self)
-        elif name == "sma":
-            self._rule = _CentralModel(self)
-        else:
-            self._rule = _Pusher(self)
+        self._rule: _Rule = _RULES[ctx.protocol](self)
         ctx.optimizer = self
 
     @property
@@ -368,3 +359,13 @@ class _Pusher(_Rule):
             if item[0] == "error":
                 raise item[1]
         self._thread.join(self.o.ctx.config.dist.timeout_s + 5)
+
+
+_RULES: dict[str, type[_Rule]] = {
+    "hardsync": _AllReduce,
+    "local_sgd": _Averaging,
+    "sma": _CentralModel,
+    "parameter_server": _Pusher,
+    "compute_groups": _Pusher,
+}
+"""The learner-side rule of each protocol the drop-in runs (``DROP_IN_PROTOCOLS``)."""
