@@ -326,12 +326,14 @@ class Context:
         if self._closed:
             return
         self._closed = True
-        if self.optimizer is not None:
-            self.optimizer.close()
-        if self.heartbeats is not None:
-            self.heartbeats.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            if self.optimizer is not None:
+                self.optimizer.close()
+        finally:
+            if self.heartbeats is not None:
+                self.heartbeats.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _parameters(model: nn.Module | Iterable[Tensor]) -> list[Tensor]:
