@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -70,6 +71,23 @@ def test_sampler_epochs_and_state():
     other = dsgd.Sampler(64, batch_size=8, num_learners=2, learner=1)
     with pytest.raises(ValueError, match="batch_size = 4"):
         other.load_state_dict(state)
+
+
+def test_sampler_refuses_a_server_rank():
+    server = SimpleNamespace(learner=None, rank=0, role="server")
+    with pytest.raises(ValueError, match="rank 0 is a server rank: it draws no data"):
+        dsgd.Sampler(64, server, batch_size=4)
+
+
+def test_init_takes_a_config_and_fits_lambda_to_the_world(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[protocol]\nname = "local_sgd"\naverage_every = 5\nnum_learners = 8\n')
+    ctx = dsgd.init(config=path, seed=3)
+    try:
+        assert ctx.protocol == "local_sgd" and ctx.config.protocol.average_every == 5
+        assert ctx.num_learners == 1 and ctx.learner == 0 and ctx.seed == 3  # world of one
+    finally:
+        ctx.close()
 
 
 # ---- bad input: one line, before anything joins --------------------------------------------
