@@ -488,6 +488,7 @@ def test_parameter_server_run_completes_and_writes_staleness(tmp_path, mode):
     assert sum(counts.values()) == 2 * steps
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_pushes"] == 2 * steps and summary["protocol"] == "parameter_server"
+    assert 0 < summary["train_loss"] < 2.5  # the learners' losses arrived (ln 10 ≈ 2.3 at start)
     replayed = _replay_pushes(result["push_order"], mode)
     assert not torch.equal(server["weights"], _flat(_mlp({"input_shape": _input_shape()})))
     # the same torch ops on the same floats in one process: only the kernels' threading

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -68,6 +69,8 @@ class ServeResult:
         staleness_counts: ``{σ: gradients applied with staleness σ}`` (Rudra's histogram).
         push_order: ``(worker, pulled version)`` of every applied push, in arrival order.
         lost_ranks: learner ranks the server lost (asynchronous protocols go on without).
+        train_loss: mean over the learners of the loss each passed to its last
+            ``step(loss)`` (NaN when none did).
     """
 
     num_updates: int
@@ -75,6 +78,7 @@ class ServeResult:
     staleness_counts: dict[int, int]
     push_order: list[tuple[int, int]] = field(default_factory=list)
     lost_ranks: list[int] = field(default_factory=list)
+    train_loss: float = float("nan")
 
 
 def _raw_config(protocol: str, config: RunConfig | str | Path | None, settings: dict) -> dict:
@@ -257,20 +261,26 @@ class Context:
         """
         if not self.is_server or self.layout is None:
             raise RuntimeError(f"serve() is for server ranks; rank {self.rank} is a {self.role}")
+        layout = self.layout
         params = _parameters(model)
         protocol = build_protocol(self.config, flatten(params))
         assert isinstance(protocol, AsynchronousProtocol)
         if self.server_state is not None:
             protocol.load_state_dict(self.server_state)
         order: list[tuple[int, int]] = []
+        last_loss: dict[int, float] = {}  # learner index: loss of its last push
 
         def on_push(event: ps.PushEvent) -> bool:
             order.append((event.worker, event.pulled_version))
+            # each member sent [its rate, its loss] (DistributedOptimizer.step)
+            members = layout.worker_groups[event.worker]
+            for member, loss in zip(members, event.losses[1::2], strict=True):
+                last_loss[member] = loss
             return True
 
         result = ps.run_server(
             protocol,
-            self.layout,
+            layout,
             on_push=on_push,
             lr=lambda samples: self.config.optimizer.lr,
             push_lr=lambda floats: floats[0],
@@ -285,6 +295,7 @@ class Context:
             staleness_counts=dict(sorted(protocol.staleness_counts.items())),
             push_order=order,
             lost_ranks=list(result.lost_ranks),
+            train_loss=sum(last_loss.values()) / len(last_loss) if last_loss else float("nan"),
         )
         if out_dir is not None:
             _write_outcome(Path(out_dir), self, out)
@@ -364,5 +375,6 @@ def _write_outcome(out_dir: Path, ctx: Context, result: ServeResult) -> None:
         "staleness_mean": sum(k * v for k, v in counts.items()) / n if n else 0.0,
         "staleness_max": max(counts, default=0),
         "lost_ranks": result.lost_ranks,
+        "train_loss": result.train_loss if math.isfinite(result.train_loss) else None,
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

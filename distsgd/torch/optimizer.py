@@ -113,7 +113,8 @@ class DistributedOptimizer:
         """One protocol step with the gradients in ``param.grad`` (see the class).
 
         Args:
-            loss: this step's training loss, passed on to the server's log (optional).
+            loss: this step's training loss (optional): sent with the push to the
+                server (``ServeResult.train_loss``); the synchronous protocols ignore it.
         """
         if isinstance(loss, Tensor):
             loss = loss.detach()
