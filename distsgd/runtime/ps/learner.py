@@ -216,7 +216,7 @@ def run_learner(
     layout: PSLayout,
     rank: int,
     *,
-    compute: Callable[[Tensor, int], tuple[Tensor, list[float]]],
+    compute: Callable[[Tensor, int], tuple[Tensor, list[float]] | None],
     group: dist.ProcessGroup | None,
     num_samples: int,
     timeout_s: float,
@@ -230,7 +230,10 @@ def run_learner(
         compute: ``(weights [P], version) -> (gradient [P] float32, losses)``; called once
             per round on every member of the group with the same weights (a fresh tensor
             each round); the losses list must have the same length on every call and
-            member. ``version`` is the coordinator shard's version.
+            member. ``version`` is the coordinator shard's version. Returning None
+            ends this worker's part (hook for the drop-in :mod:`distsgd.torch`, whose
+            learners decide when they stop): the leader tells every shard BYE; every
+            member of a compute group must return None in the same round.
         group: the compute group's process subgroup (all of ``worker_groups[w]``), or None
             for a group of one.
         num_samples: samples behind one ``compute`` call (the batch size).
@@ -300,7 +303,12 @@ def run_learner(
             return result
         grp.broadcast(weights, "weights broadcast")
         result.version = version
-        grad, losses = compute(weights, version)
+        computed = compute(weights, version)
+        if computed is None:  # this worker leaves (the drop-in's learner loop ended)
+            if leader is not None:
+                leader.bye(set())
+            return result
+        grad, losses = computed
         result.num_computes += 1
         grad, losses = grp.mean_gradient(grad.detach().reshape(-1).float(), losses)
         if leader is not None:

@@ -89,6 +89,7 @@ def run_server(
     lr: Callable[[int], float],
     timeout_s: float,
     log: Callable[[str], None],
+    push_lr: Callable[[list[float]], float] | None = None,
 ) -> ServerResult:
     """Serve the parameter-server protocol to the learners until the run stops.
 
@@ -106,6 +107,10 @@ def run_server(
         timeout_s: seconds a learner may stay silent after the server's reply before it is
             declared lost (also the send timeout), > 0.
         log: receives one line per lost learner.
+        push_lr: hook for learners that bring their own learning rate (the drop-in
+            :mod:`distsgd.torch`): the base rate α0 of a push given the floats the learner
+            sent after its gradient (its "losses"), used instead of ``lr``; S = 1 only
+            (the other shards get no such floats).
 
     Returns:
         :class:`ServerResult` (lost leader ranks, pushes applied).
@@ -114,7 +119,7 @@ def run_server(
         ValueError: this rank is not in ``layout.server_ranks`` or ``timeout_s <= 0``.
         LearnerLost: a learner was lost under a barrier, or every worker was lost.
     """
-    return _ServerLoop(protocol, layout, on_push, lr, timeout_s, log).run()
+    return _ServerLoop(protocol, layout, on_push, lr, timeout_s, log, push_lr).run()
 
 
 class _ServerLoop:
@@ -135,6 +140,7 @@ class _ServerLoop:
         lr: Callable[[int], float],
         timeout_s: float,
         log: Callable[[str], None],
+        push_lr: Callable[[list[float]], float] | None = None,
     ) -> None:
         rank = dist.get_rank()
         if rank not in layout.server_ranks:
@@ -143,6 +149,7 @@ class _ServerLoop:
             raise ValueError(f"timeout_s = {timeout_s!r} is not allowed: expected > 0")
         self.protocol, self.layout = protocol, layout
         self.on_push, self.lr, self.timeout_s, self.log = on_push, lr, timeout_s, log
+        self.push_lr = push_lr
         self.rank = rank
         self.coordinator = rank == layout.server_ranks[0]
         self.barrier = bool(getattr(protocol, "barrier", False))
@@ -361,7 +368,9 @@ class _ServerLoop:
         reply, release what the update released, and on the coordinator call on_push."""
         protocol, n = self.protocol, self.n
         version, n_samples = int(header[_VERSION]), int(header[_SAMPLES])
-        update = protocol.push(w, payload[:n], version, self.lr(self.samples))
+        losses = payload[n:].tolist()
+        lr = self.lr(self.samples) if self.push_lr is None else self.push_lr(losses)
+        update = protocol.push(w, payload[:n], version, lr)
         self.samples += n_samples
         self.result.num_pushes += 1
         # reply first (as sim._advance_async), so that the learner carries this push on
@@ -378,7 +387,6 @@ class _ServerLoop:
             for v in released:
                 self.send_weights(v)
         if self.coordinator:
-            losses = payload[n:].tolist()
             event = PushEvent(w, self.leaders[w], version, update, n_samples, losses, self.central)
             if not self.on_push(event):
                 # pushes held by the barrier were applied: LAST tells their learners to
