@@ -83,10 +83,16 @@ RESUMABLE_SETTINGS = frozenset(
 
 def default_out_dir(cfg: RunConfig) -> Path:
     """``runs/<YYYYmmdd-HHMMSS>-<name or protocol>`` under the current directory (the name
-    reduced to letters, digits, ``-``, ``_`` and ``.``, so it cannot leave ``runs/``)."""
+    reduced to letters, digits, ``-``, ``_`` and ``.``, so it cannot leave ``runs/``),
+    with ``-2``, ``-3``, … appended when that directory exists already."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     label = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.name or cfg.protocol.name).lstrip(".")
-    return Path("runs") / f"{stamp}-{label or cfg.protocol.name}"
+    path = Path("runs") / f"{stamp}-{label or cfg.protocol.name}"
+    n = 2
+    while path.exists():  # several runs started within one second: -2, -3, ...
+        path = Path("runs") / f"{stamp}-{label or cfg.protocol.name}-{n}"
+        n += 1
+    return path
 
 
 def resolve_config(
@@ -369,9 +375,9 @@ def fit(
     train_data: Any,
     eval_data: Any = None,
     *,
-    loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "cross_entropy",
-    metric: str | Callable[[torch.Tensor, torch.Tensor], Any] = "accuracy",
-    metric_direction: str = "",
+    loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    metric: str | Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    metric_direction: str | None = None,
     config: RunConfig | str | Path | dict[str, Any] | None = None,
     overrides: list[str] | None = None,
     out_dir: str | Path | None = None,
@@ -398,10 +404,13 @@ def fit(
         eval_data: the evaluation data, in the same forms; None: evaluate on the
             training data.
         loss: ``cross_entropy``, ``mse``, ``bce_with_logits``, an import path, or a
-            callable ``(outputs, targets) → scalar`` (the minibatch's mean loss).
+            callable ``(outputs, targets) → scalar`` (the minibatch's mean loss); None:
+            the config's ``train.loss`` (default ``cross_entropy``).
         metric: ``accuracy``, ``loss``, ``perplexity``, an import path, or a callable
-            ``(outputs, targets) → the batch's mean``.
-        metric_direction: ``"max"`` or ``"min"``, required for a user metric.
+            ``(outputs, targets) → the batch's mean``; None: the config's ``train.metric``
+            (default ``accuracy``).
+        metric_direction: ``"max"`` or ``"min"``, required for a user metric; None: the
+            config's ``train.metric_direction``.
         config, overrides: the rest of the run, as for :func:`train`.
         out_dir: run directory (default ``runs/<time>-<protocol>``).
         progress: show a progress bar.
@@ -436,7 +445,8 @@ def fit(
         loss=_fit_objective(raw, "loss", loss),
         metric=_fit_objective(raw, "metric", metric),
     )
-    raw["train"]["metric_direction"] = metric_direction
+    if metric_direction is not None:
+        raw["train"]["metric_direction"] = metric_direction
     cfg = RunConfig.from_dict(raw)
     if cfg.runtime != "sim":
         _refuse_objects_on(cfg.runtime, model, train_data, eval_data, loss, metric)
@@ -490,7 +500,10 @@ def _fit_data(raw: dict[str, Any], train_data: Any, eval_data: Any) -> Callable[
 
 def _fit_objective(raw: dict[str, Any], key: str, value: Any) -> Callable[..., Any] | None:
     """Put the loss or metric ``value`` into ``raw["train"][key]``: a name or import path
-    as it is (the config checks it), a callable by its label (and returned)."""
+    as it is (the config checks it), a callable by its label (and returned); None: the
+    config's."""
+    if value is None:
+        return None
     if isinstance(value, str):
         raw["train"][key] = value
         return None

@@ -180,7 +180,7 @@ def _check_toml_value(setting: str, value: Any) -> None:
         for i, v in enumerate(value):
             _check_toml_value(f"{setting}[{i}]", v)
     elif not isinstance(value, str | int | float | bool):
-        fail(setting, value, "a string, number, boolean, list or table (a TOML value)")
+        fail(setting, value, "a string, number, boolean, list or table")
 
 
 @dataclass
@@ -883,10 +883,12 @@ class TrainConfig:
     save_eval_weights: bool = False
 
     def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            check_import_path("train.loss", self.loss)
-        if self.metric not in METRICS:
-            check_import_path("train.metric", self.metric)
+        if self.loss not in LOSSES and not is_import_path(self.loss):
+            allowed = ", ".join(repr(x) for x in LOSSES)
+            fail("train.loss", self.loss, f'{allowed} or an import path "module:function"')
+        if self.metric not in METRICS and not is_import_path(self.metric):
+            allowed = ", ".join(repr(x) for x in METRICS)
+            fail("train.metric", self.metric, f'{allowed} or an import path "module:function"')
         check_choice("train.metric_direction", self.metric_direction, ("", "max", "min"))
         if self.metric in METRICS and self.metric_direction not in ("", METRICS[self.metric]):
             fail(

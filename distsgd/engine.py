@@ -10,6 +10,7 @@ path (DESIGN.md, performance notes).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from distsgd.batched import (
     supports,
     vmap_replica_gradients,
 )
-from distsgd.config import RunConfig
+from distsgd.config import ConfigError, RunConfig
 from distsgd.data import DEFAULT_ROOTS, Dataset, Split, resolve_root
 from distsgd.factories import resolve_callable
 from distsgd.models import model_from_config, with_data_shape
@@ -34,6 +35,7 @@ __all__ = [
     "GradientEngine",
     "UserCode",
     "build_engine",
+    "check_on_data",
     "check_user_code",
     "config_for_data",
     "bn_recalibration_indices",
@@ -123,6 +125,82 @@ def check_user_code(cfg: RunConfig) -> None:
             resolve_callable(setting, path)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def check_on_data(engine: GradientEngine, dataset: Dataset, cfg: RunConfig) -> None:
+    """Run the model, the loss and the metric once on two training samples and two
+    evaluation samples (evaluation mode, no gradient: no random numbers are drawn and no
+    buffer changes), so that a model, loss or metric that does not fit the data fails
+    here, in one line naming its setting, before the run writes anything.
+
+    Raises:
+        ConfigError: the forward raises or returns something other than a tensor; the
+            loss raises, is not a scalar, or (``mse``, ``bce_with_logits``) gets outputs
+            and targets of different shapes; the metric raises or is not a number.
+    """
+    model = (
+        f"model.factory = {cfg.model.factory!r}"
+        if cfg.model.factory
+        else (f"model.name = {cfg.model.name!r}")
+    )
+    loss_name, metric_name = engine.loss.name, engine.metric.name
+    modes = [(m, m.training) for m in engine.model.modules()]
+    engine.model.eval()
+    try:
+        with torch.no_grad():
+            for split in (dataset.train, dataset.test):
+                x, y = split.batch(torch.arange(min(2, split.num_samples)))
+                try:
+                    out = engine.model(x)
+                except Exception as e:  # noqa: BLE001 - the user's forward on the data
+                    raise ConfigError(
+                        f"{model}: its forward on a batch of the data (inputs "
+                        f"{list(x.shape)} {x.dtype}) raised {_first_line(e)}"
+                    ) from None
+                if not isinstance(out, Tensor):
+                    raise ConfigError(
+                        f"{model}: its forward returned a {type(out).__name__}, expected "
+                        "one tensor of outputs (e.g. return the logits alone)"
+                    )
+                if loss_name in ("mse", "bce_with_logits") and out.shape != y.shape:
+                    raise ConfigError(
+                        f"train.loss = {loss_name!r} needs outputs and targets of one shape: "
+                        f"the model gives {list(out.shape)}, the data {list(y.shape)} "
+                        "(reshape one of them, or choose another loss)"
+                    )
+                try:
+                    value = float(engine.loss.chunk_means(out, y, 1)[0])
+                except ConfigError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the loss on these outputs/targets
+                    raise ConfigError(
+                        f"train.loss = {loss_name!r} on outputs {list(out.shape)} "
+                        f"{out.dtype} and targets {list(y.shape)} {y.dtype} raised "
+                        f"{_first_line(e)}"
+                    ) from None
+                if not math.isfinite(value):
+                    raise ConfigError(
+                        f"train.loss = {loss_name!r} is {value} on the untrained model's "
+                        f"outputs {list(out.shape)} and targets {list(y.shape)} {y.dtype}, "
+                        "before any update: check the loss function and the data"
+                    )
+                try:
+                    engine.metric.batch_sum(out, y)
+                except ConfigError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    raise ConfigError(
+                        f"train.metric = {metric_name!r} on outputs {list(out.shape)} and "
+                        f"targets {list(y.shape)} {y.dtype} raised {_first_line(e)}"
+                    ) from None
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def build_engine(cfg: RunConfig, code: UserCode | None = None) -> GradientEngine:
     """The engine of ``cfg``'s model (built from torch's global generator: seed it first),
     loss and metric; ``code``'s objects replace the config's import paths.
@@ -133,8 +211,15 @@ def build_engine(cfg: RunConfig, code: UserCode | None = None) -> GradientEngine
     """
     code = code or UserCode()
     t = cfg.train
+    model = model_from_config(cfg.model, code.model)
+    if not any(p.requires_grad for p in model.parameters()):
+        setting = f"model.factory = {cfg.model.factory!r}" if cfg.model.factory else "the model"
+        raise ConfigError(
+            f"{setting}: the model has no trainable parameters (nothing to train); give it "
+            "parameters with requires_grad = True"
+        )
     return GradientEngine(
-        model_from_config(cfg.model, code.model),
+        model,
         build_loss(code.loss or t.loss),
         build_metric(code.metric or t.metric, t.metric_direction),
     )

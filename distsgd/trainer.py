@@ -53,7 +53,7 @@ from distsgd.config import (
     RunConfig,
 )
 from distsgd.data import load_dataset
-from distsgd.engine import UserCode, build_engine, config_for_data
+from distsgd.engine import UserCode, build_engine, check_on_data, config_for_data
 from distsgd.layout import spec_for
 from distsgd.metrics import (
     ChecksumMismatch,
@@ -237,6 +237,7 @@ class Trainer:
         self.cfg, self.profile_calibrated = kind.calibrate(cfg, self.dataset, self.code)
         torch.manual_seed(self.cfg.train.seed)  # same seed => same initial weights
         self.engine = build_engine(self.cfg, self.code)
+        check_on_data(self.engine, self.dataset, self.cfg)  # one line, before any writing
         initial = self._start_weights(self.engine.initial_weights())
         self.runtime = kind.build(self.cfg, self.engine, self.dataset, initial)
         self.protocol = self.runtime.protocol

@@ -162,6 +162,35 @@ def test_tensor_pairs_and_map_style_data_train_alike(tmp_path):
             ["train.metric=accuracy", "train.metric_direction=min"],
             r"train.metric_direction = 'min' is not allowed",
         ),
+        (
+            [f"model.factory={ZOO}:TupleModel", "model.kwargs={}"],
+            r"its forward returned a tuple, expected one tensor of outputs",
+        ),
+        (
+            [f"model.factory={ZOO}:Frozen", "model.kwargs={}"],
+            r"the model has no trainable parameters",
+        ),
+        (
+            [f"data.factory={ZOO}:float_targets"],
+            r"train.loss = 'cross_entropy' on outputs \[2, 3\] torch.float32 and targets \[2\] "
+            r"torch.float32 raised RuntimeError",
+        ),
+        (
+            [
+                f"data.factory={ZOO}:regression_flat",
+                "train.loss=mse",
+                "train.metric=loss",
+                "model.kwargs.num_classes=1",
+            ],
+            r"train.loss = 'mse' needs outputs and targets of one shape: the model gives "
+            r"\[2, 1\], the data \[2\]",
+        ),
+        (["train.loss=hinge"], r"train.loss = 'hinge' is not allowed: expected 'cross_entropy'"),
+        ([f"train.loss={ZOO}:nan_loss"], r"is nan on the untrained model's outputs"),
+        (
+            [f"model.factory={ZOO}:TokenModel", "model.kwargs={}"],
+            r"forward on a batch of the data \(inputs \[2, 12\] torch.float32\) raised",
+        ),
     ],
 )
 def test_bad_user_code_is_one_config_error_and_no_run_is_left(tmp_path, overrides, message):
@@ -169,7 +198,8 @@ def test_bad_user_code_is_one_config_error_and_no_run_is_left(tmp_path, override
     with pytest.raises(ConfigError, match=message) as e:
         distsgd.train(user_config(TABULAR), overrides=overrides, out_dir=out)
     assert "\n" not in str(e.value)
-    assert not (out / "summary.json").exists()
+    for name in ("summary.json", "config.toml", "metrics.jsonl", "checkpoint.pt", "model.pt"):
+        assert not (out / name).exists(), name
 
 
 def test_cli_bad_factory_exits_2_with_one_line(tmp_path, capsys):

@@ -378,7 +378,7 @@ def _check_losses(losses: list[float], learners: list[int], lr: float, samples: 
             raise TrainingDiverged(
                 f"training loss became {loss} (sample {samples}) on learner {learner} with "
                 f"base learning rate {lr:g}; lower optimizer.lr or add a warm-up "
-                "(schedule.warmup_epochs)"
+                "(schedule.warmup_epochs), or check train.loss and the data"
             )
 
 

@@ -375,7 +375,7 @@ class SimRuntime(Runtime):
                 raise TrainingDiverged(
                     f"training loss became {loss} at step {step} (sample {self.samples}) on "
                     f"learner {learner} with base learning rate {lr:g}; lower optimizer.lr or add a "
-                    f"warm-up (schedule.warmup_epochs)"
+                    f"warm-up (schedule.warmup_epochs), or check train.loss and the data"
                 )
 
     def _gradient(

@@ -204,6 +204,15 @@ def _plots(out: Path, state: dict[str, Any], rows: list[dict[str, Any]]) -> list
     return figs
 
 
+def _target_phrase(state: dict[str, Any]) -> str:
+    """``90% test accuracy``, or a user metric's ``r2 >= 0.98`` (the tuner covers
+    higher-is-better metrics only)."""
+    metric = str(state.get("metric") or "accuracy")
+    if metric == "accuracy":
+        return f"{100 * state['target']:g}% test accuracy"
+    return f"evaluation {metric.rsplit(':', 1)[-1]} >= {state['target']:g}"
+
+
 def _head_lines(state: dict[str, Any]) -> list[str]:
     """The target, the clock, the plan and its predicted time to accuracy."""
     clock = state["clock"]
@@ -211,7 +220,7 @@ def _head_lines(state: dict[str, Any]) -> list[str]:
     return [
         "# distsgd tune report",
         "",
-        f"Target: {100 * state['target']:g}% test accuracy on the `{state['runtime']}` "
+        f"Target: {_target_phrase(state)} on the `{state['runtime']}` "
         f"runtime, λ = {state['num_learners']} devices; search budget {state['budget_s']:.0f} s, "
         f"tuning took {state['tuning_wall_s']:.1f} wall s.",
         "",
@@ -234,7 +243,7 @@ def _head_lines(state: dict[str, Any]) -> list[str]:
         f"Predicted time to accuracy: **{_fmt(pred.get('predicted_s'), '.2f')} {clock} s** = "
         f"HE {_fmt((pred.get('seconds_per_iteration') or math.nan) * 1e3, '.3f')} ms per "
         f"iteration × SE {_fmt(pred.get('iterations_to_target'), '.0f')} iterations (target "
-        f"training loss {_fmt(pred.get('target_loss'), '.4f')} nats, from the fitted loss "
+        f"training loss {_fmt(pred.get('target_loss'), '.4f')}, from the fitted loss "
         f"curve of the last of {pred.get('segments', 1)} long run(s))."
         + (f" No prediction: {pred['reason']}." if pred.get("reason") else ""),
         "",

@@ -843,7 +843,7 @@ class TuneSession:
         step_epoch = float(st.step_at["epoch"]) if st.step_at is not None else 0.0
         steady = st.switch if st.step_at is not None else None
         st.plan = plan_config(self.cfg, chosen, steady, step_epoch, self.log)
-        (self.out / "plan.toml").write_text(st.plan.to_toml())
+        (self.out / "plan.toml").write_text(st.plan.to_toml(applicable_only=True))
         prediction = predict_plan(st.plan_runs, self.cfg.train.target)
         prediction["tuner_measured_s"] = st.tuner_measured_s
         st.prediction = prediction
@@ -899,6 +899,7 @@ class TuneSession:
             },
             "tuning_wall_s": costs.elapsed(),
             "target": cfg.train.target,
+            "metric": cfg.train.metric,
             "num_learners": fixed.num_learners,
             "num_processes": fixed.num_processes if cfg.runtime == "dist" else None,
             "network": None if fixed.network is None else dataclasses.asdict(fixed.network),

@@ -121,3 +121,42 @@ def raising_factory():
 
 
 NOT_CALLABLE = 3
+
+
+class TupleModel(nn.Module):
+    """Returns (logits, features): a forward distsgd cannot train on as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(12, 3)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.fc(x), x
+
+
+class Frozen(nn.Module):
+    """No trainable parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(12, 3).requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x)
+
+
+def float_targets():
+    """Class labels as floats: cross-entropy's targets must be integers."""
+    (tx, ty), (ex, ey) = tabular_tensors()
+    return (tx, ty.float()), (ex, ey.float())
+
+
+def regression_flat():
+    """Targets ``[N]`` where a one-output model gives ``[N, 1]``."""
+    (tx, _), (ex, _) = tabular_tensors()
+    return (tx, tx.sum(dim=1)), (ex, ex.sum(dim=1))
+
+
+def nan_loss(outputs: Tensor, targets: Tensor) -> Tensor:
+    """A loss that is NaN whatever the weights."""
+    return (outputs * float("nan")).mean()
