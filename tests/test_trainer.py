@@ -204,6 +204,17 @@ def test_default_out_dir_stays_under_runs():
     assert out.parent == Path("runs") and "/" not in out.name and not out.name.startswith(".")
 
 
+def test_default_out_dirs_of_runs_started_within_one_second_differ(tmp_path, monkeypatch):
+    from distsgd.api import default_out_dir
+
+    monkeypatch.chdir(tmp_path)
+    first = default_out_dir(small_config(name="x"))
+    first.mkdir(parents=True)
+    second = default_out_dir(small_config(name="x"))
+    assert second != first and second.parent == first.parent
+    assert second.name.startswith(first.name) or second.name[:15] != first.name[:15]
+
+
 def test_out_dir_with_a_run_is_not_overwritten(tmp_path):
     cfg = small_config(train={"max_epochs": 1})
     distsgd.train(cfg, out_dir=tmp_path / "r")
