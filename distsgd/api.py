@@ -46,7 +46,13 @@ from distsgd.config import (
 )
 from distsgd.engine import UserCode, check_user_code
 from distsgd.factories import is_import_path
-from distsgd.metrics import ChecksumMismatch, load_checked, read_metrics, save_checked
+from distsgd.metrics import (
+    ChecksumMismatch,
+    load_checked,
+    load_checkpoint_file,
+    read_metrics,
+    save_checked,
+)
 from distsgd.models import model_from_config
 from distsgd.rundir import RunDirClaim
 from distsgd.runtime.faults import RankFaults
@@ -316,17 +322,9 @@ def _read_eval_model(path: Path) -> dict[str, torch.Tensor]:
         ConfigError: the checkpoint is missing, unreadable, not distsgd's, or predates
             ``distsgd export``.
     """
-    if not path.is_file():
-        raise ConfigError(
-            f"cannot export: {path} does not exist (a run writes it at its first checkpoint)"
-        )
-    try:
-        state = load_checked(path)
-    except ChecksumMismatch as e:
-        raise ConfigError(f"cannot export: {e}") from None
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
-        raise ConfigError(f"cannot export: {path} is not a readable checkpoint ({e})") from None
-    if not isinstance(state, dict) or "protocol" not in state:
+    missing = " (a run writes it at its first checkpoint)"
+    state = load_checkpoint_file(path, "export", missing)
+    if "protocol" not in state:
         raise ConfigError(f"cannot export: {path} is not a checkpoint written by distsgd")
     model = state.get("eval_model")
     if not isinstance(model, dict):

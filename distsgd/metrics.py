@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from distsgd.checks import ConfigError
+
 __all__ = [
     "ChecksumMismatch",
     "MetricsWriter",
@@ -38,6 +40,7 @@ __all__ = [
     "TENSORBOARD_TAGS",
     "digest_path",
     "load_checked",
+    "load_checkpoint_file",
     "read_metrics",
     "save_checked",
     "write_json",
@@ -100,6 +103,30 @@ def save_checked(obj: Any, path: str | Path) -> str:
     os.replace(side_tmp, side)
     os.replace(tmp, path)
     return digest
+
+
+def load_checkpoint_file(path: Path, action: str, missing: str = "") -> dict[str, Any]:
+    """The dict a checkpoint file holds, for ``action`` (``"resume"``, ``"export"``).
+
+    Raises:
+        ConfigError: ``cannot <action>: …`` in one line — the file does not exist
+            (followed by ``missing``), does not match its checksum, cannot be unpickled, or
+            holds no dict.
+    """
+    if not path.is_file():
+        raise ConfigError(f"cannot {action}: {path} does not exist{missing}")
+    try:
+        state = load_checked(path)
+    except ChecksumMismatch as e:
+        raise ConfigError(f"cannot {action}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
+        raise ConfigError(f"cannot {action}: {path} is not a readable checkpoint ({e})") from None
+    if not isinstance(state, dict):
+        raise ConfigError(
+            f"cannot {action}: {path} holds a {type(state).__name__}, not a checkpoint "
+            "written by distsgd (a dict of the run's state)"
+        )
+    return state
 
 
 def load_checked(path: str | Path) -> Any:

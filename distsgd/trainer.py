@@ -60,6 +60,7 @@ from distsgd.metrics import (
     MetricsWriter,
     TensorBoardWriter,
     load_checked,
+    load_checkpoint_file,
     save_checked,
     write_json,
 )
@@ -331,19 +332,7 @@ class Trainer:
 
     def _read_checkpoint(self) -> dict[str, Any]:
         path = self.out_dir / "checkpoint.pt"
-        if not path.exists():
-            raise ConfigError(f"cannot resume: {path} does not exist")
-        try:
-            state = load_checked(path)
-        except ChecksumMismatch as e:
-            raise ConfigError(f"cannot resume: {e}") from None
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
-            raise ConfigError(f"cannot resume: {path} is not a readable checkpoint ({e})") from None
-        if not isinstance(state, dict):
-            raise ConfigError(
-                f"cannot resume: {path} holds a {type(state).__name__}, not a checkpoint "
-                "written by distsgd (a dict of the run's state)"
-            )
+        state = load_checkpoint_file(path, "resume")
         if "format" not in state:
             _check_checkpoint_entries(state, path)  # names what a distsgd checkpoint has
         if state.get("format") != CHECKPOINT_FORMAT:
