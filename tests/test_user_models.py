@@ -294,3 +294,16 @@ def test_dist_run_checks_import_paths_before_starting_any_process(tmp_path, caps
         f"train.metric = '{ZOO}:nothing' is not allowed: {ZOO!r} has no attribute 'nothing'"
     )
     assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["softsync", "async", "groups", "local_sgd", "plain"])
+def test_every_other_protocol_trains_a_user_model_on_real_processes(tmp_path, protocol):
+    """The protocols the equivalence tests above do not cover, on real processes with the
+    BatchNorm MLP on map-style data: the run completes, evaluates and writes model.pt."""
+    cfg = user_config(TABULAR, PROTOCOLS[protocol], runtime="dist", max_epochs=1)
+    s = distsgd.train(cfg, out_dir=tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert s["status"] == "completed" and s["runtime"] == "dist"
+    assert records[-1]["eval_metric"] > records[0]["eval_metric"]
+    assert (tmp_path / "model.pt").exists()
