@@ -41,6 +41,7 @@ from distsgd.config import (
     ConfigWarning,
     RunConfig,
     apply_override,
+    check_device,
     check_local_processes,
     schedule_conflicts,
 )
@@ -83,6 +84,7 @@ RESUMABLE_SETTINGS = frozenset(
         "stop_at_target",
         "tensorboard",
         "eval_batch_size",
+        "device",  # a GPU run resumes on a CPU-only machine and the other way round
     )
 ) | frozenset(f"dist.{k}" for k in ("backend", "master_addr", "master_port", "timeout_s"))
 
@@ -176,6 +178,7 @@ def run(
             f"runtime = {cfg.runtime!r} is not allowed with Python objects for the model, "
             "data, loss or metric: they cannot reach other processes; give import paths"
         )
+    check_device(cfg)  # before anything is written or any rank starts
     _warn_schedule(cfg)
     if cfg.runtime == "sim":
         return Trainer(cfg, out, progress, code=code).run(resume=resume)

@@ -19,6 +19,7 @@ import importlib
 import inspect
 import math
 import os
+import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -34,7 +35,10 @@ from distsgd.protocols import SERVER_OPTIMIZERS, STALENESS_LR, OptimizerFactory
 __all__ = [
     "ConfigError",
     "ConfigWarning",
+    "check_device",
     "check_local_processes",
+    "resolve_device",
+    "resolved_device_setting",
     "schedule_conflicts",
     "DataConfig",
     "ModelConfig",
@@ -60,7 +64,9 @@ PS_MODES = ("softsync", "async", "hardsync")
 AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.replicas.RULES
 SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
-DIST_BACKENDS = ("auto", "gloo")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+PRECISIONS = ("fp32", "bf16-mixed")
+_DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 class ConfigWarning(UserWarning):
@@ -859,6 +865,17 @@ class TrainConfig:
             float32, to ``eval_weights/NNNN.pt`` in the run directory (NNNN = the ``eval``
             number of its ``metrics.jsonl`` record): the tuner's snapshots along a long run,
             from which it tries a learning-rate step.
+        device: where the model, its flat weights and gradients, the protocols' state and
+            the learners' batches live: ``"auto"`` (each rank's own GPU, ``cuda:<local
+            rank mod GPUs>``, when CUDA is available, else the CPU; a run records what
+            it resolved to, ``"cuda"`` or ``"cpu"``, in its ``config.toml``), ``"cpu"``,
+            ``"cuda"`` (each rank's own GPU, as auto) or ``"cuda:N"`` (GPU N for every
+            rank). A CUDA device this machine lacks is refused before anything starts
+            (:func:`check_device`).
+        precision: ``"fp32"`` or ``"bf16-mixed"``: the forward pass and the loss run under
+            ``torch.autocast`` in bfloat16 on the run's device type; the flat master
+            weights, the gradients learners exchange and all protocol state stay float32.
+            Evaluation runs in float32.
     """
 
     loss: str = "cross_entropy"
@@ -881,6 +898,8 @@ class TrainConfig:
     record_ticks: bool = False
     evaluate: bool = True
     save_eval_weights: bool = False
+    device: str = "auto"
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES and not is_import_path(self.loss):
@@ -937,6 +956,9 @@ class TrainConfig:
         for key in ("record_ticks", "evaluate", "save_eval_weights"):
             if not isinstance(getattr(self, key), bool):
                 fail(f"train.{key}", getattr(self, key), "true or false")
+        if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
+            fail("train.device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        check_choice("train.precision", self.precision, PRECISIONS)
 
 
 @dataclass
@@ -961,9 +983,14 @@ class DistConfig:
             is an error only where no layout fits (``plain`` with more than one process,
             a parameter server with no learner rank left). ``--num-processes N`` is this
             setting.
-        backend: c10d backend: ``gloo``, or ``auto`` (the backend for the device the
-            model computes on: ``gloo`` while models train on CPU, as they do now). The
-            parameter-server transport is c10d point-to-point on gloo in any case.
+        backend: c10d backend of the collectives: ``auto`` (NCCL for CUDA tensors, gloo
+            for CPU ones, when the run trains on CUDA and this machine's ranks each have
+            a GPU of their own; gloo alone otherwise: on the CPU, or several ranks sharing
+            a GPU), ``gloo``, or ``nccl`` (NCCL for CUDA tensors, gloo for CPU ones; needs
+            CUDA). The all-reduces of hardsync (DDP), SMA, local SGD and of a compute
+            group's members are what NCCL carries; the parameter-server transport is
+            point-to-point on gloo through host memory in any case
+            (:func:`distsgd.runtime.dist.collective_backend`).
         master_addr: address of rank 0 for the rendezvous (loopback on one machine).
         master_port: TCP port of the rendezvous; 0 picks a free port (one machine only).
         timeout_s: seconds after which a silent peer is declared lost (collectives and
@@ -989,6 +1016,66 @@ class DistConfig:
         check_int("dist.master_port", self.master_port, 0, 65535)
         check_float("dist.timeout_s", self.timeout_s, 1.0, 3600.0)
         check_int("dist.num_servers", self.num_servers, 1, 64)
+
+
+def _cuda_available() -> str:
+    """What CUDA this machine offers, for error messages."""
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA device (torch.cuda.is_available() is False)"
+    n = torch.cuda.device_count()
+    return f"this machine has {n} CUDA device{'s' if n > 1 else ''} (cuda:0 … cuda:{n - 1})"
+
+
+def check_device(cfg: RunConfig) -> None:
+    """Refuse a device or backend this machine cannot run, before any rank starts and
+    before anything is written.
+
+    Raises:
+        ConfigError: ``train.device`` is ``"cuda"`` or ``"cuda:N"`` without CUDA, or N is
+            not below the number of GPUs; ``dist.backend = "nccl"`` without CUDA, or
+            with ``train.device = "cpu"``. The message names the setting, its value and
+            what this machine has.
+    """
+    device = cfg.train.device
+    if device.startswith("cuda"):
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"train.device = {device!r} is not allowed: {_cuda_available()}; "
+                "expected 'cpu' or 'auto'"
+                + (" or a device it has" if torch.cuda.is_available() else "")
+            )
+    if cfg.runtime == "dist" and cfg.dist.backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"dist.backend = 'nccl' is not allowed: {_cuda_available()}; expected 'gloo' "
+                "or 'auto'"
+            )
+        if device == "cpu":
+            raise ConfigError(
+                "dist.backend = 'nccl' is not allowed with train.device = 'cpu' (NCCL "
+                "carries CUDA tensors only): expected 'gloo' or 'auto'"
+            )
+
+
+def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
+    """The torch device ``train.device = setting`` names for the rank with this local
+    rank: ``"auto"`` and ``"cuda"`` give ``cuda:<local_rank mod GPUs>`` when CUDA is
+    available (``"auto"``: else the CPU), ``"cuda:N"`` gives GPU N, ``"cpu"`` the CPU.
+    Unchecked: call :func:`check_device` first."""
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if ":" in setting:
+        return torch.device(setting)
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def resolved_device_setting(setting: str) -> str:
+    """``train.device`` with ``"auto"`` resolved to ``"cuda"`` or ``"cpu"`` (the same on
+    every rank of a machine): what a run records in its ``config.toml``."""
+    if setting != "auto":
+        return setting
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def required_processes(protocol: ProtocolConfig, dist: DistConfig) -> tuple[int, str]:

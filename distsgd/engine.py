@@ -9,8 +9,10 @@ path (DESIGN.md, performance notes).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +27,7 @@ from distsgd.batched import (
     supports,
     vmap_replica_gradients,
 )
-from distsgd.config import ConfigError, RunConfig
+from distsgd.config import ConfigError, RunConfig, resolve_device, resolved_device_setting
 from distsgd.data import DEFAULT_ROOTS, Dataset, Split, resolve_root
 from distsgd.factories import resolve_callable
 from distsgd.models import model_from_config, with_data_shape
@@ -222,18 +224,24 @@ def build_engine(cfg: RunConfig, code: UserCode | None = None) -> GradientEngine
         model,
         build_loss(code.loss or t.loss),
         build_metric(code.metric or t.metric, t.metric_direction),
+        device=resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0"))),
+        precision=t.precision,
     )
 
 
 def config_for_data(cfg: RunConfig, dataset: Dataset, code: UserCode | None = None) -> RunConfig:
     """``cfg`` completed from its loaded data, so that the run's ``config.toml``
     reproduces it anywhere: a built-in file data set's resolved ``data.root``, a built-in
-    model's ``input_shape`` and ``num_classes`` (:func:`~distsgd.models.with_data_shape`).
+    model's ``input_shape`` and ``num_classes`` (:func:`~distsgd.models.with_data_shape`),
+    ``train.device = "auto"`` resolved (:func:`~distsgd.config.resolved_device_setting`).
 
     Raises:
         ConfigError: a built-in model needs ``num_classes`` and the data does not say it.
     """
     code = code or UserCode()
+    device = resolved_device_setting(cfg.train.device)
+    if device != cfg.train.device:
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, device=device))
     if not cfg.data.factory and code.data is None and cfg.data.dataset in DEFAULT_ROOTS:
         if not cfg.data.root:
             cfg = cfg.replace(data=dataclasses.replace(cfg.data, root=str(resolve_root(cfg.data))))
@@ -260,15 +268,29 @@ class GradientEngine:
             cross-entropy.
         metric: the evaluation metric (:func:`distsgd.objectives.build_metric`); None:
             accuracy.
+        device: where the model and the flat buffers live (the model is moved there);
+            batches are moved there as they arrive (:meth:`to_device`), and returned
+            gradients live there.
+        precision: ``"fp32"``, or ``"bf16-mixed"``: training forwards and the loss run
+            under ``torch.autocast(device.type, torch.bfloat16)``; the flat weights and
+            gradients stay float32.
 
     Attributes:
         num_parameters: P.
+        device: the ``torch.device`` of the model and the flat buffers.
     """
 
     def __init__(
-        self, model: nn.Module, loss: Loss | None = None, metric: Metric | None = None
+        self,
+        model: nn.Module,
+        loss: Loss | None = None,
+        metric: Metric | None = None,
+        device: torch.device | str = "cpu",
+        precision: str = "fp32",
     ) -> None:
-        self.model = model
+        self.device = torch.device(device)
+        self.precision = precision
+        self.model = model.to(self.device)
         self.loss = loss or build_loss("cross_entropy")
         self.metric = metric or build_metric("accuracy")
         params = [p for p in model.parameters() if p.requires_grad]
@@ -288,8 +310,19 @@ class GradientEngine:
         self.num_parameters = offset
 
     def initial_weights(self) -> Tensor:
-        """A copy of the model's initial parameters, shape ``[P]``."""
+        """A copy of the model's initial parameters, shape ``[P]``, on :attr:`device`."""
         return self._flat.clone()
+
+    def to_device(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        """``tensors`` on :attr:`device` (the same tensors when they are there already)."""
+        return tuple(t.to(self.device, non_blocking=True) for t in tensors)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The training forward's precision context: bfloat16 autocast for
+        ``"bf16-mixed"``, nothing for ``"fp32"`` (bit for bit as without it)."""
+        if self.precision == "bf16-mixed":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def gradient(
         self,
@@ -317,10 +350,12 @@ class GradientEngine:
         Returns:
             (gradient ``[P]`` — a new tensor, the m chunk losses as Python floats).
         """
+        x, y = self.to_device(x, y)
         self._flat.copy_(weights)
         self._grad.zero_()
         self.model.train()
-        total, chunk_losses = self.loss.chunk_means((module or self.model)(x), y, num_chunks)
+        with self.autocast():
+            total, chunk_losses = self.loss.chunk_means((module or self.model)(x), y, num_chunks)
         total.backward()
         return self._grad.clone(), chunk_losses.tolist()
 
@@ -350,6 +385,7 @@ class GradientEngine:
         Raises:
             ValueError: ``path`` unknown or not applicable to the model.
         """
+        x, y = self.to_device(x, y)
         k, b = y.shape[:2]
         if path == "auto":  # the batched paths compute the built-in cross-entropy
             path = choose_path(self.model, k, b) if self.loss.name == "cross_entropy" else "loop"
@@ -360,13 +396,15 @@ class GradientEngine:
             )
         if path in ("grouped", "bmm"):
             self.model.train()
-            grads, loss_t = explicit_replica_gradients(self.model, weights, x, y, path)
+            with self.autocast():
+                grads, loss_t = explicit_replica_gradients(self.model, weights, x, y, path)
             return grads, loss_t.tolist()
         if path == "vmap":
             self.model.train()
-            grads, loss_t = vmap_replica_gradients(self.model, weights, x, y)
+            with self.autocast():
+                grads, loss_t = vmap_replica_gradients(self.model, weights, x, y)
             return grads, loss_t.tolist()
-        grads = torch.empty(k, self.num_parameters, dtype=weights.dtype)
+        grads = torch.empty(k, self.num_parameters, dtype=weights.dtype, device=self.device)
         losses: list[float] = []
         for j in range(k):
             grads[j], loss = self.gradient(weights[j], x[j], y[j])
@@ -438,7 +476,8 @@ class GradientEngine:
             )
         layers = self._running_statistics_layers()
         size = sum(2 * m.running_mean.numel() for m in layers)
-        sums = torch.zeros(size + 1, dtype=torch.float64)
+        sums = torch.zeros(size + 1, dtype=torch.float64, device=self.device)
+        (x,) = self.to_device(x)
         modes = [(m, m.training) for m in self.model.modules()]
         momenta = [m.momentum for m in layers]
         try:
@@ -556,6 +595,7 @@ class GradientEngine:
         with torch.inference_mode():  # no autograd graph for a forward-only pass
             self._flat.copy_(weights)
             for xb, yb in split.batches(batch_size, start, stop):
+                xb, yb = self.to_device(xb, yb)
                 outputs = self.model(xb)
                 loss_sum += self.loss.batch_sum(outputs, yb)
                 metric_sum += self.metric.batch_sum(outputs, yb)

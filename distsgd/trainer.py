@@ -282,7 +282,7 @@ class Trainer:
                 f"initial weights have shape {shape}, the model {self.cfg.model.name!r} has "
                 f"{tuple(initial.shape)}"
             )
-        return given.to(initial.dtype).clone()
+        return given.to(initial.device, initial.dtype).clone()  # read onto the CPU
 
     # ---- checkpoints -------------------------------------------------------------------
     def _model_state(self) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import distsgd
-from distsgd.config import ConfigError
+from distsgd.config import ConfigError, resolved_device_setting
 from distsgd.metrics import read_metrics
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
@@ -51,9 +51,11 @@ def test_run_directory_contents(tmp_path):
     assert summary["staleness_mean"] > 0
     assert summary["runtime"] == "sim"
     # the resolved config reproduces the run settings, with the built-in model's shape
+    # and the device train.device = "auto" resolved to
     again = distsgd.RunConfig.from_toml(run / "config.toml")
     shape = {"input_shape": [1, 28, 28], "num_classes": 10}
-    assert again == cfg.replace(model=dataclasses.replace(cfg.model, kwargs=shape))
+    device = dataclasses.replace(cfg.train, device=resolved_device_setting("auto"))
+    assert again == cfg.replace(model=dataclasses.replace(cfg.model, kwargs=shape), train=device)
     assert sum(json.loads((run / "staleness.json").read_text())["counts"].values()) == 2048 // 32
 
 

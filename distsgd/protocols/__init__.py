@@ -14,6 +14,14 @@ local SGD): SGD by default, or any coordinate-wise optimizer given as a factory
 docstring: Omnivore's momentum compensation (:class:`ComputeGroups`) and Rudra's AdaGrad
 server (:class:`ParameterServer`) take no factory.
 
+Devices: every state tensor (weights, replica stacks, momentum and AdaGrad buffers, the
+parameter server's gradient buffer) is allocated from the initial weights (``clone``,
+``expand``, ``zeros_like``, the optimizer's own ``zeros_like``), so it lives on their
+device and dtype: a protocol built from CUDA weights keeps all its state on that GPU and
+needs no host copy. Gradients passed in must be on the same device (checked);
+``load_state_dict`` copies saved tensors onto the weights' device, so a checkpoint read
+onto the CPU restores a GPU protocol and the other way round.
+
 They know nothing of the config: :func:`distsgd.layout.build_protocol` makes the one a
 :class:`~distsgd.config.RunConfig` asks for.
 """

@@ -347,7 +347,8 @@ class ParameterServer(AsynchronousProtocol):
             ValueError: the state is not from a ParameterServer of the same configuration.
         """
         check_header(state, "ParameterServer", self._config())
-        buffer = state["buffer"]
+        # a checkpoint is read onto the CPU (map_location): its gradients join the weights' device
+        buffer = [g.to(self._w.device) if isinstance(g, Tensor) else g for g in state["buffer"]]
         if len(buffer) >= self.gradients_per_update or len(buffer) != len(state["buffer_clock"]):
             raise ValueError("state['buffer'] holds an inconsistent number of gradients")
         for g in buffer:

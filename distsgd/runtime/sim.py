@@ -449,7 +449,7 @@ class SimRuntime(Runtime):
         proto = self.protocol
         assert isinstance(proto, AsynchronousProtocol)
         nw = proto.num_workers
-        self._pulled = torch.empty(nw, self.engine.num_parameters)
+        self._pulled = torch.empty(nw, self.engine.num_parameters, device=self.engine.device)
         self._pulled_version = [0] * nw
         self._events: list[tuple[float, int, int]] = []
         self._seq = 0
