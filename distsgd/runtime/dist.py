@@ -36,6 +36,20 @@ for the evaluated weights on a seeded slice of the training set (precise BN,
 or by the coordinator: the simulator's rule, for every protocol.
 ``virtual_time`` is measured wall time here (there is no virtual clock).
 
+Devices (``train.device``; :func:`collective_backend` for the backend). Each rank's engine
+lives on its device; what crosses the host per protocol:
+
+* hardsync / plain: nothing; DDP (``device_ids`` = the rank's GPU) all-reduces the
+  gradient buckets where they are (NCCL with distinct GPUs, gloo otherwise).
+* SMA / local SGD: nothing; replica stacks, corrections and averages stay on the device
+  and are all-reduced there.
+* parameter server / compute groups: the server ranks keep the central model and its
+  state in host memory; a learner's gradient is mean-all-reduced inside its compute group
+  on the device, then staged into pinned host memory (:func:`ps.to_host`) for the gloo
+  push; pulled weights arrive in host memory and the engine copies them onto the device.
+* bookkeeping collectives (stop flags, losses, evaluation sums of CPU tensors) go through
+  gloo.
+
 Faults for tests are injected through the constructor (:class:`~distsgd.runtime.faults.
 RankFaults`); nothing is read from the environment for them.
 """
@@ -63,7 +77,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from distsgd.config import ConfigError, RunConfig, required_processes
+from distsgd.config import ConfigError, RunConfig, required_processes, resolve_device
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.layout import build_protocol, sma_alpha, spec_for
@@ -83,6 +97,7 @@ __all__ = [
     "check_same_config",
     "process_info",
     "init_process_group",
+    "collective_backend",
     "build_runtime",
     "SyncDistRuntime",
     "PSDistRuntime",
@@ -335,8 +350,36 @@ def threads_per_process(cfg: RunConfig, info: ProcessInfo) -> int:
     return max(1, (os.cpu_count() or 1) // max(info.local_world_size, 1))
 
 
+# NCCL for CUDA tensors, gloo for CPU ones: the bookkeeping collectives (stop flags, loss
+# sums, heartbeats) and the parameter server's point-to-point messages stay on gloo.
+NCCL_WITH_GLOO = "cpu:gloo,cuda:nccl"
+
+
+def collective_backend(cfg: RunConfig, info: ProcessInfo) -> str:
+    """The c10d backend string of the run's process group (``dist.backend``).
+
+    ``gloo`` when the model trains on the CPU, when ``dist.backend = "gloo"``, and under
+    ``"auto"`` when this machine's ranks outnumber its GPUs (several ranks share a GPU:
+    NCCL refuses two ranks on one device); else ``"cpu:gloo,cuda:nccl"``: NCCL carries
+    the all-reduces of CUDA tensors (DDP's gradient buckets, SMA's corrections, local
+    SGD's averages, a compute group's gradients), gloo the CPU tensors. The choice
+    depends only on settings and the machine, so every rank of a machine makes the same.
+    """
+    device = resolve_device(cfg.train.device, info.local_rank)
+    if cfg.dist.backend == "gloo" or device.type != "cuda":
+        return "gloo"
+    if cfg.dist.backend == "nccl":
+        return NCCL_WITH_GLOO
+    shared = cfg.train.device.startswith("cuda:") and info.local_world_size > 1
+    if shared or info.local_world_size > torch.cuda.device_count():
+        return "gloo"
+    return NCCL_WITH_GLOO
+
+
 def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
-    """Join the run's c10d process group (``env://`` rendezvous, gloo); returns the backend.
+    """Join the run's c10d process group (``env://`` rendezvous, the backend of
+    :func:`collective_backend`, logged by rank 0 when it trains on a GPU); returns the
+    backend.
 
     Collectives and point-to-point messages time out after ``dist.timeout_s`` seconds.
     The rank ends when its launcher dies (:func:`end_with_parent`), and every rank's
@@ -353,7 +396,14 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
             f"{cfg.protocol.name!r} needs {need} ({why}); set --nproc-per-node × --nnodes "
             f"= {need}, or pass --num-processes {info.world_size} to fit the layout to it"
         )
-    backend = "gloo"  # models compute on CPU; the parameter-server transport needs gloo
+    backend = collective_backend(cfg, info)
+    device = resolve_device(cfg.train.device, info.local_rank)
+    if info.rank == 0 and device.type != "cpu":  # on the CPU: gloo, as config.toml says
+        print(
+            f"dist: backend {backend} (dist.backend = {cfg.dist.backend!r}), rank 0 on "
+            f"{device} (train.device = {cfg.train.device!r})",
+            file=sys.stderr,
+        )
     if not dist.is_initialized():
         end_with_parent(cfg.dist.timeout_s + 5)
         dist.init_process_group(
@@ -503,7 +553,12 @@ class SyncDistRuntime(_DistBase):
         if isinstance(self.protocol, HardSync):
             # no buffer broadcast: training forwards normalise with their batch's
             # statistics, and evaluation recomputes the running ones (evaluate)
-            self.ddp = DistributedDataParallel(engine.model, forward_sync_buffers=False)
+            on_gpu = engine.device.type == "cuda"
+            self.ddp = DistributedDataParallel(
+                engine.model,
+                device_ids=[engine.device] if on_gpu else None,
+                forward_sync_buffers=False,
+            )
 
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
         """Change k, this rank's replicas, between synchronous iterations (the auto-tuner;
@@ -743,6 +798,10 @@ class PSDistRuntime(_DistBase):
         # every rank creates every subgroup, in the same order (c10d requirement)
         self._subgroups = [dist.new_group(g) if len(g) > 1 else None for g in groups]
         self.is_server = self.rank < s
+        # the central model and its state live in host memory: pushes and pulls cross
+        # gloo from there (learners stage their gradients, ps.to_host), and a learner's
+        # engine copies pulled weights onto its device
+        initial = initial.cpu()
         self.full_protocol = build_protocol(cfg, initial)
         if s > 1 and self.is_server:
             lo, hi = ps.shard_bounds(initial.numel(), s)[self.rank]

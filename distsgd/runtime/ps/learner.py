@@ -32,6 +32,7 @@ from distsgd.runtime.ps.transport import (
     _recv,
     _send,
     _td,
+    to_host,
 )
 
 __all__ = ["LearnerResult", "run_learner"]
@@ -76,7 +77,8 @@ class _Group:
         if self.size == 1:
             return grad, list(losses)
         m, p = len(losses), grad.numel()
-        buf = torch.zeros(p + self.size * m, dtype=torch.float32)
+        # on the gradient's device: NCCL carries it when the run's backend has NCCL
+        buf = torch.zeros(p + self.size * m, dtype=torch.float32, device=grad.device)
         buf[:p] = grad
         i = self.ranks.index(dist.get_rank())
         buf[p + i * m : p + (i + 1) * m] = torch.tensor(losses, dtype=torch.float32)
@@ -311,6 +313,7 @@ def run_learner(
         grad, losses = computed
         result.num_computes += 1
         grad, losses = grp.mean_gradient(grad.detach().reshape(-1).float(), losses)
+        grad = to_host(grad)  # the push travels over gloo from host memory
         if leader is not None:
             samples = grp.size * num_samples
             kind = leader_step(lambda: leader.push_pull(grad, samples, losses))  # noqa: B023

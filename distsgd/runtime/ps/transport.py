@@ -4,6 +4,7 @@ message protocol and why each pair has its own process group)."""
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import threading
@@ -21,7 +22,12 @@ __all__ = [
     "PSLayout",
     "ServerLost",
     "shard_bounds",
+    "to_host",
 ]
+
+# Test hook: "1" makes to_host copy CPU tensors too, so the staging path of GPU learners
+# runs on CPU-only machines (CI); read at each call, inherited by every rank.
+ENV_FORCE_HOST_STAGING = "DISTSGD_FORCE_HOST_STAGING"
 
 TAG = 7301
 HEADER_LEN = 6
@@ -149,6 +155,20 @@ def _recv(tensor: Tensor, src: int, group: dist.ProcessGroup, timeout_s: float) 
     return tensor
 
 
+def to_host(tensor: Tensor) -> Tensor:
+    """``tensor`` staged in host memory for the gloo transport: a CUDA tensor is copied
+    into a new page-locked (pinned) CPU tensor of the same shape and dtype, so that the
+    device-to-host copy runs at full PCIe/NVLink-C2C speed and gloo reads plain host
+    memory; a CPU tensor is returned as it is, unless :data:`ENV_FORCE_HOST_STAGING` is
+    ``"1"`` (then it is copied into a new one, exercising this path without a GPU).
+    """
+    if tensor.device.type == "cpu" and os.environ.get(ENV_FORCE_HOST_STAGING) != "1":
+        return tensor
+    pin = tensor.device.type == "cuda"
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+    return host.copy_(tensor)  # synchronous: the tensor is sent right after
+
+
 def _pair_groups(layout: PSLayout, rank: int) -> dict[int, dist.ProcessGroup]:
     """This rank's own gloo process group with each peer it talks to: every (server,
     leader) pair and every (coordinator, shard) pair.
@@ -166,7 +186,8 @@ def _pair_groups(layout: PSLayout, rank: int) -> dict[int, dist.ProcessGroup]:
     pairs += [(servers[0], s) for s in servers[1:]]
     groups = {}
     for a, b in pairs:
-        group = dist.new_group([a, b])  # setup waits as long as the default group allows
+        # gloo even when the default group also holds NCCL: messages are staged on the host
+        group = dist.new_group([a, b], backend="gloo")  # waits as the default group allows
         if rank in (a, b):
             groups[b if rank == a else a] = group
     return groups
