@@ -20,6 +20,7 @@ too). :func:`load_checked` verifies the digest where a sidecar exists.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import io
@@ -78,6 +79,22 @@ def digest_path(path: str | Path) -> Path:
     return path.with_name(path.name + DIGEST_SUFFIX)
 
 
+def _on_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples on the CPU (a CPU tensor
+    is kept as it is, not copied)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict | list):  # a shallow copy keeps the container's own type
+        out = copy.copy(obj)
+        for key, value in obj.items() if isinstance(obj, dict) else enumerate(obj):
+            out[key] = _on_cpu(value)
+        return out
+    if isinstance(obj, tuple):
+        items = [_on_cpu(v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
 def save_checked(obj: Any, path: str | Path) -> str:
     """``torch.save`` ``obj`` to ``path`` atomically, with its SHA-256 digest beside it.
 
@@ -87,12 +104,15 @@ def save_checked(obj: Any, path: str | Path) -> str:
     renames leaves the old file beside the new digest: :func:`load_checked` then refuses
     it (a refusal, never a silent load).
 
+    Tensors are saved from host memory (a CUDA tensor is copied to the CPU first), so the
+    file loads on any machine, with or without a GPU.
+
     Returns:
         The hex SHA-256 digest of the file's bytes.
     """
     path = Path(path)
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    torch.save(_on_cpu(obj), buf)
     data = buf.getvalue()
     digest = hashlib.sha256(data).hexdigest()
     tmp = path.with_name(path.name + ".tmp")
@@ -130,7 +150,7 @@ def load_checkpoint_file(path: Path, action: str, missing: str = "") -> dict[str
 
 
 def load_checked(path: str | Path) -> Any:
-    """``torch.load(path, weights_only=True)`` after checking the file's SHA-256 digest
+    """``torch.load(path, map_location="cpu", weights_only=True)`` after checking the file's SHA-256 digest
     against its sidecar ``<file>.sha256``; a file without a sidecar (a user's own weights,
     a checkpoint of an older distsgd) is loaded unchecked.
 
@@ -154,7 +174,9 @@ def load_checked(path: str | Path) -> Any:
                 f"recorded {expected[:16] or 'nothing'}…): the file is corrupt or was "
                 "changed after distsgd wrote it"
             )
-    return torch.load(io.BytesIO(data), weights_only=True)
+    # tensors land on the CPU whatever device wrote them (a GPU run resumes on a CPU-only
+    # machine); their users copy them onto their own device
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
