@@ -30,7 +30,12 @@ copy the four ``.gz`` files into a folder ``.git/info/exclude`` ignores, carry i
 pass it as ``--data-root``; without it sections 1, 2 and 4 use synthetic data of the
 same shape and section 3 is skipped):
 
-    python bench/gpu_check.py --data-root .gpu_data --out $OUT
+    mkdir -p .gpu_data && cp /usr/share/datasets/fashion-mnist/*.gz .gpu_data/   # here
+    echo /.gpu_data/ >> .git/info/exclude                                        # here
+    python3 bench/gpu_check.py --data-root .gpu_data --out $OUT    # there, carry .gpu_data
+
+Sections stop at their caps (50 + 50 + 25 + 110 s; a run already started finishes): sized
+for 5 minutes on one H200, not yet measured there.
 
 The table goes to ``<out>/gpu_check_<device>.md`` (and its figures to a ``.json``
 beside it); commit it under ``bench/results/gpu/``. Exit status 1 when an equivalence

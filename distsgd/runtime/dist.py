@@ -398,6 +398,8 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
         )
     backend = collective_backend(cfg, info)
     device = resolve_device(cfg.train.device, info.local_rank)
+    if device.type == "cuda":  # NCCL's communicators and DDP use the current device
+        torch.cuda.set_device(device)
     if info.rank == 0 and device.type != "cpu":  # on the CPU: gloo, as config.toml says
         print(
             f"dist: backend {backend} (dist.backend = {cfg.dist.backend!r}), rank 0 on "
