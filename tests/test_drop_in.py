@@ -2,7 +2,8 @@
 real processes (gloo, CPU) the equivalences of issue 16: hardsync ≡ DDP in the same
 script, local SGD with H = 1 ≡ hardsync (parameters passed as a generator), SMA ≡ the
 trainer's SMA with k = 1 per process, and a parameter-server run (1 server, 2 learners)
-that writes its staleness histogram.
+that writes its staleness histogram and ≡ ``distsgd train`` on the simulated runtime
+replaying its push order.
 
 Ranks are forks of a forkserver that imported this module once (as tests/test_dist_ps.py):
 each run costs a few seconds, most of it process set-up.
@@ -563,6 +564,71 @@ def test_parameter_server_run_completes_and_writes_staleness(tmp_path, mode):
     # the same torch ops on the same floats in one process: only the kernels' threading
     # could differ (one thread in both), so 1e-6 is slack on any CPU
     torch.testing.assert_close(server["weights"], replayed, rtol=0, atol=1e-6)
+    # distsgd train's simulated runtime fed the same push order ends with the same
+    # central weights: the trainer's engine computes each gradient functionally
+    # (torch.func) where the learner ran the module's backward, float32 rounding over 64
+    # pushes stays far below 1e-5 on any CPU's kernels (as the SMA equivalence)
+    trainer = _sim_with_push_order(result["push_order"], mode, tmp_path / "sim")
+    trained = trainer.protocol.eval_weights()
+    torch.testing.assert_close(server["weights"], trained, rtol=0, atol=1e-5)
+
+
+def test_sim_runtime_applies_a_recorded_push_order(tmp_path):
+    """The sim hook the equivalence above relies on: ``distsgd train`` (async, λ = 2)
+    applies the pushes in the order given, not its event queue's: worker 1 pushes twice
+    for each push of worker 0, so worker 0's gradients are 2 versions stale. A push that
+    does not fit the run is one error naming it."""
+    version, pulled, order, expected = 0, {0: 0, 1: 0}, [], {}
+    for w in [1, 1, 0] * 4:  # 12 pushes of b = 16
+        order.append((w, pulled[w]))
+        expected[version - pulled[w]] = expected.get(version - pulled[w], 0) + 1
+        version += 1
+        pulled[w] = version
+    trainer = _sim_with_push_order(order, "async", tmp_path / "a", num_samples=12 * 16)
+    assert expected == {0: 5, 1: 3, 2: 4}  # 1 1 0 | 1 1 0 ...: σ = 0 0 2 | 1 0 2 ...
+    assert dict(trainer.protocol.staleness_counts) == expected
+    with pytest.raises(ValueError, match=r"recorded push \(worker 0, pulled version 5\)"):
+        _sim_with_push_order([(1, 0), (0, 5)], "async", tmp_path / "b", num_samples=32)
+
+
+class _ReplayTrainer(Trainer):
+    """``distsgd train`` whose simulated runtime applies a recorded push order."""
+
+    def __init__(self, *args, push_order: list[tuple[int, int]], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.push_order = push_order
+
+    def _build(self) -> None:
+        super()._build()
+        self.runtime.replay_push_order(self.push_order)
+
+
+def _sim_with_push_order(
+    order: list[tuple[int, int]], mode: str, out: Path, num_samples: int = 1024
+) -> Trainer:
+    """``distsgd train`` (runtime sim, ``num_samples`` samples: one epoch by default,
+    the drop-in's settings and initial weights) run to its end replaying ``order``."""
+    cfg = small_config(
+        protocol={
+            "name": "parameter_server",
+            "num_learners": 2,
+            "batch_size": 16,
+            "mode": mode,
+            "staleness_lr": "softsync",
+        },
+        optimizer={"lr": PS_LR, "momentum": 0.9},
+        train={
+            "max_epochs": 0,
+            "max_samples": num_samples,
+            "eval_every_samples": 4096,
+            "tensorboard": False,
+        },
+    )
+    initial = _flat(_mlp({"input_shape": _input_shape()}))
+    trainer = _ReplayTrainer(cfg, out, progress=False, initial_weights=initial, push_order=order)
+    trainer.run()
+    assert trainer.runtime.samples == num_samples  # every recorded push, no more
+    return trainer
 
 
 @pytest.mark.slow
