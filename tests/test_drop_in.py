@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import distsgd.torch as dsgd
 from distsgd.config import ConfigError
 from distsgd.data import ShardedSampler, load_dataset
+from distsgd.metrics import load_checked
 from distsgd.models import build_model
 from distsgd.protocols import ComputeGroups, ParameterServer
 from distsgd.trainer import Trainer
@@ -242,6 +243,18 @@ def _mlp(spec: dict) -> nn.Module:
     return model
 
 
+def _bn_mlp(spec: dict) -> nn.Module:
+    """A small model with BatchNorm: Flatten, Linear(·, 16), BatchNorm1d, ReLU, Linear."""
+    torch.manual_seed(0)
+    n_in = int(torch.tensor(spec["input_shape"]).prod())
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(n_in, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10)
+    )
+
+
+BN_SAMPLES = 64  # the server's BatchNorm recalibration: the first 4 batches of 16
+
+
 def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -369,10 +382,14 @@ def _scenario_ps(spec: dict, record: dict) -> None:
             momentum=0.9,
             timeout_s=spec["timeout_s"],
         )
-    model = _mlp(spec)
+    model = _bn_mlp(spec) if spec.get("bn") else _mlp(spec)
     record["role"] = ctx.role
     if ctx.is_server:
-        result = ctx.serve(model, out_dir=spec["out_dir"])
+        bn_data = None
+        if spec.get("bn"):
+            first = torch.utils.data.Subset(_data(spec), range(BN_SAMPLES))
+            bn_data = DataLoader(first, batch_size=16)
+        result = ctx.serve(model, out_dir=spec["out_dir"], bn_data=bn_data)
         record.update(result=result.__dict__, weights=_flat(model))
         ctx.close()
         return
@@ -633,28 +650,46 @@ def _sim_with_push_order(
 
 @pytest.mark.slow
 def test_compute_group_run_matches_its_replay(tmp_path):
-    """One compute group of the two learners (g = 1): every push is their mean gradient,
-    never stale; the server's weights are those of a ComputeGroups protocol fed the
-    same pushes in one process."""
-    records = _spawn(
-        {"scenario": "ps", "mode": "groups", "epochs": 1, "out_dir": None}, 3, tmp_path
-    )
+    """One compute group of the two learners (g = 1), a BatchNorm model: every push is
+    their mean gradient, never stale; the server's weights are those of a ComputeGroups
+    protocol fed the same pushes in one process, and its model.pt holds BatchNorm
+    statistics recomputed for those weights (bn_data)."""
+    out = tmp_path / "groups"
+    spec = {"scenario": "ps", "mode": "groups", "epochs": 1, "out_dir": str(out), "bn": True}
+    records = _spawn(spec, 3, tmp_path)
     steps = records[1]["steps"]
     assert steps == records[2]["steps"] == 1024 // 32
     result = records[0]["result"]
     assert result["num_pushes"] == steps and result["staleness_counts"] == {0: steps}
-    replayed = _replay_pushes(result["push_order"], "groups")
+    replayed = _replay_pushes(result["push_order"], "groups", bn=True)
     # as the parameter server's replay; the group's all-reduce of two float32 gradients
     # is one addition, as in the replay
     torch.testing.assert_close(records[0]["weights"], replayed, rtol=0, atol=1e-6)
+    # model.pt: the central weights with BatchNorm statistics recomputed for them (the
+    # server runs no forward: before, its buffers were the initial 0 and 1)
+    assert result["bn_batches"] == BN_SAMPLES // 16
+    state = load_checked(out / "model.pt")
+    model = _bn_mlp({"input_shape": _input_shape()})
+    model.load_state_dict(state)
+    torch.testing.assert_close(_flat(model), records[0]["weights"], rtol=0, atol=0)
+    x = _data({}).tensors[0][:BN_SAMPLES]
+    with torch.no_grad():  # the BatchNorm's input, per batch of 16: mean of batch moments
+        h = model[1](model[0](x)).view(BN_SAMPLES // 16, 16, -1)
+    mean, var = h.mean(1).mean(0), h.var(1, unbiased=True).mean(0)
+    bn = model[2]
+    assert not torch.equal(bn.running_mean, torch.zeros(16))
+    # float32 forwards here, float64 sums in the engine: rounding far below 1e-5
+    torch.testing.assert_close(bn.running_mean, mean, rtol=0, atol=1e-5)
+    torch.testing.assert_close(bn.running_var, var, rtol=0, atol=1e-5)
+    assert int(bn.num_batches_tracked) == BN_SAMPLES // 16
 
 
-def _replay_pushes(order: list[tuple[int, int]], mode: str) -> torch.Tensor:
+def _replay_pushes(order: list[tuple[int, int]], mode: str, bn: bool = False) -> torch.Tensor:
     """The parameter server alone, in this process, fed the recorded pushes in the
     recorded order: learner w's k-th push is the gradient of its k-th minibatch (its
     Sampler's order) at the weights of the version it had pulled."""
     shape = _input_shape()
-    model = _mlp({"input_shape": shape})
+    model = (_bn_mlp if bn else _mlp)({"input_shape": shape})
     initial = _flat(model)
     if mode == "groups":
         proto = ComputeGroups(initial, 2, 1, momentum=0.9)
