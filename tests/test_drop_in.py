@@ -439,6 +439,10 @@ def _child(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
+    _run_scenario(spec, out)
+
+
+def _run_scenario(spec: dict, out: str) -> None:
     record: dict = {}
     try:
         SCENARIOS[spec["scenario"]](spec, record)
@@ -727,14 +731,40 @@ def _replay_pushes(order: list[tuple[int, int]], mode: str, bn: bool = False) ->
 
 @pytest.mark.slow
 def test_async_run_goes_on_without_a_killed_learner(tmp_path):
-    out = tmp_path / "ps"
-    spec = {"scenario": "ps", "mode": "async", "epochs": 2, "out_dir": str(out), "kill": {2: 5}}
-    records = _spawn(spec, 3, tmp_path)
-    assert 2 not in records  # killed
+    """``python -m distsgd.torch.launch --nproc-per-node 3`` (one launcher, as torchrun's
+    one agent): learner rank 2 SIGKILLs itself at its 5th step; the launcher names it
+    and leaves the others running, the server serves learner 1 to the end, exit status
+    0 (under torchrun's agent the whole run would stop)."""
+    root = Path(__file__).resolve().parents[1]
+    spec = {"scenario": "ps", "mode": "async", "epochs": 2, "out_dir": str(tmp_path / "ps")}
+    spec.update(kill={2: 5}, timeout_s=20.0, input_shape=_input_shape(), records=str(tmp_path))
+    torch.save(spec, tmp_path / "spec.pt")
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import sys\nfrom tests.test_drop_in import _launched\n_launched(sys.argv[1])\n"
+    )
+    cmd = [sys.executable, "-m", "distsgd.torch.launch", "--nproc-per-node", "3"]
+    cmd += [str(script), str(tmp_path / "spec.pt")]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOIN_S)
+    assert done.returncode == 0, done.stderr
+    assert "rank 2" in done.stderr and "was killed by SIGKILL" in done.stderr, done.stderr
+    assert not (tmp_path / "2.pt").exists()  # killed
+    records = {r: torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in (0, 1)}
+    for rec in records.values():
+        assert "crash" not in rec, rec["crash"]
     assert records[1]["steps"] == 2 * 1024 // 32
     result = records[0]["result"]
     assert result["lost_ranks"] == [2]
     assert result["num_pushes"] == 2 * 1024 // 32 + 4  # learner 2 pushed 4 times
+
+
+def _launched(spec_path: str) -> None:
+    """A rank started by ``distsgd.torch.launch`` (its environment set there): runs the
+    scenario of the spec file and saves its record as ``<records>/<rank>.pt``."""
+    spec = torch.load(spec_path, weights_only=False)
+    torch.set_num_threads(1)
+    _run_scenario(spec, str(Path(spec["records"]) / f"{os.environ['RANK']}.pt"))
 
 
 @pytest.mark.slow
