@@ -7,7 +7,8 @@ A training script of your own (model, DataLoader, loss, logging, schedule), star
 
     ctx = dsgd.init("sma", alpha=0.1)                 # 1. join the run: roles, process group
     if ctx.is_server:                                 #    (parameter server / compute groups)
-        ctx.serve(model, out_dir="runs/ps", bn_data=loader); ctx.close(); raise SystemExit
+        ctx.serve(model, out_dir="runs/ps", bn_data=DataLoader(data, batch_size=32))
+        ctx.close(); raise SystemExit
     loader = DataLoader(data, batch_size=32, sampler=dsgd.Sampler(data, ctx, batch_size=32))
     opt = dsgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, ctx)
     for epoch in range(epochs):

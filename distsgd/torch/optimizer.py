@@ -53,8 +53,8 @@ class DistributedOptimizer:
     the ranks wherever the protocol synchronises (every step for hardsync and SMA, every
     H steps for local SGD); integer buffers (``num_batches_tracked``) stay local, they
     are equal on all ranks. Under the parameter server and compute groups buffers stay
-    with each learner (the server holds parameters only): recompute the statistics for
-    the central model before evaluating it. At construction every synchronous rank takes
+    with each learner (the server holds parameters only): ``ctx.serve(model, bn_data=…)``
+    recomputes them for the central model. At construction every synchronous rank takes
     rank 0's parameters and buffers (as DDP does); parameter-server learners take the
     server's.
 
