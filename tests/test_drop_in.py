@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import distsgd.torch as dsgd
+import distsgd.torch.launch as dsgd_launch
 from distsgd.config import ConfigError
 from distsgd.data import ShardedSampler, load_dataset
 from distsgd.metrics import load_checked
@@ -108,6 +109,19 @@ def test_bad_settings_are_one_line(protocol, settings, match):
     with pytest.raises(ConfigError, match=match) as e:
         dsgd.init(protocol, **settings)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--nproc-per-node", "0", __file__], "--nproc-per-node = 0 is not allowed"),
+        (["--nproc-per-node", "2", "missing.py"], "script = 'missing.py' is not allowed"),
+    ],
+)
+def test_launcher_bad_input_is_one_line(argv, match, capsys):
+    assert dsgd_launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1
 
 
 def test_world_of_one_hardsync_is_the_plain_loop():
