@@ -29,7 +29,7 @@ class DistributedOptimizer:
     ``lr`` of its first param group, P the parameters' total size):
 
     * ``hardsync`` (§1): the gradients are mean-all-reduced, then the user's optimizer
-      steps: DDP's and Horovod's rule, with DDP's overlap: buckets of at most
+      steps: DDP's and Horovod's rule, with DDP's overlap: buckets of about
       ``bucket_cap_mb`` MiB, in reverse parameter order, start their all-reduce from
       backward as their gradients become ready and are waited for in ``step()``
       (:class:`_GradientBuckets`).
@@ -238,8 +238,9 @@ class _GradientBuckets:
     """Gradient buckets all-reduced while backward runs, as DDP's reducer does.
 
     The parameters that require a gradient are packed, in reverse order (the order in
-    which backward produces them), into buckets of at most ``bucket_cap_mb`` MiB (the
-    first at most 1 MiB, DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``). A
+    which backward produces them), into buckets, each closed once it holds
+    ``bucket_cap_mb`` MiB or more (the first 1 MiB, DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``;
+    a parameter is never split). A
     ``register_post_accumulate_grad_hook`` per parameter marks it ready; a bucket whose
     parameters are all ready is flattened, scaled by 1/W (DDP scales before summing) and
     its all-reduce launched with ``async_op=True``. Buckets launch strictly in bucket
