@@ -2,7 +2,8 @@
 real processes (gloo, CPU) the equivalences of issue 16: hardsync ≡ DDP in the same
 script, local SGD with H = 1 ≡ hardsync (parameters passed as a generator), SMA ≡ the
 trainer's SMA with k = 1 per process, and a parameter-server run (1 server, 2 learners)
-that writes its staleness histogram.
+that writes its staleness histogram and ≡ ``distsgd train`` on the simulated runtime
+replaying its push order.
 
 Ranks are forks of a forkserver that imported this module once (as tests/test_dist_ps.py):
 each run costs a few seconds, most of it process set-up.
@@ -29,8 +30,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import distsgd.torch as dsgd
+import distsgd.torch.launch as dsgd_launch
 from distsgd.config import ConfigError
 from distsgd.data import ShardedSampler, load_dataset
+from distsgd.metrics import load_checked
 from distsgd.models import build_model
 from distsgd.protocols import ComputeGroups, ParameterServer
 from distsgd.trainer import Trainer
@@ -108,6 +111,19 @@ def test_bad_settings_are_one_line(protocol, settings, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--nproc-per-node", "0", __file__], "--nproc-per-node = 0 is not allowed"),
+        (["--nproc-per-node", "2", "missing.py"], "script = 'missing.py' is not allowed"),
+    ],
+)
+def test_launcher_bad_input_is_one_line(argv, match, capsys):
+    assert dsgd_launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1
+
+
 def test_world_of_one_hardsync_is_the_plain_loop():
     """Without torchrun the script is a world of one: the wrapper step is the user's."""
     torch.manual_seed(0)
@@ -128,6 +144,54 @@ def test_world_of_one_hardsync_is_the_plain_loop():
                 o.step()
         for p, q in zip(a.parameters(), b.parameters(), strict=True):
             assert torch.equal(p, q)  # mean over one rank: the same floats
+    finally:
+        ctx.close()
+
+
+def test_hardsync_buckets_start_in_backward_and_accumulation_is_reduced_again():
+    """The all-reduce overlaps backward: after ``backward()`` and before ``step()`` every
+    bucket has been launched (one per parameter with a 1-byte cap; the first holds the
+    last parameter, as DDP's). Two backward passes before a step (gradient accumulation)
+    still step on the accumulated gradient: the plain loop's floats (world of one)."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    b = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    b.load_state_dict(a.state_dict())
+    ctx = dsgd.init("hardsync")
+    try:
+        opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+        sgd = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+        opt_b = dsgd.DistributedOptimizer(sgd, b, ctx, bucket_cap_mb=1e-6)
+        buckets = opt_b._rule.buckets
+        assert all(
+            bk == [p] for bk, p in zip(buckets.buckets, reversed(list(b.parameters())), strict=True)
+        )
+        assert len(buckets.buckets) == 4
+        for passes in (1, 2, 1):
+            for m, o in ((a, opt_a), (b, opt_b)):
+                o.zero_grad()
+                for k in range(passes):
+                    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(10 * passes + k))
+                    m(x).pow(2).mean().backward()
+                if o is opt_b:
+                    assert len(buckets.works) == 4  # launched from backward, before step
+                    assert buckets.stale == (passes == 2)
+                o.step()
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            assert torch.equal(p, q)  # mean over one rank: the same floats
+    finally:
+        ctx.close()
+
+
+def test_bucket_cap_must_be_positive():
+    ctx = dsgd.init("hardsync")
+    try:
+        model = nn.Linear(2, 2)
+        with pytest.raises(ConfigError, match=r"bucket_cap_mb = 0 is not allowed") as e:
+            dsgd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), model, ctx, bucket_cap_mb=0
+            )
+        assert "\n" not in str(e.value)
     finally:
         ctx.close()
 
@@ -193,6 +257,18 @@ def _mlp(spec: dict) -> nn.Module:
     return model
 
 
+def _bn_mlp(spec: dict) -> nn.Module:
+    """A small model with BatchNorm: Flatten, Linear(·, 16), BatchNorm1d, ReLU, Linear."""
+    torch.manual_seed(0)
+    n_in = int(torch.tensor(spec["input_shape"]).prod())
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(n_in, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10)
+    )
+
+
+BN_SAMPLES = 64  # the server's BatchNorm recalibration: the first 4 batches of 16
+
+
 def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -224,6 +300,13 @@ def _scenario_ddp(spec: dict, record: dict) -> None:
     opt = dsgd.DistributedOptimizer(
         torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4), mine, ctx
     )
+    split = _mlp(spec)  # one bucket per parameter: 4 all-reduces launched from backward
+    split_opt = dsgd.DistributedOptimizer(
+        torch.optim.SGD(split.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
+        split,
+        ctx,
+        bucket_cap_mb=1e-6,
+    )
     normed = nn.Sequential(
         nn.Flatten(), nn.Linear(int(torch.tensor(spec["input_shape"]).prod()), 8)
     )
@@ -235,11 +318,11 @@ def _scenario_ddp(spec: dict, record: dict) -> None:
     for epoch in range(2):
         sampler.set_epoch(epoch)
         for x, y in loader:
-            for m, o in ((ddp, ref_opt), (mine, opt), (normed, normed_opt)):
+            for m, o in ((ddp, ref_opt), (mine, opt), (split, split_opt), (normed, normed_opt)):
                 o.zero_grad()
                 F.cross_entropy(m(x), y).backward()
                 o.step()
-    record.update(ddp=_flat(ref), wrapper=_flat(mine), initial=initial)
+    record.update(ddp=_flat(ref), wrapper=_flat(mine), split=_flat(split), initial=initial)
     record["buffers"] = [b.clone() for b in normed.buffers()]
     ctx.close()
 
@@ -313,10 +396,14 @@ def _scenario_ps(spec: dict, record: dict) -> None:
             momentum=0.9,
             timeout_s=spec["timeout_s"],
         )
-    model = _mlp(spec)
+    model = _bn_mlp(spec) if spec.get("bn") else _mlp(spec)
     record["role"] = ctx.role
     if ctx.is_server:
-        result = ctx.serve(model, out_dir=spec["out_dir"])
+        bn_data = None
+        if spec.get("bn"):
+            first = torch.utils.data.Subset(_data(spec), range(BN_SAMPLES))
+            bn_data = DataLoader(first, batch_size=16)
+        result = ctx.serve(model, out_dir=spec["out_dir"], bn_data=bn_data)
         record.update(result=result.__dict__, weights=_flat(model))
         ctx.close()
         return
@@ -366,6 +453,10 @@ def _child(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
+    _run_scenario(spec, out)
+
+
+def _run_scenario(spec: dict, out: str) -> None:
     record: dict = {}
     try:
         SCENARIOS[spec["scenario"]](spec, record)
@@ -427,9 +518,12 @@ def test_hardsync_wrapper_matches_ddp_in_the_same_script(tmp_path):
     for r in (0, 1):
         rec = records[r]
         assert not torch.equal(rec["wrapper"], rec["initial"])  # it trained
-        # same maths; DDP divides each bucket by W before its all-reduce, the wrapper
-        # after: float32 rounding of 64 steps, far below 1e-5 on any CPU's kernels
+        # same maths, and like DDP the wrapper scales each bucket by 1/W before its
+        # all-reduce (measured: equal bits on 2 ranks, where the sum of two floats does
+        # not depend on the order); 1e-5 leaves room for another W's or gloo's order
         torch.testing.assert_close(rec["wrapper"], rec["ddp"], rtol=0, atol=1e-5)
+        # the buckets partition the same elementwise sums: any bucketing, the same floats
+        assert torch.equal(rec["split"], rec["wrapper"])
     assert torch.equal(records[0]["wrapper"], records[1]["wrapper"])  # one model
     # BatchNorm statistics are averaged every step: the same on both ranks, and moved
     mean0, var0, count0 = records[0]["buffers"]
@@ -505,32 +599,115 @@ def test_parameter_server_run_completes_and_writes_staleness(tmp_path, mode):
     # the same torch ops on the same floats in one process: only the kernels' threading
     # could differ (one thread in both), so 1e-6 is slack on any CPU
     torch.testing.assert_close(server["weights"], replayed, rtol=0, atol=1e-6)
+    # distsgd train's simulated runtime fed the same push order ends with the same
+    # central weights: the trainer's engine computes each gradient functionally
+    # (torch.func) where the learner ran the module's backward, float32 rounding over 64
+    # pushes stays far below 1e-5 on any CPU's kernels (as the SMA equivalence)
+    trainer = _sim_with_push_order(result["push_order"], mode, tmp_path / "sim")
+    trained = trainer.protocol.eval_weights()
+    torch.testing.assert_close(server["weights"], trained, rtol=0, atol=1e-5)
+
+
+def test_sim_runtime_applies_a_recorded_push_order(tmp_path):
+    """The sim hook the equivalence above relies on: ``distsgd train`` (async, λ = 2)
+    applies the pushes in the order given, not its event queue's: worker 1 pushes twice
+    for each push of worker 0, so worker 0's gradients are 2 versions stale. A push that
+    does not fit the run is one error naming it."""
+    version, pulled, order, expected = 0, {0: 0, 1: 0}, [], {}
+    for w in [1, 1, 0] * 4:  # 12 pushes of b = 16
+        order.append((w, pulled[w]))
+        expected[version - pulled[w]] = expected.get(version - pulled[w], 0) + 1
+        version += 1
+        pulled[w] = version
+    trainer = _sim_with_push_order(order, "async", tmp_path / "a", num_samples=12 * 16)
+    assert expected == {0: 5, 1: 3, 2: 4}  # 1 1 0 | 1 1 0 ...: σ = 0 0 2 | 1 0 2 ...
+    assert dict(trainer.protocol.staleness_counts) == expected
+    with pytest.raises(ValueError, match=r"recorded push \(worker 0, pulled version 5\)"):
+        _sim_with_push_order([(1, 0), (0, 5)], "async", tmp_path / "b", num_samples=32)
+
+
+class _ReplayTrainer(Trainer):
+    """``distsgd train`` whose simulated runtime applies a recorded push order."""
+
+    def __init__(self, *args, push_order: list[tuple[int, int]], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.push_order = push_order
+
+    def _build(self) -> None:
+        super()._build()
+        self.runtime.replay_push_order(self.push_order)
+
+
+def _sim_with_push_order(
+    order: list[tuple[int, int]], mode: str, out: Path, num_samples: int = 1024
+) -> Trainer:
+    """``distsgd train`` (runtime sim, ``num_samples`` samples: one epoch by default,
+    the drop-in's settings and initial weights) run to its end replaying ``order``."""
+    cfg = small_config(
+        protocol={
+            "name": "parameter_server",
+            "num_learners": 2,
+            "batch_size": 16,
+            "mode": mode,
+            "staleness_lr": "softsync",
+        },
+        optimizer={"lr": PS_LR, "momentum": 0.9},
+        train={
+            "max_epochs": 0,
+            "max_samples": num_samples,
+            "eval_every_samples": 4096,
+            "tensorboard": False,
+        },
+    )
+    initial = _flat(_mlp({"input_shape": _input_shape()}))
+    trainer = _ReplayTrainer(cfg, out, progress=False, initial_weights=initial, push_order=order)
+    trainer.run()
+    assert trainer.runtime.samples == num_samples  # every recorded push, no more
+    return trainer
 
 
 @pytest.mark.slow
 def test_compute_group_run_matches_its_replay(tmp_path):
-    """One compute group of the two learners (g = 1): every push is their mean gradient,
-    never stale; the server's weights are those of a ComputeGroups protocol fed the
-    same pushes in one process."""
-    records = _spawn(
-        {"scenario": "ps", "mode": "groups", "epochs": 1, "out_dir": None}, 3, tmp_path
-    )
+    """One compute group of the two learners (g = 1), a BatchNorm model: every push is
+    their mean gradient, never stale; the server's weights are those of a ComputeGroups
+    protocol fed the same pushes in one process, and its model.pt holds BatchNorm
+    statistics recomputed for those weights (bn_data)."""
+    out = tmp_path / "groups"
+    spec = {"scenario": "ps", "mode": "groups", "epochs": 1, "out_dir": str(out), "bn": True}
+    records = _spawn(spec, 3, tmp_path)
     steps = records[1]["steps"]
     assert steps == records[2]["steps"] == 1024 // 32
     result = records[0]["result"]
     assert result["num_pushes"] == steps and result["staleness_counts"] == {0: steps}
-    replayed = _replay_pushes(result["push_order"], "groups")
+    replayed = _replay_pushes(result["push_order"], "groups", bn=True)
     # as the parameter server's replay; the group's all-reduce of two float32 gradients
     # is one addition, as in the replay
     torch.testing.assert_close(records[0]["weights"], replayed, rtol=0, atol=1e-6)
+    # model.pt: the central weights with BatchNorm statistics recomputed for them (the
+    # server runs no forward: before, its buffers were the initial 0 and 1)
+    assert result["bn_batches"] == BN_SAMPLES // 16
+    state = load_checked(out / "model.pt")
+    model = _bn_mlp({"input_shape": _input_shape()})
+    model.load_state_dict(state)
+    torch.testing.assert_close(_flat(model), records[0]["weights"], rtol=0, atol=0)
+    x = _data({}).tensors[0][:BN_SAMPLES]
+    with torch.no_grad():  # the BatchNorm's input, per batch of 16: mean of batch moments
+        h = model[1](model[0](x)).view(BN_SAMPLES // 16, 16, -1)
+    mean, var = h.mean(1).mean(0), h.var(1, unbiased=True).mean(0)
+    bn = model[2]
+    assert not torch.equal(bn.running_mean, torch.zeros(16))
+    # float32 forwards here, float64 sums in the engine: rounding far below 1e-5
+    torch.testing.assert_close(bn.running_mean, mean, rtol=0, atol=1e-5)
+    torch.testing.assert_close(bn.running_var, var, rtol=0, atol=1e-5)
+    assert int(bn.num_batches_tracked) == BN_SAMPLES // 16
 
 
-def _replay_pushes(order: list[tuple[int, int]], mode: str) -> torch.Tensor:
+def _replay_pushes(order: list[tuple[int, int]], mode: str, bn: bool = False) -> torch.Tensor:
     """The parameter server alone, in this process, fed the recorded pushes in the
     recorded order: learner w's k-th push is the gradient of its k-th minibatch (its
     Sampler's order) at the weights of the version it had pulled."""
     shape = _input_shape()
-    model = _mlp({"input_shape": shape})
+    model = (_bn_mlp if bn else _mlp)({"input_shape": shape})
     initial = _flat(model)
     if mode == "groups":
         proto = ComputeGroups(initial, 2, 1, momentum=0.9)
@@ -568,14 +745,40 @@ def _replay_pushes(order: list[tuple[int, int]], mode: str) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_async_run_goes_on_without_a_killed_learner(tmp_path):
-    out = tmp_path / "ps"
-    spec = {"scenario": "ps", "mode": "async", "epochs": 2, "out_dir": str(out), "kill": {2: 5}}
-    records = _spawn(spec, 3, tmp_path)
-    assert 2 not in records  # killed
+    """``python -m distsgd.torch.launch --nproc-per-node 3`` (one launcher, as torchrun's
+    one agent): learner rank 2 SIGKILLs itself at its 5th step; the launcher names it
+    and leaves the others running, the server serves learner 1 to the end, exit status
+    0 (under torchrun's agent the whole run would stop)."""
+    root = Path(__file__).resolve().parents[1]
+    spec = {"scenario": "ps", "mode": "async", "epochs": 2, "out_dir": str(tmp_path / "ps")}
+    spec.update(kill={2: 5}, timeout_s=20.0, input_shape=_input_shape(), records=str(tmp_path))
+    torch.save(spec, tmp_path / "spec.pt")
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import sys\nfrom tests.test_drop_in import _launched\n_launched(sys.argv[1])\n"
+    )
+    cmd = [sys.executable, "-m", "distsgd.torch.launch", "--nproc-per-node", "3"]
+    cmd += [str(script), str(tmp_path / "spec.pt")]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOIN_S)
+    assert done.returncode == 0, done.stderr
+    assert "rank 2" in done.stderr and "was killed by SIGKILL" in done.stderr, done.stderr
+    assert not (tmp_path / "2.pt").exists()  # killed
+    records = {r: torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in (0, 1)}
+    for rec in records.values():
+        assert "crash" not in rec, rec["crash"]
     assert records[1]["steps"] == 2 * 1024 // 32
     result = records[0]["result"]
     assert result["lost_ranks"] == [2]
     assert result["num_pushes"] == 2 * 1024 // 32 + 4  # learner 2 pushed 4 times
+
+
+def _launched(spec_path: str) -> None:
+    """A rank started by ``distsgd.torch.launch`` (its environment set there): runs the
+    scenario of the spec file and saves its record as ``<records>/<rank>.pt``."""
+    spec = torch.load(spec_path, weights_only=False)
+    torch.set_num_threads(1)
+    _run_scenario(spec, str(Path(spec["records"]) / f"{os.environ['RANK']}.pt"))
 
 
 @pytest.mark.slow

@@ -39,7 +39,8 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,6 +300,7 @@ class SimRuntime(Runtime):
         self.virtual_time = 0.0
         self.samples = 0
         self.is_async = isinstance(protocol, AsynchronousProtocol)
+        self._push_order: deque[tuple[int, int]] | None = None  # replay_push_order
         self._fuse = not engine.has_batch_statistics
         self._network = cm.ClusterModel(
             profile.seconds_per_batch,
@@ -472,7 +474,7 @@ class SimRuntime(Runtime):
     def _advance_async(self, lr: float) -> Tick:
         proto = self.protocol
         assert isinstance(proto, AsynchronousProtocol)
-        now, _, worker = heapq.heappop(self._events)
+        now, _, worker = self._next_push()
         self.virtual_time = now
         members = self._members(worker)
         grad, losses = self._mean_gradient(members, self._pulled[worker], lr, proto.version)
@@ -489,6 +491,45 @@ class SimRuntime(Runtime):
         n = len(members) * self.batch_size
         self.samples += n
         return Tick(n, losses, update)
+
+    def replay_push_order(self, order: Iterable[tuple[int, int]]) -> None:
+        """Apply pushes in a recorded arrival order instead of the event queue's.
+
+        A test hook: a run on real processes (e.g. ``distsgd.torch``'s server,
+        ``ServeResult.push_order``) records the ``(worker, pulled version)`` of every
+        push it applied; from here on the next push is the next recorded one, so the
+        protocol sees the same sequence as that run. The virtual clock still advances
+        (never backwards) but is no longer the time model's.
+
+        Args:
+            order: ``(worker, pulled version)`` pairs, in arrival order.
+
+        Raises:
+            ValueError: from :meth:`advance`, when the recorded push does not fit this
+                run (the worker has no push pending, it pulled another version, or the
+                record has no push left).
+        """
+        self._push_order = deque(order)
+
+    def _next_push(self) -> tuple[float, int, int]:
+        """The next ``(time, seq, worker)`` event: the queue's earliest, or the next
+        recorded push (:meth:`replay_push_order`)."""
+        order = self._push_order
+        if order is None:
+            return heapq.heappop(self._events)
+        if not order:
+            raise ValueError("the recorded push order has no push left")
+        worker, pulled = order.popleft()
+        pending = [i for i, e in enumerate(self._events) if e[2] == worker]
+        if not pending or self._pulled_version[worker] != pulled:
+            raise ValueError(
+                f"recorded push (worker {worker}, pulled version {pulled}) does not fit: "
+                f"the worker has {len(pending)} push(es) pending at pulled version "
+                f"{self._pulled_version[worker]}"
+            )
+        t, seq, _ = self._events.pop(pending[0])
+        heapq.heapify(self._events)
+        return max(t, self.virtual_time), seq, worker
 
     # ---- public ------------------------------------------------------------------------
     def advance(self, lr: float) -> Tick:

@@ -7,7 +7,8 @@ A training script of your own (model, DataLoader, loss, logging, schedule), star
 
     ctx = dsgd.init("sma", alpha=0.1)                 # 1. join the run: roles, process group
     if ctx.is_server:                                 #    (parameter server / compute groups)
-        ctx.serve(model, out_dir="runs/ps"); ctx.close(); raise SystemExit
+        ctx.serve(model, out_dir="runs/ps", bn_data=DataLoader(data, batch_size=32))
+        ctx.close(); raise SystemExit
     loader = DataLoader(data, batch_size=32, sampler=dsgd.Sampler(data, ctx, batch_size=32))
     opt = dsgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, ctx)
     for epoch in range(epochs):
@@ -26,8 +27,16 @@ rank roles (:mod:`distsgd.layout`) and the failure handling (heartbeats, one
 """
 
 from distsgd.config import ConfigError
-from distsgd.torch.context import Context, ServeResult, init
+from distsgd.torch.context import Context, ServeResult, init, recalibrate_batchnorm
 from distsgd.torch.optimizer import DistributedOptimizer
 from distsgd.torch.sampler import Sampler
 
-__all__ = ["ConfigError", "Context", "DistributedOptimizer", "Sampler", "ServeResult", "init"]
+__all__ = [
+    "ConfigError",
+    "Context",
+    "DistributedOptimizer",
+    "Sampler",
+    "ServeResult",
+    "init",
+    "recalibrate_batchnorm",
+]

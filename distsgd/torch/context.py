@@ -3,10 +3,12 @@ server's loop and the run's state (see :mod:`distsgd.torch`)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
 import sys
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,7 +20,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from distsgd.config import ConfigError, RunConfig, fit_layout
+from distsgd.engine import GradientEngine
 from distsgd.layout import build_protocol, spec_for
+from distsgd.metrics import save_checked
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.runtime import ps
 from distsgd.runtime.dist import (
@@ -30,7 +34,7 @@ from distsgd.runtime.dist import (
 )
 from distsgd.torch.flat import flatten, write_back
 
-__all__ = ["SETTINGS", "Context", "ServeResult", "init"]
+__all__ = ["SETTINGS", "Context", "ServeResult", "init", "recalibrate_batchnorm"]
 
 SETTINGS: dict[str, str] = {
     **{
@@ -71,6 +75,8 @@ class ServeResult:
         lost_ranks: learner ranks the server lost (asynchronous protocols go on without).
         train_loss: mean over the learners of the loss each passed to its last
             ``step(loss)`` (NaN when none did).
+        bn_batches: batches over which the BatchNorm statistics were recomputed for
+            the central weights (0: none, see :meth:`Context.serve`'s ``bn_data``).
     """
 
     num_updates: int
@@ -79,6 +85,7 @@ class ServeResult:
     push_order: list[tuple[int, int]] = field(default_factory=list)
     lost_ranks: list[int] = field(default_factory=list)
     train_loss: float = float("nan")
+    bn_batches: int = 0
 
 
 def _raw_config(protocol: str, config: RunConfig | str | Path | None, settings: dict) -> dict:
@@ -240,7 +247,11 @@ class Context:
         print(f"distsgd[rank {self.rank}]: {message}", file=sys.stderr, flush=True)
 
     def serve(
-        self, model: nn.Module | Iterable[Tensor], out_dir: str | Path | None = None
+        self,
+        model: nn.Module | Iterable[Tensor],
+        out_dir: str | Path | None = None,
+        *,
+        bn_data: Iterable[Any] | None = None,
     ) -> ServeResult:
         """Server rank: apply the learners' pushes in arrival order until every learner
         has left (Rudra's parameter server, SPEC.md §2, or Omnivore's compute groups, §3:
@@ -252,11 +263,26 @@ class Context:
         :meth:`load_state_dict` when one was loaded. Each push carries the base rate α0
         of the learner's optimizer at that moment; the server applies the protocol's
         rule to it (α0/n for ``staleness_lr = "softsync"``, and so on). At the end the
-        central weights are copied into ``model`` and, with ``out_dir``,
-        ``staleness.json`` (``{"counts": {σ: n}}``) and ``summary.json`` are written.
+        central weights are copied into ``model``; a module's BatchNorm running
+        statistics are then recomputed for them over ``bn_data``
+        (:func:`recalibrate_batchnorm`, the trainer's precise-BN rule: the server runs no
+        forward, so its buffers belong to no model it serves). With ``out_dir``,
+        ``staleness.json`` (``{"counts": {σ: n}}``), ``summary.json`` and, for a module,
+        ``model.pt`` (its ``state_dict``, with a ``.sha256`` sidecar, as ``distsgd
+        train``'s) are written.
+
+        Args:
+            model: the module (or iterable of its parameter tensors) whose parameters are
+                the flat vector ``[P]``; it holds the central model at the end.
+            out_dir: where to write the files above (None: nothing is written).
+            bn_data: batches of training inputs (tensors, or ``(inputs, …)`` tuples such
+                as a ``DataLoader`` yields) for the BatchNorm recalibration; a last
+                smaller batch is left out. None with a BatchNorm model: the buffers stay
+                as given (a warning says so).
 
         Raises:
             RuntimeError: this rank is not a server rank.
+            ValueError: ``bn_data`` holds no batch.
             ps.LearnerLost: a learner was lost under ``mode = "hardsync"``, or all were.
         """
         if not self.is_server or self.layout is None:
@@ -289,6 +315,9 @@ class Context:
         )
         write_back(protocol.eval_weights(), params)
         self.server_state = protocol.state_dict()
+        bn_batches = 0
+        if isinstance(model, nn.Module):
+            bn_batches = _central_batchnorm(model, bn_data)
         out = ServeResult(
             num_updates=protocol.version,
             num_pushes=result.num_pushes,
@@ -296,9 +325,12 @@ class Context:
             push_order=order,
             lost_ranks=list(result.lost_ranks),
             train_loss=sum(last_loss.values()) / len(last_loss) if last_loss else float("nan"),
+            bn_batches=bn_batches,
         )
         if out_dir is not None:
             _write_outcome(Path(out_dir), self, out)
+            if isinstance(model, nn.Module):
+                save_checked(model.state_dict(), Path(out_dir) / "model.pt")
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -359,6 +391,59 @@ def _parameters(model: nn.Module | Iterable[Tensor]) -> list[Tensor]:
     return params
 
 
+def recalibrate_batchnorm(model: nn.Module, batches: Iterable[Any]) -> int:
+    """Recompute ``model``'s BatchNorm running statistics for its current weights:
+    precise BN, the trainer's rule (:meth:`distsgd.engine.GradientEngine.recalibrate`;
+    Wu & Johnson, arXiv:2105.07576): each running mean and variance becomes the mean over
+    the batches of the batch mean and unbiased variance, computed with every other layer
+    as at evaluation. ``model`` itself only has its buffers changed.
+
+    Args:
+        model: any module; one without running statistics is left alone.
+        batches: input tensors ``[B, ...]`` or tuples whose first item is one (a
+            ``DataLoader``'s ``(x, y)``); batches of another size than the first (a last
+            partial one) are left out.
+
+    Returns:
+        The number of batches used (0: the model has no running statistics).
+
+    Raises:
+        ValueError: ``batches`` holds no batch.
+    """
+    twin = copy.deepcopy(model)  # the engine re-points its parameters into one buffer
+    engine = GradientEngine(twin)
+    if not engine.has_running_statistics:
+        return 0
+    inputs = [b[0] if isinstance(b, tuple | list) else b for b in batches]
+    if not inputs:
+        raise ValueError("bn_data holds no batch: pass batches of training inputs")
+    size = inputs[0].shape[0]
+    inputs = [x for x in inputs if x.shape[0] == size]
+    engine.recalibrate(engine.initial_weights(), torch.cat(inputs), size)
+    with torch.no_grad():
+        mine = dict(model.named_buffers())
+        for name, buf in twin.named_buffers():
+            mine[name].copy_(buf)
+    return len(inputs)
+
+
+def _central_batchnorm(model: nn.Module, bn_data: Iterable[Any] | None) -> int:
+    """:func:`recalibrate_batchnorm` over ``bn_data``; a warning when a BatchNorm model
+    gets none."""
+    if bn_data is not None:
+        return recalibrate_batchnorm(model, bn_data)
+    if any(
+        isinstance(m, nn.modules.batchnorm._NormBase) and m.running_mean is not None
+        for m in model.modules()
+    ):
+        warnings.warn(
+            "serve(bn_data=None): the model's BatchNorm running statistics stay as given, "
+            "not those of the central weights; pass batches of training inputs as bn_data",
+            stacklevel=3,
+        )
+    return 0
+
+
 def _write_outcome(out_dir: Path, ctx: Context, result: ServeResult) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = result.staleness_counts
@@ -376,5 +461,6 @@ def _write_outcome(out_dir: Path, ctx: Context, result: ServeResult) -> None:
         "staleness_max": max(counts, default=0),
         "lost_ranks": result.lost_ranks,
         "train_loss": result.train_loss if math.isfinite(result.train_loss) else None,
+        "bn_batches": result.bn_batches,
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from distsgd.config import ConfigError
 from distsgd.layout import sma_alpha
 from distsgd.protocols import SMA, LocalSGD
 from distsgd.runtime import ps
@@ -27,8 +28,11 @@ class DistributedOptimizer:
     Rules per ``ctx.protocol`` (SPEC.md; W learner ranks, γ the optimizer's current
     ``lr`` of its first param group, P the parameters' total size):
 
-    * ``hardsync`` (§1): the gradients are mean-all-reduced (one flat ``[P]`` buffer),
-      then the user's optimizer steps: DDP's and Horovod's rule.
+    * ``hardsync`` (§1): the gradients are mean-all-reduced, then the user's optimizer
+      steps: DDP's and Horovod's rule, with DDP's overlap: buckets of about
+      ``bucket_cap_mb`` MiB, in reverse parameter order, start their all-reduce from
+      backward as their gradients become ready and are waited for in ``step()``
+      (:class:`_GradientBuckets`).
     * ``local_sgd`` (§5): the user's optimizer steps locally; every H = ``average_every``
       steps the parameters are averaged over the ranks. The counter and the averaging
       are :class:`~distsgd.protocols.LocalSGD`'s (λ = 1 per process, its SGD without
@@ -49,8 +53,8 @@ class DistributedOptimizer:
     the ranks wherever the protocol synchronises (every step for hardsync and SMA, every
     H steps for local SGD); integer buffers (``num_batches_tracked``) stay local, they
     are equal on all ranks. Under the parameter server and compute groups buffers stay
-    with each learner (the server holds parameters only): recompute the statistics for
-    the central model before evaluating it. At construction every synchronous rank takes
+    with each learner (the server holds parameters only): ``ctx.serve(model, bn_data=…)``
+    recomputes them for the central model. At construction every synchronous rank takes
     rank 0's parameters and buffers (as DDP does); parameter-server learners take the
     server's.
 
@@ -59,8 +63,11 @@ class DistributedOptimizer:
         model: the ``nn.Module`` or any iterable of its parameter tensors (a generator
             is read once); its parameters, in order, are the flat vector ``[P]``.
         ctx: this rank's :class:`Context` (a learner rank).
+        bucket_cap_mb: hardsync's gradient bucket size in MiB (DDP's ``bucket_cap_mb``,
+            default 25); the other protocols ignore it.
 
     Raises:
+        ConfigError: ``bucket_cap_mb`` is not a positive number.
         RuntimeError: on a server rank (it calls ``ctx.serve``); from :meth:`step`:
             ``PeerLost`` naming the lost rank (synchronous protocols), ``ps.ServerLost``,
             ``ps.LearnerLost``.
@@ -72,7 +79,14 @@ class DistributedOptimizer:
         optimizer: torch.optim.Optimizer,
         model: nn.Module | Iterable[Tensor],
         ctx: Context,
+        *,
+        bucket_cap_mb: float = 25.0,
     ) -> None:
+        if not (isinstance(bucket_cap_mb, int | float) and bucket_cap_mb > 0):
+            raise ConfigError(
+                f"bucket_cap_mb = {bucket_cap_mb!r} is not allowed: expected a positive "
+                "number of MiB (DDP's default 25)"
+            )
         if ctx.is_server:
             raise RuntimeError(
                 f"rank {ctx.rank} is a server rank: call ctx.serve(model) there, not "
@@ -87,6 +101,7 @@ class DistributedOptimizer:
             else []
         )
         self.num_parameters = sum(p.numel() for p in self.params)
+        self.bucket_cap_mb = float(bucket_cap_mb)
         self._rule: _Rule = _RULES[ctx.protocol](self)
         ctx.optimizer = self
 
@@ -106,7 +121,9 @@ class DistributedOptimizer:
         return getattr(self._rule, "stopped", False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``."""
+        """The wrapped optimizer's ``zero_grad`` (hardsync: gradient buckets a backward
+        launched without a ``step`` after it are waited for and dropped first)."""
+        self._rule.zero_grad()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, loss: float | Tensor | None = None) -> None:
@@ -177,6 +194,9 @@ class _Rule:
     def step(self, loss: float) -> None:
         raise NotImplementedError
 
+    def zero_grad(self) -> None:
+        pass
+
     def eval_weights(self) -> Tensor:
         return flatten(self.o.params)
 
@@ -191,18 +211,124 @@ class _Rule:
 
 
 class _AllReduce(_Rule):
-    """hardsync: mean-all-reduce the gradients (and buffers), then the user's step."""
+    """hardsync: DDP's reduction. The gradients are mean-all-reduced in buckets launched
+    from backward as they become ready (:class:`_GradientBuckets`), waited in ``step``,
+    then the user's optimizer steps; buffers are averaged once per step."""
 
     def __init__(self, owner: DistributedOptimizer) -> None:
         super().__init__(owner)
         owner.broadcast_from_rank0()
+        self.buckets = _GradientBuckets(owner)
 
     def step(self, loss: float) -> None:
         o = self.o
-        flat = o.average(o.with_buffers(flatten_grads(o.params)))
-        write_grads(flat[: o.num_parameters], o.params)
-        o.take_buffers(flat)
+        self.buckets.reduce()
+        if o.buffers:
+            write_back(o.average(flatten(o.buffers)), o.buffers)
         o.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.buckets.discard()
+
+    def close(self) -> None:
+        self.buckets.remove()
+
+
+class _GradientBuckets:
+    """Gradient buckets all-reduced while backward runs, as DDP's reducer does.
+
+    The parameters that require a gradient are packed, in reverse order (the order in
+    which backward produces them), into buckets, each closed once it holds
+    ``bucket_cap_mb`` MiB or more (the first 1 MiB, DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``;
+    a parameter is never split). A
+    ``register_post_accumulate_grad_hook`` per parameter marks it ready; a bucket whose
+    parameters are all ready is flattened, scaled by 1/W (DDP scales before summing) and
+    its all-reduce launched with ``async_op=True``. Buckets launch strictly in bucket
+    order, so every rank issues the same sequence of collectives whatever the order its
+    hooks fire in. :meth:`reduce` (in ``step``) launches what backward did not (unused
+    parameters count as zero gradients), waits for every bucket and writes the mean
+    gradients into ``param.grad``.
+
+    A parameter whose gradient accumulates twice before ``step`` (several backward
+    passes per step) makes the launched results stale: :meth:`reduce` then waits for
+    them, drops them and all-reduces the accumulated gradients once more. As under DDP,
+    every rank must run the same number of backward passes per step.
+    """
+
+    FIRST_BUCKET_BYTES = 1024 * 1024
+
+    def __init__(self, owner: DistributedOptimizer) -> None:
+        self.o = owner
+        cap = int(owner.bucket_cap_mb * 1024 * 1024)
+        self.buckets: list[list[Tensor]] = []
+        size, limit = 0, min(cap, self.FIRST_BUCKET_BYTES)
+        for p in reversed([p for p in owner.params if p.requires_grad]):
+            if not self.buckets or size >= limit:
+                if self.buckets:
+                    limit = cap
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.hooks = [
+            p.register_post_accumulate_grad_hook(self._on_gradient) for b in self.buckets for p in b
+        ]
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ready: list[set[int]] = [set() for _ in self.buckets]
+        self.works: list[tuple[Tensor, Any]] = []  # (flat bucket, work), bucket order
+        self.stale = False
+
+    def _on_gradient(self, param: Tensor) -> None:
+        i = self.bucket_of[id(param)]
+        if id(param) in self.ready[i]:
+            self.stale = True  # a second backward before step()
+            return
+        self.ready[i].add(id(param))
+        while len(self.works) < len(self.buckets):
+            nxt = len(self.works)
+            if len(self.ready[nxt]) < len(self.buckets[nxt]):
+                break
+            self._launch(nxt)
+
+    def _launch(self, i: int) -> None:
+        o = self.o
+        flat = flatten_grads(self.buckets[i]).mul_(1.0 / o.ctx.world_size)
+        work = o.collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM, async_op=True)
+        self.works.append((flat, work))
+
+    def reduce(self) -> None:
+        """Launch the buckets backward left, wait for all and set ``param.grad`` to the
+        ranks' mean gradient. Collective."""
+        o = self.o
+        while len(self.works) < len(self.buckets):
+            self._launch(len(self.works))
+        for (flat, work), params in zip(self.works, self.buckets, strict=True):
+            o.collective(work.wait)
+            if not self.stale:
+                write_grads(flat, params)
+        if self.stale:  # gradients accumulated after their bucket left: reduce them now
+            for params in self.buckets:
+                flat = flatten_grads(params).mul_(1.0 / o.ctx.world_size)
+                o.collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
+                write_grads(flat, params)
+        self._reset()
+
+    def discard(self) -> None:
+        """Wait for the launched buckets and forget them (``zero_grad`` without a
+        ``step``): the next backward starts a fresh round. Collective if any launched."""
+        if any(self.ready) or self.works:
+            for _, work in self.works:
+                self.o.collective(work.wait)
+            self._reset()
+
+    def remove(self) -> None:
+        """Remove the hooks (the optimizer is closed)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
 
 
 class _Averaging(_Rule):

@@ -7,6 +7,11 @@ Run with torchrun; one argument switches the protocol::
     torchrun --nproc-per-node 4 examples/own_loop/train.py --protocol softsync   # rank 0 serves
     torchrun --nproc-per-node 4 examples/own_loop/train.py --protocol async
 
+An asynchronous run that must survive a killed learner runs under distsgd's launcher
+instead (torchrun's agent stops every rank when one dies)::
+
+    python -m distsgd.torch.launch --nproc-per-node 4 examples/own_loop/train.py --protocol async
+
 The task: 10 Gaussian classes on 16 squashed features (made here from a seed, so
 every machine has it without a download). Prints one line per
 epoch (rank 0 or the first learner), then the test accuracy of the protocol's model
