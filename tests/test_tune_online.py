@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distsgd.cli import main
-from distsgd.config import RunConfig
+from distsgd.config import ConfigWarning, RunConfig
 from distsgd.metrics import load_checked
 from distsgd.trainer import Trainer
 from distsgd.tuner import online
@@ -180,3 +180,15 @@ def test_a_run_directory_that_holds_a_run_is_refused(tmp_path):
     with pytest.raises(ValueError, match="already holds a run"):
         OnlineTune(tiny_config(), run, progress=False).run()
     shutil.rmtree(run)
+
+
+def test_a_budget_too_small_says_so_and_trains_with_the_best_probe(tmp_path):
+    # 0.2 · 0.1 s for 3 planned probes is below ¼ of tune.probe_seconds (0.05 s): one
+    # probe of 0.0125 s fits, and the run trains with it
+    assert online.probe_seconds_for(0.05, 0.1, 3) == (0.0125, 1)
+    with pytest.warns(ConfigWarning, match="too small for the full cold start"):
+        s = OnlineTune(tiny_config(max_virtual_seconds=0.1), tmp_path / "r", progress=False).run()
+    assert s["num_probes"] == 1 and s["samples"] > 0
+    assert s["stop_reason"] == "max_virtual_seconds"
+    first = json.loads((tmp_path / "r" / "decisions.jsonl").read_text().splitlines()[1])
+    assert first["decision"] == "budget too small: fewer probes"

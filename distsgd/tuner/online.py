@@ -14,7 +14,8 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    (:meth:`Trainer.run(resume=True) <distsgd.trainer.Trainer.run>`, exact) with the run's
    own stop rule and evaluations, so the samples it trained count towards the run.
 3. **Steady state**: the run trains in segments (``train/NN-…``) of
-   :data:`CHECK_EPOCHS` epochs; at the end of one, :func:`steady_state_due` decides from
+   :data:`CHECK_EPOCHS` epochs (after :data:`MAX_STEADY_ROUNDS` re-optimisations, one
+   segment to the end); at the end of one, :func:`steady_state_due` decides from
    the evaluations recorded so far (never a later one) whether the training loss has
    flattened; if so, every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first)
    is probed from the segment's checkpoint, and the best (:func:`pick_best`) continues.
@@ -104,6 +105,7 @@ CHECK_EPOCHS = 1.0  # epochs between steady-state checks (segment length)
 FLAT_GAIN = 0.1  # the loss has flattened: it fell by less than this fraction in a check
 MAX_STEADY_ROUNDS = 2  # steady-state re-optimisations per run at most
 STATE_FILE = "tune_config.toml"  # marks a tuning run directory; holds its base config
+_NO_CHECK = 2**62  # a segment's end beyond any run's samples
 _START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
 _FINAL_FILES = ("config.toml", "model.pt", "model.pt.sha256", "checkpoint.pt")
 
@@ -584,7 +586,7 @@ class OnlineTune:
         self.timeline: list[tuple[Path, dict[str, Any]]] = []
         self._setup(resume)
         self.bar = (
-            tqdm(desc="tune", unit="s", bar_format="{desc}: {n:.0f} s {postfix}")
+            tqdm(desc="tune", unit="s", bar_format="{desc}: {n:.0f} s{postfix}")
             if self.progress
             else None
         )
@@ -599,6 +601,8 @@ class OnlineTune:
             rounds, every = 0, max(int(CHECK_EPOCHS * self.num_train), 1)
             while True:
                 check = (int(_summary(start).get("samples") or 0) // every + 1) * every
+                if rounds >= MAX_STEADY_ROUNDS:
+                    check = _NO_CHECK  # no re-optimisation left: train to the end at once
                 seg, ends = self._segment(cand, start, check)
                 if ends:
                     break
