@@ -648,8 +648,7 @@ class OnlineTune:
         total = self.elapsed()
         records = read_metrics(seg / "metrics.jsonl")
         for r in records:
-            where = [x for x in self.timeline if x[0].name <= seg.name]
-            r.update(self._total_times(r, where))
+            r.update(self._total_times(r, self.timeline))
         with open(self.out / "metrics.jsonl", "w") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
