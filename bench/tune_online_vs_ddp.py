@@ -101,15 +101,44 @@ def run_one(kind: str, seed: int, out: Path, eval_every: int) -> dict:
     }
 
 
-def _ratio(rows: list[dict], num: str, den: str, seed: int) -> float | None:
+def _ratio(rows: list[dict], num: str, den: str, seed: int) -> tuple[float, str] | None:
+    """(num / den wall, "=" or "<"): "<" when den did not reach the target (its time to
+    it is more than its whole run), None when num did not or a run is missing."""
     n = next((r for r in rows if r["kind"] == num and r["seed"] == seed), None)
     d = next((r for r in rows if r["kind"] == den and r["seed"] == seed), None)
-    if n is None or d is None or not (n["reached"] and d["reached"]):
+    if n is None or d is None or not n["reached"] or d["returncode"] != 0:
         return None
-    return n["command_wall_s"] / d["command_wall_s"]
+    return n["command_wall_s"] / d["command_wall_s"], "=" if d["reached"] else "<"
 
 
-def write_results(rows: list[dict], seeds: list[int], results: Path, loads: tuple) -> None:
+def where_time_went(run_dir: Path) -> str:
+    """One line: wall seconds of (c)'s cold-start and steady-state probes and of its
+    training segments, and how much of the probes' wall was their training."""
+    parts = {"cold": [0, 0.0, 0.0], "steady": [0, 0.0, 0.0]}
+    for probe in sorted((run_dir / "probes").glob("*")):
+        kind = "cold" if "-cold-" in probe.name else "steady"
+        note = json.loads((probe / "online_probe.json").read_text())
+        ticks = [json.loads(x) for x in (probe / "ticks.jsonl").read_text().splitlines()]
+        parts[kind][0] += 1
+        parts[kind][1] += note["wall_s"]
+        # a steady-state probe continues the run's counters: its own training is the
+        # span of its ticks (less one tick's seconds)
+        parts[kind][2] += ticks[-1]["train_wall_s"] - (
+            ticks[0]["train_wall_s"] if kind == "steady" else 0.0
+        )
+    segs = [json.loads(p.read_text()) for p in sorted(run_dir.glob("train/*/online_segment.json"))]
+    seg_wall = sum(x["end_elapsed_s"] - x["begin_elapsed_s"] for x in segs)
+    return (
+        f"cold start {parts['cold'][0]} probes {parts['cold'][1]:.1f} s wall "
+        f"({parts['cold'][2]:.1f} s of it training); steady state {parts['steady'][0]} probes "
+        f"{parts['steady'][1]:.1f} s ({parts['steady'][2]:.1f} s training); {len(segs)} "
+        f"training segments {seg_wall:.1f} s (each a launch of 2 processes)"
+    )
+
+
+def write_results(
+    rows: list[dict], seeds: list[int], results: Path, loads: tuple, out: Path | None = None
+) -> None:
     results.mkdir(parents=True, exist_ok=True)
     (results / "results.json").write_text(json.dumps({"rows": rows, "load": loads}, indent=1))
     lines = [
@@ -138,9 +167,28 @@ def write_results(rows: list[dict], seeds: list[int], results: Path, loads: tupl
     for num, den, goal in (("c", "a", "≤ 1.0, goal 0.8"), ("c", "b", "≤ 0.6")):
         ratios = [_ratio(rows, num, den, s) for s in seeds]
         ok = [x for x in ratios if x is not None]
-        med = f"{statistics.median(ok):.3f}" if ok else "n/a"
-        each = ", ".join("n/a" if x is None else f"{x:.3f}" for x in ratios)
+        bound = "< " if any(x[1] == "<" for x in ok) else ""
+        med = f"{bound}{statistics.median(x[0] for x in ok):.3f}" if ok else "n/a"
+        each = ", ".join(
+            "n/a" if x is None else f"{'< ' if x[1] == '<' else ''}{x[0]:.3f}" for x in ratios
+        )
         lines.append(f"- ({num})/({den}): per seed {each}; median **{med}** (target {goal}).")
+    lines.append(
+        '  ("<": the denominator did not reach 90% within 10 epochs, so its time to 90% '
+        "is more than its whole run and the ratio is below the figure.)"
+    )
+    for r in rows:
+        if r["kind"] == "c" and r["reached"]:
+            lines.append(
+                f"- (c) seed {r['seed']}: {r['num_probes']} probes; tuning (setup and every "
+                f"probe) {r['tuning_wall_s']:.1f} s of {r['command_wall_s']:.1f} s "
+                f"({100 * r['tuning_share']:.0f}% of the run's own wall)"
+                + (
+                    ": " + where_time_went(out / f"c-s{r['seed']}") + "."
+                    if out is not None and (out / f"c-s{r['seed']}" / "probes").exists()
+                    else "."
+                )
+            )
     lines += [
         "- (d) the offline `distsgd tune` + plan: not rerun; see "
         "[../tune_vs_ddp_dist/README.md](../tune_vs_ddp_dist/README.md) (451.6 s of tuning, "
@@ -157,7 +205,15 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=15000, help="samples between evaluations")
     ap.add_argument("--out", default="bench/out/tune_online")
     ap.add_argument("--results", default="bench/results/tune_online")
+    ap.add_argument(
+        "--rewrite", action="store_true", help="only rewrite README.md from results.json"
+    )
     args = ap.parse_args()
+    if args.rewrite:
+        saved = json.loads((Path(args.results) / "results.json").read_text())
+        loads = tuple(saved["load"])
+        write_results(saved["rows"], args.seeds, Path(args.results), loads, Path(args.out))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     before, rows = _load(), []
@@ -166,8 +222,8 @@ def main() -> int:
             rows.append(run_one(kind, seed, out, args.eval_every))
             print(json.dumps({k: rows[-1][k] for k in ("kind", "seed", "reached",
                   "command_wall_s", "tuning_share")}), flush=True)  # fmt: skip
-            write_results(rows, args.seeds, Path(args.results), (before, _load()))
-    write_results(rows, args.seeds, Path(args.results), (before, _load()))
+            write_results(rows, args.seeds, Path(args.results), (before, _load()), out)
+    write_results(rows, args.seeds, Path(args.results), (before, _load()), out)
     return 0
 
 
