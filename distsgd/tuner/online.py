@@ -713,10 +713,13 @@ def train_tuned(
     there; ``config`` is ignored then except for being None-safe).
 
     Raises:
-        ConfigError: see :class:`OnlineTune`.
+        ConfigError: see :class:`OnlineTune`; no ``config`` without ``resume``; ``resume``
+            of a directory that holds no run of ``--tune``.
     """
     if resume:
         if not is_tuning_run(out_dir):
             raise ConfigError(f"cannot resume: {out_dir} does not hold a run of --tune")
         config = RunConfig.from_toml(Path(out_dir) / STATE_FILE)
+    elif config is None:
+        raise ConfigError("distsgd train --tune needs a config (or resume=RUN_DIR)")
     return OnlineTune(config, out_dir, progress=progress, code=code).run(resume=resume)
