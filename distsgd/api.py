@@ -58,6 +58,7 @@ from distsgd.models import model_from_config
 from distsgd.rundir import RunDirClaim
 from distsgd.runtime.faults import RankFaults
 from distsgd.trainer import Trainer
+from distsgd.tuner.online import is_tuning_run, train_tuned
 
 __all__ = [
     "RESUMABLE_SETTINGS",
@@ -154,6 +155,7 @@ def run(
     resume: bool = False,
     faults: RankFaults | None = None,
     code: UserCode | None = None,
+    tune: bool = False,
 ) -> dict[str, Any]:
     """Train ``cfg`` into the run directory ``out``: on the simulated cluster in this
     process (``runtime = "sim"``), or on real processes started by the launcher
@@ -169,6 +171,10 @@ def run(
     (:class:`~distsgd.rundir.RunDirClaim`) before any rank starts (a ``sim`` run, and
     rank 0 under torchrun, claim it in the trainer).
 
+    ``tune``: tune while training (Omnivore's optimizer inside the run,
+    :func:`distsgd.tuner.online.train_tuned`); with ``resume``, a tuning run continues
+    from its own saved config.
+
     Raises:
         ConfigError: see :func:`train`; ``code`` holds objects and the runtime is not
             ``sim``.
@@ -179,6 +185,13 @@ def run(
             "data, loss or metric: they cannot reach other processes; give import paths"
         )
     check_device(cfg)  # before anything is written or any rank starts
+    if tune:
+        if launch.under_launcher():
+            raise ConfigError(
+                "--tune is not allowed under torchrun: it starts its own processes for every "
+                "probe; run distsgd train --tune without torchrun"
+            )
+        return train_tuned(cfg, out, progress=progress, resume=resume, code=code)
     _warn_schedule(cfg)
     if cfg.runtime == "sim":
         return Trainer(cfg, out, progress, code=code).run(resume=resume)
@@ -210,6 +223,7 @@ def train(
     resume: str | Path | None = None,
     progress: bool = False,
     faults: RankFaults | None = None,
+    tune: bool = False,
 ) -> dict[str, Any]:
     """Train as ``distsgd train`` does and return the summary dict (the trained model is
     the run directory's ``model.pt``; :func:`fit` returns it as a module).
@@ -224,6 +238,10 @@ def train(
         progress: show a progress bar.
         faults: for tests of fault handling, faults injected into the ranks of a
             ``dist`` run (:class:`~distsgd.runtime.faults.RankFaults`).
+        tune: tune while training (``distsgd train --tune``,
+            :mod:`distsgd.tuner.online`): the summary then also has ``tuning_wall_s``,
+            ``tuning_share`` and a ``time_to_target_s`` counted from the run's start,
+            tuning included. A resumed tuning run is recognised by its directory.
 
     Returns:
         The summary (as in ``summary.json``): ``protocol``, ``runtime``,
@@ -254,11 +272,18 @@ def train(
             raise ConfigError(
                 "--resume continues a run from its own config.toml; do not pass a config as well"
             )
+        if is_tuning_run(resume):
+            if overrides:
+                raise ConfigError(
+                    "--set cannot be used when resuming a run of --tune (it replays its "
+                    "decisions with its own config)"
+                )
+            return train_tuned(None, Path(resume), progress=progress, resume=True)
         cfg = resume_config(resume, overrides)
         return run(cfg, Path(resume), progress=progress, resume=True, faults=faults)
     cfg = resolve_config(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(cfg)
-    return run(cfg, out, progress=progress, faults=faults)
+    return run(cfg, out, progress=progress, faults=faults, tune=tune)
 
 
 # ---- the trained model out of a run --------------------------------------------------------
@@ -383,6 +408,7 @@ def fit(
     overrides: list[str] | None = None,
     out_dir: str | Path | None = None,
     progress: bool = True,
+    tune: bool = False,
 ) -> FitResult:
     """Train the user's model on the user's data with any protocol, and return the
     trained model with the summary: :func:`train` with the model, data, loss and metric
@@ -415,6 +441,7 @@ def fit(
         config, overrides: the rest of the run, as for :func:`train`.
         out_dir: run directory (default ``runs/<time>-<protocol>``).
         progress: show a progress bar.
+        tune: tune while training, as :func:`train` with ``tune=True``.
 
     Returns:
         A :class:`FitResult`: ``summary``, ``run_dir``, ``model`` (the trained model, a
@@ -452,7 +479,7 @@ def fit(
     if cfg.runtime != "sim":
         _refuse_objects_on(cfg.runtime, model, train_data, eval_data, loss, metric)
     out = Path(out_dir) if out_dir is not None else default_out_dir(cfg)
-    summary = run(cfg, out, progress=progress, code=code)
+    summary = run(cfg, out, progress=progress, code=code, tune=tune)
     if not summary:  # a rank other than 0 under torchrun
         return FitResult({}, out, None, [])
     return FitResult(summary, out, _trained_model(out, code), read_metrics(out / "metrics.jsonl"))

@@ -59,7 +59,8 @@ def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
     ]
     if s["reached"]:
         lines.append(
-            f"to target     {_fmt_s(s['time_to_target_s'])} wall (training only), "
+            f"to target     {_fmt_s(s['time_to_target_s'])} wall "
+            + ("(from the start, tuning included), " if s.get("tuned") else "(training only), ")
             + (
                 f"{_fmt_s(s['time_to_target_virtual_s'])} simulated, "
                 if s["runtime"] == "sim"
@@ -75,6 +76,12 @@ def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
         f"throughput    {tput:.0f} samples/s wall" if tput else "throughput    -",
         f"staleness     mean {s['staleness_mean']:.2f}, max {s['staleness_max']}",
     ]
+    if s.get("tuned"):
+        lines.append(
+            f"tuning        {_fmt_s(s['tuning_wall_s'])} wall of {_fmt_s(s['total_wall_s'])} "
+            f"({100 * (s['tuning_share'] or 0):.0f}%), {s['num_probes']} probes "
+            "(decisions.jsonl, probes/)"
+        )
     print("\n".join(lines + _results_lines(out_dir)))
 
 
@@ -123,6 +130,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             )
         args.set = [f"dist.num_processes={args.num_processes}", *args.set]
     if args.resume:
+        if args.tune:
+            raise ValueError("--tune cannot be used with --resume (a run of --tune resumes as one)")
         if args.out:
             raise ValueError("--out cannot be used with --resume (the run continues in place)")
         if args.config:
@@ -145,7 +154,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             )
         out_dir = Path(args.out) if args.out else api.default_out_dir(cfg)
         args.out_dir = out_dir
-        summary = api.run(cfg, out_dir, progress=not args.quiet)
+        summary = api.run(cfg, out_dir, progress=not args.quiet, tune=args.tune)
     if summary:  # a dist rank other than 0 under torchrun returns {}
         _print_summary(summary, out_dir)
     return 0
@@ -295,6 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the layout is fitted to N (λ = N for hardsync, N·k for SMA and local SGD, "
         "N - dist.num_servers for the parameter server and compute groups; per-learner "
         "batch and learning rate kept) and the changes printed",
+    )
+    t.add_argument(
+        "--tune",
+        action="store_true",
+        help="tune while training: Omnivore's cold start (η, μ, groups; family and batch "
+        "where the layout allows) from the initial model, the winning probe continues as "
+        "the run, re-optimised when the training loss flattens ([tune] settings; "
+        "decisions.jsonl, probes/)",
     )
     t.add_argument(
         "--quiet",

@@ -9,6 +9,7 @@
 * :mod:`distsgd.tuner.step_search` — where the plan steps its learning rate;
 * :mod:`distsgd.tuner.plan` — the plan, its predicted time to accuracy, larger clusters;
 * :mod:`distsgd.tuner.tune` — ``distsgd tune``'s entry points: tune, verification;
+* :mod:`distsgd.tuner.online` — ``distsgd train --tune``: the search inside the run;
 * :mod:`distsgd.tuner.report` — ``tune.json``, ``report.md`` and its figures.
 
 Crossbow's auto-tuner of replicas per device is a training-time policy, not part of the

@@ -1,0 +1,725 @@
+"""``distsgd train CONFIG --tune``: Omnivore's optimizer inside the training run.
+
+Omnivore (Hadjis et al., arXiv:1606.04487, §4 "optimizer") tunes while it trains: a short
+cold start from the initial model, training with the winner, re-optimisation from the
+current model at steady state; its speed-ups are end to end, optimizer time included.
+:class:`OnlineTune` is that, on the ``sim`` and ``dist`` runtimes (issue 18):
+
+1. **Cold start** from the initial model: Omnivore's grid (groups g, η, μ;
+   :class:`~distsgd.tuner.omnivore.OmnivoreSearch` with its pruning and HE rule), then
+   the joint search's best ``tune.extra_probes`` (protocol family, batch) where the
+   layout allows. Every probe is an ordinary run (``probes/NNN-…``) that ends with a full
+   checkpoint (weights, momentum, protocol state, data position, clocks).
+2. **The winner continues as the run**: its probe's checkpoint is resumed
+   (:meth:`Trainer.run(resume=True) <distsgd.trainer.Trainer.run>`, exact) with the run's
+   own stop rule and evaluations, so the samples it trained count towards the run.
+3. **Steady state**: the run trains in segments (``train/NN-…``) of
+   :data:`CHECK_EPOCHS` epochs (after :data:`MAX_STEADY_ROUNDS` re-optimisations, one
+   segment to the end); at the end of one, :func:`steady_state_due` decides from
+   the evaluations recorded so far (never a later one) whether the training loss has
+   flattened; if so, every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first)
+   is probed from the segment's checkpoint, and the best (:func:`pick_best`) continues.
+
+**Probe length rule.** With a time budget T on the runtime's clock (``train.
+max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes), a probe lasts
+``min(tune.probe_seconds, PROBE_SHARE · T / n)`` with n = ``len(tune.lrs) +
+tune.extra_probes`` the cold start's planned probes; without one, ``tune.probe_seconds``.
+**Too small a budget**: when that is below ``MIN_PROBE_FRACTION · tune.probe_seconds``,
+probes last ``MIN_PROBE_FRACTION · tune.probe_seconds`` and the cold start runs only as
+many as ``PROBE_SHARE · T`` holds (at least one), largest η first; the run says so before
+it starts (a decision and a warning line) and trains with the best of them.
+
+**Time counted from the run's start.** ``summary.json`` of the run directory is the last
+segment's, with ``time_to_target_s`` = wall seconds from the start of ``--tune`` (setup
+and every probe included) to the end of the segment that reached the target;
+``time_to_target_virtual_s`` (``sim``) = the continued chain's simulated seconds plus
+those of every probe that did not continue; ``tuning_wall_s`` (setup and all probes),
+``tuning_share`` = ``tuning_wall_s`` / ``total_wall_s``. Each ``metrics.jsonl`` record
+gets ``total_wall_s`` (and on ``sim`` ``total_virtual_s``) on the same clock.
+
+**Resume** (``distsgd train --resume RUN``): the procedure is replayed; a probe or
+segment whose run directory completed is read back instead of run again, one cut short
+is run again. On ``sim`` every measurement is simulated, so the decisions are the same;
+on ``dist`` the decisions up to the interrupted probe are the recorded ones, that probe
+and later ones are measured again on the wall clock and may differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from distsgd import launch
+from distsgd.config import ConfigError, ConfigWarning, RunConfig
+from distsgd.data import load_dataset
+from distsgd.engine import UserCode, build_engine, config_for_data
+from distsgd.metrics import load_checkpoint_file, read_metrics, save_checked, write_json
+from distsgd.runtime.factory import with_device_profile
+from distsgd.runtime.sim import TrainingDiverged
+from distsgd.trainer import Trainer
+from distsgd.tuner.omnivore import (
+    Candidate,
+    DecisionLog,
+    OmnivoreSearch,
+    ProbeResult,
+    he_scales,
+    joint_candidates,
+    pick_best,
+    rank_candidates,
+)
+from distsgd.tuner.probes import (
+    RunClock,
+    _safe,
+    candidate_config,
+    check_optimizer_searchable,
+    check_runtime,
+)
+from distsgd.tuner.session import cluster_model, tune_layout
+from distsgd.tuner.tune import check_tunable
+
+__all__ = [
+    "OnlineTune",
+    "train_tuned",
+    "is_tuning_run",
+    "probe_seconds_for",
+    "steady_state_due",
+    "PROBE_SHARE",
+    "MIN_PROBE_FRACTION",
+    "CHECK_EPOCHS",
+    "FLAT_GAIN",
+    "MAX_STEADY_ROUNDS",
+]
+
+PROBE_SHARE = 0.2  # share of the run's time budget the cold start's probes may take
+MIN_PROBE_FRACTION = 0.25  # shortest probe, as a fraction of tune.probe_seconds
+CHECK_EPOCHS = 1.0  # epochs between steady-state checks (segment length)
+FLAT_GAIN = 0.1  # the loss has flattened: it fell by less than this fraction in a check
+MAX_STEADY_ROUNDS = 2  # steady-state re-optimisations per run at most
+STATE_FILE = "tune_config.toml"  # marks a tuning run directory; holds its base config
+_NO_CHECK = 2**62  # a segment's end beyond any run's samples
+_START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
+_FINAL_FILES = ("config.toml", "model.pt", "model.pt.sha256", "checkpoint.pt")
+
+
+def is_tuning_run(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a run of ``distsgd train --tune``."""
+    return (Path(run_dir) / STATE_FILE).exists()
+
+
+def probe_seconds_for(settings_probe_s: float, budget_s: float, planned: int) -> tuple[float, int]:
+    """The cold start's probe length and how many probes it may run (module docstring).
+
+    Args:
+        settings_probe_s: ``tune.probe_seconds``, seconds on the runtime's clock.
+        budget_s: the run's time budget T on the same clock (0: none).
+        planned: n, the cold start's planned probes.
+
+    Returns:
+        ``(probe_seconds, max_probes)``; ``max_probes`` 0 means no limit.
+    """
+    if budget_s <= 0:
+        return settings_probe_s, 0
+    share = PROBE_SHARE * budget_s
+    length = min(settings_probe_s, share / max(planned, 1))
+    floor = MIN_PROBE_FRACTION * settings_probe_s
+    if length >= floor:
+        return length, 0
+    return floor, max(1, int(share // floor))
+
+
+def steady_state_due(
+    records: list[dict[str, Any]], now_samples: int, window_samples: int
+) -> tuple[bool, list[dict[str, Any]]]:
+    """Whether to re-optimise at ``now_samples``: the training loss has flattened.
+
+    Uses only evaluation records taken at or before ``now_samples`` (the decision point):
+    ``L_then`` = ``train_loss`` of the last record at or before ``now − window_samples``,
+    ``L_now`` = that of the last at or before ``now``; due when
+    ``(L_then − L_now) / L_then < FLAT_GAIN`` (Omnivore re-optimises once progress slows;
+    the threshold is this project's choice).
+
+    Args:
+        records: ``metrics.jsonl`` records (``samples``, ``train_loss``), any order.
+        now_samples: the decision point, training samples since the run's start.
+        window_samples: the comparison's span, samples.
+
+    Returns:
+        ``(due, the two records used)``; not due (and ``[]``) without two such records.
+    """
+    past = sorted(
+        (r for r in records if r.get("train_loss") is not None and r["samples"] <= now_samples),
+        key=lambda r: r["samples"],
+    )
+    then = [r for r in past if r["samples"] <= now_samples - window_samples]
+    if not then or not past or past[-1] is then[-1]:
+        return False, []
+    used = [then[-1], past[-1]]
+    l_then, l_now = float(used[0]["train_loss"]), float(used[1]["train_loss"])
+    if not (math.isfinite(l_then) and math.isfinite(l_now)) or l_then <= 0:
+        return False, used
+    return (l_then - l_now) / l_then < FLAT_GAIN, used
+
+
+def _set_momentum(checkpoint: Path, momentum: float) -> None:
+    """Make ``checkpoint`` continue with momentum μ = ``momentum``: every protocol state
+    header (``{"protocol": name, "config": {"momentum": …}}``) is set to it, the momentum
+    buffer is kept. Omnivore changes μ mid-run at steady state; the protocols take their
+    hyperparameters from the config and keep only buffers in their state, so this is
+    the only entry that names μ."""
+    state = load_checkpoint_file(checkpoint, "resume")
+
+    def visit(node: Any) -> bool:
+        changed = False
+        if isinstance(node, dict):
+            conf = node.get("config")
+            if isinstance(node.get("protocol"), str) and isinstance(conf, dict):
+                if "momentum" in conf and conf["momentum"] != momentum:
+                    conf["momentum"] = momentum
+                    changed = True
+            for value in node.values():
+                changed = visit(value) or changed
+        elif isinstance(node, list | tuple):
+            for value in node:
+                changed = visit(value) or changed
+        return changed
+
+    if visit(state):
+        save_checked(state, checkpoint)
+
+
+def _start_dir(snapshot: str) -> Path | None:
+    """The run directory a probe started from (None: the initial model)."""
+    return None if snapshot == "initial" else Path(snapshot)
+
+
+def _summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+class OnlineTune:
+    """One ``distsgd train --tune`` run (module docstring: the rules and files).
+
+    Args:
+        config: the run's config (model, data, target, λ, batch, ``[tune]`` settings).
+        out_dir: the run directory.
+        progress: show a progress bar and one line per decision.
+        code: the user's objects (simulated runtime only, as for any run).
+
+    Raises (from :meth:`run`):
+        ConfigError: what ``distsgd tune`` refuses (a lower-is-better metric, an optimizer
+            other than SGD, a torch scheduler, a runtime other than sim/dist, layouts that
+            cannot probe ``tune.families``), an ``out_dir`` that holds a run (without
+            resume), or a cold start in which every probe diverged.
+        TrainingDiverged / DistRunFailed: as for any run.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        out_dir: str | Path,
+        progress: bool = True,
+        code: UserCode | None = None,
+    ) -> None:
+        check_runtime(config.runtime)
+        check_tunable(config)
+        check_optimizer_searchable(config)
+        self.num_processes, self.num_learners, self.ps_learners = tune_layout(config)
+        self.config = config
+        self.out = Path(out_dir)
+        self.progress = progress
+        self.code = code
+        self.simulated = config.runtime == "sim"
+        self.clock = RunClock.of(self.simulated)
+        self.count = 0  # probes so far (their directories are numbered)
+        self.segments = 0
+        self.overhead_clock_s = 0.0  # clock seconds of probes that did not continue
+        self.probe_wall_s = 0.0
+        self.segment_wall_s = 0.0
+        self._offset_s = 0.0
+
+    # ---- time ------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        """Wall seconds since the run's start (continuing across a resume)."""
+        return self._offset_s + time.perf_counter() - self._t0
+
+    def _catch_up(self, recorded_end_s: float) -> None:
+        """A reused item ended at ``recorded_end_s``: the run's clock is at least there."""
+        if recorded_end_s > self.elapsed():
+            self._offset_s += recorded_end_s - self.elapsed()
+
+    # ---- setup -----------------------------------------------------------------------
+    def _setup(self, resume: bool) -> None:
+        """Fix the device profile (every probe on the same simulated cluster), the initial
+        weights' size and the training set's size; write the state file."""
+        if resume and not is_tuning_run(self.out):
+            raise ConfigError(f"cannot resume: {self.out} does not hold a run of --tune")
+        if not resume and any((self.out / f).exists() for f in (STATE_FILE, "summary.json")):
+            raise ConfigError(
+                f"output directory {str(self.out)!r} already holds a run; choose another "
+                "output directory (--out) or continue it with --resume"
+            )
+        cfg = self.config
+        torch.manual_seed(cfg.train.seed)
+        ds = load_dataset(cfg.data, seed=cfg.train.seed, factory=getattr(self.code, "data", None))
+        cfg = config_for_data(cfg, ds, self.code)
+        cfg, _ = with_device_profile(cfg, ds, self.code)
+        self.num_train = ds.num_train
+        self.num_parameters = build_engine(cfg, self.code).num_parameters
+        self.cfg = cfg
+        self.cluster = cluster_model(cfg, self.num_parameters)
+        t = cfg.train
+        budget = t.max_virtual_seconds if self.simulated else t.max_seconds
+        planned = len(cfg.tune.lrs) + cfg.tune.extra_probes
+        self.probe_s, self.max_probes = probe_seconds_for(cfg.tune.probe_seconds, budget, planned)
+        self.settings = dataclasses.replace(cfg.tune, probe_seconds=self.probe_s)
+        self.out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            (self.out / STATE_FILE).write_text(self.config.to_toml())
+
+    def _log_setup(self) -> None:
+        t = self.cfg.train
+        budget = t.max_virtual_seconds if self.simulated else t.max_seconds
+        rule = (
+            f"min(tune.probe_seconds, {PROBE_SHARE:g} · {budget:g} s / {len(self.cfg.tune.lrs)}"
+            f" + {self.cfg.tune.extra_probes} planned probes)"
+            if budget > 0
+            else "tune.probe_seconds (the run has no time budget)"
+        )
+        self.log(
+            "setup",
+            f"probes of {self.probe_s:.4g} {self.clock.name} seconds each",
+            f"probe length = {rule}",
+            run_clock_s=0.0,
+        )
+        if self.max_probes:
+            line = (
+                f"the budget {budget:g} s is too small for the full cold start: probes of "
+                f"{self.probe_s:.4g} s (the shortest allowed), at most {self.max_probes}; "
+                "the run trains with the best of them"
+            )
+            self.log("setup", "budget too small: fewer probes", line, run_clock_s=0.0)
+            warnings.warn(line, ConfigWarning, stacklevel=3)
+
+    # ---- probes ----------------------------------------------------------------------
+    def _probe_config(self, cand: Candidate, limit_s: float) -> RunConfig:
+        cfg = candidate_config(self.cfg, cand)
+        key = "max_virtual_seconds" if self.simulated else "max_seconds"
+        train = dataclasses.replace(
+            cfg.train,
+            **{
+                "max_virtual_seconds": 0.0,
+                "max_seconds": 0.0,
+                key: limit_s,
+                "stop_at_target": False,
+                "eval_every_samples": self._eval_every(),
+                "checkpoint_every_evals": 0,
+                "tensorboard": False,
+                "record_ticks": True,
+                "evaluate": False,
+            },
+        )
+        return cfg.replace(train=train)
+
+    def _eval_every(self) -> int:
+        return self.cfg.train.eval_every_samples or self.num_train
+
+    def _start_of(self, start: Path | None) -> tuple[float, int]:
+        """(clock seconds, iterations) of a start point (0 for the initial model)."""
+        if start is None:
+            return 0.0, 0
+        s = _summary(start)
+        return float(s.get(self.clock.run_seconds_key) or 0.0), int(s.get("iterations") or 0)
+
+    def probe(self, cand: Candidate, snapshot: str) -> ProbeResult:
+        """One probe of ``cand`` for ``probe_s`` clock seconds from ``snapshot``:
+        ``initial`` (the seeded initial model) or a segment's run directory, whose
+        checkpoint it resumes. Reads a completed probe back instead of running it again
+        (resume)."""
+        start = _start_dir(snapshot)
+        clock0, iters0 = self._start_of(start)
+        self.count += 1
+        kind = "cold" if start is None else "steady"
+        run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{_safe(cand.label())}"
+        result = ProbeResult(cand, snapshot, score_window=self.settings.score_window)
+        result.run_dir = str(run_dir)
+        note = run_dir / "online_probe.json"
+        if note.exists():  # completed before an interruption: read it back
+            saved = json.loads(note.read_text())
+            self._catch_up(saved["end_elapsed_s"])
+        else:
+            if run_dir.exists():
+                shutil.rmtree(run_dir)  # cut short: run it again
+            t0 = time.perf_counter()
+            self._bar(f"probe {cand.label()}")
+            self._run_probe(self._probe_config(cand, clock0 + self.probe_s), run_dir, start)
+            saved = {"wall_s": time.perf_counter() - t0, "end_elapsed_s": self.elapsed()}
+            write_json(note, saved)
+        self.probe_wall_s += saved["wall_s"]
+        result.wall_s = saved["wall_s"]
+        s = _summary(run_dir)
+        result.diverged = s.get("status") == "diverged"
+        result.train_wall_s = float(s.get("train_wall_s") or 0.0)
+        result.samples = int(s.get("samples") or 0)
+        ticks = run_dir / "ticks.jsonl"
+        for line in ticks.read_text().splitlines() if ticks.exists() else []:
+            rec = json.loads(line)
+            clock = rec["clock_s"] if self.simulated else rec["train_wall_s"]
+            result.losses.append(rec["loss"])
+            result.iterations.append(rec["iterations"] - iters0)
+            result.virtual_s.append(clock - clock0)
+        return result
+
+    def _run_probe(self, cfg: RunConfig, run_dir: Path, start: Path | None) -> None:
+        if start is not None:
+            run_dir.mkdir(parents=True)
+            for name in _START_FILES:
+                if (start / name).exists():
+                    shutil.copy2(start / name, run_dir / name)
+            _set_momentum(run_dir / "checkpoint.pt", cfg.optimizer.momentum)
+        try:
+            if self.simulated:
+                trainer = Trainer(cfg, run_dir, progress=False, evaluate=False, code=self.code)
+                trainer.run(resume=start is not None)
+            else:
+                launch.run(cfg, run_dir, resume=start is not None)
+        except TrainingDiverged:
+            pass  # summary.json records it; the probe scores NaN
+        except launch.DistRunFailed:
+            if _summary(run_dir).get("status") != "completed":
+                raise
+
+    # ---- the run's segments ------------------------------------------------------------
+    def _segment(self, cand: Candidate, start: Path, next_check: int) -> tuple[Path, bool]:
+        """Continue ``start`` (a probe that won) as the run with ``cand`` until the target,
+        the run's limits or ``next_check`` samples. Returns (its directory, whether the
+        run ends here)."""
+        self.segments += 1
+        seg = self.out / "train" / f"{self.segments:02d}-{_safe(cand.label())}"
+        note = seg / "online_segment.json"
+        user = self.cfg.train
+        cfg = candidate_config(self.cfg, cand)
+        budget = [int(math.ceil(user.max_epochs * self.num_train))] if user.max_epochs else []
+        budget += [user.max_samples] if user.max_samples else []
+        cfg = cfg.replace(
+            train=dataclasses.replace(
+                user, max_samples=min([next_check, *budget]), record_ticks=True, evaluate=True
+            )
+        )
+        if note.exists():
+            saved = json.loads(note.read_text())
+            self._catch_up(saved["end_elapsed_s"])
+        else:
+            if seg.exists():
+                shutil.rmtree(seg)
+            seg.mkdir(parents=True)
+            for name in _START_FILES:
+                if (start / name).exists():
+                    shutil.copy2(start / name, seg / name)
+            begin = self.elapsed()
+            self._bar(f"train {cand.label()}")
+            if self.simulated:
+                Trainer(cfg, seg, progress=self.progress, code=self.code).run(resume=True)
+            else:
+                launch.run(cfg, seg, resume=True, progress=self.progress)
+            saved = {
+                "begin_elapsed_s": begin,
+                "end_elapsed_s": self.elapsed(),
+                "overhead_clock_s": self.overhead_clock_s,
+                "start": str(start),
+            }
+            write_json(note, saved)
+        self.segment_wall_s += saved["end_elapsed_s"] - saved["begin_elapsed_s"]
+        self.timeline.append((seg, saved))
+        s = _summary(seg)
+        limit = min(budget) if budget else None
+        ends = (
+            s.get("stop_reason") != "max_epochs/max_samples"
+            or (limit is not None and s["samples"] >= limit)
+            or s["samples"] < next_check
+        )
+        return seg, ends
+
+    # ---- decisions -------------------------------------------------------------------
+    def _measurements(self, results: list[ProbeResult]) -> list[dict[str, Any]]:
+        return [
+            {
+                "label": r.candidate.label(),
+                "score": None if math.isnan(r.score) else r.score,
+                "seconds_per_iteration": None
+                if math.isnan(r.seconds_per_iteration)
+                else r.seconds_per_iteration,
+                "from_clock_s": self._start_of(_start_dir(r.snapshot))[0],
+                "measured_until_clock_s": (r.virtual_s[-1] if r.virtual_s else 0.0)
+                + self._start_of(_start_dir(r.snapshot))[0],
+                "probe": Path(r.run_dir).name,
+            }
+            for r in results
+        ]
+
+    def _count_overhead(self, results: list[ProbeResult], winner: ProbeResult) -> None:
+        """Clock seconds of the probes that did not continue count as tuning overhead."""
+        for r in results:
+            if r is not winner and r.virtual_s:
+                self.overhead_clock_s += r.virtual_s[-1]
+
+    def cold_start(self) -> ProbeResult:
+        """Omnivore's cold start, then the joint search's best ``tune.extra_probes``."""
+        search = OmnivoreSearch(
+            self.probe,
+            self.settings,
+            self.num_learners,
+            self.cfg.protocol.batch_size,
+            self.log,
+            ps_learners=self.ps_learners,
+            out_of_budget=lambda: bool(self.max_probes) and self.count >= self.max_probes,
+        )
+        best = search.cold_start("initial")
+        if best is None:
+            raise ConfigError(
+                f"tune.lrs = {self.settings.lrs!r} is not allowed: every cold-start probe "
+                "diverged; expected smaller learning rates"
+            )
+        extra = self._joint(search, best)
+        better = pick_best(extra, self.settings.tie_buffer)
+        if better is not None and better.score < best.score * (1 - self.settings.tie_buffer):
+            best = better
+        results = search.results
+        self._count_overhead(results, best)
+        self.log(
+            "cold start",
+            f"continue with {best.candidate.label()} as the run",
+            "lowest equal-time score of the cold start (ties prefer larger η, then μ; the "
+            "joint search wins only by more than the tie buffer); its probe's whole state "
+            "continues, so its samples count towards the run",
+            run_clock_s=0.0,
+            measurements=self._measurements(results),
+        )
+        return best
+
+    def _joint(self, search: OmnivoreSearch, best: ProbeResult) -> list[ProbeResult]:
+        """Probe the joint search's best-predicted ``tune.extra_probes`` from the start."""
+        s = self.settings
+        if s.extra_probes <= 0:
+            return []
+        ref = best.candidate
+        noise = s.noise_scale or float(ref.layout().num_learners * ref.batch_size)
+        scales = he_scales(search.results, self.cluster) if not self.simulated else None
+        ranked = rank_candidates(
+            joint_candidates(search, ref, s), ref, 1.0, self.cluster, noise, he_scale=scales
+        )
+        extra = []
+        for _, cand in ranked[: s.extra_probes]:
+            if self.max_probes and self.count >= self.max_probes:
+                self.log("joint", f"skip {cand.label()}", "the budget's probes are spent")
+                continue
+            r = self.probe(cand, "initial")
+            search.results.append(r)
+            extra.append(r)
+            self.log(
+                "joint",
+                f"probed {cand.label()}: " + ("NaN" if r.diverged else f"score {r.score:.4f}"),
+                f"equal-time score against {best.score:.4f} for {ref.label()}",
+                score=None if r.diverged else r.score,
+            )
+        return extra
+
+    def steady_state(self, current: Candidate, seg: Path) -> tuple[Candidate, ProbeResult] | None:
+        """Probe the incumbent, then μ ∈ ``tune.momenta`` × {η, η/10}, from the segment's
+        checkpoint; returns the winner and its probe (None: every probe diverged)."""
+        grid = [(current.lr, current.momentum)]
+        for mu in sorted(self.settings.momenta, reverse=True):
+            for lr in (current.lr, current.lr / 10):
+                if (lr, mu) not in grid:
+                    grid.append((lr, mu))
+        results = [
+            self.probe(dataclasses.replace(current, lr=lr, momentum=mu), str(seg))
+            for lr, mu in grid
+        ]
+        for r in results:
+            self.log(
+                "steady state",
+                f"probe {r.candidate.label()}: "
+                + ("NaN" if r.diverged else f"score {r.score:.4f}"),
+                f"from {seg.name} after {self.probe_s:.4g} {self.clock.name} s",
+                score=None if r.diverged else r.score,
+            )
+        best = pick_best(results, self.settings.tie_buffer)
+        if best is None:
+            return None
+        self._count_overhead(results, best)
+        clock0, _ = self._start_of(seg)
+        self.log(
+            "steady state",
+            f"continue with {best.candidate.label()}",
+            f"best steady-state score {best.score:.4f}; ties within "
+            f"{100 * self.settings.tie_buffer:g}% prefer larger η, then μ"
+            + (
+                "; best μ is 0 with compute groups: Omnivore would try fewer groups, which "
+                "cannot continue this run's protocol state, so they are not probed online"
+                if best.candidate.momentum == 0 and current.g > 1
+                else ""
+            ),
+            run_clock_s=clock0,
+            measurements=self._measurements(results),
+        )
+        return best.candidate, best
+
+    # ---- the run ---------------------------------------------------------------------
+    def _bar(self, what: str) -> None:
+        if self.bar is not None:
+            self.bar.n = round(self.elapsed())
+            self.bar.set_postfix_str(what, refresh=True)
+
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        """Tune while training (module docstring); returns the run's summary."""
+        self._t0 = time.perf_counter()
+        self.timeline: list[tuple[Path, dict[str, Any]]] = []
+        self._setup(resume)
+        self.bar = (
+            tqdm(desc="tune", unit="s", bar_format="{desc}: {n:.0f} s{postfix}")
+            if self.progress
+            else None
+        )
+        self.log = DecisionLog(
+            self.out / "decisions.jsonl", echo=tqdm.write if self.progress else None
+        )
+        setup_wall_s = self.elapsed()
+        try:
+            self._log_setup()
+            best = self.cold_start()
+            cand, start = best.candidate, Path(best.run_dir)
+            rounds, every = 0, max(int(CHECK_EPOCHS * self.num_train), 1)
+            while True:
+                check = (int(_summary(start).get("samples") or 0) // every + 1) * every
+                if rounds >= MAX_STEADY_ROUNDS:
+                    check = _NO_CHECK  # no re-optimisation left: train to the end at once
+                seg, ends = self._segment(cand, start, check)
+                if ends:
+                    break
+                start = seg
+                due, used = steady_state_due(
+                    read_metrics(seg / "metrics.jsonl"),
+                    _summary(seg)["samples"],
+                    int(CHECK_EPOCHS * self.num_train),
+                )
+                self.log(
+                    "steady state",
+                    "re-optimise" if due and rounds < MAX_STEADY_ROUNDS else "keep training",
+                    (
+                        f"training loss fell by less than {100 * FLAT_GAIN:g}% over the last "
+                        f"{CHECK_EPOCHS:g} epoch"
+                        if due
+                        else f"training loss still falls by {100 * FLAT_GAIN:g}% or more per "
+                        f"{CHECK_EPOCHS:g} epoch (or too few evaluations)"
+                    )
+                    + (
+                        f"; the run re-optimised {MAX_STEADY_ROUNDS} times already"
+                        if due and rounds >= MAX_STEADY_ROUNDS
+                        else ""
+                    ),
+                    run_clock_s=self._start_of(seg)[0],
+                    measurements=[
+                        {k: r.get(k) for k in ("samples", "train_loss", self.clock.eval_key)}
+                        for r in used
+                    ],
+                )
+                if due and rounds < MAX_STEADY_ROUNDS:
+                    rounds += 1
+                    won = self.steady_state(cand, seg)
+                    if won is not None:
+                        cand, start = won[0], Path(won[1].run_dir)
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+        return self._finish(seg, setup_wall_s)
+
+    def _finish(self, seg: Path, setup_wall_s: float) -> dict[str, Any]:
+        """The run directory's records: the last segment's with the whole run's times."""
+        total = self.elapsed()
+        records = read_metrics(seg / "metrics.jsonl")
+        for r in records:
+            r.update(self._total_times(r, self.timeline))
+        with open(self.out / "metrics.jsonl", "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        for name in _FINAL_FILES:
+            if (seg / name).exists():
+                shutil.copy2(seg / name, self.out / name)
+        if (seg / "checkpoint.pt.sha256").exists():
+            shutil.copy2(seg / "checkpoint.pt.sha256", self.out / "checkpoint.pt.sha256")
+        s = _summary(seg)
+        chain = {
+            "chain_time_to_target_s": s.get("time_to_target_s"),
+            "chain_time_to_target_virtual_s": s.get("time_to_target_virtual_s"),
+        }
+        reached_at = next((r for r in records if r["samples"] == s.get("samples_to_target")), None)
+        s.update(chain)
+        s["tuned"] = True
+        s["total_wall_s"] = total
+        s["tuning_wall_s"] = setup_wall_s + self.probe_wall_s
+        s["tuning_share"] = s["tuning_wall_s"] / total if total > 0 else None
+        s["num_probes"] = self.count
+        s["time_to_target_s"] = reached_at["total_wall_s"] if reached_at else None
+        if self.simulated:
+            s["tuning_virtual_s"] = self.overhead_clock_s
+            s["time_to_target_virtual_s"] = reached_at["total_virtual_s"] if reached_at else None
+        write_json(self.out / "summary.json", s)
+        return s
+
+    def _total_times(
+        self, record: dict[str, Any], timeline: list[tuple[Path, dict[str, Any]]]
+    ) -> dict[str, float]:
+        """``total_wall_s`` (and ``total_virtual_s`` on sim) of an evaluation record: the
+        segment it belongs to (the first that reached its samples) gives the offset."""
+        seg_saved = None
+        for seg, saved in timeline:
+            if _summary(seg).get("samples", 0) >= record["samples"]:
+                seg_saved = (seg, saved)
+                break
+        if seg_saved is None:
+            seg_saved = timeline[-1]
+        seg, saved = seg_saved
+        start = Path(saved["start"])
+        start_s = _summary(start)
+        wall0 = float(start_s.get("train_wall_s") or 0.0) + float(start_s.get("eval_wall_s") or 0.0)
+        inside = float(record["wall_s"]) + float(record.get("eval_wall_s") or 0.0) - wall0
+        out = {"total_wall_s": saved["begin_elapsed_s"] + max(inside, 0.0)}
+        if self.simulated and record.get("virtual_s") is not None:
+            out["total_virtual_s"] = float(record["virtual_s"]) + saved["overhead_clock_s"]
+        return out
+
+
+def train_tuned(
+    config: RunConfig | None,
+    out_dir: str | Path,
+    *,
+    progress: bool = False,
+    resume: bool = False,
+    code: UserCode | None = None,
+) -> dict[str, Any]:
+    """``distsgd train CONFIG --tune`` (:class:`OnlineTune`); returns the run's summary.
+
+    ``resume``: continue the tuning run in ``out_dir`` (its base config is the one saved
+    there; ``config`` is ignored then except for being None-safe).
+
+    Raises:
+        ConfigError: see :class:`OnlineTune`; no ``config`` without ``resume``; ``resume``
+            of a directory that holds no run of ``--tune``.
+    """
+    if resume:
+        if not is_tuning_run(out_dir):
+            raise ConfigError(f"cannot resume: {out_dir} does not hold a run of --tune")
+        config = RunConfig.from_toml(Path(out_dir) / STATE_FILE)
+    elif config is None:
+        raise ConfigError("distsgd train --tune needs a config (or resume=RUN_DIR)")
+    return OnlineTune(config, out_dir, progress=progress, code=code).run(resume=resume)
