@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from distsgd.batched import (
     PATHS,
@@ -25,7 +27,7 @@ from distsgd.batched import (
     supports,
     vmap_replica_gradients,
 )
-from distsgd.config import ConfigError, RunConfig
+from distsgd.config import COMPILE_MODES, ConfigError, ConfigWarning, RunConfig
 from distsgd.data import DEFAULT_ROOTS, Dataset, Split, resolve_root
 from distsgd.factories import resolve_callable
 from distsgd.models import model_from_config, with_data_shape
@@ -222,6 +224,7 @@ def build_engine(cfg: RunConfig, code: UserCode | None = None) -> GradientEngine
         model,
         build_loss(code.loss or t.loss),
         build_metric(code.metric or t.metric, t.metric_direction),
+        compile=t.compile,
     )
 
 
@@ -260,14 +263,33 @@ class GradientEngine:
             cross-entropy.
         metric: the evaluation metric (:func:`distsgd.objectives.build_metric`); None:
             accuracy.
+        compile: ``train.compile``: ``"on"`` runs :meth:`gradient`'s forward (and so its
+            backward, through AOTAutograd) as ``torch.compile(model, dynamic=False)``
+            (inductor): one compilation per input shape, and training minibatches all
+            have b samples (the sampler never yields a partial batch), so it compiles
+            once per b (plus once per fused λ·b and per calibration batch size). Where
+            compilation fails, one :class:`~distsgd.config.ConfigWarning` and the eager
+            forward from then on. ``"off"``: eager.
 
     Attributes:
         num_parameters: P.
+
+    Raises:
+        ValueError: ``compile`` is not one of ``COMPILE_MODES``.
     """
 
     def __init__(
-        self, model: nn.Module, loss: Loss | None = None, metric: Metric | None = None
+        self,
+        model: nn.Module,
+        loss: Loss | None = None,
+        metric: Metric | None = None,
+        compile: str = "off",
     ) -> None:
+        if compile not in COMPILE_MODES:
+            raise ValueError(
+                f"compile = {compile!r} is not allowed: expected one of "
+                + ", ".join(repr(c) for c in COMPILE_MODES)
+            )
         self.model = model
         self.loss = loss or build_loss("cross_entropy")
         self.metric = metric or build_metric("accuracy")
@@ -286,6 +308,34 @@ class GradientEngine:
             p.grad = self._grad[offset : offset + n].view_as(p)
             offset += n
         self.num_parameters = offset
+        # torch.compile is lazy: nothing is compiled before the first gradient
+        self._compiled: Callable[[Tensor, Tensor], Tensor] | None = (
+            torch.compile(self._functional_forward(params), dynamic=False)
+            if compile == "on"
+            else None
+        )
+
+    def _functional_forward(self, params: list[Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+        """``(weights [P], x) → outputs`` with the parameters as views of ``weights``: what
+        is compiled. One graph input for all parameters: compiling the module itself
+        would see its parameters as P-sharing views of one buffer, an aliasing that
+        AOTAutograd's synthetic-base handling turned into wrong convolution gradients
+        (torch 2.13, tests/test_speed_paths.py)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        layout = [(names[id(p)], self._slices[id(p)], p.shape) for p in params]
+        model = self.model
+
+        def forward(weights: Tensor, x: Tensor) -> Tensor:
+            views = {name: weights[a:b].view(shape) for name, (a, b), shape in layout}
+            return functional_call(model, views, (x,))
+
+        return forward
+
+    @property
+    def compiled(self) -> bool:
+        """True while :meth:`gradient` runs the compiled forward/backward (``compile =
+        "on"`` and no compilation has failed)."""
+        return self._compiled is not None
 
     def initial_weights(self) -> Tensor:
         """A copy of the model's initial parameters, shape ``[P]``."""
@@ -317,10 +367,40 @@ class GradientEngine:
         Returns:
             (gradient ``[P]`` — a new tensor, the m chunk losses as Python floats).
         """
+        if module is None and self._compiled is not None:
+            try:
+                return self._compiled_gradient(self._compiled, weights, x, y, num_chunks)
+            except Exception as e:  # noqa: BLE001 - any failure of torch.compile's stack
+                self._compiled = None
+                warnings.warn(
+                    f"train.compile = 'on': compiling the model failed ({_first_line(e)}); "
+                    "computing gradients eagerly instead",
+                    ConfigWarning,
+                    stacklevel=2,
+                )
+        return self._forward_backward(module or self.model, weights, x, y, num_chunks)
+
+    def _compiled_gradient(
+        self,
+        forward: Callable[[Tensor, Tensor], Tensor],
+        weights: Tensor,
+        x: Tensor,
+        y: Tensor,
+        num_chunks: int,
+    ) -> tuple[Tensor, list[float]]:
+        w = weights.detach().requires_grad_()
+        self.model.train()
+        total, chunk_losses = self.loss.chunk_means(forward(w, x), y, num_chunks)
+        (grad,) = torch.autograd.grad(total, w)
+        return grad, chunk_losses.tolist()
+
+    def _forward_backward(
+        self, forward: nn.Module, weights: Tensor, x: Tensor, y: Tensor, num_chunks: int
+    ) -> tuple[Tensor, list[float]]:
         self._flat.copy_(weights)
         self._grad.zero_()
         self.model.train()
-        total, chunk_losses = self.loss.chunk_means((module or self.model)(x), y, num_chunks)
+        total, chunk_losses = self.loss.chunk_means(forward(x), y, num_chunks)
         total.backward()
         return self._grad.clone(), chunk_losses.tolist()
 
