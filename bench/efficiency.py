@@ -8,6 +8,8 @@ run, interleaved (every round measures every path once; median of ``--repeats`` 
 * ``sim`` — one distsgd learner on the simulated runtime (``protocol.name = "plain"``,
   λ = 1, a fixed device profile so nothing is calibrated, ``train.evaluate = false``);
   samples / ``train_wall_s`` of its summary (training only);
+* ``sim_compiled`` — ``sim`` with ``train.compile = "on"`` (``torch.compile``, inductor),
+  compilation included: it runs in the first timed step;
 * ``dist`` — distsgd hardsync on 2 real processes (``runtime = "dist"``,
   ``train.num_threads = 1`` each); samples / ``train_wall_s`` (rank 0's, training only);
 * ``ddp`` — plain PyTorch DDP on 2 processes under torch's launcher, one thread each
@@ -70,12 +72,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from ddp_throughput import data_config  # noqa: E402
 
-PATHS = ("loop", "sim", "dist", "ddp", "replicas")
-IN_PROCESS = ("loop", "sim", "replicas")
+PATHS = ("loop", "sim", "sim_compiled", "dist", "ddp", "replicas")
+IN_PROCESS = ("loop", "sim", "sim_compiled", "replicas")
 NUM_PROCESSES = 2  # the dist and ddp paths
 LABELS = {
     "loop": "plain PyTorch loop",
     "sim": "distsgd sim, 1 learner",
+    "sim_compiled": "distsgd sim, 1 learner, train.compile = on",
     "dist": "distsgd dist hardsync, 2 processes",
     "ddp": "PyTorch DDP, 2 processes",
 }
@@ -222,6 +225,14 @@ def sim_path(args: argparse.Namespace, model_name: str, b: int, samples: int) ->
     return distsgd_throughput(ov)
 
 
+def sim_compiled_path(args: argparse.Namespace, model_name: str, b: int, samples: int) -> float:
+    """``sim`` with ``train.compile = "on"``: the compilation happens in the first step,
+    so it is inside ``train_wall_s`` (what a run of this length pays for it)."""
+    ov = distsgd_overrides(args, model_name, b, samples)
+    ov += ["protocol.name=plain", "protocol.num_learners=1", f"train.num_threads={args.threads}"]
+    return distsgd_throughput([*ov, "train.compile=on"])
+
+
 def dist_path(args: argparse.Namespace, model_name: str, b: int, samples: int) -> float:
     """Samples/s (global) of distsgd hardsync on 2 processes of ``--dist-threads`` each."""
     ov = distsgd_overrides(args, model_name, b, samples)
@@ -285,6 +296,8 @@ def measure(
         return plain_loop(ds, model_name, b, samples, args.lr), ""
     if path == "sim":
         return sim_path(args, model_name, b, samples), ""
+    if path == "sim_compiled":
+        return sim_compiled_path(args, model_name, b, samples), ""
     if path == "dist":
         return dist_path(args, model_name, b, samples), ""
     if path == "ddp":

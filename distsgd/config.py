@@ -54,6 +54,7 @@ __all__ = [
     "PROTOCOLS",
     "DATASETS",
     "MODELS",
+    "COMPILE_MODES",
 ]
 
 DATASETS = ("fashion_mnist", "mnist", "cifar10", "synthetic")
@@ -67,6 +68,7 @@ RUNTIMES = ("sim", "dist")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 PRECISIONS = ("fp32", "bf16-mixed")
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+COMPILE_MODES = ("off", "on")  # train.compile; distsgd.engine.GradientEngine(compile=...)
 
 
 class ConfigWarning(UserWarning):
@@ -845,6 +847,13 @@ class TrainConfig:
             the run stops at its target or budget).
         seed: seeds model initialisation, data order and simulated timing.
         num_threads: torch intra-op threads (0: all cores).
+        compile: ``"off"`` (default) or ``"on"``: compile each learner's forward+backward
+            with ``torch.compile`` (inductor; on CPU it needs a C++ compiler). Compiling
+            costs tens of seconds to minutes per batch shape before the first step, and
+            a compiled kernel sums in another order than the eager one (gradients agree
+            to float32 rounding, not bit for bit). Where compilation fails the run warns
+            once and computes eagerly. Used by gradients on the ``sim`` runtime and by
+            protocols that do not wrap the model in DDP; evaluation stays eager.
         stop_at_target: stop as soon as ``target`` is reached.
         tensorboard: also write TensorBoard event files (one scalar per metric, step =
             training samples) to the run directory's ``tb/``; needs the optional
@@ -892,6 +901,7 @@ class TrainConfig:
     checkpoint_every_evals: int = 1
     seed: int = 0
     num_threads: int = 0
+    compile: str = "off"
     stop_at_target: bool = True
     tensorboard: bool = True
     initial_weights: str = ""
@@ -947,6 +957,7 @@ class TrainConfig:
         check_int("train.checkpoint_every_evals", self.checkpoint_every_evals, 0)
         check_int("train.seed", self.seed, 0, 2**31 - 1)
         check_int("train.num_threads", self.num_threads, 0, 256)
+        check_choice("train.compile", self.compile, COMPILE_MODES)
         if not isinstance(self.stop_at_target, bool):
             fail("train.stop_at_target", self.stop_at_target, "true or false")
         if not isinstance(self.tensorboard, bool):

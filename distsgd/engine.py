@@ -13,12 +13,14 @@ import contextlib
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from distsgd.batched import (
     PATHS,
@@ -27,7 +29,14 @@ from distsgd.batched import (
     supports,
     vmap_replica_gradients,
 )
-from distsgd.config import ConfigError, RunConfig, resolve_device, resolved_device_setting
+from distsgd.config import (
+    COMPILE_MODES,
+    ConfigError,
+    ConfigWarning,
+    RunConfig,
+    resolve_device,
+    resolved_device_setting,
+)
 from distsgd.data import DEFAULT_ROOTS, Dataset, Split, resolve_root
 from distsgd.factories import resolve_callable
 from distsgd.models import model_from_config, with_data_shape
@@ -226,6 +235,7 @@ def build_engine(cfg: RunConfig, code: UserCode | None = None) -> GradientEngine
         build_metric(code.metric or t.metric, t.metric_direction),
         device=resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0"))),
         precision=t.precision,
+        compile=t.compile,
     )
 
 
@@ -274,10 +284,20 @@ class GradientEngine:
         precision: ``"fp32"``, or ``"bf16-mixed"``: training forwards and the loss run
             under ``torch.autocast(device.type, torch.bfloat16)``; the flat weights and
             gradients stay float32.
+        compile: ``train.compile``: ``"on"`` runs :meth:`gradient`'s forward (and so its
+            backward, through AOTAutograd) compiled by ``torch.compile(..., dynamic=False)``
+            (inductor; a function of the flat weights, :meth:`_functional_forward`): one compilation per input shape, and training minibatches all
+            have b samples (the sampler never yields a partial batch), so it compiles
+            once per b (plus once per fused λ·b and per calibration batch size). Where
+            compilation fails, one :class:`~distsgd.config.ConfigWarning` and the eager
+            forward from then on. ``"off"``: eager.
 
     Attributes:
         num_parameters: P.
         device: the ``torch.device`` of the model and the flat buffers.
+
+    Raises:
+        ValueError: ``compile`` is not one of ``COMPILE_MODES``.
     """
 
     def __init__(
@@ -287,7 +307,13 @@ class GradientEngine:
         metric: Metric | None = None,
         device: torch.device | str = "cpu",
         precision: str = "fp32",
+        compile: str = "off",
     ) -> None:
+        if compile not in COMPILE_MODES:
+            raise ValueError(
+                f"compile = {compile!r} is not allowed: expected one of "
+                + ", ".join(repr(c) for c in COMPILE_MODES)
+            )
         self.device = torch.device(device)
         self.precision = precision
         self.model = model.to(self.device)
@@ -308,6 +334,34 @@ class GradientEngine:
             p.grad = self._grad[offset : offset + n].view_as(p)
             offset += n
         self.num_parameters = offset
+        # torch.compile is lazy: nothing is compiled before the first gradient
+        self._compiled: Callable[[Tensor, Tensor], Tensor] | None = (
+            torch.compile(self._functional_forward(params), dynamic=False)
+            if compile == "on"
+            else None
+        )
+
+    def _functional_forward(self, params: list[Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+        """``(weights [P], x) → outputs`` with the parameters as views of ``weights``: what
+        is compiled. One graph input for all parameters: compiling the module itself
+        would see its parameters as P-sharing views of one buffer, an aliasing that
+        AOTAutograd's synthetic-base handling turned into wrong convolution gradients
+        (torch 2.13, tests/test_speed_paths.py)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        layout = [(names[id(p)], self._slices[id(p)], p.shape) for p in params]
+        model = self.model
+
+        def forward(weights: Tensor, x: Tensor) -> Tensor:
+            views = {name: weights[a:b].view(shape) for name, (a, b), shape in layout}
+            return functional_call(model, views, (x,))
+
+        return forward
+
+    @property
+    def compiled(self) -> bool:
+        """True while :meth:`gradient` runs the compiled forward/backward (``compile =
+        "on"`` and no compilation has failed)."""
+        return self._compiled is not None
 
     def initial_weights(self) -> Tensor:
         """A copy of the model's initial parameters, shape ``[P]``, on :attr:`device`."""
@@ -351,11 +405,42 @@ class GradientEngine:
             (gradient ``[P]`` — a new tensor, the m chunk losses as Python floats).
         """
         x, y = self.to_device(x, y)
+        if module is None and self._compiled is not None:
+            try:
+                return self._compiled_gradient(self._compiled, weights, x, y, num_chunks)
+            except Exception as e:  # noqa: BLE001 - any failure of torch.compile's stack
+                self._compiled = None
+                warnings.warn(
+                    f"train.compile = 'on': compiling the model failed ({_first_line(e)}); "
+                    "computing gradients eagerly instead",
+                    ConfigWarning,
+                    stacklevel=2,
+                )
+        return self._forward_backward(module or self.model, weights, x, y, num_chunks)
+
+    def _compiled_gradient(
+        self,
+        forward: Callable[[Tensor, Tensor], Tensor],
+        weights: Tensor,
+        x: Tensor,
+        y: Tensor,
+        num_chunks: int,
+    ) -> tuple[Tensor, list[float]]:
+        w = weights.detach().requires_grad_()
+        self.model.train()
+        with self.autocast():
+            total, chunk_losses = self.loss.chunk_means(forward(w, x), y, num_chunks)
+        (grad,) = torch.autograd.grad(total, w)
+        return grad, chunk_losses.tolist()
+
+    def _forward_backward(
+        self, forward: nn.Module, weights: Tensor, x: Tensor, y: Tensor, num_chunks: int
+    ) -> tuple[Tensor, list[float]]:
         self._flat.copy_(weights)
         self._grad.zero_()
         self.model.train()
         with self.autocast():
-            total, chunk_losses = self.loss.chunk_means((module or self.model)(x), y, num_chunks)
+            total, chunk_losses = self.loss.chunk_means(forward(x), y, num_chunks)
         total.backward()
         return self._grad.clone(), chunk_losses.tolist()
 

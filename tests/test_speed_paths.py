@@ -1,0 +1,104 @@
+"""The learner's fast paths: ``train.compile`` (compiled ≡ eager, fallback, bad value)."""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from distsgd.config import ConfigWarning
+from distsgd.engine import GradientEngine
+from distsgd.models import build_model
+
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+def small_cnn_engine(compile: str) -> GradientEngine:
+    torch.manual_seed(0)
+    return GradientEngine(build_model("cnn", (1, 8, 8), num_classes=3), compile=compile)
+
+
+def batch(b: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 1, 8, 8, generator=g), torch.randint(0, 3, (b,), generator=g)
+
+
+def _failing_compiled(*args: torch.Tensor) -> torch.Tensor:
+    """What a failed compilation looks like to the engine: the first call raises."""
+    raise RuntimeError("inductor: C++ compile error\nsecond line of the compiler log")
+
+
+def test_failed_compilation_warns_once_and_computes_eagerly(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda forward, **kwargs: _failing_compiled)
+    engine = small_cnn_engine("on")
+    reference = small_cnn_engine("off")
+    w = reference.initial_weights()
+    x, y = batch(4, seed=1)
+    assert engine.compiled
+    with pytest.warns(ConfigWarning) as caught:
+        grad, losses = engine.gradient(w, x, y)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "train.compile = 'on'" in message and "C++ compile error" in message
+    assert "\n" not in message  # one line
+    assert not engine.compiled
+    # the fallback is the eager computation itself: the same float operations, bit for bit
+    expected, expected_losses = reference.gradient(w, x, y)
+    assert torch.equal(grad, expected) and losses == expected_losses
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        grad2, _ = engine.gradient(w, x, y)
+    assert torch.equal(grad2, expected)
+
+
+def test_bad_compile_value_is_one_line_exit_2(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(
+        [sys.executable, "-m", "distsgd", "train", "--set", "train.compile=fast"]
+        + ["--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines == [
+        "distsgd: error: train.compile = 'fast' is not allowed: expected one of 'off', 'on'"
+    ], r.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_engine_rejects_unknown_compile_mode():
+    with pytest.raises(ValueError, match="compile = 'yes'"):
+        small_cnn_engine("yes")
+
+
+@pytest.mark.slow  # one inductor compilation of the forward and backward: tens of seconds
+def test_compiled_gradient_matches_eager_without_recompiling():
+    compiled, eager = small_cnn_engine("on"), small_cnn_engine("off")
+    w = eager.initial_weights()
+    for step in range(3):  # the same shape every step: compiled once
+        x, y = batch(16, seed=step)
+        w_step = w + 0.01 * step
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ConfigWarning)  # a failed compile would warn
+            # a second compilation would raise here and then show as the fallback warning
+            with torch._dynamo.config.patch(error_on_recompile=step > 0):
+                grad_c, losses_c = compiled.gradient(w_step, x, y)
+        grad_e, losses_e = eager.gradient(w_step, x, y)
+        assert compiled.compiled
+        # Tolerance: inductor fuses the loss and reorders float32 sums (its own C++ loops
+        # and GEMM blocking instead of oneDNN's). Each gradient entry sums <= 16·32·9
+        # products whose size is up to the largest gradient's, so reordering moves it
+        # by ~eps·sqrt(terms) ≈ 1e-5 of that scale on any CPU, also where the sum cancels
+        # to near zero; 1e-4 relative and 1e-5 of the largest entry absolute leave a
+        # margin. The flat-view module compiled as such was off by 100% (zero
+        # convolution gradients), which this still catches.
+        scale = float(grad_e.abs().max())
+        torch.testing.assert_close(grad_c, grad_e, rtol=1e-4, atol=1e-5 * scale)
+        assert losses_c == pytest.approx(losses_e, rel=1e-5)  # one mean of 16 losses
