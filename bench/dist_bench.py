@@ -271,6 +271,7 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     alone = calibrated_profile()
     contended = calibrated_profile(concurrent=True)
     network = calibrate_network(int(alone["num_parameters"]))
+    measured_profiles = []
     push_s = {lam: server_seconds(args, lam) for lam in (1, 2)}
     calibration = {
         "seconds_per_push": {str(k): v for k, v in push_s.items()},
@@ -302,8 +303,15 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             ]
             base = common(args) + layout + budget
             sim_base = [*base, *network.overrides(), "runtime=sim", "cluster.jitter=0"]
-            # one learner computes alone; two learner processes compute at the same time
-            profiles = {"alone": alone} if lam == 1 else {"alone": alone, "contended": contended}
+            # one learner computes alone; two learner processes compute at the same time.
+            # Measured again just before the row's dist run: the machine's load (shared
+            # with other work) drifts within minutes, and the row is predicted with the
+            # load of its own moment
+            alone = calibrated_profile()
+            profiles = {"alone": alone}
+            if lam == 2:
+                profiles["contended"] = contended = calibrated_profile(concurrent=True)
+            measured_profiles.append({"row": f"{name} λ={lam}", "load": load(), **profiles})
             push = [f"cluster.seconds_per_push={push_s[lam]!r}"] if name == "async" else []
             predicted = {}
             for key, prof in profiles.items():
@@ -337,6 +345,7 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
+    calibration["profiles_per_row"] = measured_profiles
     return {"calibration": calibration, "rows": rows}
 
 
@@ -456,6 +465,10 @@ def markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines) + fidelity_markdown(r)
 
 
+def _fmt_profile(p: dict[str, float]) -> str:
+    return f"{p['seconds_per_batch'] * 1e3:.2f} + {p['seconds_per_sample'] * 1e3:.3f}"
+
+
 def fidelity_markdown(r: dict[str, Any]) -> str:
     """The simulation-fidelity part of the results as markdown (``<out>/fidelity.md``)."""
     s = r["settings"]
@@ -471,7 +484,8 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
         f"{os.cpu_count()} cores. Command: `flock /tmp/distsgd-bench.lock python "
         "bench/dist_bench.py --skip-to-target`.",
         "",
-        "Calibration (one thread per process, as in the dist runs; medians): device profile alone "
+        "Calibration at the start (one thread per process, as in the dist runs; medians): "
+        "device profile alone "
         f"{a['seconds_per_batch'] * 1e3:.2f} ms + {a['seconds_per_sample'] * 1e3:.3f} ms/sample; "
         "while another process computes the same model "
         f"{c['seconds_per_batch'] * 1e3:.2f} ms + {c['seconds_per_sample'] * 1e3:.3f} ms/sample "
@@ -489,6 +503,17 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
     for m in net["measurements"]:
         lines.append(f"| {m['op']} | {m['num_values']} | {m['seconds'] * 1e3:.3f} |")
     lines += [
+        "",
+        "Each row's device profile is measured again just before its dist run (alone; "
+        "for λ = 2 also while another process computes):",
+        "",
+        "| row | load average then | alone: ms + ms/sample | contended: ms + ms/sample |",
+        "|---|---|---|---|",
+        *(
+            f"| {p['row']} | {p['load']} | {_fmt_profile(p['alone'])} | "
+            f"{_fmt_profile(p['contended']) if 'contended' in p else '-'} |"
+            for p in cal.get("profiles_per_row", [])
+        ),
         "",
         "| protocol | λ | iterations | device profile | predicted s/iteration (sim) | "
         "measured s/iteration (dist) | measured / predicted | measured / predicted with "
