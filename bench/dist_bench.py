@@ -20,9 +20,13 @@ and learning rate everywhere:
    2-learner runs compute two at a time on this machine's cores; they are predicted
    with that profile); the network by :func:`distsgd.runtime.netcal.calibrate_network`
    (gloo send/recv and all-reduce between two processes on loopback, least squares); the
-   parameter server's work per push (``cluster.seconds_per_push``, one thread, median of
-   200 pushes, :func:`distsgd.runtime.sim.calibrate_server`), charged to the async rows
-   (the last column shows the prediction without it).
+   parameter server's apply + copy per push (one thread, median of 200 pushes,
+   :func:`distsgd.runtime.sim.calibrate_server`, what ``distsgd calibrate`` measures) and
+   its whole time per push on real processes (async, one learner at batch 1, minus the
+   simulated compute and messages); the latter is charged to the async rows as
+   ``cluster.seconds_per_push`` (the last column shows the prediction without it). Each
+   row's device profile is measured again just before its dist run (the machine's load
+   drifts).
 
     flock /tmp/distsgd-bench.lock python bench/dist_bench.py --out bench/results/dist
     flock /tmp/distsgd-bench.lock python bench/dist_bench.py --skip-to-target  # fidelity only
