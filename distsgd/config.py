@@ -752,9 +752,10 @@ class ClusterConfig:
         seconds_per_push: parameter-server protocols (and compute groups): seconds the
             server works on each pushed gradient (apply the update, copy the weights for
             the reply); pushes are served one at a time, so the server saturates at
-            ``1 / seconds_per_push`` pushes per second. Negative (-1) means calibrate with
-            the device profile (:func:`distsgd.runtime.sim.calibrate_server`); 0: the
-            server's work is free (the simulator before it was charged).
+            ``1 / seconds_per_push`` pushes per second. Negative (-1) means measured with
+            the device profile when that is calibrated or read from ``profile``
+            (:func:`distsgd.runtime.sim.calibrate_server`), and free when
+            ``seconds_per_sample`` / ``seconds_per_batch`` are given; 0: free.
         profile: path of a profile file written by ``distsgd calibrate --out`` (a device
             measured elsewhere, e.g. a GPU node): the device profile comes from it instead
             of being calibrated here; "" (default): calibrate on this machine, through

@@ -249,8 +249,8 @@ def with_device_profile(
     file ``cluster.profile`` names, else from this machine's profile cache
     (:mod:`distsgd.runtime.profiles`; measured on a throwaway model of the run's, ``code``:
     the user's objects, when the cache has no profile for this machine, model, b, threads
-    and torch version, or with ``recalibrate``). A given device profile without a
-    server cost charges none (``seconds_per_push = 0``).
+    and torch version, or with ``recalibrate``). A device profile given in the config
+    leaves ``seconds_per_push = -1``, which charges no server work (:func:`device_profile`).
 
     Returns:
         ``(config, calibrated)``: whether the profile was measured on this machine (now or
@@ -262,9 +262,7 @@ def with_device_profile(
     c = cfg.cluster
     needs_push = spec_for(cfg.protocol).has_server and c.seconds_per_push < 0
     if not c.needs_calibration and not c.profile:
-        if needs_push:
-            cfg = cfg.replace(cluster=dataclasses.replace(c, seconds_per_push=0.0))
-        return cfg, False
+        return cfg, False  # a given device: -1 stays, the simulator charges no server work
     named = bool(c.profile)
     prof = _named_device(cfg, code) if named else _cached_device(cfg, dataset, code, recalibrate)
     given = {k: getattr(c, k) for k in ("seconds_per_sample", "seconds_per_batch")}
