@@ -71,16 +71,20 @@ def test_cache_is_keyed_by_batch_size(cache, calls):
     assert len(list(cache.glob("*.toml"))) == 2
 
 
-def test_async_run_adds_the_servers_cost_to_a_cached_profile(cache, calls):
-    """A profile cached by a hardsync run lacks the server's work: an async run measures
-    it (not the device again) and keeps it in the file."""
-    _calibrated(small_config(cluster=CALIBRATE))
+def test_cached_profile_without_the_servers_cost_gets_it(cache, calls):
+    """The server's work per push is measured with the device (the tuner's parameter-server
+    candidates need it whatever the run's protocol); a cached file without it (written by
+    hand, or before it was measured) gets it added, and the device is not measured again."""
+    first = _calibrated(small_config(cluster=CALIBRATE))
+    assert first.cluster.seconds_per_push > 0
+    (saved,) = cache.glob("*.toml")
+    lines = saved.read_text().splitlines(keepends=True)
+    saved.write_text("".join(x for x in lines if not x.startswith("seconds_per_push")))
     cfg = _calibrated(
         small_config(cluster=CALIBRATE, protocol={"name": "parameter_server", "mode": "async"})
     )
     assert len(calls) == factory.PROFILE_REPEATS
     assert cfg.cluster.seconds_per_push > 0
-    (saved,) = cache.glob("*.toml")
     assert tomllib.loads(saved.read_text())["profile"]["seconds_per_push"] > 0
 
 

@@ -105,8 +105,9 @@ def measure_device(
     """Measure ``cfg``'s device on this machine, with this process's torch threads:
     :func:`~distsgd.runtime.sim.calibrate` ``repeats`` times (the median of each
     coefficient kept; spread = (max − min)/median of t(b) at the run's b), the server's
-    work per push (:func:`~distsgd.runtime.sim.calibrate_server`; ``server`` None: for a
-    protocol with a parameter server), and t(k)/t(1) up to ``max_replicas``
+    work per push (:func:`~distsgd.runtime.sim.calibrate_server`, unless ``server`` is
+    False: the tuner's parameter-server candidates need it whatever the run's protocol),
+    and t(k)/t(1) up to ``max_replicas``
     (:func:`~distsgd.runtime.sim.calibrate_replicas`; None: what the run needs).
 
     Returns:
@@ -127,7 +128,7 @@ def measure_device(
         spread=spread,
         measured_at=datetime.now().isoformat(timespec="seconds"),
     )
-    if server if server is not None else spec_for(cfg.protocol).has_server:
+    if server is not False:
         prof.seconds_per_push = _server_seconds(cfg, engine)
     k = _replicas_needed(cfg) if max_replicas is None else max_replicas
     if k > 1:
@@ -172,7 +173,7 @@ def _cached_device(
         )
         _warn_spread(prof, path)
         return prof
-    missing_push = spec_for(cfg.protocol).has_server and prof.seconds_per_push is None
+    missing_push = prof.seconds_per_push is None
     k = _replicas_needed(cfg)
     if missing_push or (k > 1 and len(prof.replica_ratios) < k):
         engine = _throwaway_engine(cfg, code)
@@ -260,7 +261,7 @@ def with_device_profile(
         ConfigError: a bad ``cluster.profile`` (see :func:`_named_device`).
     """
     c = cfg.cluster
-    needs_push = spec_for(cfg.protocol).has_server and c.seconds_per_push < 0
+    needs_push = c.seconds_per_push < 0
     if not c.needs_calibration and not c.profile:
         return cfg, False  # a given device: -1 stays, the simulator charges no server work
     named = bool(c.profile)
@@ -275,8 +276,8 @@ def with_device_profile(
         if given["seconds_per_batch"] >= 0
         else prof.seconds_per_batch,
     )
-    if needs_push:
-        cluster = dataclasses.replace(cluster, seconds_per_push=prof.seconds_per_push or 0.0)
+    if needs_push and prof.seconds_per_push is not None:
+        cluster = dataclasses.replace(cluster, seconds_per_push=prof.seconds_per_push)
     k = _replicas_needed(cfg)
     if k > 1 and len(prof.replica_ratios) >= 2:
         cluster = dataclasses.replace(cluster, replica_ratios=list(prof.replica_ratios))
