@@ -242,3 +242,16 @@ def test_prediction_minimum_gives_the_long_run_its_evaluations(setup_s, probe_s,
     # the training seconds t solve the same linear cost: 1e-9 relative is rounding
     assert long_run_training(minimum)[0] >= need * (1 - 1e-9)
     assert long_run_training(0.9 * minimum)[0] < need
+
+
+def test_unreadable_cache_entry_is_measured_again(cache, calls, capsys):
+    cfg = small_config(cluster=CALIBRATE)
+    _calibrated(cfg)
+    (saved,) = cache.glob("*.toml")
+    saved.write_text("[profile]\nmodel = ")  # cut short, e.g. by a full disk
+    again = _calibrated(cfg)
+    assert len(calls) == 2 * factory.PROFILE_REPEATS
+    assert "measuring the device profile again" in capsys.readouterr().err
+    assert tomllib.loads(saved.read_text())["profile"]["seconds_per_sample"] == (
+        again.cluster.seconds_per_sample
+    )

@@ -149,14 +149,15 @@ def _server_seconds(cfg: RunConfig, engine: GradientEngine) -> float:
 
 
 def _cached_device(
-    cfg: RunConfig, dataset: Dataset, code: UserCode | None, recalibrate: bool
+    cfg: RunConfig, dataset: Dataset, code: UserCode | None
 ) -> profiles.DeviceProfileFile:
-    """The device profile from the cache (measured and written there when missing, when
-    it lacks what the run needs, or with ``recalibrate``); says which on stderr."""
+    """The device profile from the cache (measured and written there when missing or
+    unreadable; what it lacks that the run needs is measured and added); says which on
+    stderr. ``distsgd calibrate CONFIG`` replaces the entry (recalibration)."""
     key = profile_key(cfg, _throwaway_engine(cfg, code).num_parameters)
     path = profiles.cache_path(key)
     prof = None
-    if path.exists() and not recalibrate:
+    if path.exists():
         try:
             prof = profiles.read_profile(path, setting="the cached profile")
         except ConfigError as e:
@@ -238,11 +239,7 @@ def _named_device(cfg: RunConfig, code: UserCode | None) -> profiles.DeviceProfi
 
 
 def with_device_profile(
-    cfg: RunConfig,
-    dataset: Dataset,
-    code: UserCode | None = None,
-    *,
-    recalibrate: bool = False,
+    cfg: RunConfig, dataset: Dataset, code: UserCode | None = None
 ) -> tuple[RunConfig, bool]:
     """``cfg`` with the simulated device's ``cluster.seconds_per_sample``,
     ``seconds_per_batch`` and (for a protocol with a parameter server)
@@ -250,7 +247,7 @@ def with_device_profile(
     file ``cluster.profile`` names, else from this machine's profile cache
     (:mod:`distsgd.runtime.profiles`; measured on a throwaway model of the run's, ``code``:
     the user's objects, when the cache has no profile for this machine, model, b, threads
-    and torch version, or with ``recalibrate``). A device profile given in the config
+    and torch version). A device profile given in the config
     leaves ``seconds_per_push = -1``, which charges no server work (:func:`device_profile`).
 
     Returns:
@@ -265,7 +262,7 @@ def with_device_profile(
     if not c.needs_calibration and not c.profile:
         return cfg, False  # a given device: -1 stays, the simulator charges no server work
     named = bool(c.profile)
-    prof = _named_device(cfg, code) if named else _cached_device(cfg, dataset, code, recalibrate)
+    prof = _named_device(cfg, code) if named else _cached_device(cfg, dataset, code)
     given = {k: getattr(c, k) for k in ("seconds_per_sample", "seconds_per_batch")}
     cluster = dataclasses.replace(
         c,
@@ -314,17 +311,13 @@ def with_replica_profile(
 
 
 def calibrated_config(
-    cfg: RunConfig,
-    dataset: Dataset,
-    code: UserCode | None = None,
-    *,
-    recalibrate: bool = False,
+    cfg: RunConfig, dataset: Dataset, code: UserCode | None = None
 ) -> tuple[RunConfig, bool]:
     """``cfg`` with the simulated cluster's profile filled in where the config asks for
     it: the device (:func:`with_device_profile`: a named profile file, else this
-    machine's cache, measured on a miss or with ``recalibrate``), then replicas
-    (:func:`with_replica_profile`). Returns ``(config, calibrated)``."""
-    cfg, calibrated = with_device_profile(cfg, dataset, code, recalibrate=recalibrate)
+    machine's cache, measured on a miss), then replicas (:func:`with_replica_profile`).
+    Returns ``(config, calibrated)``."""
+    cfg, calibrated = with_device_profile(cfg, dataset, code)
     return with_replica_profile(cfg, dataset, calibrated, code), calibrated
 
 
