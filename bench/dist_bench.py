@@ -19,7 +19,14 @@ and learning rate everywhere:
    of 20 repeats) alone, and again while another process computes the same model (the
    2-learner runs compute two at a time on this machine's cores; they are predicted
    with that profile); the network by :func:`distsgd.runtime.netcal.calibrate_network`
-   (gloo send/recv and all-reduce between two processes on loopback, least squares).
+   (gloo send/recv and all-reduce between two processes on loopback, least squares); the
+   parameter server's apply + copy per push (one thread, median of 200 pushes,
+   :func:`distsgd.runtime.sim.calibrate_server`, what ``distsgd calibrate`` measures) and
+   its whole time per push on real processes (async, one learner at batch 1, minus the
+   simulated compute and messages); the latter is charged to the async rows as
+   ``cluster.seconds_per_push`` (the last column shows the prediction without it). Each
+   row's device profile is measured again just before its dist run (the machine's load
+   drifts).
 
     flock /tmp/distsgd-bench.lock python bench/dist_bench.py --out bench/results/dist
     flock /tmp/distsgd-bench.lock python bench/dist_bench.py --skip-to-target  # fidelity only
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -231,6 +239,69 @@ def calibrated_profile(concurrent: bool = False) -> dict[str, float]:
     }
 
 
+def server_seconds(args: argparse.Namespace, num_learners: int) -> float:
+    """The async parameter server's work per push with one thread (as the server rank),
+    on the cnn of ``num_learners`` learners (median of 200 pushes)."""
+    import torch
+
+    from distsgd.api import resolve_config
+    from distsgd.engine import GradientEngine
+    from distsgd.layout import build_protocol
+    from distsgd.models import build_model
+    from distsgd.runtime.sim import calibrate_server
+
+    torch.set_num_threads(1)
+    cfg = resolve_config(
+        None, [*common(args), *ASYNC2[1:-1], f"protocol.num_learners={num_learners}"]
+    )
+    torch.manual_seed(0)
+    engine = GradientEngine(build_model("cnn", (1, 28, 28), 10))
+    proto = build_protocol(cfg, engine.initial_weights())
+    return calibrate_server(proto, args.lr, repeats=200)
+
+
+def server_seconds_on_processes(
+    args: argparse.Namespace, tmp: Path, profile: dict[str, float], network_overrides: list[str]
+) -> dict[str, float]:
+    """The server's whole time per push on real processes, as a learner waits for it:
+    async with one learner at batch 1 (its compute is a few ms), ``pushes`` pushes;
+    measured seconds per push minus what the simulator charges for the same run without
+    any server work (the learner's compute at b = 1 from ``profile`` and the two
+    messages). This includes what :func:`server_seconds` leaves out: receiving the push
+    and sending the reply in the server's threads, the hand-over to the training loop.
+    """
+    pushes = 400
+    base = [
+        *common(args),
+        *ASYNC2[1:-1],
+        "protocol.num_learners=1",
+        "protocol.batch_size=1",
+        "train.target=0",
+        "train.max_epochs=0",
+        f"train.max_samples={pushes}",
+        f"train.eval_every_samples={pushes}",
+    ]
+    real = distsgd_run([*base, "runtime=dist"], tmp / "server-dist")
+    sim = distsgd_run(
+        [
+            *base,
+            *network_overrides,
+            *profile_overrides(profile),
+            "runtime=sim",
+            "cluster.jitter=0",
+            "cluster.seconds_per_push=0",
+        ],
+        tmp / "server-sim",
+    )
+    measured = real["train_wall_s"] / real["iterations"]
+    free = sim["virtual_s"] / sim["iterations"]
+    return {
+        "measured_s_per_push": measured,
+        "predicted_without_server_s_per_push": free,
+        "seconds_per_push": max(measured - free, 0.0),
+    }
+
+
 def profile_overrides(profile: dict[str, float]) -> list[str]:
     return [
         f"cluster.seconds_per_sample={profile['seconds_per_sample']!r}",
@@ -246,7 +317,14 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     alone = calibrated_profile()
     contended = calibrated_profile(concurrent=True)
     network = calibrate_network(int(alone["num_parameters"]))
+    measured_profiles = []
+    apply_s = {lam: server_seconds(args, lam) for lam in (1, 2)}
+    on_processes = server_seconds_on_processes(args, tmp, alone, network.overrides())
+    push_s = {lam: on_processes["seconds_per_push"] for lam in (1, 2)}
     calibration = {
+        "seconds_per_push": {str(k): v for k, v in push_s.items()},
+        "apply_seconds_per_push": {str(k): v for k, v in apply_s.items()},
+        "server_on_processes": on_processes,
         "profile_alone": alone,
         "profile_contended": contended,
         "contention_factor_batch": (
@@ -275,17 +353,32 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             ]
             base = common(args) + layout + budget
             sim_base = [*base, *network.overrides(), "runtime=sim", "cluster.jitter=0"]
-            # one learner computes alone; two learner processes compute at the same time
-            profiles = {"alone": alone} if lam == 1 else {"alone": alone, "contended": contended}
+            # one learner computes alone; two learner processes compute at the same time.
+            # Measured again just before the row's dist run: the machine's load (shared
+            # with other work) drifts within minutes, and the row is predicted with the
+            # load of its own moment
+            alone = calibrated_profile()
+            profiles = {"alone": alone}
+            if lam == 2:
+                profiles["contended"] = contended = calibrated_profile(concurrent=True)
+            measured_profiles.append({"row": f"{name} λ={lam}", "load": load(), **profiles})
+            push = [f"cluster.seconds_per_push={push_s[lam]!r}"] if name == "async" else []
             predicted = {}
             for key, prof in profiles.items():
                 sim = distsgd_run(
-                    [*sim_base, *profile_overrides(prof)], tmp / f"sim-{name}{lam}{key}"
+                    [*sim_base, *profile_overrides(prof), *push], tmp / f"sim-{name}{lam}{key}"
                 )
                 predicted[key] = sim["virtual_s"] / sim["iterations"]
+            used = "alone" if lam == 1 else "contended"
+            free = predicted[used]
+            if name == "async":  # the same, with the server's work free (as before)
+                sim = distsgd_run(
+                    [*sim_base, *profile_overrides(profiles[used]), "cluster.seconds_per_push=0"],
+                    tmp / f"sim-{name}{lam}free",
+                )
+                free = sim["virtual_s"] / sim["iterations"]
             real = distsgd_run([*base, "runtime=dist"], tmp / f"dist-{name}{lam}")
             measured = real["train_wall_s"] / real["iterations"]
-            used = "alone" if lam == 1 else "contended"
             rows.append(
                 {
                     "protocol": name,
@@ -297,9 +390,12 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     "measured_s_per_iteration": measured,
                     "ratio_measured_over_predicted": measured / predicted[used],
                     "ratio_measured_over_predicted_alone": measured / predicted["alone"],
+                    "predicted_server_free_s_per_iteration": free,
+                    "ratio_measured_over_predicted_server_free": measured / free,
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
+    calibration["profiles_per_row"] = measured_profiles
     return {"calibration": calibration, "rows": rows}
 
 
@@ -370,6 +466,7 @@ def main() -> None:
     report["load_after"] = load()
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "README.md").write_text(markdown(report))
+    (out / "fidelity.md").write_text(fidelity_markdown(report))
     print(markdown(report))
 
 
@@ -415,21 +512,58 @@ def markdown(r: dict[str, Any]) -> str:
             f"**{r['ratio_async_over_hardsync']:.3f}** (target >= 0.9)",
             "",
         ]
+    return "\n".join(lines) + fidelity_markdown(r)
+
+
+def _server_on_processes_text(sp: dict[str, float] | None) -> str:
+    if not sp:
+        return ""
+    return (
+        "; the server's whole time per push on real processes (async, one learner at batch 1, "
+        f"400 pushes): {sp['measured_s_per_push'] * 1e3:.3f} ms per push measured − "
+        f"{sp['predicted_without_server_s_per_push'] * 1e3:.3f} ms simulated without server "
+        f"work = {sp['seconds_per_push'] * 1e3:.3f} ms"
+    )
+
+
+def _fmt_profile(p: dict[str, float]) -> str:
+    return f"{p['seconds_per_batch'] * 1e3:.2f} + {p['seconds_per_sample'] * 1e3:.3f}"
+
+
+def fidelity_markdown(r: dict[str, Any]) -> str:
+    """The simulation-fidelity part of the results as markdown (``<out>/fidelity.md``)."""
+    s = r["settings"]
     fid = r["fidelity"]
     cal = fid["calibration"]
+    push = cal.get("seconds_per_push", {})
     net = cal["network"]
     a, c = cal["profile_alone"], cal["profile_contended"]
-    lines += [
+    lines = [
         f"## Simulation fidelity ({s['fidelity_samples']} samples per run)",
         "",
-        "Calibration (one thread per process, as in the dist runs; medians): device profile alone "
+        f"Load average (1, 5, 15 min) before: {r['load_before']}; after: {r['load_after']}; "
+        f"{os.cpu_count()} cores. Command: `flock /tmp/distsgd-bench.lock python "
+        "bench/dist_bench.py --skip-to-target`.",
+        "",
+        "Calibration at the start (one thread per process, as in the dist runs; medians): "
+        "device profile alone "
         f"{a['seconds_per_batch'] * 1e3:.2f} ms + {a['seconds_per_sample'] * 1e3:.3f} ms/sample; "
         "while another process computes the same model "
         f"{c['seconds_per_batch'] * 1e3:.2f} ms + {c['seconds_per_sample'] * 1e3:.3f} ms/sample "
         f"(×{cal['contention_factor_batch']:.2f} at batch {s['batch_size']}); network "
         "(gloo, 2 processes on loopback, median of 20, least-squares fit, "
         "distsgd.runtime.netcal): "
-        f"latency {net['latency_s'] * 1e6:.0f} µs, bandwidth {net['bandwidth_gbps']:.2f} Gbit/s.",
+        f"latency {net['latency_s'] * 1e6:.0f} µs, bandwidth {net['bandwidth_gbps']:.2f} Gbit/s; "
+        "parameter server's apply + copy per push (one thread, median of 200, "
+        "distsgd.runtime.sim.calibrate_server): "
+        + ", ".join(
+            f"{float(v) * 1e3:.3f} ms at λ = {k}"
+            for k, v in cal.get("apply_seconds_per_push", {}).items()
+        )
+        + _server_on_processes_text(cal.get("server_on_processes"))
+        + "; charged to the async rows: "
+        + ", ".join(f"{float(v) * 1e3:.3f} ms at λ = {k}" for k, v in push.items())
+        + ".",
         "",
         "| operation | float32 values | median ms |",
         "|---|---|---|",
@@ -438,17 +572,29 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {m['op']} | {m['num_values']} | {m['seconds'] * 1e3:.3f} |")
     lines += [
         "",
+        "Each row's device profile is measured again just before its dist run (alone; "
+        "for λ = 2 also while another process computes):",
+        "",
+        "| row | load average then | alone: ms + ms/sample | contended: ms + ms/sample |",
+        "|---|---|---|---|",
+        *(
+            f"| {p['row']} | {p['load']} | {_fmt_profile(p['alone'])} | "
+            f"{_fmt_profile(p['contended']) if 'contended' in p else '-'} |"
+            for p in cal.get("profiles_per_row", [])
+        ),
+        "",
         "| protocol | λ | iterations | device profile | predicted s/iteration (sim) | "
         "measured s/iteration (dist) | measured / predicted | measured / predicted with "
-        "the profile alone |",
-        "|---|---|---|---|---|---|---|---|",
+        "the profile alone | measured / predicted with the server's work free |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for f in fid["rows"]:
         lines.append(
             f"| {f['protocol']} | {f['num_learners']} | {f['iterations']} | {f['profile']} | "
             f"{f['predicted_s_per_iteration']:.4f} | {f['measured_s_per_iteration']:.4f} | "
             f"**{f['ratio_measured_over_predicted']:.2f}** | "
-            f"{f['ratio_measured_over_predicted_alone']:.2f} |"
+            f"{f['ratio_measured_over_predicted_alone']:.2f} | "
+            f"{f.get('ratio_measured_over_predicted_server_free', math.nan):.2f} |"
         )
     lines += ["", "Target: measured within ±20% of predicted (ratio 0.8–1.2).", ""]
     return "\n".join(lines)

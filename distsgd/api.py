@@ -45,7 +45,8 @@ from distsgd.config import (
     check_local_processes,
     schedule_conflicts,
 )
-from distsgd.engine import UserCode, check_user_code
+from distsgd.data import load_dataset
+from distsgd.engine import UserCode, check_user_code, config_for_data
 from distsgd.factories import is_import_path
 from distsgd.metrics import (
     ChecksumMismatch,
@@ -56,6 +57,8 @@ from distsgd.metrics import (
 )
 from distsgd.models import model_from_config
 from distsgd.rundir import RunDirClaim
+from distsgd.runtime import profiles
+from distsgd.runtime.factory import measure_device, profile_key
 from distsgd.runtime.faults import RankFaults
 from distsgd.trainer import Trainer
 from distsgd.tuner.online import is_tuning_run, train_tuned
@@ -63,6 +66,7 @@ from distsgd.tuner.online import is_tuning_run, train_tuned
 __all__ = [
     "RESUMABLE_SETTINGS",
     "FitResult",
+    "calibrate",
     "default_out_dir",
     "export_model",
     "fit",
@@ -125,6 +129,51 @@ def resolve_config(
     for item in overrides or []:
         apply_override(raw, item)
     return RunConfig.from_dict(raw)
+
+
+def calibrate(
+    config: RunConfig | str | Path | dict[str, Any] | None,
+    overrides: list[str] | None = None,
+    out: str | Path | None = None,
+) -> tuple[Path, profiles.DeviceProfileFile]:
+    """Measure the simulated cluster's device profile of ``config`` on this machine and
+    write it (``distsgd calibrate CONFIG [--out FILE]``).
+
+    Measured with the torch threads a simulated run of ``config`` uses
+    (``train.num_threads``, 0: all cores): the device (``seconds_per_batch``,
+    ``seconds_per_sample``, median of 3 measurements with their spread), the parameter
+    server's work per push (always: the file may plan an asynchronous run) and, for SMA
+    and local SGD with k > 1 or ``"auto"``, t(k)/t(1) at the run's b
+    (:func:`distsgd.runtime.factory.measure_device`).
+
+    Args:
+        config, overrides: as :func:`resolve_config`.
+        out: the profile file to write (``cluster.profile`` of a later run, on any
+            machine); None: this machine's profile cache
+            (:mod:`distsgd.runtime.profiles`), replacing what it held for the key, so the
+            next simulated run uses the new measurement (recalibration).
+
+    Returns:
+        (the path written, the profile).
+
+    Raises:
+        ConfigError: bad settings, or ``out`` is a directory.
+    """
+    cfg = resolve_config(config, overrides)
+    if out is not None and Path(out).is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a directory: expected a profile file to write")
+    torch.set_num_threads(cfg.train.num_threads or (os.cpu_count() or 1))
+    torch.manual_seed(cfg.train.seed)
+    ds = load_dataset(cfg.data, seed=cfg.train.seed)
+    cfg = config_for_data(cfg, ds)
+    prof = measure_device(cfg, ds, server=True)
+    path = (
+        Path(out)
+        if out is not None
+        else profiles.cache_path(profile_key(cfg, prof.key.num_parameters))
+    )
+    profiles.write_profile(path, prof)
+    return path, prof
 
 
 def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> RunConfig:

@@ -1,6 +1,7 @@
 """Command line: ``distsgd train [CONFIG.toml] [--set key=value ...] [--out DIR]``,
-``distsgd report RUN_DIR [RUN_DIR ...] [--out DIR]`` and
-``distsgd export RUN_DIR [--out model.pt]``.
+``distsgd report RUN_DIR [RUN_DIR ...] [--out DIR]``,
+``distsgd export RUN_DIR [--out model.pt]`` and
+``distsgd calibrate [CONFIG.toml] [--out profile.toml]``.
 
 User errors (bad settings, missing or corrupt data, an occupied run directory) print one
 line ``distsgd: error: ...`` and exit with status 2, never a traceback. A diverged run
@@ -238,6 +239,23 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    path, prof = api.calibrate(args.config, args.set, args.out)
+    push = prof.seconds_per_push or 0.0
+    print(
+        f"device profile {prof.seconds_per_batch * 1e3:.3f} ms/batch + "
+        f"{prof.seconds_per_sample * 1e6:.1f} µs/sample (spread {prof.spread:.0%} over "
+        f"{prof.repeats} measurements), server {push * 1e3:.3f} ms/push, "
+        f"{prof.key.num_threads} thread(s), written to {path}"
+        + (
+            ""
+            if args.out is None
+            else f"; use it with --set cluster.profile={shlex.quote(str(path))}"
+        )
+    )
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     path = api.export_model(args.run_dir, args.out)
     print(
@@ -335,6 +353,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir", metavar="RUN_DIR", help="run directory of distsgd train")
     e.add_argument("--out", default=None, help="file to write (default RUN_DIR/model.pt)")
     e.set_defaults(func=_cmd_export)
+    c = sub.add_parser(
+        "calibrate",
+        help="measure the simulated cluster's device profile of a config on this machine "
+        "(e.g. the GPU node being planned for) and write it",
+    )
+    c.add_argument("config", nargs="?", default=None, help="TOML config (default: the default run)")
+    c.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="profile file to write, for cluster.profile = FILE in a config (default: this "
+        "machine's profile cache, replacing its entry: recalibration)",
+    )
+    c.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting"
+    )
+    c.set_defaults(func=_cmd_calibrate)
     u = sub.add_parser(
         "tune",
         help="search protocol, layout, batch size, learning rate and momentum for the least "

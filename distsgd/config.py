@@ -757,11 +757,25 @@ class ClusterConfig:
         jitter: relative spread of compute times (0 = deterministic equal-speed schedule).
         latency_s: one-way message latency in seconds.
         bandwidth_gbps: link bandwidth in gigabits per second; 0 means infinite.
+        seconds_per_push: parameter-server protocols (and compute groups): seconds the
+            server works on each pushed gradient (apply the update, copy the weights for
+            the reply); pushes are served one at a time, so the server saturates at
+            ``1 / seconds_per_push`` pushes per second. Negative (-1) means measured with
+            the device profile when that is calibrated or read from ``profile``
+            (:func:`distsgd.runtime.sim.calibrate_server`), and free when
+            ``seconds_per_sample`` / ``seconds_per_batch`` are given; 0: free.
+        profile: path of a profile file written by ``distsgd calibrate --out`` (a device
+            measured elsewhere, e.g. a GPU node): the device profile comes from it instead
+            of being calibrated here; "" (default): calibrate on this machine, through
+            the profile cache (:mod:`distsgd.runtime.profiles`). Settings given in this
+            section explicitly (>= 0) win over the file.
     """
 
     seconds_per_sample: float = -1.0
     seconds_per_batch: float = -1.0
     seconds_per_replica: float = -1.0
+    seconds_per_push: float = -1.0
+    profile: str = ""
     replica_ratios: list[float] = field(default_factory=list)
     speed_factors: list[float] = field(default_factory=list)
     jitter: float = 0.1
@@ -769,7 +783,12 @@ class ClusterConfig:
     bandwidth_gbps: float = 10.0
 
     def __post_init__(self) -> None:
-        for key in ("seconds_per_sample", "seconds_per_batch", "seconds_per_replica"):
+        for key in (
+            "seconds_per_sample",
+            "seconds_per_batch",
+            "seconds_per_replica",
+            "seconds_per_push",
+        ):
             v = getattr(self, key)
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
                 fail(f"cluster.{key}", v, "a number of seconds >= 0, or -1 to calibrate")
@@ -804,6 +823,8 @@ class ClusterConfig:
         check_float("cluster.jitter", self.jitter, 0.0, 2.0)
         check_float("cluster.latency_s", self.latency_s, 0.0)
         check_float("cluster.bandwidth_gbps", self.bandwidth_gbps, 0.0)
+        if not isinstance(self.profile, str):
+            fail("cluster.profile", self.profile, 'a path of a profile file, or "" to calibrate')
 
     @property
     def needs_calibration(self) -> bool:
@@ -1541,6 +1562,7 @@ class RunConfig:
           network; ``summary.json`` echoes the configured profile, nothing uses it);
           ``cluster.seconds_per_replica`` and ``cluster.replica_ratios`` on the ``sim``
           runtime for protocols with one learner per device (k = 1: t(1) alone);
+          ``cluster.seconds_per_push`` for protocols without a parameter server;
         * ``train.max_virtual_seconds``: on the ``dist`` runtime (no virtual clock);
         * ``dist.*``: on the ``sim`` runtime; ``dist.num_servers`` for protocols without a
           parameter server;
@@ -1576,6 +1598,8 @@ class RunConfig:
             unread |= {f"dist.{f.name}" for f in fields(DistConfig)}
             if not spec.replicated:
                 unread |= {"cluster.seconds_per_replica", "cluster.replica_ratios"}
+            if not spec.has_server:
+                unread.add("cluster.seconds_per_push")
         return frozenset(unread)
 
     def replace(self, **sections: Any) -> RunConfig:

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from distsgd.config import RunConfig
+from distsgd.runtime.profiles import CACHE_ENV
 
 # A fixed device profile and network keep virtual time (and so the asynchronous schedule)
 # independent of this machine's speed.
@@ -40,3 +41,14 @@ def small_config(**sections) -> RunConfig:
 def _one_thread():
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _profile_cache(tmp_path_factory):
+    """Simulated runs that calibrate keep their device profiles in a cache: the tests'
+    goes to a temporary folder (shared by the session, and by the processes it starts),
+    never the user's home."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("profile-cache")))
+    yield
+    patch.undo()

@@ -41,9 +41,11 @@ class ClusterModel:
         num_parameters: P, float32 values per message.
         jitter: relative spread of compute times (log-normal, mean 1); synchronous steps
             wait for the slowest of m devices (:func:`straggler_factor`).
-        t_server: parameter-server seconds per pushed gradient (0: the server never
-            saturates, as on the simulated runtime); an asynchronous protocol cannot apply
-            gradients faster than ``1 / t_server`` per second.
+        t_server: parameter-server seconds of work per pushed gradient
+            (``cluster.seconds_per_push``; 0: free, the server never saturates); a
+            learner's cycle includes it (the reply leaves when the push is served) and an
+            asynchronous protocol cannot apply gradients faster than ``1 / t_server``
+            per second (the simulated runtime serves pushes one at a time).
         t_replica: SMA only: seconds each further replica (with its b samples) adds when
             a device computes its k replicas as one batched computation
             (``cluster.seconds_per_replica``); None: ``t_batch + b·t_sample`` (k separate

@@ -17,6 +17,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
+import statistics
+import sys
+import warnings
+from datetime import datetime
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -25,7 +30,9 @@ from distsgd.config import ConfigError, RunConfig
 from distsgd.data import Dataset
 from distsgd.engine import GradientEngine, UserCode, build_engine
 from distsgd.layout import build_protocol, spec_for
+from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.runtime import dist as rdist
+from distsgd.runtime import profiles
 from distsgd.runtime.base import Runtime
 from distsgd.runtime.faults import RankFaults
 from distsgd.runtime.sim import (
@@ -34,12 +41,15 @@ from distsgd.runtime.sim import (
     SimRuntime,
     calibrate,
     calibrate_replicas,
+    calibrate_server,
 )
 
 __all__ = [
     "RuntimeKind",
     "calibrated_config",
     "device_profile",
+    "measure_device",
+    "profile_key",
     "runtime_kind",
     "with_device_profile",
     "with_replica_profile",
@@ -52,25 +62,223 @@ def _throwaway_engine(cfg: RunConfig, code: UserCode | None) -> GradientEngine:
     return build_engine(cfg, code)
 
 
+#: the device profile is measured this many times (median kept, spread reported)
+PROFILE_REPEATS = 3
+
+
+def profile_key(cfg: RunConfig, num_parameters: int) -> profiles.ProfileKey:
+    """The cache key of ``cfg``'s device profile on this machine: model and P, the run's b,
+    this process's torch threads, torch's version, :func:`~distsgd.runtime.profiles.machine_id`."""
+    m = cfg.model
+    return profiles.ProfileKey(
+        m.factory or m.name,
+        int(num_parameters),
+        cfg.protocol.batch_size,
+        torch.get_num_threads(),
+        torch.__version__,
+        profiles.machine_id(),
+    )
+
+
+def _replicas_needed(cfg: RunConfig) -> int:
+    """The k up to which the run needs measured t(k)/t(1) (0: none; see
+    :func:`with_replica_profile`)."""
+    p, c = cfg.protocol, cfg.cluster
+    spec = spec_for(p)
+    k = p.initial_replicas_per_device if spec.replicated else 1
+    if not spec.replicated or not (k > 1 or p.auto_replicas):
+        return 0
+    if c.seconds_per_replica >= 0 or c.replica_ratios:
+        return 0
+    return min(p.autotune_max_replicas, REPLICA_CALIBRATION_MAX_K) if p.auto_replicas else k
+
+
+def measure_device(
+    cfg: RunConfig,
+    dataset: Dataset,
+    code: UserCode | None = None,
+    *,
+    server: bool | None = None,
+    max_replicas: int | None = None,
+    repeats: int = PROFILE_REPEATS,
+) -> profiles.DeviceProfileFile:
+    """Measure ``cfg``'s device on this machine, with this process's torch threads:
+    :func:`~distsgd.runtime.sim.calibrate` ``repeats`` times (the median of each
+    coefficient kept; spread = (max − min)/median of t(b) at the run's b), the server's
+    work per push (:func:`~distsgd.runtime.sim.calibrate_server`, unless ``server`` is
+    False: the tuner's parameter-server candidates need it whatever the run's protocol),
+    and t(k)/t(1) up to ``max_replicas``
+    (:func:`~distsgd.runtime.sim.calibrate_replicas`; None: what the run needs).
+
+    Returns:
+        the profile, keyed by :func:`profile_key`.
+    """
+    engine = _throwaway_engine(cfg, code)
+    b = cfg.protocol.batch_size
+    fits = [calibrate(engine, dataset) for _ in range(max(repeats, 1))]
+    spb = statistics.median(f.seconds_per_batch for f in fits)
+    sps = statistics.median(f.seconds_per_sample for f in fits)
+    t_b = [f.compute_seconds(b) for f in fits]
+    spread = (max(t_b) - min(t_b)) / statistics.median(t_b) if min(t_b) > 0 else 0.0
+    prof = profiles.DeviceProfileFile(
+        profile_key(cfg, engine.num_parameters),
+        spb,
+        sps,
+        repeats=len(fits),
+        spread=spread,
+        measured_at=datetime.now().isoformat(timespec="seconds"),
+    )
+    if server is not False:
+        prof.seconds_per_push = _server_seconds(cfg, engine)
+    k = _replicas_needed(cfg) if max_replicas is None else max_replicas
+    if k > 1:
+        prof.replica_ratios, _ = calibrate_replicas(engine, dataset, b, max_replicas=k)
+    return prof
+
+
+def _server_seconds(cfg: RunConfig, engine: GradientEngine) -> float:
+    """The server's seconds per push (:func:`calibrate_server`) on a throwaway protocol of
+    ``cfg``'s (a parameter-server one with ``cfg``'s λ when ``cfg`` has no server)."""
+    if not spec_for(cfg.protocol).has_server:
+        cfg = cfg.replace(
+            protocol=dataclasses.replace(cfg.protocol, name="parameter_server", mode="async")
+        )
+    proto = build_protocol(cfg, engine.initial_weights())
+    assert isinstance(proto, AsynchronousProtocol)
+    return calibrate_server(proto, cfg.optimizer.lr)
+
+
+def _cached_device(
+    cfg: RunConfig, dataset: Dataset, code: UserCode | None
+) -> profiles.DeviceProfileFile:
+    """The device profile from the cache (measured and written there when missing or
+    unreadable; what it lacks that the run needs is measured and added); says which on
+    stderr. ``distsgd calibrate CONFIG`` replaces the entry (recalibration)."""
+    key = profile_key(cfg, _throwaway_engine(cfg, code).num_parameters)
+    path = profiles.cache_path(key)
+    prof = None
+    if path.exists():
+        try:
+            prof = profiles.read_profile(path, setting="the cached profile")
+        except ConfigError as e:
+            print(f"distsgd: measuring the device profile again: {e}", file=sys.stderr)
+    if prof is not None and prof.key != key:
+        prof = None  # a hash collision or a hand-edited file
+    if prof is None:
+        prof = measure_device(cfg, dataset, code)
+        profiles.write_profile(path, prof)
+        print(
+            f"distsgd: device profile measured on this machine ({_describe(prof)}), cached in "
+            f"{path}",
+            file=sys.stderr,
+        )
+        _warn_spread(prof, path)
+        return prof
+    missing_push = prof.seconds_per_push is None
+    k = _replicas_needed(cfg)
+    if missing_push or (k > 1 and len(prof.replica_ratios) < k):
+        engine = _throwaway_engine(cfg, code)
+        if missing_push:
+            prof.seconds_per_push = _server_seconds(cfg, engine)
+        if k > 1 and len(prof.replica_ratios) < k:
+            b = cfg.protocol.batch_size
+            prof.replica_ratios, _ = calibrate_replicas(engine, dataset, b, max_replicas=k)
+        profiles.write_profile(path, prof)
+    print(f"distsgd: cached device profile used ({_describe(prof)}) from {path}", file=sys.stderr)
+    return prof
+
+
+def _describe(prof: profiles.DeviceProfileFile) -> str:
+    text = (
+        f"{prof.seconds_per_batch * 1e3:.3f} ms/batch + {prof.seconds_per_sample * 1e6:.1f} "
+        f"µs/sample, spread {prof.spread:.0%} over {prof.repeats}"
+    )
+    if prof.seconds_per_push is not None:
+        text += f", server {prof.seconds_per_push * 1e3:.3f} ms/push"
+    return text
+
+
+def _warn_spread(prof: profiles.DeviceProfileFile, path: Path) -> None:
+    if prof.spread > profiles.SPREAD_WARNING:
+        warnings.warn(
+            f"the device profile's {prof.repeats} measurements differ by {prof.spread:.0%} "
+            f"(more than {profiles.SPREAD_WARNING:.0%}: the machine's load changed while it "
+            f"was measured); simulated seconds carry that uncertainty. Measure again on a "
+            f"quieter machine with distsgd calibrate CONFIG (or delete {path})",
+            profiles.ProfileSpreadWarning,
+            stacklevel=3,
+        )
+
+
+def _named_device(cfg: RunConfig, code: UserCode | None) -> profiles.DeviceProfileFile:
+    """The profile file ``cluster.profile`` names, checked against the run's model.
+
+    Raises:
+        ConfigError: unreadable, missing keys, or measured on another model (name or P).
+    """
+    path = Path(cfg.cluster.profile).expanduser()
+    prof = profiles.read_profile(path)
+    engine = _throwaway_engine(cfg, code)
+    model = cfg.model.factory or cfg.model.name
+    if (prof.key.model, prof.key.num_parameters) != (model, engine.num_parameters):
+        raise ConfigError(
+            f"cluster.profile = {cfg.cluster.profile!r} is not allowed: it was measured on "
+            f"model {prof.key.model!r} with {prof.key.num_parameters} parameters, this run "
+            f"trains {model!r} with {engine.num_parameters} (measure it with distsgd "
+            "calibrate on this run's config)"
+        )
+    if spec_for(cfg.protocol).has_server and prof.seconds_per_push is None:
+        raise ConfigError(
+            f"cluster.profile = {cfg.cluster.profile!r} is not allowed: it has no "
+            "'seconds_per_push' and the protocol has a parameter server (measure it with "
+            "distsgd calibrate on a config with a parameter server, or set "
+            "cluster.seconds_per_push)"
+        )
+    print(f"distsgd: device profile from {path} ({_describe(prof)})", file=sys.stderr)
+    return prof
+
+
 def with_device_profile(
     cfg: RunConfig, dataset: Dataset, code: UserCode | None = None
 ) -> tuple[RunConfig, bool]:
-    """``cfg`` with the simulated device's ``cluster.seconds_per_sample`` and
-    ``seconds_per_batch`` measured on this machine where the config asks for it (-1),
-    on a throwaway model of the run's (``code``: the user's objects, :class:`UserCode`).
+    """``cfg`` with the simulated device's ``cluster.seconds_per_sample``,
+    ``seconds_per_batch`` and (for a protocol with a parameter server)
+    ``seconds_per_push`` filled in where the config asks for them (-1): from the profile
+    file ``cluster.profile`` names, else from this machine's profile cache
+    (:mod:`distsgd.runtime.profiles`; measured on a throwaway model of the run's, ``code``:
+    the user's objects, when the cache has no profile for this machine, model, b, threads
+    and torch version). A device profile given in the config
+    leaves ``seconds_per_push = -1``, which charges no server work (:func:`device_profile`).
 
     Returns:
-        ``(config, calibrated)``: whether the profile was measured here.
+        ``(config, calibrated)``: whether the profile was measured on this machine (now or
+        by an earlier run, from the cache).
+
+    Raises:
+        ConfigError: a bad ``cluster.profile`` (see :func:`_named_device`).
     """
-    if not cfg.cluster.needs_calibration:
-        return cfg, False
-    prof = calibrate(_throwaway_engine(cfg, code), dataset)
+    c = cfg.cluster
+    needs_push = c.seconds_per_push < 0
+    if not c.needs_calibration and not c.profile:
+        return cfg, False  # a given device: -1 stays, the simulator charges no server work
+    named = bool(c.profile)
+    prof = _named_device(cfg, code) if named else _cached_device(cfg, dataset, code)
+    given = {k: getattr(c, k) for k in ("seconds_per_sample", "seconds_per_batch")}
     cluster = dataclasses.replace(
-        cfg.cluster,
-        seconds_per_sample=prof.seconds_per_sample,
-        seconds_per_batch=prof.seconds_per_batch,
+        c,
+        seconds_per_sample=given["seconds_per_sample"]
+        if given["seconds_per_sample"] >= 0
+        else prof.seconds_per_sample,
+        seconds_per_batch=given["seconds_per_batch"]
+        if given["seconds_per_batch"] >= 0
+        else prof.seconds_per_batch,
     )
-    return cfg.replace(cluster=cluster), True
+    if needs_push and prof.seconds_per_push is not None:
+        cluster = dataclasses.replace(cluster, seconds_per_push=prof.seconds_per_push)
+    k = _replicas_needed(cfg)
+    if k > 1 and len(prof.replica_ratios) >= 2:
+        cluster = dataclasses.replace(cluster, replica_ratios=list(prof.replica_ratios))
+    return cfg.replace(cluster=cluster), not named
 
 
 def with_replica_profile(
@@ -78,7 +286,8 @@ def with_replica_profile(
 ) -> RunConfig:
     """``cfg`` with Crossbow's t(k)/t(1) (``cluster.replica_ratios``) measured at the run's
     b for SMA and local SGD with k > 1 or ``"auto"`` when the device profile was
-    ``calibrated`` here; without a measurement, k separate minibatches
+    ``calibrated`` here and the profile did not hold them already
+    (:func:`with_device_profile`); without a measurement, k separate minibatches
     (``seconds_per_replica = t(1)``). Other protocols, or a profile the config gives:
     ``cfg`` unchanged."""
     p, c = cfg.protocol, cfg.cluster
@@ -91,12 +300,8 @@ def with_replica_profile(
     if calibrated:
         # the fixed k, or the k the auto-tuner is likely to try (beyond, the model
         # continues the last measured step)
-        top = min(p.autotune_max_replicas, REPLICA_CALIBRATION_MAX_K)
         ratios, _ = calibrate_replicas(
-            _throwaway_engine(cfg, code),
-            dataset,
-            p.batch_size,
-            max_replicas=top if p.auto_replicas else k,
+            _throwaway_engine(cfg, code), dataset, p.batch_size, max_replicas=_replicas_needed(cfg)
         )
         c = dataclasses.replace(c, replica_ratios=ratios)
     if not c.replica_ratios:
@@ -108,9 +313,10 @@ def with_replica_profile(
 def calibrated_config(
     cfg: RunConfig, dataset: Dataset, code: UserCode | None = None
 ) -> tuple[RunConfig, bool]:
-    """``cfg`` with the simulated cluster's profile measured on this machine where the
-    config asks for it: the device (:func:`with_device_profile`), then replicas
-    (:func:`with_replica_profile`). Returns ``(config, calibrated)``."""
+    """``cfg`` with the simulated cluster's profile filled in where the config asks for
+    it: the device (:func:`with_device_profile`: a named profile file, else this
+    machine's cache, measured on a miss), then replicas (:func:`with_replica_profile`).
+    Returns ``(config, calibrated)``."""
     cfg, calibrated = with_device_profile(cfg, dataset, code)
     return with_replica_profile(cfg, dataset, calibrated, code), calibrated
 
@@ -125,6 +331,7 @@ def device_profile(cfg: RunConfig, calibrated: bool) -> DeviceProfile:
         calibrated,
         seconds_per_replica=r if r >= 0 else None,
         replica_ratios=tuple(c.replica_ratios),
+        seconds_per_push=max(c.seconds_per_push, 0.0),
     )
 
 

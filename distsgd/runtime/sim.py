@@ -17,12 +17,15 @@ Timing model (all in virtual seconds):
   :func:`calibrate_replicas`), or ``ρ(k) = 1 + (k − 1) · seconds_per_replica / t(1)``
   without a measurement (speed_d: the slowest of its learners; k = 1 is the line above);
 * one message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``;
-* ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``.
+* ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``;
+* the parameter server's work on one push (apply the protocol, copy the weights for the
+  reply): ``seconds_per_push``; the server serves pushes one at a time, in arrival order.
 
 Synchronous protocols advance one iteration per tick (the slowest device plus the
 all-reduce). Parameter-server protocols process one push per tick: a worker pulls,
-its reply travels, it computes, its push travels, the server applies the protocol and
-replies at once (or, under a barrier, when the update is applied).
+its reply travels, it computes, its push travels, waits while the server serves earlier
+pushes, the server works ``seconds_per_push`` on it and replies when done (or, under a
+barrier, when the update is applied).
 
 Learners that hold the same weights at the same moment (hardsync, the members of one
 compute group) compute their mean gradient as one forward/backward over their
@@ -59,6 +62,7 @@ __all__ = [
     "DeviceProfile",
     "calibrate",
     "calibrate_replicas",
+    "calibrate_server",
     "measure_replica_seconds",
     "replica_ratios",
     "SimRuntime",
@@ -80,6 +84,8 @@ class DeviceProfile:
             ``compute_seconds(b)``, i.e. k replicas cost k separate minibatches.
         replica_ratios: measured t(k)/t(1) for k = 1, 2, … (empty: use
             ``seconds_per_replica``); see :func:`distsgd.runtime.cluster_model.replica_ratio`.
+        seconds_per_push: the parameter server's seconds of work per pushed gradient
+            (>= 0; :func:`calibrate_server`); 0: free.
     """
 
     seconds_per_batch: float
@@ -87,6 +93,7 @@ class DeviceProfile:
     calibrated: bool = False
     seconds_per_replica: float | None = None
     replica_ratios: tuple[float, ...] = ()
+    seconds_per_push: float = 0.0
 
     @functools.cached_property
     def model(self) -> cm.ClusterModel:
@@ -97,6 +104,7 @@ class DeviceProfile:
             self.seconds_per_sample,
             t_replica=self.seconds_per_replica,
             replica_ratios=self.replica_ratios,
+            t_server=self.seconds_per_push,
         )
 
     def compute_seconds(self, batch_size: int) -> float:
@@ -155,6 +163,45 @@ def calibrate(
     per_sample = (t2 - t1) / (b2 - b1)
     per_batch = max(t1 - b1 * per_sample, 0.0)
     return DeviceProfile(per_batch, per_sample, calibrated=True)
+
+
+def calibrate_server(
+    protocol: AsynchronousProtocol,
+    lr: float,
+    repeats: int = 20,
+    statistic: Callable[[list[float]], float] = statistics.median,
+) -> float:
+    """Seconds the parameter server works on one push on this machine: the protocol's
+    :meth:`~AsynchronousProtocol.push` (buffer or apply the update, SPEC §2–3) and the
+    copy of the weights for the reply (:meth:`~AsynchronousProtocol.pull`), as the server
+    process does between receiving a gradient and sending the weights back (the messages
+    themselves are charged by the network model). Workers push in turn, so a barrier or
+    softsync's c pushes per update are exercised as in a run; ``protocol`` is a throwaway
+    (its weights change). One warm-up round, then ``repeats`` pushes; ``statistic`` of
+    their wall seconds (median: robust to one disturbed push).
+
+    Returns:
+        seconds per push (``cluster.seconds_per_push``).
+    """
+    nw = protocol.num_workers
+    versions = [protocol.pull(w)[1] for w in range(nw)]
+    weights, _ = protocol.pull(0)
+    grad = torch.full_like(weights, 1e-6)
+    times: list[float] = []
+    i = 0
+    while len(times) < repeats:
+        w = i % nw
+        i += 1
+        t0 = time.perf_counter()
+        protocol.push(w, grad, versions[w], lr)
+        if protocol.can_pull(w):
+            versions[w] = protocol.pull(w)[1]
+        if i > nw:  # the first round warms up
+            times.append(time.perf_counter() - t0)
+        for v in range(nw):  # a barrier released by this push: the others pull now
+            if v != w and versions[v] < protocol.version and protocol.can_pull(v):
+                versions[v] = protocol.pull(v)[1]
+    return float(statistic(times))
 
 
 REPLICA_CALIBRATION_MAX_K = 8
@@ -474,7 +521,10 @@ class SimRuntime(Runtime):
     def _advance_async(self, lr: float) -> Tick:
         proto = self.protocol
         assert isinstance(proto, AsynchronousProtocol)
-        now, _, worker = self._next_push()
+        arrived, _, worker = self._next_push()
+        # the server takes pushes in arrival order, one at a time: it is free from the
+        # moment it finished the previous one (the clock's reading)
+        now = max(arrived, self.virtual_time) + self.profile.seconds_per_push
         self.virtual_time = now
         members = self._members(worker)
         grad, losses = self._mean_gradient(members, self._pulled[worker], lr, proto.version)

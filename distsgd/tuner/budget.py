@@ -11,9 +11,12 @@ run may train.
 * a long run trains for :meth:`TuneBudget.long_run_seconds` wall seconds: what is left
   after its build, its evaluations (each timed once in the setup) and the time kept for
   the later phases; a long run with less than one probe's training time left is skipped;
-* before the search, a budget that cannot hold the setup and one probe is refused
-  (:meth:`TuneBudget.minimum_s`, a figure computed from the measured setup and the
-  expected probe cost, named in the error).
+* before the search, a budget that cannot give a plan with a predicted time to accuracy
+  is refused (:meth:`TuneBudget.prediction_minimum_s`: the setup, one probe, and a first
+  long run that makes the evaluations a prediction needs, with the time the phases keep;
+  a figure computed from the measured setup, the calibrated device profile and the probe
+  length, named in the error; :meth:`TuneBudget.minimum_s`, the setup and one probe, is
+  the floor below that).
 
 Slack (stated in the decision log and ``tune.json``): at most one step's overrun of its
 expected cost, plus writing the plan and the report after the budget.
@@ -123,6 +126,44 @@ class TuneBudget:
     def minimum_s(self) -> float:
         """The least budget that holds what was spent so far (the setup) and one probe."""
         return self.elapsed() + self.first_probe_s
+
+    def long_run_minimum_s(
+        self, samples_per_s: float, eval_every_samples: int, evaluations: int, build_s: float
+    ) -> float:
+        """Wall seconds of the shortest long run that makes ``evaluations`` evaluations after
+        its start: its build, ``evaluations · eval_every_samples`` samples of training at
+        ``samples_per_s`` and ``evaluations + 2`` evaluations (:meth:`long_run_seconds`'s
+        cost)."""
+        train_s = evaluations * eval_every_samples / samples_per_s
+        return build_s + train_s + (evaluations + 2) * self.eval_s
+
+    def prediction_minimum_s(
+        self, samples_per_s: float, eval_every_samples: int, evaluations: int, build_s: float
+    ) -> float:
+        """The least budget B whose first long run still makes ``evaluations`` evaluations
+        (what a predicted time to accuracy needs, :func:`~distsgd.tuner.plan.predict_plan`).
+
+        With S the setup so far (:meth:`elapsed`), P the first probe's expected cost, L
+        :meth:`long_run_minimum_s`, ``a`` the search's share of B (:attr:`search_end`) and
+        ``r`` the reserve's (:meth:`reserve_s`): the long run starts once the first probe
+        is done or the search's share is spent, whichever is later, and gets what is left
+        less the reserve, ``min(B(1 − r) − S − P, B(1 − a − r))``; that is >= L for
+        ``B >= max((S + P + L)/(1 − r), L/(1 − a − r))``. Conservative: a long run that
+        the reserve would leave shorter than a probe's training takes the reserve too.
+
+        Args:
+            samples_per_s: the long run's training samples per wall second (estimated
+                from the device profile before any probe).
+            eval_every_samples: its evaluation interval, samples.
+            evaluations: evaluations after its start that a prediction needs.
+            build_s: wall seconds of a run's build.
+        """
+        need = self.long_run_minimum_s(samples_per_s, eval_every_samples, evaluations, build_s)
+        search = 1 - self.long_run_share - self.steady_share
+        reserve = self.steady_share + 0.4 * self.long_run_share
+        after_probe = (self.elapsed() + self.first_probe_s + need) / (1 - reserve)
+        after_search = need / (1 - search - reserve) if 1 - search - reserve > 0 else math.inf
+        return max(after_probe, after_search, self.minimum_s())
 
     def may_search_probe(self, probed_any: bool) -> bool:
         """The cold start's and joint search's rule: the first probe may use the whole

@@ -129,10 +129,11 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
       ``t_batch + b·t_sample + (k − 1)·t_replica``; a
       device computes its k learners as one batched computation; devices all-reduce
       their corrections; Crossbow, SPEC §4);
-    * compute groups: a group's cycle is ``2m + J(λ/g)·t_c + AR(λ/g)`` and the g groups run
+    * compute groups: a group's cycle is ``2m + J(λ/g)·t_c + AR(λ/g) + t_server`` (the
+      server's work on its push before the reply) and the g groups run
       concurrently, so ``max(cycle / g, t_server)``: HE falls about as ``1/g`` until the
       parameter server saturates at ``t_server`` per push (Omnivore, SPEC §3);
-    * n-softsync: every learner cycles in ``2m + t_c``; λ pushes per cycle and c = λ/n
+    * n-softsync: every learner cycles in ``2m + t_c + t_server``; λ pushes per cycle and c = λ/n
       pushes per update give ``max(cycle / n, c·t_server)`` (Rudra, SPEC §2).
 
     Returns:
@@ -154,9 +155,10 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
         g = layout.num_groups
         size = lam // g
         cycle = 2 * m + straggler_factor(size, s) * tc + allreduce_seconds(size, cluster)
+        cycle += cluster.t_server
         return max(cycle / g, cluster.t_server)
     n = layout.softsync
-    cycle = 2 * m + tc
+    cycle = 2 * m + tc + cluster.t_server
     return max(cycle / n, (lam // n) * cluster.t_server)
 
 

@@ -150,6 +150,7 @@ def cluster_model(cfg: RunConfig, num_parameters: int) -> pm.ClusterModel:
         jitter=c.jitter,
         t_replica=c.seconds_per_replica if c.seconds_per_replica >= 0 else None,
         replica_ratios=tuple(c.replica_ratios),
+        t_server=max(c.seconds_per_push, 0.0),
     )
 
 

@@ -16,20 +16,24 @@ leaves it less than one probe's training); steady state ``0.15·B`` from its sta
 second long run the rest; every phase ends at B at the latest, and a phase that finishes
 early leaves its time to the next. A step starts only if its expected wall cost fits, so
 the tune ends within the budget plus one step's overrun and the report; a budget below the
-setup and one probe is refused.
+least that gives a plan with a predicted time to accuracy is refused before the search, with
+that minimum (:func:`check_prediction_budget`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 from distsgd import launch
 from distsgd.config import ConfigError, RunConfig
 from distsgd.trainer import Trainer
-from distsgd.tuner.plan import predict_plan
+from distsgd.tuner import perf_model as pm
+from distsgd.tuner.plan import _MIN_EVALS as MIN_PREDICTION_EVALS
+from distsgd.tuner.plan import PLAN_EVAL_EVERY, predict_plan
 from distsgd.tuner.probes import RunClock
 from distsgd.tuner.report import write_report, write_tune_json
 from distsgd.tuner.session import TuneSession, cluster_model, tune_layout
@@ -86,7 +90,8 @@ def tune(
         ConfigError: bad settings (including ``dist.num_processes`` above this machine's
             CPU cores and ``tune.families`` the layouts cannot probe, see
             :func:`tune_layout`), an unavailable runtime, an ``out_dir`` that is a file or
-            holds a tune, a budget below the setup and one probe, or a cold start in which
+            holds a tune, a budget below the least that gives a plan with a prediction
+            (:func:`check_prediction_budget`; nothing is left written), or a cold start in which
             every probe diverged.
         DistRunFailed: (``dist`` runtime) a probe or long run lost a process before it
             completed (:mod:`distsgd.launch`).
@@ -94,7 +99,15 @@ def tune(
             written so far stay in ``out_dir``, no plan is written.
     """
     check_tunable(config)
+    out = Path(out_dir)
+    before = set(out.iterdir()) if out.is_dir() else None
     session = TuneSession.setup(config, out_dir, budget_s=budget_s, progress=progress)
+    try:
+        check_prediction_budget(session)
+    except ConfigError:  # refused before the search: nothing of this tune stays written
+        session.bar.close()
+        _remove_new(out, before)
+        raise
     session.cold_start()
     session.joint_search()
     session.long_run()
@@ -105,6 +118,63 @@ def tune(
     if verify:
         saved = verify_plan(session.out, progress=progress)
     return saved
+
+
+def estimated_samples_per_s(cfg: RunConfig, num_learners: int, cluster: pm.ClusterModel) -> float:
+    """Training samples per wall second of hardsync on ``num_learners`` learners at the
+    config's b on this machine, from the calibrated device profile (before any probe): on
+    the simulated cluster one process computes every learner's samples,
+    ``λb / (t_batch + λb·t_sample)``; on real processes the learners compute in parallel,
+    ``λb / HE`` (:func:`~distsgd.tuner.perf_model.seconds_per_iteration`)."""
+    layout = pm.Layout("hardsync", num_learners, cfg.protocol.batch_size)
+    samples = pm.samples_per_iteration(layout)
+    if cfg.runtime == "sim":
+        return samples / pm.compute_seconds(samples, cluster)
+    return samples / pm.seconds_per_iteration(layout, cluster)
+
+
+def check_prediction_budget(session: TuneSession) -> None:
+    """Refuse a budget below the least that gives a plan with a predicted time to
+    accuracy (:meth:`~distsgd.tuner.budget.TuneBudget.prediction_minimum_s`: the setup,
+    the first probe and a long run with the evaluations a prediction needs, every
+    :data:`~distsgd.tuner.plan.PLAN_EVAL_EVERY` samples at most, at the throughput the
+    calibrated profile gives, while the search and steady state keep their shares).
+
+    Raises:
+        ConfigError: ``--budget`` below that minimum (one line: the value, the minimum
+            and what it is made of).
+    """
+    fixed, costs = session.fixed, session.costs
+    cfg = fixed.cfg
+    every = min(cfg.train.eval_every_samples or PLAN_EVAL_EVERY, PLAN_EVAL_EVERY)
+    samples_per_s = estimated_samples_per_s(cfg, fixed.num_learners, fixed.cluster)
+    build_s = fixed.timings["build_s"]
+    minimum = costs.prediction_minimum_s(samples_per_s, every, MIN_PREDICTION_EVALS, build_s)
+    budget = session.settings.budget_s
+    if minimum <= budget:
+        return
+    long_run = costs.long_run_minimum_s(samples_per_s, every, MIN_PREDICTION_EVALS, build_s)
+    raise ConfigError(
+        f"--budget {budget:g}s is not allowed for this config: a plan with a predicted time "
+        f"to accuracy needs at least {math.ceil(minimum)}s here (setup {costs.elapsed():.1f} "
+        f"s, first probe about {costs.first_probe_s:.1f} s, then a long run of about "
+        f"{long_run:.1f} s for {MIN_PREDICTION_EVALS} evaluations every {every} samples at "
+        f"about {samples_per_s:.0f} samples/s and {costs.eval_s:.2f} s per evaluation, while "
+        "the search and steady state keep their shares of the budget)"
+    )
+
+
+def _remove_new(out: Path, before: set[Path] | None) -> None:
+    """Remove what was created in ``out`` since ``before`` (its entries then; None: it did
+    not exist, so remove it)."""
+    if before is None:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for p in set(out.iterdir()) - before:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def check_tunable(config: RunConfig) -> None:

@@ -1,0 +1,257 @@
+"""Simulated seconds that do not depend on the load of the moment (issue 18): the device
+profile is measured once per machine, model, batch, threads and torch version into a cache
+(with its spread), reused, and can come from a file measured elsewhere
+(``distsgd calibrate --out`` + ``cluster.profile``)."""
+
+import json
+import tomllib
+import warnings
+
+import pytest
+
+from distsgd import cli
+from distsgd.config import RunConfig
+from distsgd.data import load_dataset
+from distsgd.engine import config_for_data
+from distsgd.runtime import factory, profiles
+from distsgd.runtime.sim import DeviceProfile
+from distsgd.tuner.budget import TuneBudget
+from tests.conftest import small_config
+
+CALIBRATE = {"seconds_per_sample": -1, "seconds_per_batch": -1, "jitter": 0.0}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty profile cache of this test's own (never the user's home)."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv(profiles.CACHE_ENV, str(path))
+    return path
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the device measurements (:func:`distsgd.runtime.sim.calibrate`)."""
+    counted = []
+    real = factory.calibrate
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(factory, "calibrate", counting)
+    return counted
+
+
+def _calibrated(cfg: RunConfig) -> RunConfig:
+    ds = load_dataset(cfg.data, seed=0)
+    return factory.calibrated_config(config_for_data(cfg, ds), ds)[0]
+
+
+def test_cache_is_written_once_and_reused(cache, calls, capsys):
+    cfg = small_config(cluster=CALIBRATE)
+    first = _calibrated(cfg)
+    assert len(calls) == factory.PROFILE_REPEATS  # measured: the median of 3
+    files = list(cache.glob("*.toml"))
+    assert len(files) == 1
+    assert f"cached in {files[0]}" in capsys.readouterr().err
+    second = _calibrated(cfg)
+    assert len(calls) == factory.PROFILE_REPEATS  # not measured again
+    assert "cached device profile used" in capsys.readouterr().err
+    assert second.cluster == first.cluster  # the same simulated device, bit for bit
+    saved = tomllib.loads(files[0].read_text())["profile"]
+    assert saved["seconds_per_sample"] == first.cluster.seconds_per_sample
+    assert saved["batch_size"] == 32 and saved["model"] == "mlp"
+
+
+def test_cache_is_keyed_by_batch_size(cache, calls):
+    _calibrated(small_config(cluster=CALIBRATE))
+    _calibrated(small_config(cluster=CALIBRATE, protocol={"batch_size": 16}))
+    assert len(calls) == 2 * factory.PROFILE_REPEATS
+    assert len(list(cache.glob("*.toml"))) == 2
+
+
+def test_cached_profile_without_the_servers_cost_gets_it(cache, calls):
+    """The server's work per push is measured with the device (the tuner's parameter-server
+    candidates need it whatever the run's protocol); a cached file without it (written by
+    hand, or before it was measured) gets it added, and the device is not measured again."""
+    first = _calibrated(small_config(cluster=CALIBRATE))
+    assert first.cluster.seconds_per_push > 0
+    (saved,) = cache.glob("*.toml")
+    lines = saved.read_text().splitlines(keepends=True)
+    saved.write_text("".join(x for x in lines if not x.startswith("seconds_per_push")))
+    cfg = _calibrated(
+        small_config(cluster=CALIBRATE, protocol={"name": "parameter_server", "mode": "async"})
+    )
+    assert len(calls) == factory.PROFILE_REPEATS
+    assert cfg.cluster.seconds_per_push > 0
+    assert tomllib.loads(saved.read_text())["profile"]["seconds_per_push"] > 0
+
+
+def test_large_spread_warns_in_one_line(cache, monkeypatch):
+    """Measurements that disagree (a machine whose load changed) warn, naming the spread."""
+    fits = iter([DeviceProfile(0.0, 1e-4), DeviceProfile(0.0, 3e-4), DeviceProfile(0.0, 1e-4)])
+    monkeypatch.setattr(factory, "calibrate", lambda *a, **k: next(fits))
+    with pytest.warns(profiles.ProfileSpreadWarning) as got:
+        cfg = _calibrated(small_config(cluster=CALIBRATE))
+    assert cfg.cluster.seconds_per_sample == 1e-4  # the median
+    (w,) = got
+    assert "differ by 200%" in str(w.message) and "\n" not in str(w.message)
+    fits = iter([DeviceProfile(0.0, 1e-4), DeviceProfile(0.0, 1.1e-4), DeviceProfile(0.0, 1e-4)])
+    monkeypatch.setattr(factory, "calibrate", lambda *a, **k: next(fits))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", profiles.ProfileSpreadWarning)
+        _calibrated(small_config(cluster=CALIBRATE, protocol={"batch_size": 16}))  # 10%: quiet
+
+
+def _write_config(path, cfg: RunConfig):
+    path.write_text(cfg.to_toml())
+    return str(path)
+
+
+def test_calibrate_out_and_profile_round_trip(tmp_path, cache, calls, capsys):
+    """``distsgd calibrate --out`` writes a profile; two same-seed runs that name it
+    (measuring nothing) give identical simulated seconds, those of the file."""
+    base = small_config(
+        cluster=CALIBRATE,
+        protocol={"name": "parameter_server", "mode": "async", "num_learners": 2},
+        train={"max_epochs": 0.5},
+    )
+    config = _write_config(tmp_path / "run.toml", base)
+    profile = tmp_path / "gpu-node.toml"
+    assert cli.main(["calibrate", config, "--out", str(profile)]) == 0
+    assert f"written to {profile}" in capsys.readouterr().out
+    measured = len(calls)
+    saved = tomllib.loads(profile.read_text())["profile"]
+    # the file as if measured elsewhere: a device 10x faster than this machine
+    text = profile.read_text().replace(
+        f"seconds_per_sample = {saved['seconds_per_sample']!r}", "seconds_per_sample = 1e-06"
+    )
+    profile.write_text(text)
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"run{i}"
+        rc = cli.main(
+            ["train", config, "--set", f"cluster.profile={str(profile)!r}", "--out", str(out)]
+        )
+        assert rc == 0
+        runs.append(RunConfig.from_toml(out / "config.toml"))
+        assert f"device profile from {profile}" in capsys.readouterr().err
+    assert len(calls) == measured  # the named file: nothing measured
+    assert runs[0].cluster.seconds_per_sample == 1e-6
+    assert runs[0].cluster.seconds_per_push == saved["seconds_per_push"]
+    summaries = [(tmp_path / f"run{i}" / "summary.json").read_text() for i in range(2)]
+    virtual = [json.loads(s)["virtual_s"] for s in summaries]  # same device, same seed
+    assert virtual[0] == virtual[1] > 0
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (
+            lambda t: t.replace("seconds_per_sample", "seconds_per_sampel"),
+            "no 'seconds_per_sample'",
+        ),
+        (lambda t: t.replace('model = "mlp"', 'model = "cnn"'), "measured on model 'cnn'"),
+        (lambda t: "not toml [", "not TOML"),
+        (lambda t: t.replace("[profile]", "[device]"), "no [profile] table"),
+    ],
+)
+def test_bad_profile_is_one_line_exit_2(tmp_path, cache, capsys, edit, fragment):
+    config = _write_config(tmp_path / "run.toml", small_config(cluster=CALIBRATE))
+    profile = tmp_path / "p.toml"
+    assert cli.main(["calibrate", config, "--out", str(profile)]) == 0
+    profile.write_text(edit(profile.read_text()))
+    capsys.readouterr()
+    out = tmp_path / "run"
+    rc = cli.main(
+        ["train", config, "--set", f"cluster.profile={str(profile)!r}", "--out", str(out)]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("distsgd: error: cluster.profile = ")
+    assert fragment in err
+    assert not (out / "summary.json").exists()
+
+
+def test_missing_profile_file_is_one_line_exit_2(tmp_path, cache, capsys):
+    config = _write_config(tmp_path / "run.toml", small_config(cluster=CALIBRATE))
+    rc = cli.main(["train", config, "--set", "cluster.profile='nowhere.toml'"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "cannot read it" in err
+
+
+def test_calibrate_without_out_refreshes_the_cache(tmp_path, cache, calls):
+    """``distsgd calibrate CONFIG`` measures again into the cache (recalibration)."""
+    cfg = small_config(cluster=CALIBRATE)
+    _calibrated(cfg)
+    config = _write_config(tmp_path / "run.toml", cfg)
+    assert cli.main(["calibrate", config]) == 0
+    assert len(calls) == 2 * factory.PROFILE_REPEATS
+    assert len(list(cache.glob("*.toml"))) == 1  # the same key: replaced
+
+
+def test_too_small_budget_is_refused_with_the_minimum(tmp_path, capsys):
+    """``distsgd tune --budget 3m`` on a config whose long run cannot make the 4
+    evaluations a prediction needs in 3 minutes: one line naming --budget, the value and
+    the minimum, exit 2, nothing written (issue 18: it ran one probe and wrote a report of
+    empty panels). The device profile is given (100 samples/s), so the minimum is about
+    20000 samples / 100 samples/s over the long run's share: far above 3 minutes on any
+    machine, while the setup and one probe of 0.05 simulated seconds fit."""
+    cfg = tmp_path / "c.toml"
+    base = small_config(
+        cluster={"seconds_per_sample": 0.01, "seconds_per_batch": 0.0},
+        train={"eval_every_samples": 5000},
+        tune={"probe_seconds": 0.05},
+    )
+    cfg.write_text(base.to_toml())
+    out = tmp_path / "t"
+    assert main_tune(cfg, out, "3m") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("distsgd: error: --budget 180s is not allowed for this config: ")
+    minimum = int(err.split("needs at least ")[1].split("s here")[0])
+    assert minimum > 4 * 5000 / 100  # at least the long run's training
+    assert "4 evaluations every 5000 samples" in err
+    assert not out.exists()
+
+
+def main_tune(cfg, out, budget: str) -> int:
+    return cli.main(["tune", str(cfg), "--budget", budget, "--out", str(out), "--quiet"])
+
+
+@pytest.mark.parametrize(("setup_s", "probe_s", "eval_s"), [(1.0, 3.0, 0.5), (20.0, 2.0, 4.0)])
+def test_prediction_minimum_gives_the_long_run_its_evaluations(setup_s, probe_s, eval_s):
+    """At the computed minimum the budget's own rule (first_long_run_seconds, after a
+    search that used its whole share) trains the long run long enough for 4 evaluations;
+    at 0.9 of it, it does not (fake clock: no timing)."""
+    sps, every, build_s = 1000.0, 5000, 0.4
+
+    def long_run_training(budget_s: float) -> float:
+        now = [0.0]
+        tb = TuneBudget(budget_s, 0.35, 0.15, probe_s, eval_s, clock=lambda: now[0], start=0.0)
+        now[0] = setup_s
+        minimum = tb.prediction_minimum_s(sps, every, 4, build_s)
+        now[0] += probe_s
+        tb.record_probe(probe_s, probe_s - build_s)
+        now[0] = max(now[0], tb.search_end)  # the search used its share
+        return tb.first_long_run_seconds(sps, every), minimum
+
+    _, minimum = long_run_training(100.0)
+    need = 4 * every / sps
+    # the training seconds t solve the same linear cost: 1e-9 relative is rounding
+    assert long_run_training(minimum)[0] >= need * (1 - 1e-9)
+    assert long_run_training(0.9 * minimum)[0] < need
+
+
+def test_unreadable_cache_entry_is_measured_again(cache, calls, capsys):
+    cfg = small_config(cluster=CALIBRATE)
+    _calibrated(cfg)
+    (saved,) = cache.glob("*.toml")
+    saved.write_text("[profile]\nmodel = ")  # cut short, e.g. by a full disk
+    again = _calibrated(cfg)
+    assert len(calls) == 2 * factory.PROFILE_REPEATS
+    assert "measuring the device profile again" in capsys.readouterr().err
+    assert tomllib.loads(saved.read_text())["profile"]["seconds_per_sample"] == (
+        again.cluster.seconds_per_sample
+    )
