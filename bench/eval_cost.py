@@ -36,8 +36,8 @@ DIST = ["--runtime", "dist", "--num-processes", "2"]
 # (label, tree: "after" or "before", extra CLI arguments); run in this order
 VARIANTS = [
     ("after, sim, eval_samples default (2000)", "after", []),
-    ("after, dist 2 proc, eval_samples default (2000)", "after", DIST),
     ("before, sim (whole test set)", "before", []),
+    ("after, dist 2 proc, eval_samples default (2000)", "after", DIST),
     ("after, sim, eval_samples=0 (whole test set)", "after", ["--set", "train.eval_samples=0"]),
     ("before, dist 2 proc (whole test set)", "before", DIST),
 ]

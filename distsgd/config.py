@@ -827,9 +827,9 @@ class TrainConfig:
             The tuner's probes use it for equal-time probes (SPEC.md §3).
         eval_every_samples: evaluate the model every this many training samples (0: once
             per epoch).
-        eval_batch_size: batch size of evaluation, in samples (128 measured fastest for
-            the built-in models on 2 CPU cores: larger batches leave the caches; the
-            metric does not depend on it, being a sample-weighted mean).
+        eval_batch_size: batch size of evaluation, in samples (the metric does not depend
+            on it, being a sample-weighted mean; 128 kept: on 2 loaded CPU cores larger
+            batches were not consistently faster for the built-in models).
         eval_samples: test samples that intermediate evaluations score (0: the whole test
             set): a fixed, seeded subset (:func:`distsgd.engine.eval_subset_indices`,
             drawn with ``seed``), the same at every evaluation, on every runtime and rank
