@@ -18,6 +18,7 @@ from distsgd.config import ConfigError
 from distsgd.data import MapSplit, TensorSplit
 from distsgd.engine import build_engine, eval_subset, eval_subset_indices
 from distsgd.metrics import read_metrics
+from distsgd.report import make_report
 from tests.conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +91,9 @@ def test_intermediate_evaluations_score_the_subset_and_the_final_one_the_whole_s
     # the final record is the whole set's: eval_samples = 0 scores the same there
     whole = distsgd.train(_subset_config(tmp_path, eval_samples=0), out_dir=tmp_path / "w")
     assert whole["final_metric"] == s["final_metric"]
+    # the report reads and plots records of either set
+    md = make_report([tmp_path / "r", tmp_path / "w"], tmp_path / "report")
+    assert (tmp_path / "report" / "curves.png").exists() and md.exists()
 
 
 def test_a_subset_reaching_the_target_is_decided_by_the_whole_set(tmp_path, monkeypatch):
