@@ -471,12 +471,20 @@ class Trainer:
         """(metric, mean loss, samples scored) of ``weights``: the runtime evaluates (on
         dist the ranks in lock step share the set; both recompute BatchNorm statistics for
         ``weights`` first) the evaluation subset, then the whole set if the subset reached
-        the target; the whole set at once when ``final`` or the subset is the whole set."""
+        the target (an accuracy: the target less 3 standard errors on the subset); the whole
+        set at once when ``final`` or the subset is the whole set."""
         full, batch_size = self.dataset.test, self.cfg.train.eval_batch_size
         subset = self._eval_subset
         if not final and subset is not full:
             value, loss = self.runtime.evaluate(weights, subset, batch_size)
-            reached = target_reached(value, self.cfg.train.target, self.engine.metric.direction)
+            metric, target = self.engine.metric, self.cfg.train.target
+            if metric.name == "accuracy" and target > 0:
+                # 3 standard errors of an accuracy at the target on the subset: a subset
+                # that scores below a model that has reached the target on the whole set
+                # still sends it to the whole set (else the target is found an
+                # evaluation late), with 99.9% probability
+                target -= 3 * math.sqrt(target * (1 - target) / subset.num_samples)
+            reached = target_reached(value, target, metric.direction)
             if not self.runtime.share(reached and self.counters["reached_samples"] < 0):
                 return value, loss, subset.num_samples
         value, loss = self.runtime.evaluate(weights, full, batch_size)

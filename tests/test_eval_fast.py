@@ -97,18 +97,20 @@ def test_intermediate_evaluations_score_the_subset_and_the_final_one_the_whole_s
 
 
 def test_a_subset_reaching_the_target_is_decided_by_the_whole_set(tmp_path, monkeypatch):
-    """The runtime's evaluation is wrapped so that the subset always reports the target
-    reached: the run must score the whole set at once and stop only if that reaches it."""
+    """The runtime's evaluation is wrapped so that the subset always reports an accuracy
+    within 3 standard errors of the target: the run must score the whole set at once and
+    stop only if that reaches it."""
     real = distsgd.runtime.sim.SimRuntime.evaluate
     scored: list[int] = []
 
     def evaluate(self, weights, split, batch_size):
         scored.append(split.num_samples)
         metric, loss = real(self, weights, split, batch_size)
-        return (1.0 if split.num_samples == 100 else metric), loss
+        # 0.975: 1.5 standard errors of an accuracy of 0.99 on 100 samples below it
+        return (0.975 if split.num_samples == 100 else metric), loss
 
     monkeypatch.setattr(distsgd.runtime.sim.SimRuntime, "evaluate", evaluate)
-    # target 0.99: the subset's faked 1.0 reaches it, the whole set's real metric not
+    # target 0.99: the subset's faked 0.975 is near it, the whole set's real metric not
     cfg = _subset_config(tmp_path, target=0.99)
     s = distsgd.train(cfg, out_dir=tmp_path / "r")
     records = read_metrics(tmp_path / "r" / "metrics.jsonl")
