@@ -828,8 +828,8 @@ class TrainConfig:
         eval_every_samples: evaluate the model every this many training samples (0: once
             per epoch).
         eval_batch_size: batch size of evaluation, in samples (the metric does not depend
-            on it, being a sample-weighted mean; 128 kept: on 2 loaded CPU cores larger
-            batches were not consistently faster for the built-in models).
+            on it, being a sample-weighted mean; 128: the fastest of 64 … 1024 for the
+            ``cnn`` on 2 CPU cores, bench/results/eval_cost.md).
         eval_samples: test samples that intermediate evaluations score (0: the whole test
             set): a fixed, seeded subset (:func:`distsgd.engine.eval_subset_indices`,
             drawn with ``seed``), the same at every evaluation, on every runtime and rank
