@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.utils.data import Subset
 
 from distsgd.batched import (
     PATHS,
@@ -37,7 +38,7 @@ from distsgd.config import (
     resolve_device,
     resolved_device_setting,
 )
-from distsgd.data import DEFAULT_ROOTS, Dataset, Split, resolve_root
+from distsgd.data import DEFAULT_ROOTS, Dataset, MapSplit, Split, TensorSplit, resolve_root
 from distsgd.factories import resolve_callable
 from distsgd.models import model_from_config, with_data_shape
 from distsgd.objectives import LOSSES, METRICS, Loss, Metric, build_loss, build_metric
@@ -51,11 +52,57 @@ __all__ = [
     "config_for_data",
     "bn_recalibration_indices",
     "bn_recalibration_inputs",
+    "eval_subset",
+    "eval_subset_indices",
 ]
 
 # Offset of the recalibration slice's generator from ``train.seed`` (any fixed number: the
 # slice must be the same on every runtime, rank and protocol for the same seed).
 _RECALIBRATION_SEED_OFFSET = 0x5EED_BA7C
+
+
+# Offset of the evaluation subset's generator from ``train.seed`` (any fixed number other
+# than the recalibration's: the subset must be the same on every runtime and rank layout).
+_EVAL_SUBSET_SEED_OFFSET = 0xE7A1_5E75
+
+
+def eval_subset_indices(num_test: int, num_samples: int, seed: int) -> Tensor | None:
+    """Evaluation-set indices of the subset that intermediate evaluations score
+    (``train.eval_samples``).
+
+    The first n = ``num_samples`` of a permutation of ``range(num_test)`` drawn from a
+    ``torch.Generator`` seeded with ``seed + 0xE7A15E75``, sorted: a fixed, seeded subset,
+    the same at every evaluation of a run, on every runtime and rank layout, and after a
+    resume (it depends on nothing else).
+
+    Args:
+        num_test: evaluation samples (>= 1).
+        num_samples: ``train.eval_samples`` (>= 0; 0: the whole set).
+        seed: ``train.seed``.
+
+    Returns:
+        int64 indices, shape ``[n]``, distinct and increasing, in ``[0, num_test)``; None
+        when the subset is the whole set (``num_samples`` 0 or >= ``num_test``).
+    """
+    if num_samples <= 0 or num_samples >= num_test:
+        return None
+    g = torch.Generator().manual_seed(seed + _EVAL_SUBSET_SEED_OFFSET)
+    return torch.randperm(num_test, generator=g)[:num_samples].sort().values
+
+
+def eval_subset(split: Split, num_samples: int, seed: int) -> Split:
+    """The evaluation subset of ``split`` (:func:`eval_subset_indices`) as a split of its
+    own, built once per run: the tensors' rows gathered (:class:`TensorSplit`, a copy of
+    n samples) or a ``torch.utils.data.Subset`` view (:class:`MapSplit`, items read when
+    evaluated); ``split`` itself when the subset is the whole set."""
+    idx = eval_subset_indices(split.num_samples, num_samples, seed)
+    if idx is None:
+        return split
+    if isinstance(split, TensorSplit):
+        return TensorSplit(split.x[idx], split.y[idx])
+    if isinstance(split, MapSplit):
+        return MapSplit(Subset(split.dataset, idx.tolist()), split.collate, split.setting)
+    return TensorSplit(*split.batch(idx))  # another Split: its samples, gathered once
 
 
 def bn_recalibration_indices(

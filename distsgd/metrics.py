@@ -4,7 +4,9 @@ Keys carry their unit as a suffix: ``_s`` for seconds, ``samples`` for training 
 Each ``metrics.jsonl`` record has at least: ``eval`` (index), ``samples``, ``epoch``,
 ``virtual_s`` (simulated seconds), ``wall_s`` (wall seconds of training only, evaluation
 excluded), ``eval_wall_s`` (cumulative wall seconds spent evaluating), ``eval_metric``
-(fraction in [0, 1]), ``eval_loss``, ``train_loss`` (mean minibatch loss since the previous
+(fraction in [0, 1]), ``eval_loss``, ``eval_samples`` (test samples the evaluation scored:
+the ``train.eval_samples`` subset, or the whole test set for the final evaluation and for
+one whose subset reached the target), ``train_loss`` (mean minibatch loss since the previous
 evaluation; null at the first), ``lr`` (base learning rate from the schedule),
 ``staleness_mean`` (mean σ of all gradients applied so far).
 
@@ -237,6 +239,7 @@ class MetricsWriter:
 TENSORBOARD_TAGS: dict[str, str] = {
     "eval_metric": "test/accuracy(fraction)",
     "eval_loss": "test/loss(nats)",
+    "eval_samples": "test/scored(samples)",
     "train_loss": "train/loss(nats)",
     "lr": "lr",
     "staleness_mean": "staleness/mean(updates)",

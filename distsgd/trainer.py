@@ -53,7 +53,13 @@ from distsgd.config import (
     RunConfig,
 )
 from distsgd.data import load_dataset
-from distsgd.engine import UserCode, build_engine, check_on_data, config_for_data
+from distsgd.engine import (
+    UserCode,
+    build_engine,
+    check_on_data,
+    config_for_data,
+    eval_subset,
+)
 from distsgd.layout import spec_for
 from distsgd.metrics import (
     ChecksumMismatch,
@@ -243,6 +249,10 @@ class Trainer:
         self.runtime = kind.build(self.cfg, self.engine, self.dataset, initial)
         self.protocol = self.runtime.protocol
         self.is_writer = self.runtime.is_writer
+        # what intermediate evaluations score (train.eval_samples), gathered once
+        self._eval_subset = eval_subset(
+            self.dataset.test, self.cfg.train.eval_samples, self.cfg.train.seed
+        )
         self.tuner = self._replica_tuner()  # every rank: the same decisions
 
     def _replica_tuner(self) -> ReplicaAutoTuner | None:
@@ -395,7 +405,16 @@ class Trainer:
         mean = sum(k * v for k, v in counts.items()) / total if total else 0.0
         return mean, (max(counts) if counts else 0), counts
 
-    def _evaluate(self) -> dict[str, Any] | None:
+    def _evaluate(self, final: bool = False) -> dict[str, Any] | None:
+        """One evaluation of :meth:`Runtime.eval_weights` and, on the writer, its
+        ``metrics.jsonl`` record and the target decision.
+
+        An intermediate evaluation scores the ``train.eval_samples`` subset
+        (:func:`~distsgd.engine.eval_subset`); the ``final`` one (the run's budget) the
+        whole test set. When the subset reaches the target, the whole set is scored at once
+        and decides (on dist the writer's decision is shared, so that every rank of the
+        loop takes part in the second evaluation): a record whose metric reaches the target
+        is always one of the whole set. The record's ``eval_samples`` says which set."""
         c = self.counters
         t0 = time.perf_counter()
         weights = self.runtime.eval_weights()
@@ -409,11 +428,7 @@ class Trainer:
         # every rank's learners' losses
         loss_sum, loss_count = self.runtime.reduce_losses(loss_sum, loss_count)
         c["loss_sum"], c["loss_count"] = 0.0, 0
-        # the runtime evaluates: on dist the ranks in lock step share the test set; both
-        # recompute BatchNorm statistics for the evaluated weights first
-        value, loss = self.runtime.evaluate(
-            weights, self.dataset.test, self.cfg.train.eval_batch_size
-        )
+        value, loss, num_scored = self._score(weights, final)
         # the evaluated model with the BatchNorm statistics it was scored with (model.pt)
         self._eval_model = self.engine.state_dict_at(weights)
         if not self.is_writer:
@@ -433,6 +448,7 @@ class Trainer:
             "eval_wall_s": c["eval_wall_s"],
             "eval_metric": value,
             "eval_loss": loss,
+            "eval_samples": num_scored,
             "train_loss": train_loss,
             "lr": self._lr(),
             "staleness_mean": st_mean,
@@ -442,13 +458,37 @@ class Trainer:
         if c["best_metric"] is None or metric.better(value, c["best_metric"]):
             c["best_metric"] = value
         if (
-            target_reached(value, self.cfg.train.target, metric.direction)
+            num_scored == self.dataset.test.num_samples
+            and target_reached(value, self.cfg.train.target, metric.direction)
             and c["reached_samples"] < 0
         ):
             c["reached_samples"] = samples
             c["reached_wall_s"] = c["train_wall_s"]
             c["reached_virtual_s"] = self._simulated_s()
         return record
+
+    def _score(self, weights: torch.Tensor, final: bool) -> tuple[float, float, int]:
+        """(metric, mean loss, samples scored) of ``weights``: the runtime evaluates (on
+        dist the ranks in lock step share the set; both recompute BatchNorm statistics for
+        ``weights`` first) the evaluation subset, then the whole set if the subset reached
+        the target (an accuracy: the target less 3 standard errors on the subset); the whole
+        set at once when ``final`` or the subset is the whole set."""
+        full, batch_size = self.dataset.test, self.cfg.train.eval_batch_size
+        subset = self._eval_subset
+        if not final and subset is not full:
+            value, loss = self.runtime.evaluate(weights, subset, batch_size)
+            metric, target = self.engine.metric, self.cfg.train.target
+            if metric.name == "accuracy" and target > 0:
+                # 3 standard errors of an accuracy at the target on the subset: a subset
+                # that scores below a model that has reached the target on the whole set
+                # still sends it to the whole set (else the target is found an
+                # evaluation late), with 99.9% probability
+                target -= 3 * math.sqrt(target * (1 - target) / subset.num_samples)
+            reached = target_reached(value, target, metric.direction)
+            if not self.runtime.share(reached and self.counters["reached_samples"] < 0):
+                return value, loss, subset.num_samples
+        value, loss = self.runtime.evaluate(weights, full, batch_size)
+        return value, loss, full.num_samples
 
     def _simulated_s(self) -> float | None:
         """Seconds on the simulated cluster's virtual clock; None on real processes, whose
@@ -684,7 +724,7 @@ class Trainer:
                     time_hit = rt.any_rank(time_hit)
                 if rt.samples >= next_eval or budget_hit or time_hit:
                     if rt.samples != last_eval_samples and self.evaluate:
-                        record = self._evaluate()
+                        record = self._evaluate(final=budget_hit or time_hit)
                         last_eval_samples = rt.samples
                         if record is not None and metrics is not None:
                             metrics.write(record)
@@ -817,6 +857,11 @@ class Trainer:
             # None: the run never evaluated (train.evaluate = false)
             "best_metric": c["best_metric"] if c["evals"] > 0 else None,
             "final_metric": last.get("eval_metric"),
+            # test samples scored: by intermediate evaluations (train.eval_samples; the
+            # whole set when 0 or larger) and by the last one (the whole set for the final
+            # evaluation and for one that reached the target)
+            "eval_samples": self._eval_subset.num_samples if self.evaluate else None,
+            "final_eval_samples": last.get("eval_samples"),
             "reached": reached,
             "time_to_target_s": c["reached_wall_s"] if reached else None,
             "time_to_target_virtual_s": (
