@@ -141,7 +141,9 @@ def _server_seconds(cfg: RunConfig, engine: GradientEngine) -> float:
     ``cfg``'s (a parameter-server one with ``cfg``'s λ when ``cfg`` has no server)."""
     if not spec_for(cfg.protocol).has_server:
         cfg = cfg.replace(
-            protocol=dataclasses.replace(cfg.protocol, name="parameter_server", mode="async")
+            protocol=dataclasses.replace(
+                cfg.protocol, name="parameter_server", mode="async", replicas_per_device=1
+            )
         )
     proto = build_protocol(cfg, engine.initial_weights())
     assert isinstance(proto, AsynchronousProtocol)
