@@ -58,7 +58,7 @@ from distsgd.metrics import (
 from distsgd.models import model_from_config
 from distsgd.rundir import RunDirClaim
 from distsgd.runtime import profiles
-from distsgd.runtime.factory import measure_device, profile_key
+from distsgd.runtime.factory import measure_device, profile_key, warn_spread
 from distsgd.runtime.faults import RankFaults
 from distsgd.trainer import Trainer
 from distsgd.tuner.online import is_tuning_run, train_tuned
@@ -173,6 +173,7 @@ def calibrate(
         else profiles.cache_path(profile_key(cfg, prof.key.num_parameters))
     )
     profiles.write_profile(path, prof)
+    warn_spread(prof, path)
     return path, prof
 
 

@@ -10,10 +10,11 @@ import warnings
 import pytest
 
 from distsgd import cli
-from distsgd.config import RunConfig
+from distsgd.config import ConfigWarning, RunConfig
 from distsgd.data import load_dataset
 from distsgd.engine import config_for_data
 from distsgd.runtime import factory, profiles
+from distsgd.runtime import sim as sim_module
 from distsgd.runtime.sim import DeviceProfile
 from distsgd.tuner.budget import TuneBudget
 from tests.conftest import small_config
@@ -255,3 +256,30 @@ def test_unreadable_cache_entry_is_measured_again(cache, calls, capsys):
     assert tomllib.loads(saved.read_text())["profile"]["seconds_per_sample"] == (
         again.cluster.seconds_per_sample
     )
+
+
+def test_calibrate_command_warns_of_a_large_spread_in_one_line(
+    tmp_path, cache, monkeypatch, capsys
+):
+    """``distsgd calibrate`` of a disturbed measurement says so in one ``distsgd: warning``
+    line (it wrote the profile silently, and calibration's own fallback printed a Python
+    warning with its source line)."""
+    fits = iter([DeviceProfile(0.0, 1e-4), DeviceProfile(0.0, 3e-4), DeviceProfile(0.0, 1e-4)])
+    monkeypatch.setattr(factory, "calibrate", lambda *a, **k: next(fits))
+    config = _write_config(tmp_path / "run.toml", small_config(cluster=CALIBRATE))
+    assert cli.main(["calibrate", config, "--out", str(tmp_path / "p.toml")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("distsgd: warning: ") and "200%" in err[0]
+
+
+def test_calibration_fallback_is_a_config_warning(monkeypatch):
+    """A larger batch measured no slower (a loaded machine): the fallback's warning is a
+    ConfigWarning, which the CLI prints as one line."""
+    cfg = small_config()
+    ds = load_dataset(cfg.data, seed=0)
+    engine = factory._throwaway_engine(config_for_data(cfg, ds), None)
+    clock = iter(range(1000))  # every timed gradient takes 1 s, whatever its batch
+    monkeypatch.setattr(sim_module.time, "perf_counter", lambda: float(next(clock)))
+    with pytest.warns(ConfigWarning, match="device calibration is unreliable"):
+        prof = sim_module.calibrate(engine, ds)
+    assert prof.seconds_per_batch == 0.0

@@ -51,6 +51,7 @@ __all__ = [
     "measure_device",
     "profile_key",
     "runtime_kind",
+    "warn_spread",
     "with_device_profile",
     "with_replica_profile",
 ]
@@ -174,7 +175,7 @@ def _cached_device(
             f"{path}",
             file=sys.stderr,
         )
-        _warn_spread(prof, path)
+        warn_spread(prof, path)
         return prof
     missing_push = prof.seconds_per_push is None
     k = _replicas_needed(cfg)
@@ -200,7 +201,9 @@ def _describe(prof: profiles.DeviceProfileFile) -> str:
     return text
 
 
-def _warn_spread(prof: profiles.DeviceProfileFile, path: Path) -> None:
+def warn_spread(prof: profiles.DeviceProfileFile, path: Path) -> None:
+    """One :class:`~distsgd.runtime.profiles.ProfileSpreadWarning` when ``prof``'s repeated
+    measurements differ by more than :data:`~distsgd.runtime.profiles.SPREAD_WARNING`."""
     if prof.spread > profiles.SPREAD_WARNING:
         warnings.warn(
             f"the device profile's {prof.repeats} measurements differ by {prof.spread:.0%} "
@@ -208,7 +211,7 @@ def _warn_spread(prof: profiles.DeviceProfileFile, path: Path) -> None:
             f"was measured); simulated seconds carry that uncertainty. Measure again on a "
             f"quieter machine with distsgd calibrate CONFIG (or delete {path})",
             profiles.ProfileSpreadWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
 
 

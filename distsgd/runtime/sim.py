@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distsgd.config import ClusterConfig, TrainConfig
+from distsgd.config import ClusterConfig, ConfigWarning, TrainConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol
@@ -157,6 +157,7 @@ def calibrate(
             f"device calibration is unreliable ({t1 * 1e3:.2f} ms at batch {b1}, "
             f"{t2 * 1e3:.2f} ms at batch {b2}); using a per-sample profile. Give "
             "cluster.seconds_per_sample / seconds_per_batch to fix the profile.",
+            ConfigWarning,
             stacklevel=2,
         )
         return DeviceProfile(0.0, t2 / b2, calibrated=True)
