@@ -619,10 +619,26 @@ class Trainer:
                 "to train on, resume with --set train.stop_at_target=false"
             )
 
+    def _config_toml(self) -> str:
+        """``config.toml``'s text: the resolved config, headed by a comment naming the
+        sections a Python object (:func:`distsgd.fit`) replaced, which did not train."""
+        objects = [
+            name
+            for name, given in (("[model]", self.code.model), ("[data]", self.code.data))
+            if given is not None
+        ]
+        text = self.cfg.to_toml(applicable_only=True)
+        if not objects:
+            return text
+        return (
+            f"# {' and '.join(objects)}: Python objects given to distsgd.fit trained this run, "
+            "not the settings below\n" + text
+        )
+
     def _run_writing(self, resume: bool) -> dict[str, Any]:
         """The writing rank's run: files, the training loop, the outcome."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.toml").write_text(self.cfg.to_toml(applicable_only=True))
+        (self.out_dir / "config.toml").write_text(self._config_toml())
         metrics = MetricsWriter(
             self.out_dir / "metrics.jsonl", keep_evals=self.counters["evals"] if resume else None
         )

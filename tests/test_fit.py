@@ -353,6 +353,9 @@ def test_fit_with_objects_returns_the_evaluated_model(tmp_path, protocol):
     model = result.model
     assert type(model) is TabularNet and model is not net and not model.training
     assert result.run_dir == tmp_path / "run" and result.summary["model"] == "(object)"
+    # config.toml says its [model] and [data] did not train (it named the default cnn)
+    head = (result.run_dir / "config.toml").read_text().splitlines()[0]
+    assert head.startswith("# [model] and [data]: Python objects given to distsgd.fit")
     assert len(result.metrics) == 5 and result.summary["final_metric"] > 0.5
     batch = fit_config(protocol).train.eval_batch_size
     assert accuracy_of(model, x_test, y_test, batch) == result.summary["final_metric"]
