@@ -148,15 +148,24 @@ def test_world_of_one_hardsync_is_the_plain_loop():
         ctx.close()
 
 
-def test_hardsync_buckets_start_in_backward_and_accumulation_is_reduced_again():
-    """The all-reduce overlaps backward: after ``backward()`` and before ``step()`` every
-    bucket has been launched (one per parameter with a 1-byte cap; the first holds the
-    last parameter, as DDP's). Two backward passes before a step (gradient accumulation)
-    still step on the accumulated gradient: the plain loop's floats (world of one)."""
+def test_hardsync_buckets_start_in_backward_and_accumulation_is_reduced_again(monkeypatch):
+    """The all-reduce overlaps backward: every bucket's all-reduce is issued inside
+    backward, the first before backward reached the first layer (one bucket per
+    parameter with a 1-byte cap; the first holds the last parameter, as DDP's). Two
+    backward passes before a step (gradient accumulation) reduce once per pass and still
+    step on the accumulated gradient: the plain loop's floats (world of one)."""
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
     b = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
     b.load_state_dict(a.state_dict())
+    launches: list[tuple[bool, bool]] = []  # (inside backward, first layer's grad missing)
+    all_reduce = torch.distributed.all_reduce
+
+    def recording_all_reduce(*args, **kwargs):
+        in_backward = torch._C._current_graph_task_id() != -1
+        launches.append((in_backward, b[0].weight.grad is None))
+        return all_reduce(*args, **kwargs)
+
     ctx = dsgd.init("hardsync")
     try:
         opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
@@ -167,16 +176,59 @@ def test_hardsync_buckets_start_in_backward_and_accumulation_is_reduced_again():
             bk == [p] for bk, p in zip(buckets.buckets, reversed(list(b.parameters())), strict=True)
         )
         assert len(buckets.buckets) == 4
+        monkeypatch.setattr(torch.distributed, "all_reduce", recording_all_reduce)
         for passes in (1, 2, 1):
             for m, o in ((a, opt_a), (b, opt_b)):
                 o.zero_grad()
+                launches.clear()
                 for k in range(passes):
                     x = torch.randn(8, 5, generator=torch.Generator().manual_seed(10 * passes + k))
                     m(x).pow(2).mean().backward()
-                if o is opt_b:
-                    assert len(buckets.works) == 4  # launched from backward, before step
-                    assert buckets.stale == (passes == 2)
+                if o is opt_b:  # 4 buckets launched from backward per pass, before step
+                    assert len(launches) == 4 * passes and all(inside for inside, _ in launches)
+                    assert launches[0][1]  # before the first layer's gradient existed
                 o.step()
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            assert torch.equal(p, q)  # mean over one rank: the same floats
+    finally:
+        ctx.close()
+
+
+def test_hardsync_gradients_are_bucket_views_whatever_zero_grad_and_clipping_holds():
+    """``.grad`` are views into the buckets after backward however the loop zeroes them
+    (torch's default ``set_to_none=True`` through the wrapper, the module or the wrapped
+    optimizer, or ``set_to_none=False``), and they are the reduced gradients already:
+    clipping between ``backward()`` and ``step()`` acts (it was lost before: ``step``
+    overwrote the clipped ``.grad`` with the reduction of the unclipped ones). World of
+    one: the plain loop's floats."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    b = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    b.load_state_dict(a.state_dict())
+    ctx = dsgd.init("hardsync")
+    try:
+        opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+        sgd = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+        opt_b = dsgd.DistributedOptimizer(sgd, b, ctx)
+        (bucket,) = opt_b._rule.buckets.flats  # 55 floats: one bucket
+        zero_grads = [
+            opt_b.zero_grad,
+            lambda: opt_b.zero_grad(set_to_none=False),
+            b.zero_grad,
+            sgd.zero_grad,
+        ]
+        for step in range(8):
+            x = torch.randn(8, 5, generator=torch.Generator().manual_seed(step))
+            opt_a.zero_grad()
+            zero_grads[step % 4]()
+            for m, o in ((a, opt_a), (b, opt_b)):
+                (10 * m(x)).pow(2).mean().backward()
+                norm = nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+                assert norm > 0.5  # the clipping acts
+                o.step()
+            for p in b.parameters():
+                start = p.grad.data_ptr() - bucket.data_ptr()
+                assert 0 <= start < bucket.numel() * bucket.element_size()
         for p, q in zip(a.parameters(), b.parameters(), strict=True):
             assert torch.equal(p, q)  # mean over one rank: the same floats
     finally:
@@ -314,15 +366,29 @@ def _scenario_ddp(spec: dict, record: dict) -> None:
     normed_opt = dsgd.DistributedOptimizer(
         torch.optim.SGD(normed.parameters(), lr=0.05), normed, ctx
     )
+    # two backward passes per step (half batches), clipped, zeroed in place or to None
+    acc_ref, acc = _mlp(spec), _mlp(spec)
+    acc_ddp = nn.parallel.DistributedDataParallel(acc_ref)
+    acc_ref_opt = torch.optim.SGD(acc_ref.parameters(), lr=0.05, momentum=0.9)
+    acc_opt = dsgd.DistributedOptimizer(
+        torch.optim.SGD(acc.parameters(), lr=0.05, momentum=0.9), acc, ctx
+    )
     initial = _flat(mine)
     for epoch in range(2):
         sampler.set_epoch(epoch)
-        for x, y in loader:
+        for step, (x, y) in enumerate(loader):
             for m, o in ((ddp, ref_opt), (mine, opt), (split, split_opt), (normed, normed_opt)):
                 o.zero_grad()
                 F.cross_entropy(m(x), y).backward()
                 o.step()
+            for m, o in ((acc_ddp, acc_ref_opt), (acc, acc_opt)):
+                o.zero_grad(set_to_none=step % 2 == 0)
+                for half in (slice(0, 8), slice(8, 16)):
+                    F.cross_entropy(m(x[half]), y[half]).backward()
+                nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+                o.step()
     record.update(ddp=_flat(ref), wrapper=_flat(mine), split=_flat(split), initial=initial)
+    record.update(accumulated_ddp=_flat(acc_ref), accumulated=_flat(acc))
     record["buffers"] = [b.clone() for b in normed.buffers()]
     ctx.close()
 
@@ -524,6 +590,10 @@ def test_hardsync_wrapper_matches_ddp_in_the_same_script(tmp_path):
         torch.testing.assert_close(rec["wrapper"], rec["ddp"], rtol=0, atol=1e-5)
         # the buckets partition the same elementwise sums: any bucketing, the same floats
         assert torch.equal(rec["split"], rec["wrapper"])
+        # gradient accumulation without no_sync, clipped after backward, zero_grad in
+        # place or to None: DDP's sums of per-pass means (tolerance as above)
+        assert not torch.equal(rec["accumulated"], rec["initial"])
+        torch.testing.assert_close(rec["accumulated"], rec["accumulated_ddp"], rtol=0, atol=1e-5)
     assert torch.equal(records[0]["wrapper"], records[1]["wrapper"])  # one model
     # BatchNorm statistics are averaged every step: the same on both ranks, and moved
     mean0, var0, count0 = records[0]["buffers"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Iterable
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd import Variable
 
 from distsgd.config import ConfigError
 from distsgd.layout import sma_alpha
@@ -17,7 +19,7 @@ from distsgd.protocols import SMA, LocalSGD
 from distsgd.runtime import ps
 from distsgd.runtime.dist import _collective_error
 from distsgd.torch.context import Context, _parameters
-from distsgd.torch.flat import flatten, flatten_grads, write_back, write_grads
+from distsgd.torch.flat import flatten, flatten_grads, write_back
 
 __all__ = ["DistributedOptimizer"]
 
@@ -31,7 +33,8 @@ class DistributedOptimizer:
     * ``hardsync`` (§1): the gradients are mean-all-reduced, then the user's optimizer
       steps: DDP's and Horovod's rule, with DDP's overlap: buckets of about
       ``bucket_cap_mb`` MiB, in reverse parameter order, start their all-reduce from
-      backward as their gradients become ready and are waited for in ``step()``
+      backward as their gradients become ready and are waited for when backward ends,
+      so after ``backward()`` ``param.grad`` is the mean, a view into its bucket
       (:class:`_GradientBuckets`).
     * ``local_sgd`` (§5): the user's optimizer steps locally; every H = ``average_every``
       steps the parameters are averaged over the ranks. The counter and the averaging
@@ -68,7 +71,8 @@ class DistributedOptimizer:
 
     Raises:
         ConfigError: ``bucket_cap_mb`` is not a positive number.
-        RuntimeError: on a server rank (it calls ``ctx.serve``); from :meth:`step`:
+        RuntimeError: on a server rank (it calls ``ctx.serve``); from :meth:`step` (and
+            under hardsync from ``backward()``, which waits for the all-reduces):
             ``PeerLost`` naming the lost rank (synchronous protocols), ``ps.ServerLost``,
             ``ps.LearnerLost``.
         ValueError: ``model`` holds no tensors.
@@ -121,8 +125,10 @@ class DistributedOptimizer:
         return getattr(self._rule, "stopped", False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad`` (hardsync: gradient buckets a backward
-        launched without a ``step`` after it are waited for and dropped first)."""
+        """The wrapped optimizer's ``zero_grad``. Under hardsync ``.grad`` are views into
+        the gradient buckets; ``set_to_none=True`` (torch's default) drops them and the
+        next backward points them back (as ``model.zero_grad()`` or the wrapped
+        optimizer's would), ``False`` zeroes the buckets through them."""
         self._rule.zero_grad()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -212,8 +218,9 @@ class _Rule:
 
 class _AllReduce(_Rule):
     """hardsync: DDP's reduction. The gradients are mean-all-reduced in buckets launched
-    from backward as they become ready (:class:`_GradientBuckets`), waited in ``step``,
-    then the user's optimizer steps; buffers are averaged once per step."""
+    from backward as they become ready and waited for when backward ends
+    (:class:`_GradientBuckets`), then ``step`` averages the buffers and the user's
+    optimizer steps."""
 
     def __init__(self, owner: DistributedOptimizer) -> None:
         super().__init__(owner)
@@ -222,113 +229,160 @@ class _AllReduce(_Rule):
 
     def step(self, loss: float) -> None:
         o = self.o
-        self.buckets.reduce()
+        self.buckets.reduce_if_not_reduced()
+        self.buckets.reduced = False
         if o.buffers:
             write_back(o.average(flatten(o.buffers)), o.buffers)
         o.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.buckets.discard()
 
     def close(self) -> None:
         self.buckets.remove()
 
 
 class _GradientBuckets:
-    """Gradient buckets all-reduced while backward runs, as DDP's reducer does.
+    """Gradient buckets all-reduced while backward runs, as DDP's reducer does, with the
+    gradients as views into the buckets (DDP's ``gradient_as_bucket_view``).
 
     The parameters that require a gradient are packed, in reverse order (the order in
     which backward produces them), into buckets, each closed once it holds
     ``bucket_cap_mb`` MiB or more (the first 1 MiB, DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``;
-    a parameter is never split). A
-    ``register_post_accumulate_grad_hook`` per parameter marks it ready; a bucket whose
-    parameters are all ready is flattened, scaled by 1/W (DDP scales before summing) and
-    its all-reduce launched with ``async_op=True``. Buckets launch strictly in bucket
-    order, so every rank issues the same sequence of collectives whatever the order its
-    hooks fire in. :meth:`reduce` (in ``step``) launches what backward did not (unused
-    parameters count as zero gradients), waits for every bucket and writes the mean
-    gradients into ``param.grad``.
+    a parameter is never split; a change of dtype or device also closes one). Each bucket
+    is one persistent flat tensor ``[Σ numel]``; each parameter's ``.grad`` is a view of
+    its slice, so the optimizer reads the all-reduced gradients where the collective
+    wrote them: no flatten, no copy back, no allocation per step.
 
-    A parameter whose gradient accumulates twice before ``step`` (several backward
-    passes per step) makes the launched results stale: :meth:`reduce` then waits for
-    them, drops them and all-reduces the accumulated gradients once more. As under DDP,
-    every rank must run the same number of backward passes per step.
+    A ``register_post_accumulate_grad_hook`` per parameter puts its gradient in the
+    bucket scaled by 1/W (DDP scales before summing, with the same ``mul``): when
+    ``.grad`` is the view (``zero_grad(set_to_none=False)``, or a second backward) autograd
+    accumulated into the bucket and the view is scaled in place; otherwise (``.grad`` was
+    ``None``, torch's default ``zero_grad``, and autograd made a new tensor) the scaled
+    gradient is written into the view in one pass and ``.grad`` pointed back at the view.
+    A bucket whose parameters are all in launches its all-reduce with
+    ``async_op=True``; buckets launch strictly in bucket order, so every rank issues the
+    same collectives whatever the order its hooks fire in. When backward ends (a callback
+    queued on autograd's engine, as DDP's ``finalize_backward``) the buckets backward left
+    (parameters without a gradient count as zero) are launched and all are waited for:
+    after ``backward()`` the ``.grad`` are the ranks' mean, so clipping between backward
+    and ``step`` sees what DDP's would. Several backward passes before one ``step``
+    (gradient accumulation) each reduce again, as DDP without ``no_sync``: the mean of
+    the earlier passes plus this rank's new gradient, scaled by 1/W and summed, is the
+    sum of the passes' means. As under DDP, every rank must run the same number of
+    backward passes per step.
     """
 
     FIRST_BUCKET_BYTES = 1024 * 1024
 
     def __init__(self, owner: DistributedOptimizer) -> None:
         self.o = owner
-        cap = int(owner.bucket_cap_mb * 1024 * 1024)
-        self.buckets: list[list[Tensor]] = []
-        size, limit = 0, min(cap, self.FIRST_BUCKET_BYTES)
-        for p in reversed([p for p in owner.params if p.requires_grad]):
-            if not self.buckets or size >= limit:
-                if self.buckets:
-                    limit = cap
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += p.numel() * p.element_size()
-        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self.hooks = [
-            p.register_post_accumulate_grad_hook(self._on_gradient) for b in self.buckets for p in b
-        ]
-        self._reset()
+        self.scale = 1.0 / owner.ctx.world_size
+        self.buckets = _pack_buckets(
+            [p for p in owner.params if p.requires_grad],
+            int(owner.bucket_cap_mb * 1024 * 1024),
+            self.FIRST_BUCKET_BYTES,
+        )
+        self.flats: list[Tensor] = []  # bucket i: its gradients, [Σ numel], p.dtype
+        self.views: list[list[Tensor]] = []  # bucket i: one view per parameter
+        self.hooks = []
+        k = 0  # the parameter's place over all buckets (its entry in ``passes``)
+        for i, params in enumerate(self.buckets):
+            flat = torch.zeros(
+                sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+            )
+            sizes = [p.numel() for p in params]
+            views = [v.view_as(p) for v, p in zip(flat.split(sizes), params, strict=True)]
+            self.flats.append(flat)
+            self.views.append(views)
+            for p, view in zip(params, views, strict=True):
+                hook = functools.partial(self._on_gradient, i, k, view)
+                self.hooks.append(p.register_post_accumulate_grad_hook(hook))
+                k += 1
+        self.num_passes = 0  # backward passes reduced since construction
+        self.passes = [0] * k  # per parameter: the last pass that gave it a gradient
+        self.works: list[Any] = []  # this pass's launched all-reduces, bucket order
+        self.missing = [len(b) for b in self.buckets]  # per bucket: gradients not in yet
+        self.in_backward = False  # a backward pass is putting gradients in (end queued)
+        self.reduced = False  # the .grad are the ranks' mean (cleared by step)
 
-    def _reset(self) -> None:
-        self.ready: list[set[int]] = [set() for _ in self.buckets]
-        self.works: list[tuple[Tensor, Any]] = []  # (flat bucket, work), bucket order
-        self.stale = False
-
-    def _on_gradient(self, param: Tensor) -> None:
-        i = self.bucket_of[id(param)]
-        if id(param) in self.ready[i]:
-            self.stale = True  # a second backward before step()
+    def _take(self, param: Tensor, view: Tensor) -> None:
+        """Put ``param``'s gradient, scaled by 1/W, into its bucket ``view``; point
+        ``param.grad`` at it (zeros for a missing gradient)."""
+        grad = param.grad
+        if grad is view:
+            if self.scale != 1.0:
+                view.mul_(self.scale)
             return
-        self.ready[i].add(id(param))
-        while len(self.works) < len(self.buckets):
-            nxt = len(self.works)
-            if len(self.ready[nxt]) < len(self.buckets[nxt]):
-                break
-            self._launch(nxt)
+        with torch.no_grad():
+            if grad is None:
+                view.zero_()
+            elif self.scale != 1.0:
+                torch.mul(grad, self.scale, out=view)
+            else:
+                view.copy_(grad)
+        param.grad = view
+
+    def _on_gradient(self, i: int, k: int, view: Tensor, param: Tensor) -> None:
+        if not self.in_backward:  # this pass's first gradient
+            self.in_backward = True
+            self.num_passes += 1
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._take(param, view)
+        self.passes[k] = self.num_passes
+        missing, works = self.missing, self.works
+        missing[i] -= 1
+        while len(works) < len(missing) and missing[len(works)] == 0:
+            self._launch(len(works))
 
     def _launch(self, i: int) -> None:
-        o = self.o
-        flat = flatten_grads(self.buckets[i]).mul_(1.0 / o.ctx.world_size)
-        work = o.collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM, async_op=True)
-        self.works.append((flat, work))
+        self.works.append(
+            self.o.collective(dist.all_reduce, self.flats[i], op=dist.ReduceOp.SUM, async_op=True)
+        )
 
-    def reduce(self) -> None:
-        """Launch the buckets backward left, wait for all and set ``param.grad`` to the
-        ranks' mean gradient. Collective."""
-        o = self.o
-        while len(self.works) < len(self.buckets):
-            self._launch(len(self.works))
-        for (flat, work), params in zip(self.works, self.buckets, strict=True):
-            o.collective(work.wait)
-            if not self.stale:
-                write_grads(flat, params)
-        if self.stale:  # gradients accumulated after their bucket left: reduce them now
-            for params in self.buckets:
-                flat = flatten_grads(params).mul_(1.0 / o.ctx.world_size)
-                o.collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
-                write_grads(flat, params)
-        self._reset()
+    def _end_of_backward(self) -> None:
+        """Launch what backward left, wait for every bucket: ``.grad`` is the mean."""
+        k = sum(len(b) for b in self.buckets[: len(self.works)])
+        for i in range(len(self.works), len(self.buckets)):
+            for p, view in zip(self.buckets[i], self.views[i], strict=True):
+                if self.passes[k] != self.num_passes:  # none this pass: adds zero
+                    self._take(p, view)
+                k += 1
+            self._launch(i)
+        for work in self.works:
+            self.o.collective(work.wait)
+        self.works = []
+        self.missing = [len(b) for b in self.buckets]
+        self.in_backward = False
+        self.reduced = True
 
-    def discard(self) -> None:
-        """Wait for the launched buckets and forget them (``zero_grad`` without a
-        ``step``): the next backward starts a fresh round. Collective if any launched."""
-        if any(self.ready) or self.works:
-            for _, work in self.works:
-                self.o.collective(work.wait)
-            self._reset()
+    def reduce_if_not_reduced(self) -> None:
+        """``step`` without a backward since the last one (gradients set by hand): reduce
+        the ``.grad`` there are, as one pass. Collective (every rank must agree)."""
+        if not self.reduced:
+            self.num_passes += 1
+            self._end_of_backward()
 
     def remove(self) -> None:
         """Remove the hooks (the optimizer is closed)."""
         for h in self.hooks:
             h.remove()
         self.hooks = []
+
+
+def _pack_buckets(params: list[Tensor], cap_bytes: int, first_bytes: int) -> list[list[Tensor]]:
+    """DDP's bucket assignment: ``params`` in reverse order, a bucket closed once it holds
+    ``cap_bytes`` or more (the first ``min(cap_bytes, first_bytes)``), or when the dtype
+    or device changes; a parameter is never split."""
+    buckets: list[list[Tensor]] = []
+    size, limit = 0, min(cap_bytes, first_bytes)
+    for p in reversed(params):
+        last = buckets[-1][-1] if buckets else None
+        if last is None or size >= limit or (p.dtype, p.device) != (last.dtype, last.device):
+            if buckets:
+                limit = cap_bytes
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+    return buckets
 
 
 class _Averaging(_Rule):
