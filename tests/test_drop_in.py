@@ -11,6 +11,7 @@ each run costs a few seconds, most of it process set-up.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -519,7 +520,12 @@ def _child(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
-    _run_scenario(spec, out)
+    # a rank still running near the test's deadline writes every thread's stack, which
+    # the failure message shows (a rare hang of the DDP scenario under load is unexplained)
+    with open(out + ".stack", "w") as stack:
+        faulthandler.dump_traceback_later(JOIN_S - 10, file=stack)
+        _run_scenario(spec, out)
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _run_scenario(spec: dict, out: str) -> None:
@@ -529,6 +535,10 @@ def _run_scenario(spec: dict, out: str) -> None:
     except Exception:  # reported to the test, which fails on it
         record["crash"] = traceback.format_exc()
     torch.save(record, out)
+
+
+def _read_text(path: Path) -> str:
+    return path.read_text() if path.exists() else "(none written)"
 
 
 def _spawn(spec: dict, world: int, tmp_path: Path) -> dict[int, dict]:
@@ -555,9 +565,10 @@ def _spawn(spec: dict, world: int, tmp_path: Path) -> dict[int, dict]:
                 if r not in alive and (tmp_path / f"{r}.pt").exists()
             }
             written = [r for r in alive if (tmp_path / f"{r}.pt").exists()]
+            stacks = {r: _read_text(tmp_path / f"{r}.pt.stack") for r in alive}
             raise AssertionError(
                 f"ranks {alive} still running after {JOIN_S} s (of them, {written} wrote "
-                f"their record); the others: {others}"
+                f"their record); the others: {others}; their stacks: {stacks}"
             )
     finally:
         for p in procs:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["flatten", "flatten_grads", "write_back", "write_grads"]
+__all__ = ["flatten", "flatten_grads", "write_back"]
 
 
 def flatten(tensors: list[Tensor]) -> Tensor:
@@ -29,16 +29,3 @@ def write_back(vector: Tensor, tensors: list[Tensor]) -> None:
     with torch.no_grad():
         for t, v in zip(tensors, vector.split([t.numel() for t in tensors]), strict=True):
             t.copy_(v.view_as(t))
-
-
-def write_grads(vector: Tensor, params: list[Tensor]) -> None:
-    """Set the gradients of ``params`` from ``vector`` ``[P]`` (allocating missing ones;
-    frozen parameters, ``requires_grad = False``, are left without one)."""
-    with torch.no_grad():
-        for p, v in zip(params, vector.split([p.numel() for p in params]), strict=True):
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = v.view_as(p).to(p.dtype).clone()
-            else:
-                p.grad.copy_(v.view_as(p))
