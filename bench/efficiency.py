@@ -345,6 +345,102 @@ def run_rounds(args: argparse.Namespace, ds: Dataset) -> tuple[dict, dict, dict,
     return peaks, rates, notes, loads
 
 
+# ---- compile cost and memory format (one-off side-by-side measurements) --------------------
+
+
+def batches_of(ds: Dataset, b: int, count: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """``count`` random minibatches (x, y) of b training samples of ``ds``."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, ds.num_train, (count, b), generator=g)
+    return [(ds.train_x[i], ds.train_y[i]) for i in idx]
+
+
+def first_compiled_step(ds: Dataset, model_name: str, b: int, chunks: int, cache: bool) -> float:
+    """Seconds of a fresh ``compile = "on"`` engine's first gradient (b samples in
+    ``chunks`` learners' chunks): tracing and inductor's compilation, plus one step.
+    ``cache = False``: inductor's on-disk caches off (a user's first run); True: on, after
+    one compilation of the same graph (every later run on this machine)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(model_name, ds.input_shape, ds.num_classes)
+    engine = GradientEngine(model, compile="on")
+    (x, y), w = batches_of(ds, b, 1, seed=1)[0], engine.initial_weights()
+    with torch._inductor.config.patch(force_disable_caches=not cache):
+        t0 = time.perf_counter()
+        engine.gradient(w, x, y, num_chunks=chunks)
+        seconds = time.perf_counter() - t0
+    if not engine.compiled:
+        raise RuntimeError("compilation failed (see the warning): nothing to measure")
+    return seconds
+
+
+def compile_cost(ds: Dataset, model_name: str, b: int, chunks: int, steps: int) -> dict:
+    """``train.compile`` in a run's terms: the first compiled step (caches off; on) and
+    the seconds per gradient of the eager and the compiled engine at b samples, timed
+    alternately step by step (same weights, same minibatches) after one warm-up each."""
+    cold = first_compiled_step(ds, model_name, b, chunks, cache=False)
+    first_cached = first_compiled_step(ds, model_name, b, chunks, cache=True)
+    warm = first_compiled_step(ds, model_name, b, chunks, cache=True)
+    torch._dynamo.reset()
+    engines = {}
+    for mode in ("off", "on"):
+        torch.manual_seed(0)
+        engines[mode] = GradientEngine(build_model(model_name, ds.input_shape, ds.num_classes),
+                                       compile=mode)  # fmt: skip
+    w = engines["off"].initial_weights()
+    data = batches_of(ds, b, steps + 1, seed=2)
+    seconds = {"off": [], "on": []}
+    for i, (x, y) in enumerate(data):
+        for mode, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.gradient(w, x, y, num_chunks=chunks)
+            if i:  # step 0 is the warm-up (the compiled engine compiles there)
+                seconds[mode].append(time.perf_counter() - t0)
+    eager, compiled = (statistics.median(seconds[m]) for m in ("off", "on"))
+    saving = eager - compiled
+    return {
+        "model": model_name, "b": b, "chunks": chunks, "steps": steps,
+        "first_step_s_cold": cold, "first_step_s_first_cached": first_cached,
+        "first_step_s_warm": warm, "eager_s_per_step": eager, "compiled_s_per_step": compiled,
+        "eager_s_per_step_mean": statistics.fmean(seconds["off"]),
+        "compiled_s_per_step_mean": statistics.fmean(seconds["on"]),
+        "break_even_steps_cold": (cold - compiled) / saving if saving > 0 else None,
+        "break_even_steps_warm": (warm - compiled) / saving if saving > 0 else None,
+    }  # fmt: skip
+
+
+def channels_last_cost(ds: Dataset, model_name: str, b: int, steps: int) -> dict:
+    """Seconds per forward + backward (mean cross-entropy) of the model at b samples with
+    model and input contiguous vs ``torch.channels_last``, alternately step by step after
+    one warm-up each; the largest gradient difference between the two (float rounding)."""
+    models = {}
+    for fmt in ("contiguous", "channels_last"):
+        torch.manual_seed(0)
+        model = build_model(model_name, ds.input_shape, ds.num_classes)
+        if fmt == "channels_last":
+            model = model.to(memory_format=torch.channels_last)
+        models[fmt] = model
+    seconds: dict[str, list[float]] = {f: [] for f in models}
+    grads = {}
+    for i, (x, y) in enumerate(batches_of(ds, b, steps + 1, seed=3)):
+        for fmt, model in models.items():
+            xf = x.contiguous(memory_format=torch.channels_last) if fmt == "channels_last" else x
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            F.cross_entropy(model(xf), y).backward()
+            if i:
+                seconds[fmt].append(time.perf_counter() - t0)
+            grads[fmt] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    cont, cl = (statistics.median(seconds[f]) for f in ("contiguous", "channels_last"))
+    diff = float((grads["contiguous"] - grads["channels_last"]).abs().max())
+    return {
+        "model": model_name, "b": b, "steps": steps, "contiguous_s_per_step": cont,
+        "channels_last_s_per_step": cl, "speedup": cont / cl,
+        "max_abs_grad_difference_last_step": diff,
+        "max_abs_grad_last_step": float(grads["contiguous"].abs().max()),
+    }  # fmt: skip
+
+
 # ---- results -------------------------------------------------------------------------------
 
 
@@ -458,6 +554,56 @@ def markdown(meta: dict, peak: dict, peaks: dict, flops: dict, rows: list, profi
     return "\n".join(lines)
 
 
+def micro_markdown(micro: dict) -> str:
+    """The ``--compile-cost`` and ``--channels-last`` tables (empty when not run)."""
+    lines = [""]
+    if micro["compile_cost"]:
+        lines += [
+            "## train.compile: first step and per-step saving (engine gradient)",
+            "",
+            "`GradientEngine.gradient` at B samples in M learners' chunks (hardsync's fused "
+            "step: the default run is 4 × 32 = 128:4); first compiled step of a fresh engine "
+            "with inductor's caches off (a user's first run), on (first and second time); "
+            "then eager and compiled alternately, median seconds per step (mean beside).",
+            "",
+            "| model | B:M | first step, caches off s | caches on, 1st s | caches on, 2nd s "
+            "| eager ms/step | compiled ms/step | compiled / eager | break-even steps "
+            "(cold; warm) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for c in micro["compile_cost"]:
+            be = "; ".join(
+                "never" if c[k] is None else f"{c[k]:.0f}"
+                for k in ("break_even_steps_cold", "break_even_steps_warm")
+            )
+            lines.append(
+                f"| {c['model']} | {c['b']}:{c['chunks']} | {c['first_step_s_cold']:.1f} "
+                f"| {c['first_step_s_first_cached']:.1f} | {c['first_step_s_warm']:.1f} "
+                f"| {1e3 * c['eager_s_per_step']:.1f} ({1e3 * c['eager_s_per_step_mean']:.1f}) "
+                f"| {1e3 * c['compiled_s_per_step']:.1f} "
+                f"({1e3 * c['compiled_s_per_step_mean']:.1f}) "
+                f"| {c['compiled_s_per_step'] / c['eager_s_per_step']:.3f} | {be} |"
+            )
+        lines.append("")
+    if micro["channels_last"]:
+        lines += [
+            "## channels_last vs contiguous (model and input; forward + backward)",
+            "",
+            "| model | b | contiguous ms/step | channels_last ms/step | speed-up "
+            "| max abs gradient difference (largest gradient) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c in micro["channels_last"]:
+            lines.append(
+                f"| {c['model']} | {c['b']} | {1e3 * c['contiguous_s_per_step']:.1f} "
+                f"| {1e3 * c['channels_last_s_per_step']:.1f} | {c['speedup']:.3f} "
+                f"| {c['max_abs_grad_difference_last_step']:.2e} "
+                f"({c['max_abs_grad_last_step']:.2e}) |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], models: list[str], out: Path) -> None:
     """Fraction of the all-core peak against b (log2 axis), one line per path, one panel
     per model."""
@@ -486,6 +632,17 @@ def plot(rows: list[dict], models: list[str], out: Path) -> None:
 
 
 # ---- profile -------------------------------------------------------------------------------
+
+
+def parse_chunked(spec: str) -> tuple[int, int]:
+    """``B`` or ``B:M`` → (B, M): B samples in M equal chunks (M divides B)."""
+    try:
+        b, m = (int(x) for x in (spec.split(":") + ["1"])[:2])
+    except ValueError:
+        b = m = 0
+    if b < 1 or m < 1 or b % m:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected B or B:M, M dividing B")
+    return b, m
 
 
 def parse_profile(spec: str) -> tuple[str, int, int]:
@@ -556,6 +713,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", type=parse_profile, default=None, metavar="PATH:B[:K]",
                     help="add a torch.profiler table (top 15 by self CPU) of this path: "
                     "loop:B, sim:B or replicas:B:K, for every model")  # fmt: skip
+    ap.add_argument("--compile-cost", type=parse_chunked, nargs="*", default=[],
+                    metavar="B[:M]", help="measure train.compile's first step and per-step "
+                    "saving at B samples in M learners' chunks (the default run: 128:4)")  # fmt: skip
+    ap.add_argument("--channels-last", type=int, nargs="*", default=[], metavar="B",
+                    help="time forward + backward at B samples, contiguous vs channels_last")  # fmt: skip
+    ap.add_argument("--micro-steps", type=int, default=30,
+                    help="timed steps of --compile-cost and --channels-last")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("bench/out/efficiency"))
     args = ap.parse_args(argv)
     for name in ("batches", "replicas"):
@@ -579,6 +743,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile:
         for m in args.models:
             profiles[f"{m}, {args.profile[0]} b = {args.profile[1]}"] = profile_table(args, ds, m)
+    micro = {
+        "compile_cost": [
+            compile_cost(ds, m, b, chunks, args.micro_steps)
+            for m in args.models
+            for b, chunks in args.compile_cost
+        ],
+        "channels_last": [
+            channels_last_cost(ds, m, b, args.micro_steps)
+            for m in args.models
+            for b in args.channels_last
+        ],
+    }
     peak, rows = summarise(args, peaks, rates, notes, flops)
     meta = {
         "command": command(argv),
@@ -599,8 +775,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_s": time.time() - t_start,
     }
     result = {"meta": meta, "peak_flop_per_s": peak, "peaks": peaks, "flops": flops, "rows": rows}
+    result.update(micro)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "efficiency.md").write_text(markdown(meta, peak, peaks, flops, rows, profiles))
+    text = markdown(meta, peak, peaks, flops, rows, profiles) + micro_markdown(micro)
+    (args.out / "efficiency.md").write_text(text)
     (args.out / "efficiency.json").write_text(json.dumps(result, indent=1))
     plot(rows, args.models, args.out / "efficiency.png")
     print(f"wrote {args.out}/efficiency.md, .json, .png", flush=True)

@@ -66,6 +66,20 @@ def test_profile_spec_accepts_in_process_paths_only():
         efficiency.parse_profile("ddp:8")
 
 
+def test_compile_cost_spec_and_channels_last_timing(ds):
+    assert efficiency.parse_chunked("128:4") == (128, 4)
+    assert efficiency.parse_chunked("32") == (32, 1)
+    for bad in ("128:3", "0", "x:2"):
+        with pytest.raises(Exception, match="M dividing B"):
+            efficiency.parse_chunked(bad)
+    r = efficiency.channels_last_cost(ds, "cnn", 4, steps=1)
+    assert r["contiguous_s_per_step"] > 0 and r["channels_last_s_per_step"] > 0
+    # the same model and batch in both memory formats: oneDNN reorders float32 sums of
+    # <= 4·28·28 terms, ~eps·sqrt(3136) ≈ 7e-6 of the largest gradient; 1e-4 of it leaves
+    # margin on any CPU, and a wrong layout would be off by the gradient's own size
+    assert r["max_abs_grad_difference_last_step"] <= 1e-4 * r["max_abs_grad_last_step"]
+
+
 @pytest.mark.slow
 def test_main_writes_table_json_and_plot_for_the_in_process_paths(tmp_path, monkeypatch):
     """The script end to end on the paths that run in this process. The two-process paths

@@ -78,11 +78,17 @@ def test_engine_rejects_unknown_compile_mode():
         small_cnn_engine("yes")
 
 
-@pytest.mark.slow  # one inductor compilation of the forward and backward: tens of seconds
+# One inductor compilation of the forward and backward: ~12 s with inductor's on-disk
+# cache warm, ~50 s cold under load. The model stays the 8×8 `cnn` at b = 16: the smaller
+# conv nets tried (1–2 convolutions of 4–64 channels, with and without a hidden linear
+# layer, b = 8 and 16) and this `cnn` at b = 8 all gave the first design (the module
+# itself compiled, its parameters views of the flat buffer) correct gradients, so a
+# test on them could not fail; this one fails for it (36% of the entries, rel. 1.0).
+@pytest.mark.slow
 def test_compiled_gradient_matches_eager_without_recompiling():
     compiled, eager = small_cnn_engine("on"), small_cnn_engine("off")
     w = eager.initial_weights()
-    for step in range(3):  # the same shape every step: compiled once
+    for step in range(2):  # step 1: the same shape, so no second compilation
         x, y = batch(16, seed=step)
         w_step = w + 0.01 * step
         with warnings.catch_warnings():
