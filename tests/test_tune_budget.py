@@ -5,6 +5,7 @@ a budget too small for the setup and one probe is refused with one line."""
 import pytest
 
 from distsgd.cli import main
+from distsgd.tuner import tune as tune_module
 from distsgd.tuner.budget import TuneBudget, first_probe_estimate
 
 from .conftest import small_config
@@ -127,3 +128,18 @@ def test_every_phase_ends_within_the_budget_when_the_long_run_takes_the_reserve(
         out = run_tune_steps(budget_s, lambda i: probe_s)
         if out is not None:
             assert out[0] <= budget_s + 1e-9
+
+
+def test_a_budget_below_the_prediction_minimum_is_one_line_without_a_progress_bar(
+    tmp_path, capsys, monkeypatch
+):
+    # issue 18: the bar ("tune:   0%| | 0/4 s budget") was printed before the error line; a
+    # throughput of 1 sample/s makes any budget too small for a long run with evaluations
+    monkeypatch.setattr(tune_module, "estimated_samples_per_s", lambda *a: 1.0)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(small_config(protocol={"num_learners": 2, "batch_size": 16}).to_toml())
+    assert main(["tune", str(cfg), "--budget", "30", "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("distsgd: error: --budget 30s is not allowed for this config")
+    assert len(err.splitlines()) == 1
+    assert "tune:" not in err and not (tmp_path / "t").exists()

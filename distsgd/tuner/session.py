@@ -46,6 +46,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -428,6 +429,7 @@ class TuneSession:
         *,
         budget_s: float | None = None,
         progress: bool = True,
+        check: Callable[[TuneSetup], None] | None = None,
     ) -> TuneSession:
         """Check the settings, fix the device profile (and on ``dist`` the network), time a
         run's build and one evaluation, then create ``out_dir`` and log the setup.
@@ -437,6 +439,8 @@ class TuneSession:
             out_dir: the tune directory (created; must not hold a tune already).
             budget_s: overrides ``tune.budget_s`` (wall seconds).
             progress: show a progress bar over the budget and one line per decision.
+            check: called with the setup's measurements before anything is written or
+                shown (the progress bar opens after it); may raise ConfigError.
 
         Raises:
             ConfigError: an unavailable runtime, an optimizer or schedule the tuner does not
@@ -457,6 +461,8 @@ class TuneSession:
                 f"output directory {str(out)!r} already holds a tune; choose another --out"
             )
         fixed = _fix_setup(config, out)
+        if check is not None:
+            check(fixed)
         out.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no directory
         session = cls(fixed, progress)
         session._log_setup()
