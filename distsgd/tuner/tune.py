@@ -113,17 +113,20 @@ def tune(
     return saved
 
 
-def estimated_samples_per_s(cfg: RunConfig, num_learners: int, cluster: pm.ClusterModel) -> float:
-    """Training samples per wall second of hardsync on ``num_learners`` learners at the
-    config's b on this machine, from the calibrated device profile (before any probe): on
-    the simulated cluster one process computes every learner's samples,
-    ``λb / (t_batch + λb·t_sample)``; on real processes the learners compute in parallel,
-    ``λb / HE`` (:func:`~distsgd.tuner.perf_model.seconds_per_iteration`)."""
-    layout = pm.Layout("hardsync", num_learners, cfg.protocol.batch_size)
+def estimated_samples_per_s(fixed: TuneSetup) -> float:
+    """Training samples per wall second of hardsync on λ learners at the config's b on this
+    machine, before the search: on the simulated cluster the setup's timing probe measured
+    it (the simulator's wall speed, ``timings["train_samples_per_s"]``); on real processes
+    the learners compute in parallel, ``λb / HE`` from the calibrated device profile
+    (:func:`~distsgd.tuner.perf_model.seconds_per_iteration`)."""
+    cfg = fixed.cfg
+    if "train_samples_per_s" in fixed.timings:
+        return fixed.timings["train_samples_per_s"]
+    layout = pm.Layout("hardsync", fixed.num_learners, cfg.protocol.batch_size)
     samples = pm.samples_per_iteration(layout)
     if cfg.runtime == "sim":
-        return samples / pm.compute_seconds(samples, cluster)
-    return samples / pm.seconds_per_iteration(layout, cluster)
+        return samples / pm.compute_seconds(samples, fixed.cluster)
+    return samples / pm.seconds_per_iteration(layout, fixed.cluster)
 
 
 def check_prediction_budget(fixed: TuneSetup) -> None:
@@ -131,7 +134,7 @@ def check_prediction_budget(fixed: TuneSetup) -> None:
     accuracy (:meth:`~distsgd.tuner.budget.TuneBudget.prediction_minimum_s`: the setup,
     the first probe and a long run with the evaluations a prediction needs, every
     :data:`~distsgd.tuner.plan.PLAN_EVAL_EVERY` samples at most, at the throughput the
-    calibrated profile gives, while the search and steady state keep their shares).
+    setup measured (:func:`estimated_samples_per_s`), while the search and steady state keep their shares).
 
     Called by :meth:`TuneSession.setup` before anything is written or the progress bar
     opens.
@@ -142,7 +145,7 @@ def check_prediction_budget(fixed: TuneSetup) -> None:
     """
     costs, cfg = fixed.costs, fixed.cfg
     every = min(cfg.train.eval_every_samples or PLAN_EVAL_EVERY, PLAN_EVAL_EVERY)
-    samples_per_s = estimated_samples_per_s(cfg, fixed.num_learners, fixed.cluster)
+    samples_per_s = estimated_samples_per_s(fixed)
     build_s = fixed.timings["build_s"]
     minimum = costs.prediction_minimum_s(samples_per_s, every, MIN_PREDICTION_EVALS, build_s)
     budget = cfg.tune.budget_s
