@@ -154,6 +154,9 @@ def test_resume_of_a_run_killed_mid_probe_gives_the_same_decisions(tmp_path, mon
         (["train.metric=loss"], "train.metric"),
         (["optimizer.name=adam"], "optimizer.name"),
         (["runtime=local"], "runtime"),
+        # issue 18: both were overridden silently (evaluated anyway; trained hardsync)
+        (["train.evaluate=false"], "train.evaluate = false"),
+        (["protocol.name=local_sgd"], "protocol.name = 'local_sgd'"),
     ],
 )
 def test_bad_tune_combinations_are_one_line_and_exit_2(tmp_path, capsys, sets, names):

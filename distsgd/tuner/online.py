@@ -90,6 +90,8 @@ __all__ = [
     "OnlineTune",
     "train_tuned",
     "is_tuning_run",
+    "check_online_tunable",
+    "TUNED_PROTOCOLS",
     "probe_seconds_for",
     "steady_state_due",
     "PROBE_SHARE",
@@ -105,9 +107,35 @@ CHECK_EPOCHS = 1.0  # epochs between steady-state checks (segment length)
 FLAT_GAIN = 0.1  # the loss has flattened: it fell by less than this fraction in a check
 MAX_STEADY_ROUNDS = 2  # steady-state re-optimisations per run at most
 STATE_FILE = "tune_config.toml"  # marks a tuning run directory; holds its base config
+# the protocols of the families the search probes (candidate_config): a base config on
+# another protocol would be replaced silently, so it is refused
+TUNED_PROTOCOLS = ("hardsync", "compute_groups", "parameter_server", "sma")
 _NO_CHECK = 2**62  # a segment's end beyond any run's samples
 _START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
 _FINAL_FILES = ("config.toml", "model.pt", "model.pt.sha256", "checkpoint.pt")
+
+
+def check_online_tunable(config: RunConfig) -> None:
+    """Refuse, in one line, settings that ``--tune`` would otherwise override silently.
+
+    Raises:
+        ConfigError: ``train.evaluate = false`` (the run evaluates to stop at its target
+            and to decide steady state), or a ``protocol.name`` outside
+            :data:`TUNED_PROTOCOLS` (the run continues with a tuned family's protocol).
+    """
+    if not config.train.evaluate:
+        raise ConfigError(
+            "train.evaluate = false is not allowed with --tune: the tuning run evaluates "
+            "to stop at train.target and to decide steady state; drop --tune to train "
+            "without evaluations"
+        )
+    if config.protocol.name not in TUNED_PROTOCOLS:
+        raise ConfigError(
+            f"protocol.name = {config.protocol.name!r} is not allowed with --tune: the "
+            f"tuner chooses among {', '.join(TUNED_PROTOCOLS)} (tune.families "
+            f"{', '.join(config.tune.families)}) and would replace it; train it without "
+            "--tune"
+        )
 
 
 def is_tuning_run(run_dir: str | Path) -> bool:
@@ -232,6 +260,7 @@ class OnlineTune:
     ) -> None:
         check_runtime(config.runtime)
         check_tunable(config)
+        check_online_tunable(config)
         check_optimizer_searchable(config)
         self.num_processes, self.num_learners, self.ps_learners = tune_layout(config)
         self.config = config
