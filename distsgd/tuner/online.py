@@ -21,11 +21,14 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    is probed from the segment's checkpoint, and the best (:func:`pick_best`) continues.
 
 **Probe length rule.** With a time budget T on the runtime's clock (``train.
-max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes), a probe lasts
+max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; on ``sim`` also
+the simulated seconds of ``train.max_epochs`` / ``max_samples`` at hardsync's rate on the
+cluster model, so that the probes cannot use up a run limited by samples), a probe lasts
 ``min(tune.probe_seconds, PROBE_SHARE · T / n)`` with n = ``len(tune.lrs) +
 tune.extra_probes`` the cold start's planned probes; without one, ``tune.probe_seconds``.
 **Too small a budget**: when that is below ``MIN_PROBE_FRACTION · tune.probe_seconds``,
-probes last ``MIN_PROBE_FRACTION · tune.probe_seconds`` and the cold start runs only as
+probes last ``MIN_PROBE_FRACTION · tune.probe_seconds`` (at most ``PROBE_SHARE · T``) and
+the cold start runs only as
 many as ``PROBE_SHARE · T`` holds (at least one), largest η first; the run says so before
 it starts (a decision and a warning line) and trains with the best of them.
 
@@ -66,6 +69,7 @@ from distsgd.metrics import load_checkpoint_file, read_metrics, save_checked, wr
 from distsgd.runtime.factory import with_device_profile
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
+from distsgd.tuner import perf_model as pm
 from distsgd.tuner.omnivore import (
     Candidate,
     DecisionLog,
@@ -161,6 +165,7 @@ def probe_seconds_for(settings_probe_s: float, budget_s: float, planned: int) ->
     floor = MIN_PROBE_FRACTION * settings_probe_s
     if length >= floor:
         return length, 0
+    floor = min(floor, share)  # one probe never takes more than the probes' share of T
     return floor, max(1, int(share // floor))
 
 
@@ -306,18 +311,37 @@ class OnlineTune:
         self.num_parameters = build_engine(cfg, self.code).num_parameters
         self.cfg = cfg
         self.cluster = cluster_model(cfg, self.num_parameters)
-        t = cfg.train
-        budget = t.max_virtual_seconds if self.simulated else t.max_seconds
         planned = len(cfg.tune.lrs) + cfg.tune.extra_probes
-        self.probe_s, self.max_probes = probe_seconds_for(cfg.tune.probe_seconds, budget, planned)
+        self.probe_s, self.max_probes = probe_seconds_for(
+            cfg.tune.probe_seconds, self._time_budget_s(), planned
+        )
         self.settings = dataclasses.replace(cfg.tune, probe_seconds=self.probe_s)
         self.out.mkdir(parents=True, exist_ok=True)
         if not resume:
             (self.out / STATE_FILE).write_text(self.config.to_toml())
 
-    def _log_setup(self) -> None:
+    def _time_budget_s(self) -> float:
+        """The run's time budget T on the runtime's clock (0: none): ``train.
+        max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; on
+        ``sim`` also the simulated seconds of the run's sample budget (``train.max_epochs``
+        / ``max_samples``) at hardsync's rate on the cluster model, so the probes cannot
+        use up a run limited by samples (issue 18: the winning probe trained all 3
+        epochs and the run continued for none)."""
         t = self.cfg.train
         budget = t.max_virtual_seconds if self.simulated else t.max_seconds
+        samples = [int(math.ceil(t.max_epochs * self.num_train))] if t.max_epochs else []
+        samples += [t.max_samples] if t.max_samples else []
+        if not self.simulated or not samples:
+            return budget
+        layout = Candidate("hardsync", self.num_learners, self.cfg.protocol.batch_size, 0.1, 0.0)
+        per_sample_s = pm.seconds_per_iteration(layout.layout(), self.cluster) / (
+            pm.samples_per_iteration(layout.layout())
+        )
+        by_samples = min(samples) * per_sample_s
+        return min(budget, by_samples) if budget > 0 else by_samples
+
+    def _log_setup(self) -> None:
+        budget = self._time_budget_s()
         rule = (
             f"min(tune.probe_seconds, {PROBE_SHARE:g} · {budget:g} s / {len(self.cfg.tune.lrs)}"
             f" + {self.cfg.tune.extra_probes} planned probes)"
