@@ -436,6 +436,25 @@ def _row(run: Run) -> list[str]:
     ]
 
 
+def _times_text(runs: list[Run]) -> str:
+    """What the time-to-target columns measure: training only for ordinary runs; for runs
+    of ``distsgd train --tune`` (``tuned`` in their summary, :mod:`distsgd.tuner.online`)
+    the time from the run's start with the tuning included."""
+    tuned = [run for run in runs if run.summary.get("tuned")]
+    plain = "wall seconds of training only (evaluation excluded) and simulated seconds of the virtual clock"
+    with_tuning = (
+        "wall seconds from the start of the run, tuning (setup, every probe) and evaluations "
+        "included, and simulated seconds of the continued run plus every probe that did not "
+        "continue"
+    )
+    if not tuned:
+        return f"Times to target are {plain}."
+    if len(tuned) == len(runs):
+        return f"These are runs of `--tune`: times to target are {with_tuning}."
+    names = ", ".join(_cell(run.label) for run in tuned)
+    return f"Times to target are {plain}, except for the runs of `--tune` ({names}): {with_tuning}."
+
+
 _HEADER = [
     "run",
     "protocol",
@@ -497,8 +516,7 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> Path:
     else:
         lines.append("No run has a target.")
     lines += [
-        f"The metric is {_metric_axis(runs)[0]}. Times to target are wall seconds of training only (evaluation excluded) and "
-        "simulated seconds of the virtual clock; staleness σ is in updates.",
+        f"The metric is {_metric_axis(runs)[0]}. {_times_text(runs)} Staleness σ is in updates.",
         "",
         "| " + " | ".join(_HEADER) + " |",
         "|" + "|".join(_ALIGN) + "|",

@@ -16,6 +16,7 @@ from distsgd.engine import config_for_data
 from distsgd.runtime import factory, profiles
 from distsgd.runtime import sim as sim_module
 from distsgd.runtime.sim import DeviceProfile
+from distsgd.tuner import tune as tune_module
 from distsgd.tuner.budget import TuneBudget
 from tests.conftest import small_config
 
@@ -192,13 +193,15 @@ def test_calibrate_without_out_refreshes_the_cache(tmp_path, cache, calls):
     assert len(list(cache.glob("*.toml"))) == 1  # the same key: replaced
 
 
-def test_too_small_budget_is_refused_with_the_minimum(tmp_path, capsys):
+def test_too_small_budget_is_refused_with_the_minimum(tmp_path, capsys, monkeypatch):
     """``distsgd tune --budget 3m`` on a config whose long run cannot make the 4
     evaluations a prediction needs in 3 minutes: one line naming --budget, the value and
     the minimum, exit 2, nothing written (issue 18: it ran one probe and wrote a report of
-    empty panels). The device profile is given (100 samples/s), so the minimum is about
-    20000 samples / 100 samples/s over the long run's share: far above 3 minutes on any
-    machine, while the setup and one probe of 0.05 simulated seconds fit."""
+    empty panels). The long run's wall throughput is stipulated at 100 samples/s (the setup
+    measures it; a fake keeps the figure independent of this machine), so the minimum is
+    about 20000 samples / 100 samples/s over the long run's share: far above 3 minutes,
+    while the setup and one probe of 0.05 simulated seconds fit."""
+    monkeypatch.setattr(tune_module, "estimated_samples_per_s", lambda fixed: 100.0)
     cfg = tmp_path / "c.toml"
     base = small_config(
         cluster={"seconds_per_sample": 0.01, "seconds_per_batch": 0.0},

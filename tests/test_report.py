@@ -251,3 +251,20 @@ def test_report_of_a_lower_is_better_metric_names_it(tmp_path):
     assert "Target evaluation perplexity: <= 7." in md
     assert "accuracy" not in md and "%" not in md.split("|")[0]
     assert (tmp_path / "rep" / "curves.png").stat().st_size > 0
+
+
+def test_report_header_says_a_tuning_runs_times_include_the_tuning(runs, tmp_path):
+    # issue 18: a run of --tune (74.73 s to target from its start, tuning included) was
+    # headed "wall seconds of training only (evaluation excluded)"
+    tuned = tmp_path / "tuned"
+    shutil.copytree(runs["hs"], tuned)
+    summary = json.loads((tuned / "summary.json").read_text())
+    (tuned / "summary.json").write_text(json.dumps({**summary, "tuned": True}))
+    md = make_report([runs["hs"], tuned], tmp_path / "rep").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("The metric is"))
+    # the copy's label is the original's made unique by its folder name, "… (tuned)"
+    assert "training only" in header and "except for the runs of `--tune` (" in header
+    assert "(tuned)):" in header
+    assert "tuning (setup, every probe) and evaluations included" in header
+    only = make_report([tuned], tmp_path / "rep2").read_text()
+    assert "training only" not in only and "runs of `--tune`" in only

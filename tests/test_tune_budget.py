@@ -2,10 +2,15 @@
 the long runs end within the budget, with at most one probe's overrun of its expected cost;
 a budget too small for the setup and one probe is refused with one line."""
 
+import dataclasses
+
 import pytest
 
 from distsgd.cli import main
+from distsgd.tuner import perf_model as pm
+from distsgd.tuner import tune as tune_module
 from distsgd.tuner.budget import TuneBudget, first_probe_estimate
+from distsgd.tuner.session import TuneSession
 
 from .conftest import small_config
 from .test_tuner import FakeProbe, make_search
@@ -127,3 +132,36 @@ def test_every_phase_ends_within_the_budget_when_the_long_run_takes_the_reserve(
         out = run_tune_steps(budget_s, lambda i: probe_s)
         if out is not None:
             assert out[0] <= budget_s + 1e-9
+
+
+def test_a_budget_below_the_prediction_minimum_is_one_line_without_a_progress_bar(
+    tmp_path, capsys, monkeypatch
+):
+    # issue 18: the bar ("tune:   0%| | 0/4 s budget") was printed before the error line; a
+    # throughput of 1 sample/s makes any budget too small for a long run with evaluations
+    monkeypatch.setattr(tune_module, "estimated_samples_per_s", lambda fixed: 1.0)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(small_config(protocol={"num_learners": 2, "batch_size": 16}).to_toml())
+    assert main(["tune", str(cfg), "--budget", "30", "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("distsgd: error: --budget 30s is not allowed for this config")
+    assert len(err.splitlines()) == 1
+    assert "tune:" not in err and not (tmp_path / "t").exists()
+
+
+def test_first_probe_estimate_counts_the_simulators_wall_time_not_the_profiles(tmp_path):
+    # issue 18: a fast device profile (here 1 µs/batch) made the first probe "expected to take
+    # 0.4 s wall" while it took 95 s: the simulator computes every learner in this process,
+    # with per-iteration work far above the profile's compute time. Lower bound only
+    # (load can only raise it): no CPU runs one simulated iteration of two learners' forward,
+    # backward and update in under 10 µs of Python.
+    cluster = {"seconds_per_batch": 1e-6, "seconds_per_sample": 1e-9, "jitter": 0.0}
+    cfg = small_config(protocol={"num_learners": 2, "batch_size": 16}, cluster=cluster)
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, probe_seconds=0.01))
+    session = TuneSession.setup(cfg, tmp_path / "t", budget_s=1e4, progress=False)
+    layout = pm.Layout("hardsync", 2, 16)
+    iterations = 0.01 / pm.seconds_per_iteration(layout, session.fixed.cluster)
+    train_s = session.costs.first_probe_s - session.fixed.timings["build_s"]
+    assert train_s >= iterations * 10e-6
+    assert session.fixed.timings["train_samples_per_s"] > 0
+    session.bar.close()

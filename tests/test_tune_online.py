@@ -3,6 +3,7 @@ winning probe continues bit-identically as the run, a run killed mid-probe resum
 same decisions, and bad combinations are one line with exit status 2. All on the
 simulated runtime with a tiny model (its clock is simulated, so runs are deterministic)."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -13,7 +14,7 @@ import torch
 
 from distsgd.cli import main
 from distsgd.config import ConfigWarning, RunConfig
-from distsgd.metrics import load_checked
+from distsgd.metrics import load_checked, read_metrics
 from distsgd.trainer import Trainer
 from distsgd.tuner import online
 from distsgd.tuner.online import OnlineTune, steady_state_due, train_tuned
@@ -154,6 +155,9 @@ def test_resume_of_a_run_killed_mid_probe_gives_the_same_decisions(tmp_path, mon
         (["train.metric=loss"], "train.metric"),
         (["optimizer.name=adam"], "optimizer.name"),
         (["runtime=local"], "runtime"),
+        # issue 18: both were overridden silently (evaluated anyway; trained hardsync)
+        (["train.evaluate=false"], "train.evaluate = false"),
+        (["protocol.name=local_sgd"], "protocol.name = 'local_sgd'"),
     ],
 )
 def test_bad_tune_combinations_are_one_line_and_exit_2(tmp_path, capsys, sets, names):
@@ -192,3 +196,18 @@ def test_a_budget_too_small_says_so_and_trains_with_the_best_probe(tmp_path):
     assert s["stop_reason"] == "max_virtual_seconds"
     first = json.loads((tmp_path / "r" / "decisions.jsonl").read_text().splitlines()[1])
     assert first["decision"] == "budget too small: fewer probes"
+
+
+def test_probes_leave_a_run_limited_by_epochs_most_of_its_samples(tmp_path):
+    # issue 18: with tune.probe_seconds far above what max_epochs allows, the winning probe
+    # trained all the epochs and the run continued for none (one evaluation, at the end)
+    cfg = tiny_config()
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, probe_seconds=5.0))
+    run = tmp_path / "r"
+    s = OnlineTune(cfg, run, progress=False).run()
+    limit = 3 * 1024  # max_epochs · training samples
+    cold = [json.loads(p.read_text()) for p in sorted(run.glob("probes/*-cold-*/summary.json"))]
+    # the cold start's probes share 0.2 of the run's samples (at hardsync's rate), plus at
+    # most one iteration's overshoot of their clock limit: well under 0.25 in all
+    assert cold and sum(p["samples"] for p in cold) <= 0.25 * limit
+    assert s["samples"] == limit and len(read_metrics(run / "metrics.jsonl")) > 1

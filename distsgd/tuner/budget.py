@@ -14,8 +14,8 @@ run may train.
 * before the search, a budget that cannot give a plan with a predicted time to accuracy
   is refused (:meth:`TuneBudget.prediction_minimum_s`: the setup, one probe, and a first
   long run that makes the evaluations a prediction needs, with the time the phases keep;
-  a figure computed from the measured setup, the calibrated device profile and the probe
-  length, named in the error; :meth:`TuneBudget.minimum_s`, the setup and one probe, is
+  a figure computed from the measured setup, the wall speed of a short timing probe and
+  the probe length, named in the error; :meth:`TuneBudget.minimum_s`, the setup and one probe, is
   the floor below that).
 
 Slack (stated in the decision log and ``tune.json``): at most one step's overrun of its
@@ -48,8 +48,8 @@ def first_probe_estimate(
     Args:
         probe_seconds: probe length on the runtime's clock (simulated or wall seconds).
         wall_per_clock_second: wall seconds one second of that clock takes here (1 on real
-            processes; on the simulated cluster the one-process computation of every
-            learner over the simulated iteration time, from the device profile).
+            processes; on the simulated cluster the setup's timing probe's training wall
+            seconds over its simulated seconds: the simulator's own wall speed).
         build_s: wall seconds to build a run (data, model), measured in the setup.
     """
     return build_s + probe_seconds * wall_per_clock_second
@@ -153,7 +153,7 @@ class TuneBudget:
 
         Args:
             samples_per_s: the long run's training samples per wall second (estimated
-                from the device profile before any probe).
+                before any probe, :func:`~distsgd.tuner.tune.estimated_samples_per_s`).
             eval_every_samples: its evaluation interval, samples.
             evaluations: evaluations after its start that a prediction needs.
             build_s: wall seconds of a run's build.

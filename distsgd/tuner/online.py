@@ -21,11 +21,14 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    is probed from the segment's checkpoint, and the best (:func:`pick_best`) continues.
 
 **Probe length rule.** With a time budget T on the runtime's clock (``train.
-max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes), a probe lasts
+max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; on ``sim`` also
+the simulated seconds of ``train.max_epochs`` / ``max_samples`` at hardsync's rate on the
+cluster model, so that the probes cannot use up a run limited by samples), a probe lasts
 ``min(tune.probe_seconds, PROBE_SHARE · T / n)`` with n = ``len(tune.lrs) +
 tune.extra_probes`` the cold start's planned probes; without one, ``tune.probe_seconds``.
 **Too small a budget**: when that is below ``MIN_PROBE_FRACTION · tune.probe_seconds``,
-probes last ``MIN_PROBE_FRACTION · tune.probe_seconds`` and the cold start runs only as
+probes last ``MIN_PROBE_FRACTION · tune.probe_seconds`` (at most ``PROBE_SHARE · T``) and
+the cold start runs only as
 many as ``PROBE_SHARE · T`` holds (at least one), largest η first; the run says so before
 it starts (a decision and a warning line) and trains with the best of them.
 
@@ -66,6 +69,7 @@ from distsgd.metrics import load_checkpoint_file, read_metrics, save_checked, wr
 from distsgd.runtime.factory import with_device_profile
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
+from distsgd.tuner import perf_model as pm
 from distsgd.tuner.omnivore import (
     Candidate,
     DecisionLog,
@@ -90,6 +94,8 @@ __all__ = [
     "OnlineTune",
     "train_tuned",
     "is_tuning_run",
+    "check_online_tunable",
+    "TUNED_PROTOCOLS",
     "probe_seconds_for",
     "steady_state_due",
     "PROBE_SHARE",
@@ -105,9 +111,35 @@ CHECK_EPOCHS = 1.0  # epochs between steady-state checks (segment length)
 FLAT_GAIN = 0.1  # the loss has flattened: it fell by less than this fraction in a check
 MAX_STEADY_ROUNDS = 2  # steady-state re-optimisations per run at most
 STATE_FILE = "tune_config.toml"  # marks a tuning run directory; holds its base config
+# the protocols of the families the search probes (candidate_config): a base config on
+# another protocol would be replaced silently, so it is refused
+TUNED_PROTOCOLS = ("hardsync", "compute_groups", "parameter_server", "sma")
 _NO_CHECK = 2**62  # a segment's end beyond any run's samples
 _START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
 _FINAL_FILES = ("config.toml", "model.pt", "model.pt.sha256", "checkpoint.pt")
+
+
+def check_online_tunable(config: RunConfig) -> None:
+    """Refuse, in one line, settings that ``--tune`` would otherwise override silently.
+
+    Raises:
+        ConfigError: ``train.evaluate = false`` (the run evaluates to stop at its target
+            and to decide steady state), or a ``protocol.name`` outside
+            :data:`TUNED_PROTOCOLS` (the run continues with a tuned family's protocol).
+    """
+    if not config.train.evaluate:
+        raise ConfigError(
+            "train.evaluate = false is not allowed with --tune: the tuning run evaluates "
+            "to stop at train.target and to decide steady state; drop --tune to train "
+            "without evaluations"
+        )
+    if config.protocol.name not in TUNED_PROTOCOLS:
+        raise ConfigError(
+            f"protocol.name = {config.protocol.name!r} is not allowed with --tune: the "
+            f"tuner chooses among {', '.join(TUNED_PROTOCOLS)} (tune.families "
+            f"{', '.join(config.tune.families)}) and would replace it; train it without "
+            "--tune"
+        )
 
 
 def is_tuning_run(run_dir: str | Path) -> bool:
@@ -133,6 +165,7 @@ def probe_seconds_for(settings_probe_s: float, budget_s: float, planned: int) ->
     floor = MIN_PROBE_FRACTION * settings_probe_s
     if length >= floor:
         return length, 0
+    floor = min(floor, share)  # one probe never takes more than the probes' share of T
     return floor, max(1, int(share // floor))
 
 
@@ -232,6 +265,7 @@ class OnlineTune:
     ) -> None:
         check_runtime(config.runtime)
         check_tunable(config)
+        check_online_tunable(config)
         check_optimizer_searchable(config)
         self.num_processes, self.num_learners, self.ps_learners = tune_layout(config)
         self.config = config
@@ -277,18 +311,37 @@ class OnlineTune:
         self.num_parameters = build_engine(cfg, self.code).num_parameters
         self.cfg = cfg
         self.cluster = cluster_model(cfg, self.num_parameters)
-        t = cfg.train
-        budget = t.max_virtual_seconds if self.simulated else t.max_seconds
         planned = len(cfg.tune.lrs) + cfg.tune.extra_probes
-        self.probe_s, self.max_probes = probe_seconds_for(cfg.tune.probe_seconds, budget, planned)
+        self.probe_s, self.max_probes = probe_seconds_for(
+            cfg.tune.probe_seconds, self._time_budget_s(), planned
+        )
         self.settings = dataclasses.replace(cfg.tune, probe_seconds=self.probe_s)
         self.out.mkdir(parents=True, exist_ok=True)
         if not resume:
             (self.out / STATE_FILE).write_text(self.config.to_toml())
 
-    def _log_setup(self) -> None:
+    def _time_budget_s(self) -> float:
+        """The run's time budget T on the runtime's clock (0: none): ``train.
+        max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; on
+        ``sim`` also the simulated seconds of the run's sample budget (``train.max_epochs``
+        / ``max_samples``) at hardsync's rate on the cluster model, so the probes cannot
+        use up a run limited by samples (issue 18: the winning probe trained all 3
+        epochs and the run continued for none)."""
         t = self.cfg.train
         budget = t.max_virtual_seconds if self.simulated else t.max_seconds
+        samples = [int(math.ceil(t.max_epochs * self.num_train))] if t.max_epochs else []
+        samples += [t.max_samples] if t.max_samples else []
+        if not self.simulated or not samples:
+            return budget
+        layout = Candidate("hardsync", self.num_learners, self.cfg.protocol.batch_size, 0.1, 0.0)
+        per_sample_s = pm.seconds_per_iteration(layout.layout(), self.cluster) / (
+            pm.samples_per_iteration(layout.layout())
+        )
+        by_samples = min(samples) * per_sample_s
+        return min(budget, by_samples) if budget > 0 else by_samples
+
+    def _log_setup(self) -> None:
+        budget = self._time_budget_s()
         rule = (
             f"min(tune.probe_seconds, {PROBE_SHARE:g} · {budget:g} s / {len(self.cfg.tune.lrs)}"
             f" + {self.cfg.tune.extra_probes} planned probes)"

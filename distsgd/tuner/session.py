@@ -45,7 +45,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,15 +206,43 @@ def _measured_network(
     return cfg, network
 
 
-def _wall_per_clock_second(cfg: RunConfig, num_learners: int, cluster: pm.ClusterModel) -> float:
+_TIMING_ITERATIONS = 20  # iterations of the setup's timing probe (sim): enough to pass warm-up
+
+
+def _timed_wall_per_clock_second(
+    cfg: RunConfig, num_learners: int, initial: torch.Tensor, timings: dict[str, float]
+) -> float:
     """Wall seconds one second of the probes' clock takes here: 1 on real processes; on
-    the simulated cluster, which computes every learner in this one process, the compute
-    seconds of hardsync on ``num_learners`` over its simulated seconds per iteration."""
+    the simulated cluster, measured by a timing probe of hardsync on ``num_learners``
+    (:data:`_TIMING_ITERATIONS` iterations, in a temporary directory): its training wall
+    seconds over its simulated seconds. The simulator's wall speed (every learner computed
+    in this one process, plus its per-iteration bookkeeping) is what a probe costs, not
+    the device profile's compute time, which can be hundreds of times smaller for a small
+    model. Sets ``timings["train_samples_per_s"]`` (training samples per wall second) and
+    raises ``timings["build_s"]`` to the timing probe's cost outside training when larger."""
     if cfg.runtime != "sim":
         return 1.0
-    layout = Candidate("hardsync", num_learners, cfg.protocol.batch_size, 0.1, 0.0).layout()
-    compute_s = pm.compute_seconds(pm.samples_per_iteration(layout), cluster)
-    return compute_s / pm.seconds_per_iteration(layout, cluster)
+    b = cfg.protocol.batch_size
+    cand = Candidate("hardsync", num_learners, b, cfg.optimizer.lr, 0.0)
+    train = {
+        "max_epochs": 0.0,
+        "max_samples": _TIMING_ITERATIONS * num_learners * b,
+        "max_seconds": 0.0,
+        "max_virtual_seconds": 0.0,
+        "stop_at_target": False,
+        "eval_every_samples": 0,
+        "checkpoint_every_evals": 0,
+        "tensorboard": False,
+    }
+    with tempfile.TemporaryDirectory(prefix="distsgd-tune-timing-") as tmp:
+        prober = Prober(cfg, Path(tmp), 0.0, 1, initial)
+        result, _ = prober.run(cand, "initial", train)  # a probe: no evaluation
+    timings["build_s"] = max(timings["build_s"], result.wall_s - result.train_wall_s)
+    simulated_s = result.virtual_s[-1] if result.virtual_s else 0.0
+    if result.train_wall_s <= 0 or simulated_s <= 0 or result.samples <= 0:
+        return 1.0  # nothing trained (a diverged timing probe): count simulated as wall
+    timings["train_samples_per_s"] = result.samples / result.train_wall_s
+    return result.train_wall_s / simulated_s
 
 
 @dataclasses.dataclass
@@ -258,7 +288,7 @@ def _fix_setup(config: RunConfig, out: Path) -> TuneSetup:
     if cfg.runtime == "dist":
         cfg, network = _measured_network(cfg, num_params, timings)
     cluster = cluster_model(cfg, num_params)
-    wall_per_clock = _wall_per_clock_second(cfg, lam, cluster)
+    wall_per_clock = _timed_wall_per_clock_second(cfg, lam, initial, timings)
     costs = TuneBudget(
         settings.budget_s,
         settings.segment_fraction,
@@ -272,7 +302,7 @@ def _fix_setup(config: RunConfig, out: Path) -> TuneSetup:
             f"--budget {settings.budget_s:g}s is not allowed for this config: expected at "
             f"least {math.ceil(costs.minimum_s())}s (the setup took {costs.elapsed():.1f} s "
             f"and one probe of {settings.probe_seconds:g} s is expected to take "
-            f"{costs.first_probe_s:.1f} s wall)"
+            f"{costs.first_probe_s:.1f} s wall; a shorter tune.probe_seconds costs less)"
         )
     return TuneSetup(
         config, cfg, out, num_processes, lam, ps_lam, network, cluster, initial, timings, costs
@@ -428,6 +458,7 @@ class TuneSession:
         *,
         budget_s: float | None = None,
         progress: bool = True,
+        check: Callable[[TuneSetup], None] | None = None,
     ) -> TuneSession:
         """Check the settings, fix the device profile (and on ``dist`` the network), time a
         run's build and one evaluation, then create ``out_dir`` and log the setup.
@@ -437,6 +468,8 @@ class TuneSession:
             out_dir: the tune directory (created; must not hold a tune already).
             budget_s: overrides ``tune.budget_s`` (wall seconds).
             progress: show a progress bar over the budget and one line per decision.
+            check: called with the setup's measurements before anything is written or
+                shown (the progress bar opens after it); may raise ConfigError.
 
         Raises:
             ConfigError: an unavailable runtime, an optimizer or schedule the tuner does not
@@ -457,6 +490,8 @@ class TuneSession:
                 f"output directory {str(out)!r} already holds a tune; choose another --out"
             )
         fixed = _fix_setup(config, out)
+        if check is not None:
+            check(fixed)
         out.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no directory
         session = cls(fixed, progress)
         session._log_setup()

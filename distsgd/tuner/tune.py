@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from distsgd.tuner.plan import _MIN_EVALS as MIN_PREDICTION_EVALS
 from distsgd.tuner.plan import PLAN_EVAL_EVERY, predict_plan
 from distsgd.tuner.probes import RunClock
 from distsgd.tuner.report import write_report, write_tune_json
-from distsgd.tuner.session import TuneSession, cluster_model, tune_layout
+from distsgd.tuner.session import TuneSession, TuneSetup, cluster_model, tune_layout
 
 __all__ = ["tune", "tune_layout", "parse_budget", "predict_plan", "verify_plan", "cluster_model"]
 
@@ -99,15 +98,9 @@ def tune(
             written so far stay in ``out_dir``, no plan is written.
     """
     check_tunable(config)
-    out = Path(out_dir)
-    before = set(out.iterdir()) if out.is_dir() else None
-    session = TuneSession.setup(config, out_dir, budget_s=budget_s, progress=progress)
-    try:
-        check_prediction_budget(session)
-    except ConfigError:  # refused before the search: nothing of this tune stays written
-        session.bar.close()
-        _remove_new(out, before)
-        raise
+    session = TuneSession.setup(
+        config, out_dir, budget_s=budget_s, progress=progress, check=check_prediction_budget
+    )
     session.cold_start()
     session.joint_search()
     session.long_run()
@@ -120,37 +113,42 @@ def tune(
     return saved
 
 
-def estimated_samples_per_s(cfg: RunConfig, num_learners: int, cluster: pm.ClusterModel) -> float:
-    """Training samples per wall second of hardsync on ``num_learners`` learners at the
-    config's b on this machine, from the calibrated device profile (before any probe): on
-    the simulated cluster one process computes every learner's samples,
-    ``λb / (t_batch + λb·t_sample)``; on real processes the learners compute in parallel,
-    ``λb / HE`` (:func:`~distsgd.tuner.perf_model.seconds_per_iteration`)."""
-    layout = pm.Layout("hardsync", num_learners, cfg.protocol.batch_size)
+def estimated_samples_per_s(fixed: TuneSetup) -> float:
+    """Training samples per wall second of hardsync on λ learners at the config's b on this
+    machine, before the search: on the simulated cluster the setup's timing probe measured
+    it (the simulator's wall speed, ``timings["train_samples_per_s"]``); on real processes
+    the learners compute in parallel, ``λb / HE`` from the calibrated device profile
+    (:func:`~distsgd.tuner.perf_model.seconds_per_iteration`)."""
+    cfg = fixed.cfg
+    if "train_samples_per_s" in fixed.timings:
+        return fixed.timings["train_samples_per_s"]
+    layout = pm.Layout("hardsync", fixed.num_learners, cfg.protocol.batch_size)
     samples = pm.samples_per_iteration(layout)
     if cfg.runtime == "sim":
-        return samples / pm.compute_seconds(samples, cluster)
-    return samples / pm.seconds_per_iteration(layout, cluster)
+        return samples / pm.compute_seconds(samples, fixed.cluster)
+    return samples / pm.seconds_per_iteration(layout, fixed.cluster)
 
 
-def check_prediction_budget(session: TuneSession) -> None:
+def check_prediction_budget(fixed: TuneSetup) -> None:
     """Refuse a budget below the least that gives a plan with a predicted time to
     accuracy (:meth:`~distsgd.tuner.budget.TuneBudget.prediction_minimum_s`: the setup,
     the first probe and a long run with the evaluations a prediction needs, every
     :data:`~distsgd.tuner.plan.PLAN_EVAL_EVERY` samples at most, at the throughput the
-    calibrated profile gives, while the search and steady state keep their shares).
+    setup measured (:func:`estimated_samples_per_s`), while the search and steady state keep their shares).
+
+    Called by :meth:`TuneSession.setup` before anything is written or the progress bar
+    opens.
 
     Raises:
         ConfigError: ``--budget`` below that minimum (one line: the value, the minimum
             and what it is made of).
     """
-    fixed, costs = session.fixed, session.costs
-    cfg = fixed.cfg
+    costs, cfg = fixed.costs, fixed.cfg
     every = min(cfg.train.eval_every_samples or PLAN_EVAL_EVERY, PLAN_EVAL_EVERY)
-    samples_per_s = estimated_samples_per_s(cfg, fixed.num_learners, fixed.cluster)
+    samples_per_s = estimated_samples_per_s(fixed)
     build_s = fixed.timings["build_s"]
     minimum = costs.prediction_minimum_s(samples_per_s, every, MIN_PREDICTION_EVALS, build_s)
-    budget = session.settings.budget_s
+    budget = cfg.tune.budget_s
     if minimum <= budget:
         return
     long_run = costs.long_run_minimum_s(samples_per_s, every, MIN_PREDICTION_EVALS, build_s)
@@ -162,19 +160,6 @@ def check_prediction_budget(session: TuneSession) -> None:
         f"about {samples_per_s:.0f} samples/s and {costs.eval_s:.2f} s per evaluation, while "
         "the search and steady state keep their shares of the budget)"
     )
-
-
-def _remove_new(out: Path, before: set[Path] | None) -> None:
-    """Remove what was created in ``out`` since ``before`` (its entries then; None: it did
-    not exist, so remove it)."""
-    if before is None:
-        shutil.rmtree(out, ignore_errors=True)
-        return
-    for p in set(out.iterdir()) - before:
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
 
 
 def check_tunable(config: RunConfig) -> None:
