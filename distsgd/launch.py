@@ -95,7 +95,7 @@ from distsgd.objectives import reached as target_reached
 from distsgd.runtime import dist as rdist
 from distsgd.runtime.base import TrainingDiverged
 from distsgd.runtime.dist import PeerLost
-from distsgd.runtime.faults import RankFaults
+from distsgd.runtime.faults import RankFaults, describe_exit
 from distsgd.runtime.rendezvous import rendezvous_store
 from distsgd.trainer import Trainer
 
@@ -137,15 +137,6 @@ def _role(cfg: RunConfig, rank: int) -> str:
 def _tolerates_loss(cfg: RunConfig, rank: int) -> bool:
     """Whether the run goes on without ``rank`` (an asynchronous protocol's learner)."""
     return spec_for(cfg.protocol).tolerates_loss(cfg.protocol, cfg.dist, rank)
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 def run(
@@ -240,7 +231,7 @@ def _launch_local(
                             after_done[r] = code
                             print(
                                 f"distsgd: rank {r} ({_role(cfg, r)}, pid {pid}) "
-                                f"{_describe_exit(code)} after it had finished its part of "
+                                f"{describe_exit(code)} after it had finished its part of "
                                 "the run",
                                 file=sys.stderr,
                             )
@@ -250,7 +241,7 @@ def _launch_local(
                         if not tolerated and fatal_since is None:
                             fatal_since = time.monotonic()
                         print(
-                            f"distsgd: rank {r} ({_role(cfg, r)}, pid {pid}) {_describe_exit(code)}"
+                            f"distsgd: rank {r} ({_role(cfg, r)}, pid {pid}) {describe_exit(code)}"
                             + ("; the server goes on without it" if fatal_since is None else ""),
                             file=sys.stderr,
                         )
@@ -358,7 +349,7 @@ def _outcome(
                 f"rank {r} ({_role(cfg, r)}) stopped making progress (no heartbeat for "
                 f"dist.timeout_s = {cfg.dist.timeout_s:g} s); it was killed"
             )
-        return f"rank {r} ({_role(cfg, r)}) {_describe_exit(lost[r])}"
+        return f"rank {r} ({_role(cfg, r)}) {describe_exit(lost[r])}"
 
     what = "; ".join(describe(r) for r in causes) or "a rank stopped without finishing the run"
     keep = (

@@ -14,7 +14,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RankFaults"]
+__all__ = ["RankFaults", "describe_exit"]
 
 
 @dataclass(frozen=True)
@@ -82,3 +82,15 @@ class RankFaults:
             return measured_s
         a, power = self.seconds[rank]
         return a * replicas**power
+
+
+def describe_exit(code: int) -> str:
+    """A rank's exit status in words: ``"exited with status 1"``, or for a negative
+    status (a ``subprocess``/``multiprocessing`` process ended by a signal) ``"was killed by
+    SIGKILL"``."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"

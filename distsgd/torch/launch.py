@@ -42,6 +42,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from distsgd.runtime.faults import describe_exit
 from distsgd.runtime.rendezvous import rendezvous_store
 
 __all__ = ["launch", "main"]
@@ -119,22 +120,13 @@ def _wait(ctx: object) -> dict[int, int]:
                 reported.add(r)
                 print(
                     f"distsgd.torch.launch: rank {r} (pid {handlers[r].proc.pid}) "
-                    f"{_describe(code)}; the other ranks go on",
+                    f"{describe_exit(code)}; the other ranks go on",
                     file=sys.stderr,
                     flush=True,
                 )
         if all(c is not None for c in codes.values()):
             return {r: int(c) for r, c in codes.items() if c is not None}
         time.sleep(POLL_S)
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 def main(argv: list[str] | None = None) -> int:
