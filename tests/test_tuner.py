@@ -485,14 +485,14 @@ def test_prediction_says_why_when_the_target_loss_is_not_positive():
 
 def test_plan_step_factor_is_rounded_and_probe_dirs_are_ascii():
     from distsgd.tuner.plan import plan_config
-    from distsgd.tuner.probes import _safe
+    from distsgd.tuner.probes import safe_name
 
     base = small_config(protocol={"num_learners": 4})
     cand = Candidate("hardsync", 4, 16, 0.1, 0.9)
     plan = plan_config(base, cand, replace(cand, lr=0.01), 0.5, DecisionLog())
     assert plan.schedule.decay_factor == 0.1  # 0.01 / 0.1 = 0.09999999999999999
     assert "decay_factor = 0.1\n" in plan.to_toml()
-    assert _safe(cand.label()) == "hardsync_lam=4_b=16_eta=0.1_mu=0.9"
+    assert safe_name(cand.label()) == "hardsync_lam=4_b=16_eta=0.1_mu=0.9"
 
 
 def test_interrupted_tune_says_what_it_kept(tmp_path, capsys, monkeypatch):

@@ -82,10 +82,10 @@ from distsgd.tuner.omnivore import (
 )
 from distsgd.tuner.probes import (
     RunClock,
-    _safe,
     candidate_config,
     check_optimizer_searchable,
     check_runtime,
+    safe_name,
 )
 from distsgd.tuner.session import cluster_model, tune_layout
 from distsgd.tuner.tune import check_tunable
@@ -402,7 +402,7 @@ class OnlineTune:
         clock0, iters0 = self._start_of(start)
         self.count += 1
         kind = "cold" if start is None else "steady"
-        run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{_safe(cand.label())}"
+        run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.settings.score_window)
         result.run_dir = str(run_dir)
         note = run_dir / "online_probe.json"
@@ -457,7 +457,7 @@ class OnlineTune:
         the run's limits or ``next_check`` samples. Returns (its directory, whether the
         run ends here)."""
         self.segments += 1
-        seg = self.out / "train" / f"{self.segments:02d}-{_safe(cand.label())}"
+        seg = self.out / "train" / f"{self.segments:02d}-{safe_name(cand.label())}"
         note = seg / "online_segment.json"
         user = self.cfg.train
         cfg = candidate_config(self.cfg, cand)

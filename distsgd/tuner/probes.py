@@ -42,6 +42,7 @@ __all__ = [
     "candidate_config",
     "Prober",
     "check_runtime",
+    "safe_name",
     "check_optimizer_searchable",
     "RunClock",
     "LongRun",
@@ -193,7 +194,7 @@ def _status(run_dir: Path) -> str | None:
 _ASCII = str.maketrans({"λ": "lam", "η": "eta", "μ": "mu"})
 
 
-def _safe(text: str) -> str:
+def safe_name(text: str) -> str:
     """A file name from a label: λ, η, μ spelled ``lam``, ``eta``, ``mu``, anything else
     outside ``[A-Za-z0-9_.=-]`` replaced by ``_``."""
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text.translate(_ASCII)).strip("_")
@@ -266,7 +267,7 @@ class Prober:
         cfg = candidate_config(self.base, cand)
         cfg = cfg.replace(train=dataclasses.replace(cfg.train, **train))
         self.count += 1
-        run_dir = self.out_dir / "probes" / f"{self.count:03d}-{kind}-{_safe(cand.label())}"
+        run_dir = self.out_dir / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.score_window, run_dir=str(run_dir))
         t0 = time.perf_counter()
         if self.simulated:
@@ -308,7 +309,7 @@ class Prober:
 
     def snapshot_file(self, name: str) -> Path:
         """The snapshot's weights as a file for the ranks (written once)."""
-        path = self.out_dir / "snapshots" / f"{_safe(name)}.pt"
+        path = self.out_dir / "snapshots" / f"{safe_name(name)}.pt"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             save_checked(self.snapshots[name].clone(), path)
