@@ -238,6 +238,23 @@ def test_forced_host_staging_copies(monkeypatch):
     assert torch.equal(staged, t) and staged.dtype == t.dtype
 
 
+def test_host_staging_reuses_its_buffer(monkeypatch):
+    """A learner stages every push into one buffer (allocated once per shape and dtype),
+    each call's copy holding that call's values."""
+    monkeypatch.setenv(ps.transport.ENV_FORCE_HOST_STAGING, "1")
+    stage = ps.HostStaging()
+    a, b = torch.arange(5.0), torch.arange(5.0) * -2
+    first = stage(a)
+    assert torch.equal(first, a) and first.data_ptr() != a.data_ptr()
+    second = stage(b)
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, b)
+    third = stage(torch.ones(3, dtype=torch.float64))  # another shape: a new buffer
+    assert third.shape == (3,) and third.dtype == torch.float64
+    assert torch.equal(third, torch.ones(3, dtype=torch.float64))
+    monkeypatch.delenv(ps.transport.ENV_FORCE_HOST_STAGING)
+    assert stage(a) is a  # a CPU tensor is sent as it is
+
+
 @pytest.mark.slow  # spawns 3 ranks (~15 s on 2 loaded cores)
 def test_parameter_server_trains_with_forced_host_staging(tmp_path, monkeypatch):
     """Learners stage every push through a host copy (the GPU path) and the run still

@@ -45,7 +45,7 @@ lives on its device; what crosses the host per protocol:
   and are all-reduced there.
 * parameter server / compute groups: the server ranks keep the central model and its
   state in host memory; a learner's gradient is mean-all-reduced inside its compute group
-  on the device, then staged into pinned host memory (:func:`ps.to_host`) for the gloo
+  on the device, then staged into one pinned host buffer (:class:`ps.HostStaging`) for the gloo
   push; pulled weights arrive in host memory and the engine copies them onto the device.
 * bookkeeping collectives (stop flags, losses, evaluation sums of CPU tensors) go through
   gloo.
@@ -801,7 +801,7 @@ class PSDistRuntime(_DistBase):
         self._subgroups = [dist.new_group(g) if len(g) > 1 else None for g in groups]
         self.is_server = self.rank < s
         # the central model and its state live in host memory: pushes and pulls cross
-        # gloo from there (learners stage their gradients, ps.to_host), and a learner's
+        # gloo from there (learners stage their gradients, ps.HostStaging), and a learner's
         # engine copies pulled weights onto its device
         initial = initial.cpu()
         self.full_protocol = build_protocol(cfg, initial)

@@ -123,7 +123,14 @@ push after ``on_push`` returns False, not to the push being handled.
 
 from distsgd.runtime.ps.learner import LearnerResult, run_learner
 from distsgd.runtime.ps.server import PushEvent, ServerResult, run_server
-from distsgd.runtime.ps.transport import LearnerLost, PSLayout, ServerLost, shard_bounds, to_host
+from distsgd.runtime.ps.transport import (
+    HostStaging,
+    LearnerLost,
+    PSLayout,
+    ServerLost,
+    shard_bounds,
+    to_host,
+)
 
 __all__ = [
     "PSLayout",
@@ -133,6 +140,7 @@ __all__ = [
     "LearnerLost",
     "ServerLost",
     "shard_bounds",
+    "HostStaging",
     "to_host",
     "run_server",
     "run_learner",

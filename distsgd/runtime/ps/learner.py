@@ -23,6 +23,7 @@ from distsgd.runtime.ps.transport import (
     SERVER_GONE,
     STOP,
     WEIGHTS,
+    HostStaging,
     LearnerLost,
     PSLayout,
     ServerLost,
@@ -32,7 +33,6 @@ from distsgd.runtime.ps.transport import (
     _recv,
     _send,
     _td,
-    to_host,
 )
 
 __all__ = ["LearnerResult", "run_learner"]
@@ -286,6 +286,7 @@ def run_learner(
 
     assert leader is None or is_leader
     kind = leader_step(leader.first_pull) if leader is not None else WEIGHTS
+    stage = HostStaging()  # one staging buffer for all of this learner's pushes
     while True:
         if leader is not None:
             if kind != WEIGHTS:
@@ -313,7 +314,7 @@ def run_learner(
         grad, losses = computed
         result.num_computes += 1
         grad, losses = grp.mean_gradient(grad.detach().reshape(-1).float(), losses)
-        grad = to_host(grad)  # the push travels over gloo from host memory
+        grad = stage(grad)  # the push travels over gloo from host memory
         if leader is not None:
             samples = grp.size * num_samples
             kind = leader_step(lambda: leader.push_pull(grad, samples, losses))  # noqa: B023

@@ -22,6 +22,7 @@ __all__ = [
     "PSLayout",
     "ServerLost",
     "shard_bounds",
+    "HostStaging",
     "to_host",
 ]
 
@@ -155,18 +156,39 @@ def _recv(tensor: Tensor, src: int, group: dist.ProcessGroup, timeout_s: float) 
     return tensor
 
 
-def to_host(tensor: Tensor) -> Tensor:
-    """``tensor`` staged in host memory for the gloo transport: a CUDA tensor is copied
-    into a new page-locked (pinned) CPU tensor of the same shape and dtype, so that the
-    device-to-host copy runs at full PCIe/NVLink-C2C speed and gloo reads plain host
-    memory; a CPU tensor is returned as it is, unless :data:`ENV_FORCE_HOST_STAGING` is
-    ``"1"`` (then it is copied into a new one, exercising this path without a GPU).
+class HostStaging:
+    """Stages a learner's pushes in host memory for the gloo transport, reusing one buffer.
+
+    A CUDA tensor is copied into a page-locked (pinned) CPU buffer of its shape and dtype,
+    so that the device-to-host copy runs at full PCIe/NVLink-C2C speed and gloo reads plain
+    host memory; the buffer is allocated at the first push and reused by every later push
+    of that shape and dtype (pinning is a system call and a page-table walk: too slow to
+    repeat per push). Reuse is safe because each push's send completes
+    (``isend(...).wait()``) before the learner stages the next one. A CPU tensor is
+    returned as it is, unless :data:`ENV_FORCE_HOST_STAGING` is ``"1"`` (then it is
+    copied, exercising this path without a GPU).
     """
-    if tensor.device.type == "cpu" and os.environ.get(ENV_FORCE_HOST_STAGING) != "1":
-        return tensor
-    pin = tensor.device.type == "cuda"
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-    return host.copy_(tensor)  # synchronous: the tensor is sent right after
+
+    def __init__(self) -> None:
+        self._buffer: Tensor | None = None
+
+    def __call__(self, tensor: Tensor) -> Tensor:
+        """``tensor`` in host memory: the tensor itself (CPU), or the staging buffer
+        holding a copy of it (valid until the next call)."""
+        if tensor.device.type == "cpu" and os.environ.get(ENV_FORCE_HOST_STAGING) != "1":
+            return tensor
+        buf = self._buffer
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            pin = tensor.device.type == "cuda"
+            buf = self._buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+        return buf.copy_(tensor)  # synchronous: the tensor is sent right after
+
+
+def to_host(tensor: Tensor) -> Tensor:
+    """``tensor`` staged in host memory in a new buffer (:class:`HostStaging` without
+    reuse; a CPU tensor is returned as it is unless :data:`ENV_FORCE_HOST_STAGING` is
+    ``"1"``)."""
+    return HostStaging()(tensor)
 
 
 def _pair_groups(layout: PSLayout, rank: int) -> dict[int, dist.ProcessGroup]:
