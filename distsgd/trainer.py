@@ -324,6 +324,7 @@ class Trainer:
             "runtime": self.runtime.state_dict(),
             "buffers": self.engine.buffers_state(),
             "torch_rng": torch.get_rng_state(),
+            "cuda_rng": _cuda_rng_state(self.engine.device),
             "trainer": dict(self.counters),
             "autotune": self.tuner.state_dict() if self.tuner is not None else None,
             # model.pt's contents (absent from checkpoints before distsgd export)
@@ -390,6 +391,7 @@ class Trainer:
         eval_model = state.get("eval_model")  # None in a checkpoint before distsgd export
         self._eval_model = eval_model if isinstance(eval_model, dict) else None
         torch.set_rng_state(state["torch_rng"])
+        _set_cuda_rng_state(self.engine.device, state.get("cuda_rng"))
         self.counters.update(_upgraded_counters(state["trainer"]))
 
     # ---- evaluation --------------------------------------------------------------------
@@ -942,3 +944,17 @@ def _check_checkpoint_entries(state: dict[str, Any], path: Path) -> None:
                 f"cannot resume: {path} is not a checkpoint written by distsgd: its {key!r} "
                 f"is a {type(state[key]).__name__}"
             )
+
+
+def _cuda_rng_state(device: torch.device) -> torch.Tensor | None:
+    """The CUDA generator's state of ``device`` (a CPU byte tensor; what dropout on the GPU
+    draws from), None on a CPU run."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_cuda_rng_state(device: torch.device, state: torch.Tensor | None) -> None:
+    """Restore a checkpoint's CUDA generator state on a CUDA run; a checkpoint written on
+    the CPU (None) or a CUDA checkpoint resumed on the CPU leaves the generators as the
+    run's seed set them (checkpoints are device-independent)."""
+    if state is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)

@@ -350,6 +350,10 @@ def test_gpu_checkpoint_resumes_on_cpu(tmp_path):
         train={"max_epochs": 1, "eval_every_samples": 512},
     )
     api.run(cfg, run, progress=False)
+    state = load_checked(run / "checkpoint.pt")
+    assert state["cuda_rng"] is None  # a CPU run has no CUDA generator state
+    state["cuda_rng"] = torch.zeros(16, dtype=torch.uint8)  # as a GPU run writes it
+    save_checked(state, run / "checkpoint.pt")
     _claim_cuda(run / "checkpoint.pt")
     with pytest.raises(RuntimeError, match="CUDA"):  # what a load without map_location does
         torch.load(run / "checkpoint.pt", weights_only=True)
