@@ -57,7 +57,7 @@ def batch_size_table(batch_sizes: list[int], repeats: int) -> str:
     w = engine.initial_weights()
 
     def with_autograd() -> None:
-        engine._flat.copy_(w)
+        engine._load(w)
         engine.model.eval()
         for xb, _ in ds.test.batches(128):
             engine.model(xb)

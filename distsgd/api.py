@@ -170,7 +170,7 @@ def calibrate(
     path = (
         Path(out)
         if out is not None
-        else profiles.cache_path(profile_key(cfg, prof.key.num_parameters))
+        else profiles.cache_path(profile_key(cfg, prof.key.num_parameters, prof.key.memory_format))
     )
     profiles.write_profile(path, prof)
     warn_spread(prof, path)

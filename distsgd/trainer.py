@@ -41,6 +41,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,9 @@ class Trainer:
         self.cfg, self.profile_calibrated = kind.calibrate(cfg, self.dataset, self.code)
         torch.manual_seed(self.cfg.train.seed)  # same seed => same initial weights
         self.engine = build_engine(self.cfg, self.code)
+        # config.toml records the layout train.memory_format = "auto" resolved to
+        t = self.cfg.train
+        self.cfg = self.cfg.replace(train=replace(t, memory_format=self.engine.memory_format))
         check_on_data(self.engine, self.dataset, self.cfg)  # one line, before any writing
         initial = self._start_weights(self.engine.initial_weights())
         self.runtime = kind.build(self.cfg, self.engine, self.dataset, initial)

@@ -65,6 +65,7 @@ def test_overrides_parse_toml_values_and_bare_words():
         ("protocol.staleness_lr=sometimes", "protocol.staleness_lr = 'sometimes'"),
         ("schedule.decay_epochs=[3, 1]", "schedule.decay_epochs = [3, 1]"),
         ("runtime=gpu-farm", "runtime = 'gpu-farm'"),
+        ("train.memory_format=nhwc", "train.memory_format = 'nhwc'"),
     ],
 )
 def test_bad_values_name_the_setting_and_value(override, fragment):

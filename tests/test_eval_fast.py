@@ -39,7 +39,7 @@ def test_inference_path_matches_a_plain_autograd_loop_and_any_batch_size():
     engine, split = _engine_and_split()
     w = engine.initial_weights() + 0.01  # not the module's own weights: the copy counts
     # reference: the module in eval mode, autograd on, one sample-weighted sum per batch
-    engine._flat.copy_(w)
+    engine._load(w)  # the model at w (channels-last kernels included)
     engine.model.eval()
     right = loss_sum = 0.0
     for lo in range(0, split.num_samples, 64):

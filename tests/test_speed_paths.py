@@ -1,4 +1,6 @@
-"""The learner's fast paths: ``train.compile`` (compiled ≡ eager, fallback, bad value)."""
+"""The learner's fast paths: ``train.compile`` (compiled ≡ eager, fallback, bad value) and
+``train.memory_format`` (channels-last ≡ contiguous to float32 rounding, the flat layout
+unchanged, the auto rule, bad value)."""
 
 import os
 import subprocess
@@ -10,15 +12,17 @@ import pytest
 import torch
 
 from distsgd.config import ConfigWarning
-from distsgd.engine import GradientEngine
+from distsgd.data import TensorSplit
+from distsgd.engine import GradientEngine, resolve_memory_format
 from distsgd.models import build_model
 
 REPO = str(Path(__file__).resolve().parents[1])
 
 
-def small_cnn_engine(compile: str) -> GradientEngine:
+def small_cnn_engine(compile: str, memory_format: str = "contiguous") -> GradientEngine:
     torch.manual_seed(0)
-    return GradientEngine(build_model("cnn", (1, 8, 8), num_classes=3), compile=compile)
+    model = build_model("cnn", (1, 8, 8), num_classes=3)
+    return GradientEngine(model, compile=compile, memory_format=memory_format)
 
 
 def batch(b: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +90,11 @@ def test_engine_rejects_unknown_compile_mode():
 # test on them could not fail; this one fails for it (36% of the entries, rel. 1.0).
 @pytest.mark.slow
 def test_compiled_gradient_matches_eager_without_recompiling():
-    compiled, eager = small_cnn_engine("on"), small_cnn_engine("off")
+    # compiled with channels-last kernels (the cnn's train.memory_format = "auto"),
+    # against the eager contiguous engine: that layout's rounding (~1e-8 relative) is
+    # far inside the tolerance below
+    compiled = small_cnn_engine("on", "channels_last")
+    eager = small_cnn_engine("off")
     w = eager.initial_weights()
     for step in range(2):  # step 1: the same shape, so no second compilation
         x, y = batch(16, seed=step)
@@ -108,3 +116,45 @@ def test_compiled_gradient_matches_eager_without_recompiling():
         scale = float(grad_e.abs().max())
         torch.testing.assert_close(grad_c, grad_e, rtol=1e-4, atol=1e-5 * scale)
         assert losses_c == pytest.approx(losses_e, rel=1e-5)  # one mean of 16 losses
+
+
+def test_memory_format_auto_rule_and_bad_value():
+    shape = (1, 8, 8)
+    assert resolve_memory_format("auto", build_model("cnn", shape, 3)) == "channels_last"
+    assert resolve_memory_format("auto", build_model("lenet", shape, 3)) == "channels_last"
+    # BatchNorm ran slower in channels_last here; no convolution: nothing to lay out
+    assert resolve_memory_format("auto", build_model("resnet20", shape, 3)) == "contiguous"
+    assert resolve_memory_format("auto", build_model("mlp", shape, 3)) == "contiguous"
+    for given in ("contiguous", "channels_last"):
+        assert resolve_memory_format(given, build_model("mlp", shape, 3)) == given
+    with pytest.raises(ValueError, match="memory_format = 'nhwc' is not allowed"):
+        resolve_memory_format("nhwc", build_model("cnn", shape, 3))
+
+
+def test_channels_last_equals_contiguous_and_keeps_the_flat_layout():
+    """The same [P] weights give the same gradients (to float32 rounding: the NHWC
+    kernels sum in another order), losses, evaluations and state dicts in both layouts;
+    the kernels really are channels-last; a second gradient at other weights sees them."""
+    nchw, nhwc = small_cnn_engine("off"), small_cnn_engine("off", "channels_last")
+    assert nhwc.memory_format == "channels_last" and nchw.memory_format == "contiguous"
+    conv2 = nhwc.model.features[3].weight  # 64 × 32 × 3 × 3
+    assert conv2.is_contiguous(memory_format=torch.channels_last)
+    assert not conv2.is_contiguous()
+    w = nchw.initial_weights()
+    assert torch.equal(w, nhwc.initial_weights())
+    for step in range(3):
+        x, y = batch(8, seed=step)
+        g_a, loss_a = nchw.gradient(w, x, y, num_chunks=2)
+        g_b, loss_b = nhwc.gradient(w, x, y, num_chunks=2)
+        # 1e-5 of the largest entry: ~100× float32 rounding of these sums
+        tol = 1e-5 * float(g_a.abs().max())
+        torch.testing.assert_close(g_b, g_a, rtol=0, atol=tol)
+        assert loss_b == pytest.approx(loss_a, rel=1e-5)
+        w = w - 0.5 * g_a  # the next step is at other weights
+    split = TensorSplit(*batch(40, seed=9))
+    m_a, l_a = nchw.evaluate(w, split, batch_size=16)
+    m_b, l_b = nhwc.evaluate(w, split, batch_size=16)
+    assert m_a == m_b and l_b == pytest.approx(l_a, rel=1e-5)
+    sd_a, sd_b = nchw.state_dict_at(w), nhwc.state_dict_at(w)
+    assert sd_a.keys() == sd_b.keys()
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)

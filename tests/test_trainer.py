@@ -50,11 +50,14 @@ def test_run_directory_contents(tmp_path):
     assert records[-1]["virtual_s"] > records[1]["virtual_s"] > 0
     assert summary["staleness_mean"] > 0
     assert summary["runtime"] == "sim"
-    # the resolved config reproduces the run settings, with the built-in model's shape
-    # and the device train.device = "auto" resolved to
+    # the resolved config reproduces the run settings, with the built-in model's shape,
+    # the device train.device = "auto" resolved to and the layout train.memory_format =
+    # "auto" resolved to (contiguous: the model has no convolution)
     again = distsgd.RunConfig.from_toml(run / "config.toml")
     shape = {"input_shape": [1, 28, 28], "num_classes": 10}
-    device = dataclasses.replace(cfg.train, device=resolved_device_setting("auto"))
+    device = dataclasses.replace(
+        cfg.train, device=resolved_device_setting("auto"), memory_format="contiguous"
+    )
     assert again == cfg.replace(model=dataclasses.replace(cfg.model, kwargs=shape), train=device)
     assert sum(json.loads((run / "staleness.json").read_text())["counts"].values()) == 2048 // 32
 

@@ -67,9 +67,10 @@ def _throwaway_engine(cfg: RunConfig, code: UserCode | None) -> GradientEngine:
 PROFILE_REPEATS = 3
 
 
-def profile_key(cfg: RunConfig, num_parameters: int) -> profiles.ProfileKey:
+def profile_key(cfg: RunConfig, num_parameters: int, memory_format: str) -> profiles.ProfileKey:
     """The cache key of ``cfg``'s device profile on this machine: model and P, the run's b,
-    this process's torch threads, torch's version, :func:`~distsgd.runtime.profiles.machine_id`."""
+    this process's torch threads, torch's version, :func:`~distsgd.runtime.profiles.machine_id`,
+    the engine's resolved memory format (:attr:`GradientEngine.memory_format`)."""
     m = cfg.model
     return profiles.ProfileKey(
         m.factory or m.name,
@@ -78,6 +79,7 @@ def profile_key(cfg: RunConfig, num_parameters: int) -> profiles.ProfileKey:
         torch.get_num_threads(),
         torch.__version__,
         profiles.machine_id(),
+        memory_format,
     )
 
 
@@ -122,7 +124,7 @@ def measure_device(
     t_b = [f.compute_seconds(b) for f in fits]
     spread = (max(t_b) - min(t_b)) / statistics.median(t_b) if min(t_b) > 0 else 0.0
     prof = profiles.DeviceProfileFile(
-        profile_key(cfg, engine.num_parameters),
+        profile_key(cfg, engine.num_parameters, engine.memory_format),
         spb,
         sps,
         repeats=len(fits),
@@ -157,7 +159,8 @@ def _cached_device(
     """The device profile from the cache (measured and written there when missing or
     unreadable; what it lacks that the run needs is measured and added); says which on
     stderr. ``distsgd calibrate CONFIG`` replaces the entry (recalibration)."""
-    key = profile_key(cfg, _throwaway_engine(cfg, code).num_parameters)
+    engine = _throwaway_engine(cfg, code)
+    key = profile_key(cfg, engine.num_parameters, engine.memory_format)
     path = profiles.cache_path(key)
     prof = None
     if path.exists():

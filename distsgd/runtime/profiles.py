@@ -96,6 +96,8 @@ class ProfileKey:
         num_threads: torch threads of the process that measures.
         torch: ``torch.__version__``.
         machine: :func:`machine_id`.
+        memory_format: the engine's resolved ``train.memory_format`` (``"contiguous"``
+            or ``"channels_last"``; files without it were measured contiguous).
     """
 
     model: str
@@ -104,6 +106,7 @@ class ProfileKey:
     num_threads: int
     torch: str
     machine: str
+    memory_format: str = "contiguous"
 
     def file_name(self) -> str:
         """``<model>-b<b>-t<threads>-<hash of all fields>.toml``."""
@@ -170,6 +173,7 @@ def write_profile(path: Path, prof: DeviceProfileFile) -> None:
         "num_threads": k.num_threads,
         "torch": k.torch,
         "machine": k.machine,
+        "memory_format": k.memory_format,
         "measured_at": prof.measured_at,
         "repeats": prof.repeats,
         "spread": prof.spread,
@@ -243,6 +247,12 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
             "with distsgd calibrate CONFIG --out FILE)"
         )
     got = {n: _field(setting, path, table, n, kind) for n, kind in _REQUIRED.items()}
+    got["memory_format"] = table.get("memory_format", "contiguous")
+    if got["memory_format"] not in ("contiguous", "channels_last"):
+        raise ConfigError(
+            f"{setting} = {str(path)!r} is not allowed: its memory_format = "
+            f"{got['memory_format']!r} is not 'contiguous' or 'channels_last'"
+        )
     key = ProfileKey(*(got[n] for n in ProfileKey.__dataclass_fields__))
     push = table.get("seconds_per_push")
     if push is not None:
