@@ -312,6 +312,18 @@ def config_for_data(cfg: RunConfig, dataset: Dataset, code: UserCode | None = No
     return cfg
 
 
+def _channels_last(t: Tensor) -> Tensor:
+    """A 4-D NCHW tensor ``t`` with channels-last (NHWC) strides: a view of ``t`` re-strided
+    where both orders are the same memory (one channel, or one pixel: a first
+    convolution's kernel on grey images), else a copy. Re-striding matters: oneDNN picks
+    its layout from the strides, and NCHW strides of a one-channel kernel make it run the
+    whole first layer (its largest activations) in NCHW."""
+    n, c, h, w = t.shape
+    if c == 1 or h * w == 1:
+        return t.as_strided(t.shape, (c * h * w, 1, w * c, c))
+    return t.contiguous(memory_format=torch.channels_last)
+
+
 def resolve_memory_format(setting: str, model: nn.Module) -> str:
     """``train.memory_format = setting`` resolved for ``model``: ``"contiguous"`` or
     ``"channels_last"`` as given; ``"auto"``: channels_last when the model has a 2-D
@@ -419,10 +431,10 @@ class GradientEngine:
             self._slices[id(p)] = (offset, offset + n)
             weights = self._flat[offset : offset + n].view_as(p)
             grad = self._grad[offset : offset + n].view_as(p)
-            if self._needs_own_storage(weights):
-                p.data = weights.contiguous(memory_format=torch.channels_last)
-                p.grad = grad.contiguous(memory_format=torch.channels_last)
-                self._own_storage.append((p, weights, grad))
+            if self.memory_format == "channels_last" and p.dim() == 4:
+                p.data, p.grad = _channels_last(weights), _channels_last(grad)
+                if p.data_ptr() != weights.data_ptr():  # copies: NHWC differs from NCHW
+                    self._own_storage.append((p, weights, grad))
             else:
                 p.data, p.grad = weights, grad
             offset += n
@@ -432,13 +444,6 @@ class GradientEngine:
             torch.compile(self._functional_forward(params), dynamic=False)
             if compile == "on"
             else None
-        )
-
-    def _needs_own_storage(self, weights: Tensor) -> bool:
-        return (
-            self.memory_format == "channels_last"
-            and weights.dim() == 4
-            and not weights.is_contiguous(memory_format=torch.channels_last)
         )
 
     def _load(self, weights: Tensor) -> None:
@@ -470,14 +475,15 @@ class GradientEngine:
         AOTAutograd's synthetic-base handling turned into wrong convolution gradients
         (torch 2.13, tests/test_speed_paths.py)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        own = {id(p) for p, _, _ in self._own_storage}
-        layout = [(names[id(p)], self._slices[id(p)], p.shape, id(p) in own) for p in params]
+        nhwc = self.memory_format == "channels_last"
+        layout = [
+            (names[id(p)], self._slices[id(p)], p.shape, nhwc and p.dim() == 4) for p in params
+        ]
         model = self.model
-        nhwc = torch.channels_last
 
         def forward(weights: Tensor, x: Tensor) -> Tensor:
             views = {
-                name: weights[a:b].view(shape).contiguous(memory_format=nhwc)
+                name: _channels_last(weights[a:b].view(shape))
                 if channels_last
                 else weights[a:b].view(shape)
                 for name, (a, b), shape, channels_last in layout

@@ -137,9 +137,15 @@ def test_channels_last_equals_contiguous_and_keeps_the_flat_layout():
     the kernels really are channels-last; a second gradient at other weights sees them."""
     nchw, nhwc = small_cnn_engine("off"), small_cnn_engine("off", "channels_last")
     assert nhwc.memory_format == "channels_last" and nchw.memory_format == "contiguous"
-    conv2 = nhwc.model.features[3].weight  # 64 × 32 × 3 × 3
+    conv2 = nhwc.model.features[3].weight  # 64 × 32 × 3 × 3: storage of its own
     assert conv2.is_contiguous(memory_format=torch.channels_last)
     assert not conv2.is_contiguous()
+    # 32 × 1 × 3 × 3: one input channel, the same memory in both orders, so a view of the
+    # flat buffer re-strided to NHWC strides (with NCHW strides oneDNN ran the first
+    # layer, the largest, in NCHW, and most of the speed-up was lost)
+    conv1 = nhwc.model.features[0].weight
+    assert conv1.stride() == (9, 1, 3, 1) and conv1.grad.stride() == (9, 1, 3, 1)
+    assert conv1.data_ptr() == nhwc._flat.data_ptr()
     w = nchw.initial_weights()
     assert torch.equal(w, nhwc.initial_weights())
     for step in range(3):
