@@ -73,6 +73,23 @@ def test_cache_is_keyed_by_batch_size(cache, calls):
     assert len(list(cache.glob("*.toml"))) == 2
 
 
+def test_cache_is_keyed_by_memory_format(cache, calls):
+    """A device measured with NCHW kernels is not the device with NHWC ones (the cnn runs
+    1.3-1.6x faster in channels_last here): each layout has its own entry, and a file
+    without the key (written before it existed) reads as contiguous."""
+    cnn = {"model": {"name": "cnn"}, "data": {"num_train": 256, "num_test": 64}}
+    _calibrated(small_config(cluster=CALIBRATE, **cnn))  # auto: channels_last
+    _calibrated(small_config(cluster=CALIBRATE, train={"memory_format": "contiguous"}, **cnn))
+    assert len(calls) == 2 * factory.PROFILE_REPEATS
+    files = sorted(cache.glob("*.toml"))
+    formats = sorted(tomllib.loads(f.read_text())["profile"]["memory_format"] for f in files)
+    assert formats == ["channels_last", "contiguous"]
+    older = files[0].read_text()
+    older = "\n".join(x for x in older.splitlines() if not x.startswith("memory_format"))
+    files[0].write_text(older)
+    assert profiles.read_profile(files[0], setting="s").key.memory_format == "contiguous"
+
+
 def test_cached_profile_without_the_servers_cost_gets_it(cache, calls):
     """The server's work per push is measured with the device (the tuner's parameter-server
     candidates need it whatever the run's protocol); a cached file without it (written by
@@ -157,6 +174,10 @@ def test_calibrate_out_and_profile_round_trip(tmp_path, cache, calls, capsys):
         (lambda t: t.replace('model = "mlp"', 'model = "cnn"'), "measured on model 'cnn'"),
         (lambda t: "not toml [", "not TOML"),
         (lambda t: t.replace("[profile]", "[device]"), "no [profile] table"),
+        (
+            lambda t: t.replace('memory_format = "contiguous"', 'memory_format = "nhwc"'),
+            "memory_format = 'nhwc' is not 'contiguous' or 'channels_last'",
+        ),
     ],
 )
 def test_bad_profile_is_one_line_exit_2(tmp_path, cache, capsys, edit, fragment):
