@@ -2,7 +2,8 @@
 
 :class:`GradientEngine` owns one ``nn.Module`` whose parameters are views into a single
 contiguous buffer of P float32 values, and whose gradients land in a second buffer of the
-same layout. Computing a learner's gradient at weights ``w`` is then one copy into the
+same layout (with ``train.memory_format = "channels_last"``, convolution kernels of more
+than one input channel are copies in NHWC order, see :class:`GradientEngine`). Computing a learner's gradient at weights ``w`` is then one copy into the
 buffer, one forward/backward, and one copy out: no per-parameter Python loop on the hot
 path (DESIGN.md, performance notes).
 """
@@ -377,12 +378,13 @@ class GradientEngine:
             compilation fails, one :class:`~distsgd.config.ConfigWarning` and the eager
             forward from then on. ``"off"``: eager.
         memory_format: ``train.memory_format`` (:func:`resolve_memory_format`). With
-            ``"channels_last"`` every 4-D parameter that is not channels-last as a view
-            of the flat buffer (a kernel with more than one input channel) gets storage
-            of its own in that layout, and its gradient too: they are copied from the
-            flat weights before each forward and into the flat gradient after each
-            backward (a few hundred KB for the ``cnn``); the flat buffers keep NCHW
-            order, so ``[P]`` vectors mean the same in both layouts.
+            ``"channels_last"`` every 4-D parameter (convolution kernel) takes NHWC
+            strides: a one-channel kernel stays a view of the flat buffer, re-strided
+            (the same memory in both orders); any other gets storage of its own in that
+            layout, and its gradient too, copied from the flat weights before each
+            forward and into the flat gradient after each backward (72 KB for the
+            ``cnn``). The flat buffers keep NCHW order, so ``[P]`` vectors mean the same
+            in both layouts.
 
     Attributes:
         num_parameters: P.
