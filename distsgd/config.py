@@ -893,9 +893,11 @@ class TrainConfig:
             so of its convolutions' activations: ``"channels_last"`` (NHWC), the faster
             layout of the CPU's oneDNN convolutions and max-pooling; ``"contiguous"``
             (NCHW, PyTorch's default); ``"auto"`` (default): channels_last for a model
-            with a 2-D convolution and no BatchNorm layer (here: the ``cnn`` 1.3–1.6× and
-            ``lenet`` 1.2–1.7× a training step), contiguous otherwise (``resnet20``, whose
-            BatchNorm layers ran slower in channels_last). The flat weights keep
+            with a 2-D convolution and no BatchNorm layer (here a training step of the
+            ``cnn`` ran 1.30–1.52× and of ``lenet`` 1.03–1.44× faster), contiguous
+            otherwise: ``resnet20`` ran faster too, but its float32 gradients were 1000×
+            less accurate in channels-last on torch 2.13's CPU kernels
+            (:func:`distsgd.engine.resolve_memory_format`). The flat weights keep
             ``model.parameters()`` order and NCHW layout either way (files of weights do
             not change); a run records the resolved choice in its ``config.toml``. The
             kernels sum in another order: gradients agree to float32 rounding, not bit for

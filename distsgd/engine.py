@@ -328,9 +328,13 @@ def _channels_last(t: Tensor) -> Tensor:
 def resolve_memory_format(setting: str, model: nn.Module) -> str:
     """``train.memory_format = setting`` resolved for ``model``: ``"contiguous"`` or
     ``"channels_last"`` as given; ``"auto"``: channels_last when the model has a 2-D
-    convolution and no BatchNorm layer, contiguous otherwise (measured on 2 CPU cores,
-    forward + backward: ``cnn`` 1.3–1.6×, ``lenet`` 1.2–1.7× in channels_last;
-    ``resnet20``, with BatchNorm, 0.7–1.0×; see :class:`~distsgd.config.TrainConfig`).
+    convolution and no BatchNorm layer, contiguous otherwise. Measured on 2 CPU cores
+    (torch 2.13), forward + backward in channels-last against NCHW: ``cnn`` 1.30–1.52×,
+    ``lenet`` 1.03–1.44×, ``resnet20`` 1.25–1.97× faster at b = 8–128
+    (bench/results/efficiency/efficiency.md); but ``resnet20``'s float32 gradients were
+    off from float64 by up to 2e-3 (of entries up to 0.9) in channels-last, against 1e-6
+    in NCHW, in 3 of 4 seeds (float64 agrees in both layouts): BatchNorm models stay
+    contiguous unless asked. See :class:`~distsgd.config.TrainConfig`.
 
     Raises:
         ValueError: ``setting`` is not one of ``MEMORY_FORMATS``.
