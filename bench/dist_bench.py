@@ -26,7 +26,8 @@ and learning rate everywhere:
    simulated compute and messages); the latter is charged to the async rows as
    ``cluster.seconds_per_push`` (the last column shows the prediction without it). Each
    row's device profile is measured again just before its dist run (the machine's load
-   drifts).
+   drifts). Every rank runs on this machine, so the simulated rows set ``cluster.cores``
+   to its cores (:func:`distsgd.runtime.cluster_model.server_core_stretch`).
 
     flock /tmp/distsgd-bench.lock python bench/dist_bench.py --out bench/results/dist
     flock /tmp/distsgd-bench.lock python bench/dist_bench.py --skip-to-target  # fidelity only
