@@ -767,6 +767,13 @@ class ClusterConfig:
             the device profile when that is calibrated or read from ``profile``
             (:func:`distsgd.runtime.sim.calibrate_server`), and free when
             ``seconds_per_sample`` / ``seconds_per_batch`` are given; 0: free.
+        cores: CPU cores the simulated cluster's processes share; 0 (default): every
+            process (learner, server) has cores of its own, as on a real cluster. With
+            more busy processes than cores (every rank on one machine), compute and the
+            parameter server's work stretch by ``max(1, busy / cores)``
+            (:func:`distsgd.runtime.cluster_model.core_stretch`; for a parameter server
+            ``busy = learners + the server's busy fraction``,
+            :func:`~distsgd.runtime.cluster_model.server_core_stretch`).
         profile: path of a profile file written by ``distsgd calibrate --out`` (a device
             measured elsewhere, e.g. a GPU node): the device profile comes from it instead
             of being calibrated here; "" (default): calibrate on this machine, through
@@ -784,6 +791,7 @@ class ClusterConfig:
     jitter: float = 0.1
     latency_s: float = 50e-6
     bandwidth_gbps: float = 10.0
+    cores: int = 0
 
     def __post_init__(self) -> None:
         for key in (
@@ -826,6 +834,8 @@ class ClusterConfig:
         check_float("cluster.jitter", self.jitter, 0.0, 2.0)
         check_float("cluster.latency_s", self.latency_s, 0.0)
         check_float("cluster.bandwidth_gbps", self.bandwidth_gbps, 0.0)
+        if not isinstance(self.cores, int) or isinstance(self.cores, bool) or self.cores < 0:
+            fail("cluster.cores", self.cores, "an integer >= 0 (0: a core per process)")
         if not isinstance(self.profile, str):
             fail("cluster.profile", self.profile, 'a path of a profile file, or "" to calibrate')
 

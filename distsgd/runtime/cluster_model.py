@@ -23,7 +23,9 @@ __all__ = [
     "ClusterModel",
     "allreduce_seconds",
     "compute_seconds",
+    "core_stretch",
     "device_seconds",
+    "server_core_stretch",
     "replica_ratio",
     "straggler_factor",
 ]
@@ -53,6 +55,10 @@ class ClusterModel:
         replica_ratios: SMA only: measured t(k)/t(1) for k = 1, 2, …
             (``cluster.replica_ratios``); when given it replaces ``t_replica``
             (:func:`replica_ratio`).
+        cores: CPU cores the cluster's processes share (``cluster.cores``); 0: every
+            process has a core of its own (a real cluster). With more busy processes than
+            cores, compute and the server's work stretch (:func:`core_stretch`,
+            :func:`server_core_stretch`): one machine running every rank.
     """
 
     t_batch: float
@@ -64,6 +70,7 @@ class ClusterModel:
     t_server: float = 0.0
     t_replica: float | None = None
     replica_ratios: tuple[float, ...] = ()
+    cores: int = 0
 
     @property
     def message_seconds(self) -> float:
@@ -130,3 +137,36 @@ def straggler_factor(m: int, jitter: float) -> float:
     if m <= 1 or jitter <= 0:
         return 1.0
     return 1.0 + jitter * NormalDist().inv_cdf((m - 0.375) / (m + 0.25))
+
+
+def core_stretch(busy: float, cores: int) -> float:
+    """Wall over CPU seconds of a busy process when ``busy`` processes (on average) want
+    a core at once and ``cores`` are there, shared fairly: ``max(1, busy / cores)``;
+    1 when ``cores <= 0`` (each process has its own core). Non-decreasing in ``busy``,
+    non-increasing in ``cores``."""
+    if cores <= 0:
+        return 1.0
+    return max(1.0, busy / cores)
+
+
+def server_core_stretch(
+    learners: int, batch_size: int | float, cluster: ClusterModel, pushers: int | None = None
+) -> float:
+    """How much compute and the server's work stretch in a parameter-server run whose
+    ``learners`` learner processes and one server process share ``cluster.cores`` cores.
+
+    Steady state, first order: each of the ``pushers`` workers (learners, or compute
+    groups; default ``learners``) cycles in ``c = 2m + t_c + t_server`` (two messages,
+    its compute, the server's work on its push), so the server is busy a fraction
+    ``u = min(1, pushers · t_server / c)`` of the time, and on average ``learners + u``
+    processes want a core (a learner's busy fraction is counted as 1, the conservative
+    side). Returns :func:`core_stretch` of that: 1 when they fit (``cores = 0``, or
+    ``learners + u <= cores``); e.g. 2 learners + a server busy 20% of the time on 2
+    cores: 1.1.
+    """
+    if cluster.cores <= 0 or learners < 1:
+        return 1.0
+    n = learners if pushers is None else pushers
+    cycle = 2 * cluster.message_seconds + compute_seconds(batch_size, cluster) + cluster.t_server
+    u = min(1.0, n * cluster.t_server / cycle) if cycle > 0 else 0.0
+    return core_stretch(learners + u, cluster.cores)

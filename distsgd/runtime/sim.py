@@ -19,7 +19,12 @@ Timing model (all in virtual seconds):
 * one message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``;
 * ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``;
 * the parameter server's work on one push (apply the protocol, copy the weights for the
-  reply): ``seconds_per_push``; the server serves pushes one at a time, in arrival order.
+  reply): ``seconds_per_push``; the server serves pushes one at a time, in arrival order;
+* processes sharing cores (``cluster.cores`` > 0, every rank on one machine): compute,
+  and the server's work, take :func:`~distsgd.runtime.cluster_model.core_stretch` times
+  longer when more processes are busy than there are cores (synchronous: the devices;
+  parameter server: the learners plus the server's busy fraction,
+  :func:`~distsgd.runtime.cluster_model.server_core_stretch`); 0: a core per process.
 
 Synchronous protocols advance one iteration per tick (the slowest device plus the
 all-reduce). Parameter-server protocols process one push per tick: a worker pulls,
@@ -36,6 +41,7 @@ per learner. Virtual time is still charged per learner at batch b.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import math
@@ -358,10 +364,25 @@ class SimRuntime(Runtime):
             num_parameters=engine.num_parameters,
         )
         self.message_s = self._network.message_seconds
+        self._stretch = self._core_stretch()
         if self.is_async:
             self._init_async()
 
     # ---- timing ------------------------------------------------------------------------
+    def _core_stretch(self) -> float:
+        """Wall over CPU time of compute (and the server's work) when the cluster's
+        processes share ``cluster.cores`` cores (1 with ``cores = 0``)."""
+        cores = self.cluster.cores
+        if cores <= 0:
+            return 1.0
+        if not self.is_async:
+            return cm.core_stretch(self.num_learners // self.replicas_per_device, cores)
+        model = dataclasses.replace(
+            self._network, t_server=self.profile.seconds_per_push, cores=cores
+        )
+        pushers = self.protocol.num_workers  # type: ignore[union-attr]
+        return cm.server_core_stretch(self.num_learners, self.batch_size, model, pushers)
+
     def _jitter(self) -> float:
         s = self.cluster.jitter
         if s == 0:
@@ -373,7 +394,7 @@ class SimRuntime(Runtime):
     def compute_seconds(self, learner: int) -> float:
         """Virtual seconds for ``learner`` to compute one minibatch (draws jitter)."""
         base = self.profile.compute_seconds(self.batch_size) / self.speeds[learner]
-        return base * self._jitter()
+        return base * self._stretch * self._jitter()
 
     def device_compute_seconds(self, device: int) -> float:
         """Virtual seconds for ``device`` to compute one iteration of its k replicas
@@ -383,7 +404,7 @@ class SimRuntime(Runtime):
             return self.compute_seconds(device)
         speed = min(self.speeds[device * k : (device + 1) * k])
         base = self.profile.device_seconds(k, self.batch_size) / speed
-        return base * self._jitter()
+        return base * self._stretch * self._jitter()
 
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
         """Change k between synchronous iterations (the auto-tuner): λ becomes
@@ -412,6 +433,7 @@ class SimRuntime(Runtime):
         self.num_learners = lam
         self.replicas_per_device = replicas_per_device
         self.speeds = [1.0] * lam
+        self._stretch = self._core_stretch()
 
     def allreduce_seconds(self, participants: int) -> float:
         """Ring all-reduce of P float32 values among ``participants``
@@ -525,7 +547,7 @@ class SimRuntime(Runtime):
         arrived, _, worker = self._next_push()
         # the server takes pushes in arrival order, one at a time: it is free from the
         # moment it finished the previous one (the clock's reading)
-        now = max(arrived, self.virtual_time) + self.profile.seconds_per_push
+        now = max(arrived, self.virtual_time) + self.profile.seconds_per_push * self._stretch
         self.virtual_time = now
         members = self._members(worker)
         grad, losses = self._mean_gradient(members, self._pulled[worker], lr, proto.version)

@@ -39,8 +39,10 @@ from distsgd.runtime.cluster_model import (
     ClusterModel,
     allreduce_seconds,
     compute_seconds,
+    core_stretch,
     device_seconds,
     replica_ratio,
+    server_core_stretch,
     straggler_factor,
 )
 
@@ -136,30 +138,40 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
     * n-softsync: every learner cycles in ``2m + t_c + t_server``; λ pushes per cycle and c = λ/n
       pushes per update give ``max(cycle / n, c·t_server)`` (Rudra, SPEC §2).
 
+    With ``cluster.cores`` > 0 (every process on one machine) t_c, D(k) and t_server are
+    stretched by :func:`~distsgd.runtime.cluster_model.core_stretch` of the busy
+    processes (synchronous: the devices; parameter server and compute groups:
+    :func:`~distsgd.runtime.cluster_model.server_core_stretch`), as the simulator does.
+
     Returns:
         seconds (> 0 whenever t_batch + b·t_sample > 0).
     """
     lam, b = layout.num_learners, layout.batch_size
     tc = compute_seconds(b, cluster)
     s = cluster.jitter
+    cores = cluster.cores
     if layout.family == "hardsync":
+        tc *= core_stretch(lam, cores)
         return straggler_factor(lam, s) * tc + allreduce_seconds(lam, cluster)
     if layout.family == "sma":
         k = layout.replicas_per_device
         devices = lam // k
-        return straggler_factor(devices, s) * device_seconds(k, b, cluster) + allreduce_seconds(
-            devices, cluster
-        )
+        d = device_seconds(k, b, cluster) * core_stretch(devices, cores)
+        return straggler_factor(devices, s) * d + allreduce_seconds(devices, cluster)
     m = cluster.message_seconds
     if layout.family == "compute_groups":
         g = layout.num_groups
         size = lam // g
-        cycle = 2 * m + straggler_factor(size, s) * tc + allreduce_seconds(size, cluster)
-        cycle += cluster.t_server
-        return max(cycle / g, cluster.t_server)
+        x = server_core_stretch(lam, b, cluster, pushers=g)
+        ts = cluster.t_server * x
+        cycle = 2 * m + straggler_factor(size, s) * tc * x + allreduce_seconds(size, cluster)
+        cycle += ts
+        return max(cycle / g, ts)
     n = layout.softsync
-    cycle = 2 * m + tc + cluster.t_server
-    return max(cycle / n, (lam // n) * cluster.t_server)
+    x = server_core_stretch(lam, b, cluster)
+    ts = cluster.t_server * x
+    cycle = 2 * m + tc * x + ts
+    return max(cycle / n, (lam // n) * ts)
 
 
 @dataclass(frozen=True)
