@@ -373,3 +373,50 @@ def test_resume_of_a_run_killed_mid_segment_gives_the_same_decisions(tmp_path, m
         load_checked(killed / "checkpoint.pt")["protocol"]["weights"],
         load_checked(whole / "checkpoint.pt")["protocol"]["weights"],
     )
+
+
+def test_a_plain_run_with_plateau_checks_resumes_without_repeating_them(tmp_path):
+    # train.plateau_check_samples on its own: killed after its first check, resumed from
+    # a checkpoint before it, the run makes each check once, as without the kill,
+    # and stops at the second (its loss flattens in epoch 2 at η 0.1)
+    cfg = small_config(
+        optimizer={"lr": 0.1, "momentum": 0.9},
+        train={
+            "target": 0.0,
+            "max_epochs": 6,
+            "eval_every_samples": 256,
+            "plateau_check_samples": 1024,
+            "checkpoint_every_evals": 3,  # the last one before the kill: at 512 samples
+        },
+    )
+    whole = Trainer(cfg, tmp_path / "whole", progress=False).run()
+
+    def kill(tick, trainer):
+        if trainer.runtime.samples > 1024 + 100:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, tmp_path / "killed", progress=False, on_tick=kill).run()
+    made = (tmp_path / "killed" / "plateau_checks.jsonl").read_text().splitlines()
+    assert [json.loads(x)["samples"] for x in made] == [1024]
+    resumed = Trainer(cfg, tmp_path / "killed", progress=False).run(resume=True)
+
+    def checks(run):
+        lines = (run / "plateau_checks.jsonl").read_text().splitlines()
+        walls = ("train_wall_s", "wall_s", "eval_wall_s")
+        out = []
+        for line in lines:
+            c = {k: v for k, v in json.loads(line).items() if k not in walls}
+            c["used"] = [{k: v for k, v in r.items() if k not in walls} for r in c["used"]]
+            out.append(c)
+        return out
+
+    got, want = checks(tmp_path / "killed"), checks(tmp_path / "whole")
+    assert got == want and [c["samples"] for c in got] == [1024 * (i + 1) for i in range(len(got))]
+    assert [c["due"] for c in got] == [False, True]
+    assert resumed["stop_reason"] == whole["stop_reason"] == "steady_state"
+    assert resumed["samples"] == whole["samples"] == 2048
+    assert torch.equal(
+        load_checked(tmp_path / "killed" / "checkpoint.pt")["protocol"]["weights"],
+        load_checked(tmp_path / "whole" / "checkpoint.pt")["protocol"]["weights"],
+    )
