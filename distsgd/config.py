@@ -932,6 +932,15 @@ class TrainConfig:
             float32, to ``eval_weights/NNNN.pt`` in the run directory (NNNN = the ``eval``
             number of its ``metrics.jsonl`` record): the tuner's snapshots along a long run,
             from which it tries a learning-rate step.
+        plateau_check_samples: every this many training samples (at each multiple of it
+            since the run's start; 0, the default: never) the run evaluates (the whole
+            test set) and stops, ``stop_reason = "steady_state"``, when its training loss
+            fell by less than 10% over the last such span
+            (:func:`distsgd.plateau.steady_state_due`, from the evaluations up to that
+            point only); each check is one line of ``plateau_checks.jsonl`` in the run
+            directory (samples, clocks, whether it was due and the two evaluations it
+            compared). ``distsgd train --tune`` sets it (one epoch) so that its winner
+            trains in one launch until steady state.
         device: where the model, its flat weights and gradients, the protocols' state and
             the learners' batches live: ``"auto"`` (each rank's own GPU, ``cuda:<local
             rank mod GPUs>``, when CUDA is available, else the CPU; a run records what
@@ -968,6 +977,7 @@ class TrainConfig:
     record_ticks: bool = False
     evaluate: bool = True
     save_eval_weights: bool = False
+    plateau_check_samples: int = 0
     device: str = "auto"
     precision: str = "fp32"
 
@@ -1016,6 +1026,7 @@ class TrainConfig:
         check_int("train.eval_samples", self.eval_samples, 0)
         check_int("train.bn_recalibration_samples", self.bn_recalibration_samples, 1)
         check_int("train.checkpoint_every_evals", self.checkpoint_every_evals, 0)
+        check_int("train.plateau_check_samples", self.plateau_check_samples, 0)
         check_int("train.seed", self.seed, 0, 2**31 - 1)
         check_int("train.num_threads", self.num_threads, 0, 256)
         check_choice("train.compile", self.compile, COMPILE_MODES)

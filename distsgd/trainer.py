@@ -31,7 +31,10 @@ Run directory layout (``out_dir``):
   the replicas-per-device auto-tuner (see :mod:`distsgd.replicas`);
 * ``ticks.jsonl``, ``final_weights.pt`` — with ``train.record_ticks``;
   ``eval_weights/NNNN.pt`` — with ``train.save_eval_weights`` (see
-  :class:`~distsgd.config.TrainConfig`).
+  :class:`~distsgd.config.TrainConfig`);
+* ``plateau_checks.jsonl`` — with ``train.plateau_check_samples``: one line per check of
+  the steady-state rule (:mod:`distsgd.plateau`), the last one ``due`` when the run
+  stopped at it (``stop_reason = "steady_state"``).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from distsgd.metrics import (
     write_json,
 )
 from distsgd.objectives import reached as target_reached
+from distsgd.plateau import next_check, steady_state_due
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.replicas import ReplicaAutoTuner
 from distsgd.rundir import RunDirClaim, check_out_dir_writable
@@ -110,6 +114,7 @@ _STOP_WORDS = {
     "max_epochs/max_samples": "stopped: sample budget",
     "max_seconds": "stopped: train.max_seconds",
     "max_virtual_seconds": "stopped: train.max_virtual_seconds",
+    "steady_state": "stopped: loss flattened",
 }
 
 
@@ -655,6 +660,9 @@ class Trainer:
             enabled=self.cfg.train.tensorboard,
             purge_step=(kept[-1]["samples"] + 1 if kept else 0) if resume else None,
         )
+        self._plateau_file = None
+        if self.cfg.train.plateau_check_samples and self.evaluate:
+            self._plateau_file = self._open_plateau_checks(resume)
         ticks = None
         if self.cfg.train.record_ticks:
             ticks = (self.out_dir / "ticks.jsonl").open("a" if resume else "w")
@@ -683,7 +691,44 @@ class Trainer:
             self.tensorboard.close()
             if ticks is not None:
                 ticks.close()
+            if self._plateau_file is not None:
+                self._plateau_file.close()
         return summary
+
+    def _open_plateau_checks(self, resume: bool) -> Any:
+        """``plateau_checks.jsonl`` for appending; on a resume without the checks made
+        after the checkpoint (they are made again)."""
+        path = self.out_dir / "plateau_checks.jsonl"
+        if resume and path.exists():
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["samples"] <= self.runtime.samples
+            ]
+            path.write_text("".join(line + "\n" for line in kept))
+            return path.open("a")
+        return path.open("w")
+
+    def _plateau_check(self, metrics: MetricsWriter | None) -> bool:
+        """The writer's check of the steady-state rule at this evaluation (its decision
+        point): from the evaluation records so far only; one ``plateau_checks.jsonl``
+        line. Returns whether it is due (on the writer; False elsewhere)."""
+        if metrics is None:
+            return False
+        every = self.cfg.train.plateau_check_samples
+        due, used = steady_state_due(metrics.records, self.runtime.samples, every)
+        check = {
+            "samples": self.runtime.samples,
+            "virtual_s": self._simulated_s(),
+            "train_wall_s": self.counters["train_wall_s"],
+            "window_samples": every,
+            "due": due,
+            "used": used,
+        }
+        if self._plateau_file is not None:
+            self._plateau_file.write(json.dumps(check) + "\n")
+            self._plateau_file.flush()
+        return due
 
     @staticmethod
     def _tick_recorder(
@@ -732,6 +777,9 @@ class Trainer:
         postfix = (None, None)  # (last evaluation record, best metric then)
         bar.set_postfix_str(_bar_postfix(cfg, None, None, c["reached_samples"]), refresh=False)
         last_eval_samples = -1 if not resumed else c.get("last_eval_samples", -1)
+        # train.plateau_check_samples: the next check of the steady-state rule
+        check_every = t.plateau_check_samples if self.evaluate else 0
+        check_at = next_check(rt.samples, check_every) if check_every else None
         try:
             while True:
                 budget_hit = budget is not None and rt.samples >= budget
@@ -744,9 +792,11 @@ class Trainer:
                 )
                 if t.max_seconds > 0 or t.max_virtual_seconds > 0:  # every rank decides alike
                     time_hit = rt.any_rank(time_hit)
-                if rt.samples >= next_eval or budget_hit or time_hit:
+                check_hit = check_at is not None and rt.samples >= check_at
+                if rt.samples >= next_eval or budget_hit or time_hit or check_hit:
                     if rt.samples != last_eval_samples and self.evaluate:
-                        record = self._evaluate(final=budget_hit or time_hit)
+                        # a check scores the whole set, as the run's last evaluation does
+                        record = self._evaluate(final=budget_hit or time_hit or check_hit)
                         last_eval_samples = rt.samples
                         if record is not None and metrics is not None:
                             metrics.write(record)
@@ -768,6 +818,11 @@ class Trainer:
                             if t.max_seconds > 0 and c["train_wall_s"] >= t.max_seconds
                             else "max_virtual_seconds"
                         )
+                    elif check_hit:
+                        if self._plateau_check(metrics):
+                            c["stop_reason"] = "steady_state"
+                    if check_hit:
+                        check_at = next_check(rt.samples, check_every)
                     c["stop_reason"] = rt.share(c["stop_reason"])  # the writer decides
                     c["next_eval"] = next_eval
                     c["last_eval_samples"] = last_eval_samples

@@ -1,7 +1,9 @@
 """``distsgd train --tune`` (distsgd.tuner.online): the online rule sees only the past, the
-winning probe continues bit-identically as the run, a run killed mid-probe resumes to the
-same decisions, and bad combinations are one line with exit status 2. All on the
-simulated runtime with a tiny model (its clock is simulated, so runs are deterministic)."""
+winning probe continues bit-identically as the run, the run checks steady state itself and
+stops where the earlier one-epoch segments (one launch each) re-optimised, with the same
+decisions, a run killed mid-probe or mid-segment resumes to the same decisions, and bad
+combinations are one line with exit status 2. All on the simulated runtime with a tiny
+model (its clock is simulated, so runs are deterministic)."""
 
 import dataclasses
 import json
@@ -14,10 +16,12 @@ import torch
 
 from distsgd.cli import main
 from distsgd.config import ConfigWarning, RunConfig
-from distsgd.metrics import load_checked, read_metrics
+from distsgd.metrics import load_checked, read_metrics, write_json
+from distsgd.plateau import next_check
 from distsgd.trainer import Trainer
 from distsgd.tuner import online
 from distsgd.tuner.online import OnlineTune, steady_state_due, train_tuned
+from distsgd.tuner.probes import candidate_config, safe_name
 
 from .conftest import small_config
 
@@ -74,10 +78,20 @@ def test_winning_probe_continues_bit_identically_and_report_reads_the_run(tmp_pa
     first = sorted((run / "train").iterdir())[0]
     start = json.loads((first / "online_segment.json").read_text())["start"]
     assert "probes" in start  # the first segment continues the cold start's winner
+    # one launch: it checked at the end of epoch 1 (keep training) and stopped at the end
+    # of epoch 2, where the rule was due
+    seg_summary = json.loads((first / "summary.json").read_text())
+    assert seg_summary["stop_reason"] == "steady_state" and seg_summary["samples"] == 2048
+    checks = [json.loads(x) for x in (first / "plateau_checks.jsonl").read_text().splitlines()]
+    assert [(c["samples"], c["due"]) for c in checks] == [(1024, False), (2048, True)]
     # a plain run from scratch of the segment's own config (the winner's configuration,
-    # stopping at the segment's end): the probe, then its continuation, must equal it
+    # stopping at the segment's end, without the checks): the probe, then its
+    # continuation, must equal it
     plain_cfg = RunConfig.from_toml(first / "config.toml")
-    assert plain_cfg.train.max_samples == 1024
+    assert plain_cfg.train.plateau_check_samples == 1024
+    plain_cfg = plain_cfg.replace(
+        train=dataclasses.replace(plain_cfg.train, plateau_check_samples=0, max_samples=2048)
+    )
     Trainer(plain_cfg, tmp_path / "plain", progress=False).run()
     # the segment continued the probe: its first tick follows the probe's last sample
     probe_samples = json.loads((Path(start) / "summary.json").read_text())["samples"]
@@ -85,7 +99,7 @@ def test_winning_probe_continues_bit_identically_and_report_reads_the_run(tmp_pa
     assert 0 < probe_samples < first_tick["samples"] <= probe_samples + 32
     got = load_checked(first / "checkpoint.pt")
     want = load_checked(tmp_path / "plain" / "checkpoint.pt")
-    assert got["runtime"]["samples"] == want["runtime"]["samples"] == 1024
+    assert got["runtime"]["samples"] == want["runtime"]["samples"] == 2048
     assert torch.equal(got["protocol"]["weights"], want["protocol"]["weights"])
     assert torch.equal(
         got["protocol"]["optimizer"][0]["momentum_buffer"],
@@ -158,6 +172,8 @@ def test_resume_of_a_run_killed_mid_probe_gives_the_same_decisions(tmp_path, mon
         # issue 18: both were overridden silently (evaluated anyway; trained hardsync)
         (["train.evaluate=false"], "train.evaluate = false"),
         (["protocol.name=local_sgd"], "protocol.name = 'local_sgd'"),
+        # --tune sets it (one epoch) for its segments
+        (["train.plateau_check_samples=512"], "train.plateau_check_samples = 512"),
     ],
 )
 def test_bad_tune_combinations_are_one_line_and_exit_2(tmp_path, capsys, sets, names):
@@ -211,3 +227,196 @@ def test_probes_leave_a_run_limited_by_epochs_most_of_its_samples(tmp_path):
     # most one iteration's overshoot of their clock limit: well under 0.25 in all
     assert cold and sum(p["samples"] for p in cold) <= 0.25 * limit
     assert s["samples"] == limit and len(read_metrics(run / "metrics.jsonl")) > 1
+
+
+class PerEpochSegments(OnlineTune):
+    """The procedure before the run checked steady state itself (issue 18): every epoch a
+    segment of its own, each a launch (``Trainer.run(resume=True)`` of the previous one's
+    checkpoint, stopping at the epoch's end by its sample budget), the rule applied by the
+    tuner to that segment's ``metrics.jsonl`` at its end. Its checks are handed to the run
+    loop as the new segment's ``plateau_checks.jsonl`` (the same decisions are logged)."""
+
+    def _segment(self, cand, start, check_every):
+        user, checks = self.cfg.train, []
+        budget = [int(math.ceil(user.max_epochs * self.num_train))] if user.max_epochs else []
+        budget += [user.max_samples] if user.max_samples else []
+        while True:
+            self.segments += 1
+            seg = self.out / "train" / f"{self.segments:02d}-{safe_name(cand.label())}"
+            seg.mkdir(parents=True)
+            for name in ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl"):
+                if (start / name).exists():
+                    shutil.copy2(start / name, seg / name)
+            samples0 = json.loads((start / "summary.json").read_text())["samples"]
+            check = next_check(samples0, check_every) if check_every else 2**62
+            cfg = candidate_config(self.cfg, cand)
+            train = dataclasses.replace(
+                user, max_samples=min([check, *budget]), record_ticks=True, evaluate=True
+            )
+            begin = self.elapsed()
+            Trainer(cfg.replace(train=train), seg, progress=False).run(resume=True)
+            saved = {
+                "begin_elapsed_s": begin,
+                "end_elapsed_s": self.elapsed(),
+                "overhead_clock_s": self.overhead_clock_s,
+                "start": str(start),
+            }
+            write_json(seg / "online_segment.json", saved)
+            self.timeline.append((seg, saved))
+            s = json.loads((seg / "summary.json").read_text())
+            ends = (
+                s["stop_reason"] != "max_epochs/max_samples"
+                or (budget and s["samples"] >= min(budget))
+                or s["samples"] < check
+            )
+            if ends:
+                break
+            due, used = steady_state_due(
+                read_metrics(seg / "metrics.jsonl"), s["samples"], check_every
+            )
+            checks.append({"samples": s["samples"], "virtual_s": s["virtual_s"], "due": due})
+            checks[-1]["used"] = used
+            if due:
+                break
+            start = seg
+        (seg / "plateau_checks.jsonl").write_text("".join(json.dumps(c) + "\n" for c in checks))
+        return seg, bool(ends)
+
+
+def _strip_segment_names(decs):
+    """Decisions with the segment a steady-state probe started from left out of their
+    reason (the one-epoch segments are numbered otherwise)."""
+    out = []
+    for d in decs:
+        d = dict(d)
+        d["reason"] = " ".join(w for w in d["reason"].split() if not w[:2].isdigit())
+        out.append(d)
+    return out
+
+
+def test_one_launch_stops_and_decides_as_the_per_epoch_segments_did(tmp_path):
+    # 6 epochs, evaluations every 300 samples (not at the epochs' ends): one re-optimisation,
+    # then checks that keep training; the rule is due at the end of epoch 2
+    cfg = small_config(train={"target": 0.0, "max_epochs": 6, "eval_every_samples": 300}, tune=TUNE)
+    new, old = tmp_path / "one_launch", tmp_path / "per_epoch"
+    OnlineTune(cfg, new, progress=False).run()
+    PerEpochSegments(cfg, old, progress=False).run()
+    # the same decisions: the same checks at the same points from the same evaluations, the
+    # same probes and scores
+    steady = [
+        (d["decision"], d["run_clock_s"], [m["samples"] for m in d["measurements"]])
+        for d in decisions(new)
+        if d["decision"] in ("keep training", "re-optimise")
+    ]
+    assert [s[0] for s in steady] == ["keep training", "re-optimise"] + ["keep training"] * 3
+    assert [s[2] for s in steady[1:]] == [[1024 * i, 1024 * (i + 1)] for i in range(1, 5)]
+    assert _strip_segment_names(decisions(new)) == _strip_segment_names(decisions(old))
+    # the stop points: where the one-epoch segments re-optimised, the one launch stopped
+    segs = sorted((new / "train").iterdir())
+    assert len(segs) == 2 and len(list((old / "train").iterdir())) == 6
+    first = json.loads((segs[0] / "summary.json").read_text())
+    assert first["stop_reason"] == "steady_state" and first["samples"] == 2048
+    # the same training and the same evaluations, bit for bit
+    assert torch.equal(
+        load_checked(new / "checkpoint.pt")["protocol"]["weights"],
+        load_checked(old / "checkpoint.pt")["protocol"]["weights"],
+    )
+    walls = ("wall_s", "eval_wall_s", "total_wall_s")
+    strip = [
+        {k: v for k, v in r.items() if k not in walls} for r in read_metrics(new / "metrics.jsonl")
+    ]
+    assert strip == [
+        {k: v for k, v in r.items() if k not in walls} for r in read_metrics(old / "metrics.jsonl")
+    ]
+    # every check in the launch saw only the evaluations up to its decision point: later
+    # ones poisoned, the rule decides alike
+    records = read_metrics(segs[-1] / "metrics.jsonl")
+    for seg in segs:
+        for line in (seg / "plateau_checks.jsonl").read_text().splitlines():
+            check = json.loads(line)
+            now = check["samples"]
+            later = [{**r, "train_loss": 1e9} if r["samples"] > now else r for r in records]
+            assert steady_state_due(later, now, 1024) == (check["due"], check["used"])
+            assert all(r["samples"] <= now for r in check["used"])
+
+
+def test_resume_of_a_run_killed_mid_segment_gives_the_same_decisions(tmp_path, monkeypatch):
+    # killed in the first segment's second epoch, after its check at the end of epoch 1
+    cfg = tiny_config()
+    whole = tmp_path / "whole"
+    OnlineTune(cfg, whole, progress=False).run()
+
+    class KillFirstSegmentInEpochTwo(Trainer):
+        def __init__(self, cfg, out_dir, *args, **kwargs):
+            super().__init__(cfg, out_dir, *args, **kwargs)
+            if Path(out_dir).parent.name == "train" and Path(out_dir).name.startswith("01-"):
+
+                def kill(tick, trainer):
+                    if trainer.runtime.samples > 1024 + 200:
+                        raise KeyboardInterrupt
+
+                self.on_tick = kill
+
+    killed = tmp_path / "killed"
+    monkeypatch.setattr(online, "Trainer", KillFirstSegmentInEpochTwo)
+    with pytest.raises(KeyboardInterrupt):
+        OnlineTune(cfg, killed, progress=False).run()
+    seg = sorted((killed / "train").iterdir())[0]
+    assert not (seg / "online_segment.json").exists()
+    made = [json.loads(x) for x in (seg / "plateau_checks.jsonl").read_text().splitlines()]
+    assert [(c["samples"], c["due"]) for c in made] == [(1024, False)]
+    monkeypatch.setattr(online, "Trainer", Trainer)
+    s = train_tuned(None, killed, resume=True)
+    assert decisions(killed) == decisions(whole)
+    assert s["samples"] == json.loads((whole / "summary.json").read_text())["samples"]
+    assert torch.equal(
+        load_checked(killed / "checkpoint.pt")["protocol"]["weights"],
+        load_checked(whole / "checkpoint.pt")["protocol"]["weights"],
+    )
+
+
+def test_a_plain_run_with_plateau_checks_resumes_without_repeating_them(tmp_path):
+    # train.plateau_check_samples on its own: killed after its first check, resumed from
+    # a checkpoint before it, the run makes each check once, as without the kill,
+    # and stops at the second (its loss flattens in epoch 2 at η 0.1)
+    cfg = small_config(
+        optimizer={"lr": 0.1, "momentum": 0.9},
+        train={
+            "target": 0.0,
+            "max_epochs": 6,
+            "eval_every_samples": 256,
+            "plateau_check_samples": 1024,
+            "checkpoint_every_evals": 3,  # the last one before the kill: at 512 samples
+        },
+    )
+    whole = Trainer(cfg, tmp_path / "whole", progress=False).run()
+
+    def kill(tick, trainer):
+        if trainer.runtime.samples > 1024 + 100:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, tmp_path / "killed", progress=False, on_tick=kill).run()
+    made = (tmp_path / "killed" / "plateau_checks.jsonl").read_text().splitlines()
+    assert [json.loads(x)["samples"] for x in made] == [1024]
+    resumed = Trainer(cfg, tmp_path / "killed", progress=False).run(resume=True)
+
+    def checks(run):
+        lines = (run / "plateau_checks.jsonl").read_text().splitlines()
+        walls = ("train_wall_s", "wall_s", "eval_wall_s")
+        out = []
+        for line in lines:
+            c = {k: v for k, v in json.loads(line).items() if k not in walls}
+            c["used"] = [{k: v for k, v in r.items() if k not in walls} for r in c["used"]]
+            out.append(c)
+        return out
+
+    got, want = checks(tmp_path / "killed"), checks(tmp_path / "whole")
+    assert got == want and [c["samples"] for c in got] == [1024 * (i + 1) for i in range(len(got))]
+    assert [c["due"] for c in got] == [False, True]
+    assert resumed["stop_reason"] == whole["stop_reason"] == "steady_state"
+    assert resumed["samples"] == whole["samples"] == 2048
+    assert torch.equal(
+        load_checked(tmp_path / "killed" / "checkpoint.pt")["protocol"]["weights"],
+        load_checked(tmp_path / "whole" / "checkpoint.pt")["protocol"]["weights"],
+    )

@@ -13,12 +13,22 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
 2. **The winner continues as the run**: its probe's checkpoint is resumed
    (:meth:`Trainer.run(resume=True) <distsgd.trainer.Trainer.run>`, exact) with the run's
    own stop rule and evaluations, so the samples it trained count towards the run.
-3. **Steady state**: the run trains in segments (``train/NN-…``) of
-   :data:`CHECK_EPOCHS` epochs (after :data:`MAX_STEADY_ROUNDS` re-optimisations, one
-   segment to the end); at the end of one, :func:`steady_state_due` decides from
-   the evaluations recorded so far (never a later one) whether the training loss has
-   flattened; if so, every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first)
-   is probed from the segment's checkpoint, and the best (:func:`pick_best`) continues.
+3. **Steady state**: every :data:`CHECK_EPOCHS` epochs (at each multiple since the run's
+   start) :func:`~distsgd.plateau.steady_state_due` decides from the evaluations recorded
+   so far (never a later one) whether the training loss has flattened. The run checks it
+   itself (``train.plateau_check_samples``, :mod:`distsgd.plateau`): a segment
+   (``train/NN-…``) is one launch that trains until the first check where the rule is due
+   (``stop_reason = "steady_state"``) or the run ends; each check is a decision
+   (``keep training`` / ``re-optimise``, from the segment's ``plateau_checks.jsonl``).
+   At a due check every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first) is
+   probed from the segment's checkpoint, and the best (:func:`pick_best`) continues;
+   after :data:`MAX_STEADY_ROUNDS` re-optimisations one segment trains to the end without
+   checks. The checks, their decisions and the stop points are those of the earlier
+   one-epoch segments, each a launch (issue 18): the same evaluations (a check scores the
+   whole test set, as a segment's last evaluation did) and the same training, bit for bit
+   (a resumed checkpoint continues exactly), without a relaunch for a check that keeps
+   training. Where a time limit and a check fall on the same evaluation the time limit
+   ends the run (the segments checked there first, then trained on beyond it).
 
 **Probe length rule.** With a time budget T on the runtime's clock (``train.
 max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; on ``sim`` also
@@ -66,6 +76,7 @@ from distsgd.config import ConfigError, ConfigWarning, RunConfig
 from distsgd.data import load_dataset
 from distsgd.engine import UserCode, build_engine, config_for_data
 from distsgd.metrics import load_checkpoint_file, read_metrics, save_checked, write_json
+from distsgd.plateau import FLAT_GAIN, steady_state_due
 from distsgd.runtime.factory import with_device_profile
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
@@ -108,13 +119,11 @@ __all__ = [
 PROBE_SHARE = 0.2  # share of the run's time budget the cold start's probes may take
 MIN_PROBE_FRACTION = 0.25  # shortest probe, as a fraction of tune.probe_seconds
 CHECK_EPOCHS = 1.0  # epochs between steady-state checks (segment length)
-FLAT_GAIN = 0.1  # the loss has flattened: it fell by less than this fraction in a check
 MAX_STEADY_ROUNDS = 2  # steady-state re-optimisations per run at most
 STATE_FILE = "tune_config.toml"  # marks a tuning run directory; holds its base config
 # the protocols of the families the search probes (candidate_config): a base config on
 # another protocol would be replaced silently, so it is refused
 TUNED_PROTOCOLS = ("hardsync", "compute_groups", "parameter_server", "sma")
-_NO_CHECK = 2**62  # a segment's end beyond any run's samples
 _START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
 _FINAL_FILES = ("config.toml", "model.pt", "model.pt.sha256", "checkpoint.pt")
 
@@ -124,7 +133,8 @@ def check_online_tunable(config: RunConfig) -> None:
 
     Raises:
         ConfigError: ``train.evaluate = false`` (the run evaluates to stop at its target
-            and to decide steady state), or a ``protocol.name`` outside
+            and to decide steady state), ``train.plateau_check_samples`` (the run sets
+            it), or a ``protocol.name`` outside
             :data:`TUNED_PROTOCOLS` (the run continues with a tuned family's protocol).
     """
     if not config.train.evaluate:
@@ -132,6 +142,12 @@ def check_online_tunable(config: RunConfig) -> None:
             "train.evaluate = false is not allowed with --tune: the tuning run evaluates "
             "to stop at train.target and to decide steady state; drop --tune to train "
             "without evaluations"
+        )
+    if config.train.plateau_check_samples:
+        raise ConfigError(
+            f"train.plateau_check_samples = {config.train.plateau_check_samples} is not "
+            f"allowed with --tune: the tuning run checks steady state every "
+            f"{CHECK_EPOCHS:g} epoch itself; drop the setting"
         )
     if config.protocol.name not in TUNED_PROTOCOLS:
         raise ConfigError(
@@ -167,39 +183,6 @@ def probe_seconds_for(settings_probe_s: float, budget_s: float, planned: int) ->
         return length, 0
     floor = min(floor, share)  # one probe never takes more than the probes' share of T
     return floor, max(1, int(share // floor))
-
-
-def steady_state_due(
-    records: list[dict[str, Any]], now_samples: int, window_samples: int
-) -> tuple[bool, list[dict[str, Any]]]:
-    """Whether to re-optimise at ``now_samples``: the training loss has flattened.
-
-    Uses only evaluation records taken at or before ``now_samples`` (the decision point):
-    ``L_then`` = ``train_loss`` of the last record at or before ``now − window_samples``,
-    ``L_now`` = that of the last at or before ``now``; due when
-    ``(L_then − L_now) / L_then < FLAT_GAIN`` (Omnivore re-optimises once progress slows;
-    the threshold is this project's choice).
-
-    Args:
-        records: ``metrics.jsonl`` records (``samples``, ``train_loss``), any order.
-        now_samples: the decision point, training samples since the run's start.
-        window_samples: the comparison's span, samples.
-
-    Returns:
-        ``(due, the two records used)``; not due (and ``[]``) without two such records.
-    """
-    past = sorted(
-        (r for r in records if r.get("train_loss") is not None and r["samples"] <= now_samples),
-        key=lambda r: r["samples"],
-    )
-    then = [r for r in past if r["samples"] <= now_samples - window_samples]
-    if not then or not past or past[-1] is then[-1]:
-        return False, []
-    used = [then[-1], past[-1]]
-    l_then, l_now = float(used[0]["train_loss"]), float(used[1]["train_loss"])
-    if not (math.isfinite(l_then) and math.isfinite(l_now)) or l_then <= 0:
-        return False, used
-    return (l_then - l_now) / l_then < FLAT_GAIN, used
 
 
 def _set_momentum(checkpoint: Path, momentum: float) -> None:
@@ -379,6 +362,7 @@ class OnlineTune:
                 "tensorboard": False,
                 "record_ticks": True,
                 "evaluate": False,
+                "plateau_check_samples": 0,
             },
         )
         return cfg.replace(train=train)
@@ -452,20 +436,20 @@ class OnlineTune:
                 raise
 
     # ---- the run's segments ------------------------------------------------------------
-    def _segment(self, cand: Candidate, start: Path, next_check: int) -> tuple[Path, bool]:
-        """Continue ``start`` (a probe that won) as the run with ``cand`` until the target,
-        the run's limits or ``next_check`` samples. Returns (its directory, whether the
-        run ends here)."""
+    def _segment(self, cand: Candidate, start: Path, check_every: int) -> tuple[Path, bool]:
+        """Continue ``start`` (a probe that won) as the run with ``cand``, in one launch,
+        until the target, the run's limits or the first check where the steady-state rule
+        is due (the trainer's ``train.plateau_check_samples = check_every``: a check at
+        every multiple of it since the run's start; 0: none). Returns (its directory,
+        whether the run ends here)."""
         self.segments += 1
         seg = self.out / "train" / f"{self.segments:02d}-{safe_name(cand.label())}"
         note = seg / "online_segment.json"
         user = self.cfg.train
         cfg = candidate_config(self.cfg, cand)
-        budget = [int(math.ceil(user.max_epochs * self.num_train))] if user.max_epochs else []
-        budget += [user.max_samples] if user.max_samples else []
         cfg = cfg.replace(
             train=dataclasses.replace(
-                user, max_samples=min([next_check, *budget]), record_ticks=True, evaluate=True
+                user, record_ticks=True, evaluate=True, plateau_check_samples=check_every
             )
         )
         if note.exists():
@@ -493,14 +477,41 @@ class OnlineTune:
             write_json(note, saved)
         self.segment_wall_s += saved["end_elapsed_s"] - saved["begin_elapsed_s"]
         self.timeline.append((seg, saved))
-        s = _summary(seg)
-        limit = min(budget) if budget else None
-        ends = (
-            s.get("stop_reason") != "max_epochs/max_samples"
-            or (limit is not None and s["samples"] >= limit)
-            or s["samples"] < next_check
+        return seg, _summary(seg).get("stop_reason") != "steady_state"
+
+    @staticmethod
+    def _checks(seg: Path) -> list[dict[str, Any]]:
+        """The steady-state checks a segment made (``plateau_checks.jsonl``), in order."""
+        path = seg / "plateau_checks.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def _log_check(self, check: dict[str, Any], rounds: int) -> None:
+        """One decision per check of the rule, as made at its decision point inside the
+        segment: ``run_clock_s`` the run's clock there, its two evaluations; the line is
+        written when the segment returns (its ``t_wall_s``)."""
+        due = bool(check["due"])
+        self.log(
+            "steady state",
+            "re-optimise" if due and rounds < MAX_STEADY_ROUNDS else "keep training",
+            (
+                f"training loss fell by less than {100 * FLAT_GAIN:g}% over the last "
+                f"{CHECK_EPOCHS:g} epoch"
+                if due
+                else f"training loss still falls by {100 * FLAT_GAIN:g}% or more per "
+                f"{CHECK_EPOCHS:g} epoch (or too few evaluations)"
+            )
+            + (
+                f"; the run re-optimised {MAX_STEADY_ROUNDS} times already"
+                if due and rounds >= MAX_STEADY_ROUNDS
+                else ""
+            ),
+            run_clock_s=float(check.get(self.clock.run_seconds_key) or 0.0),
+            measurements=[
+                {k: r.get(k) for k in ("samples", "train_loss", self.clock.eval_key)}
+                for r in check["used"]
+            ],
         )
-        return seg, ends
 
     # ---- decisions -------------------------------------------------------------------
     def _measurements(self, results: list[ProbeResult]) -> list[dict[str, Any]]:
@@ -653,44 +664,18 @@ class OnlineTune:
             cand, start = best.candidate, Path(best.run_dir)
             rounds, every = 0, max(int(CHECK_EPOCHS * self.num_train), 1)
             while True:
-                check = (int(_summary(start).get("samples") or 0) // every + 1) * every
-                if rounds >= MAX_STEADY_ROUNDS:
-                    check = _NO_CHECK  # no re-optimisation left: train to the end at once
-                seg, ends = self._segment(cand, start, check)
+                # one launch until the rule is due at an epoch's end or the run ends; no
+                # re-optimisation left: no checks, train to the end at once
+                seg, ends = self._segment(cand, start, every if rounds < MAX_STEADY_ROUNDS else 0)
+                for check in self._checks(seg):
+                    self._log_check(check, rounds)
                 if ends:
                     break
                 start = seg
-                due, used = steady_state_due(
-                    read_metrics(seg / "metrics.jsonl"),
-                    _summary(seg)["samples"],
-                    int(CHECK_EPOCHS * self.num_train),
-                )
-                self.log(
-                    "steady state",
-                    "re-optimise" if due and rounds < MAX_STEADY_ROUNDS else "keep training",
-                    (
-                        f"training loss fell by less than {100 * FLAT_GAIN:g}% over the last "
-                        f"{CHECK_EPOCHS:g} epoch"
-                        if due
-                        else f"training loss still falls by {100 * FLAT_GAIN:g}% or more per "
-                        f"{CHECK_EPOCHS:g} epoch (or too few evaluations)"
-                    )
-                    + (
-                        f"; the run re-optimised {MAX_STEADY_ROUNDS} times already"
-                        if due and rounds >= MAX_STEADY_ROUNDS
-                        else ""
-                    ),
-                    run_clock_s=self._start_of(seg)[0],
-                    measurements=[
-                        {k: r.get(k) for k in ("samples", "train_loss", self.clock.eval_key)}
-                        for r in used
-                    ],
-                )
-                if due and rounds < MAX_STEADY_ROUNDS:
-                    rounds += 1
-                    won = self.steady_state(cand, seg)
-                    if won is not None:
-                        cand, start = won[0], Path(won[1].run_dir)
+                rounds += 1
+                won = self.steady_state(cand, seg)
+                if won is not None:
+                    cand, start = won[0], Path(won[1].run_dir)
         finally:
             if self.bar is not None:
                 self.bar.close()
