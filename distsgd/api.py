@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -194,7 +195,11 @@ def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> Ru
     path = Path(run_dir) / "config.toml"
     if not path.exists():
         raise ConfigError(f"cannot resume: {path} does not exist")
-    return RunConfig.from_toml(path, overrides)
+    cfg = RunConfig.from_toml(path, overrides)
+    if "memory_format" not in path.read_text(errors="replace"):
+        # a run from before train.memory_format trained contiguous: resume it so
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, memory_format="contiguous"))
+    return cfg
 
 
 def run(

@@ -902,12 +902,14 @@ class TrainConfig:
         memory_format: the layout of the model's 4-D parameters (convolution kernels) and
             so of its convolutions' activations: ``"channels_last"`` (NHWC), the faster
             layout of the CPU's oneDNN convolutions and max-pooling; ``"contiguous"``
-            (NCHW, PyTorch's default); ``"auto"`` (default): channels_last for a model
-            with a 2-D convolution and no BatchNorm layer (here a training step of the
-            ``cnn`` ran 1.30–1.52× and of ``lenet`` 1.03–1.44× faster), contiguous
-            otherwise: ``resnet20`` ran faster too, but its float32 gradients were 1000×
-            less accurate in channels-last on torch 2.13's CPU kernels
-            (:func:`distsgd.engine.resolve_memory_format`). The flat weights keep
+            (NCHW, PyTorch's default); ``"auto"`` (default): channels_last for the
+            built-in ``cnn`` and ``lenet`` (a training step ran 1.30–1.52× and 1.03–1.44×
+            faster here), contiguous for every other model: ``resnet20``'s float32
+            gradients were 1000× less accurate in channels-last on torch 2.13's CPU
+            kernels, and a user's forward that flattens with ``.view`` fails on
+            channels-last activations (use ``reshape``/``flatten`` before asking for
+            ``"channels_last"``; :func:`distsgd.engine.resolve_memory_format`). Only
+            ``nn.Conv2d`` kernels are laid out. The flat weights keep
             ``model.parameters()`` order and NCHW layout either way (files of weights do
             not change); a run records the resolved choice in its ``config.toml``. The
             kernels sum in another order: gradients agree to float32 rounding, not bit for

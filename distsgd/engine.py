@@ -42,7 +42,7 @@ from distsgd.config import (
 )
 from distsgd.data import DEFAULT_ROOTS, Dataset, MapSplit, Split, TensorSplit, resolve_root
 from distsgd.factories import resolve_callable
-from distsgd.models import model_from_config, with_data_shape
+from distsgd.models import CNN, LeNet, model_from_config, with_data_shape
 from distsgd.objectives import LOSSES, METRICS, Loss, Metric, build_loss, build_metric
 
 __all__ = [
@@ -327,14 +327,17 @@ def _channels_last(t: Tensor) -> Tensor:
 
 def resolve_memory_format(setting: str, model: nn.Module) -> str:
     """``train.memory_format = setting`` resolved for ``model``: ``"contiguous"`` or
-    ``"channels_last"`` as given; ``"auto"``: channels_last when the model has a 2-D
-    convolution and no BatchNorm layer, contiguous otherwise. Measured on 2 CPU cores
+    ``"channels_last"`` as given; ``"auto"``: channels_last for the built-in ``cnn`` and
+    ``lenet`` (:class:`~distsgd.models.CNN`, :class:`~distsgd.models.LeNet`), contiguous
+    for every other model. A user's model stays contiguous unless asked: channels-last
+    activations are not contiguous tensors, so a forward that calls ``.view`` on them
+    (a common way to flatten) fails. Measured on 2 CPU cores
     (torch 2.13), forward + backward in channels-last against NCHW: ``cnn`` 1.30–1.52×,
     ``lenet`` 1.03–1.44×, ``resnet20`` 1.25–1.97× faster at b = 8–128
     (bench/results/efficiency/efficiency.md); but ``resnet20``'s float32 gradients were
     off from float64 by up to 2e-3 (of entries up to 0.9) in channels-last, against 1e-6
-    in NCHW, in 3 of 4 seeds (float64 agrees in both layouts): BatchNorm models stay
-    contiguous unless asked. See :class:`~distsgd.config.TrainConfig`.
+    in NCHW, in 3 of 4 seeds (float64 agrees in both layouts). See
+    :class:`~distsgd.config.TrainConfig`.
 
     Raises:
         ValueError: ``setting`` is not one of ``MEMORY_FORMATS``.
@@ -346,10 +349,7 @@ def resolve_memory_format(setting: str, model: nn.Module) -> str:
         )
     if setting != "auto":
         return setting
-    modules = list(model.modules())
-    convolves = any(isinstance(m, nn.Conv2d) for m in modules)
-    normalises = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules)
-    return "channels_last" if convolves and not normalises else "contiguous"
+    return "channels_last" if type(model) in (CNN, LeNet) else "contiguous"
 
 
 class GradientEngine:
@@ -382,8 +382,8 @@ class GradientEngine:
             compilation fails, one :class:`~distsgd.config.ConfigWarning` and the eager
             forward from then on. ``"off"``: eager.
         memory_format: ``train.memory_format`` (:func:`resolve_memory_format`). With
-            ``"channels_last"`` every 4-D parameter (convolution kernel) takes NHWC
-            strides: a one-channel kernel stays a view of the flat buffer, re-strided
+            ``"channels_last"`` every 2-D convolution's kernel (no other parameter) takes
+            NHWC strides: a one-channel kernel stays a view of the flat buffer, re-strided
             (the same memory in both orders); any other gets storage of its own in that
             layout, and its gradient too, copied from the flat weights before each
             forward and into the flat gradient after each backward (72 KB for the
@@ -432,12 +432,16 @@ class GradientEngine:
         # channels-last parameters with storage of their own: (parameter, its weights and
         # its gradient as NCHW views of the flat buffers)
         self._own_storage: list[tuple[Tensor, Tensor, Tensor]] = []
+        self._nhwc: set[int] = set()  # id() of the parameters laid out channels-last
+        # the 2-D convolutions' kernels: what channels_last lays out (no other 4-D tensor)
+        kernels = {id(m.weight) for m in model.modules() if isinstance(m, nn.Conv2d)}
         for p in params:
             n = p.numel()
             self._slices[id(p)] = (offset, offset + n)
             weights = self._flat[offset : offset + n].view_as(p)
             grad = self._grad[offset : offset + n].view_as(p)
-            if self.memory_format == "channels_last" and p.dim() == 4:
+            if self.memory_format == "channels_last" and id(p) in kernels:
+                self._nhwc.add(id(p))
                 p.data, p.grad = _channels_last(weights), _channels_last(grad)
                 if p.data_ptr() != weights.data_ptr():  # copies: NHWC differs from NCHW
                     self._own_storage.append((p, weights, grad))
@@ -481,10 +485,8 @@ class GradientEngine:
         AOTAutograd's synthetic-base handling turned into wrong convolution gradients
         (torch 2.13, tests/test_speed_paths.py)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        nhwc = self.memory_format == "channels_last"
-        layout = [
-            (names[id(p)], self._slices[id(p)], p.shape, nhwc and p.dim() == 4) for p in params
-        ]
+        nhwc = self._nhwc
+        layout = [(names[id(p)], self._slices[id(p)], p.shape, id(p) in nhwc) for p in params]
         model = self.model
 
         def forward(weights: Tensor, x: Tensor) -> Tensor:

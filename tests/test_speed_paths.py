@@ -123,6 +123,9 @@ def test_memory_format_auto_rule_and_bad_value():
     shape = (1, 8, 8)
     assert resolve_memory_format("auto", build_model("cnn", shape, 3)) == "channels_last"
     assert resolve_memory_format("auto", build_model("lenet", shape, 3)) == "channels_last"
+    # a user's conv net stays contiguous unless asked: its forward may .view activations
+    user = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(3))
+    assert resolve_memory_format("auto", user) == "contiguous"
     # BatchNorm: float32 gradients 1000x less accurate in channels_last (torch 2.13 CPU);
     # no convolution: nothing to lay out
     assert resolve_memory_format("auto", build_model("resnet20", shape, 3)) == "contiguous"
@@ -184,3 +187,30 @@ def test_channels_last_cnn_is_as_accurate_as_float64_allows():
     want, _ = exact.gradient(w.double(), x.double(), y)
     got, _ = nhwc.gradient(w, x, y)
     assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+class _PositionalNet(torch.nn.Module):
+    """A conv net with a 4-D parameter that is not a kernel, flattened with ``.view``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.zeros(1, 4, 8, 8))
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = torch.nn.Linear(4 * 8 * 8 + self.pos.numel(), 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv2(self.conv(x) + self.pos).reshape(x.shape[0], -1)
+        return self.fc(torch.cat([h, self.pos.view(1, -1).expand(x.shape[0], -1)], 1))
+
+
+def test_channels_last_lays_out_convolution_kernels_only():
+    """channels_last re-lays out nn.Conv2d kernels, not every 4-D parameter: a learned
+    positional tensor keeps NCHW strides, so the user's ``.view`` on it still works."""
+    torch.manual_seed(0)
+    engine = GradientEngine(_PositionalNet(), memory_format="channels_last")
+    assert engine.model.pos.is_contiguous()
+    assert engine.model.conv2.weight.is_contiguous(memory_format=torch.channels_last)
+    x, y = batch(4, seed=0)
+    grad, _ = engine.gradient(engine.initial_weights(), x, y)
+    assert torch.isfinite(grad).all() and grad.shape == (engine.num_parameters,)

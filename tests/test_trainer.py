@@ -304,3 +304,17 @@ def test_resume_of_a_run_written_with_the_former_accuracy_names(tmp_path):
     records = read_metrics(run / "metrics.jsonl")
     assert s["status"] == "completed" and s["epochs"] == 2
     assert s["best_metric"] == max(r["eval_metric"] for r in records)
+
+
+def test_resuming_a_run_from_before_memory_format_keeps_it_contiguous(tmp_path):
+    """A run directory written before train.memory_format existed trained contiguous: its
+    resume must not switch a cnn to auto's channels_last (another rounding, silently)."""
+    cfg = small_config(
+        model={"name": "cnn"}, data={"num_train": 256, "num_test": 64}, train={"max_epochs": 1}
+    )
+    distsgd.train(cfg, out_dir=tmp_path / "run")
+    path = tmp_path / "run" / "config.toml"
+    assert distsgd.api.resume_config(tmp_path / "run").train.memory_format == "channels_last"
+    lines = [x for x in path.read_text().splitlines() if not x.startswith("memory_format")]
+    path.write_text("\n".join(lines) + "\n")
+    assert distsgd.api.resume_config(tmp_path / "run").train.memory_format == "contiguous"
