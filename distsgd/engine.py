@@ -191,7 +191,9 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def check_on_data(engine: GradientEngine, dataset: Dataset, cfg: RunConfig) -> None:
+def check_on_data(
+    engine: GradientEngine, dataset: Dataset, cfg: RunConfig, code: UserCode | None = None
+) -> None:
     """Run the model, the loss and the metric once on two training samples and two
     evaluation samples (evaluation mode, no gradient: no random numbers are drawn and no
     buffer changes), so that a model, loss or metric that does not fit the data fails
@@ -202,18 +204,19 @@ def check_on_data(engine: GradientEngine, dataset: Dataset, cfg: RunConfig) -> N
             loss raises, is not a scalar, or (``mse``, ``bce_with_logits``) gets outputs
             and targets of different shapes; the metric raises or is not a number.
     """
-    model = (
-        f"model.factory = {cfg.model.factory!r}"
-        if cfg.model.factory
-        else (f"model.name = {cfg.model.name!r}")
-    )
+    if code is not None and code.model is not None:
+        model = f"the model (a {type(engine.model).__qualname__} object)"
+    elif cfg.model.factory:
+        model = f"model.factory = {cfg.model.factory!r}"
+    else:
+        model = f"model.name = {cfg.model.name!r}"
     loss_name, metric_name = engine.loss.name, engine.metric.name
     modes = [(m, m.training) for m in engine.model.modules()]
     engine.model.eval()
     try:
         with torch.no_grad():
             for split in (dataset.train, dataset.test):
-                x, y = split.batch(torch.arange(min(2, split.num_samples)))
+                x, y = engine.to_device(*split.batch(torch.arange(min(2, split.num_samples))))
                 try:
                     out = engine.model(x)
                 except Exception as e:  # noqa: BLE001 - the user's forward on the data

@@ -4,6 +4,7 @@
 import collections
 import dataclasses
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -25,13 +26,19 @@ from distsgd.config import (
     resolve_device,
     resolved_device_setting,
 )
-from distsgd.engine import GradientEngine, build_engine
+from distsgd.data import load_dataset
+from distsgd.engine import GradientEngine, build_engine, config_for_data
 from distsgd.layout import build_protocol
 from distsgd.metrics import digest_path, load_checked, save_checked
 from distsgd.models import MLP
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.runtime import ps
-from distsgd.runtime.dist import NCCL_WITH_GLOO, ProcessInfo, collective_backend
+from distsgd.runtime.dist import (
+    NCCL_WITH_GLOO,
+    ProcessInfo,
+    collective_backend,
+    ddp_no_forward_buffer_sync,
+)
 from tests.conftest import small_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -426,6 +433,7 @@ def test_gpu_run_keeps_state_on_the_gpu(tmp_path):
         protocol={"name": "sma", "num_learners": 4, "replicas_per_device": 4},
         train={"device": "cuda", "max_epochs": 1},
     )
+    cfg = config_for_data(cfg, load_dataset(cfg.data))  # the model's input shape
     engine = build_engine(cfg)
     proto = build_protocol(cfg, engine.initial_weights())
     assert all(t.device.type == "cuda" for t in _tensors(proto.state_dict()))
@@ -441,3 +449,17 @@ def test_dataclass_round_trip_keeps_new_settings():
     cfg = small_config(train={"device": "cpu", "precision": "bf16-mixed"})
     again = RunConfig.from_dict(tomllib.loads(cfg.to_toml()))
     assert dataclasses.asdict(again.train) == dataclasses.asdict(cfg.train)
+
+
+def test_ddp_buffer_switch_follows_the_installed_torch():
+    """torch 2.13 renamed DDP's ``broadcast_buffers`` to ``forward_sync_buffers``; a GPU
+    machine with torch 2.11 refused the new name (found on an H200)."""
+
+    def before_2_13(self, module, device_ids=None, broadcast_buffers=True): ...
+
+    def since_2_13(self, module, broadcast_buffers=None, forward_sync_buffers=None): ...
+
+    assert ddp_no_forward_buffer_sync(before_2_13) == {"broadcast_buffers": False}
+    assert ddp_no_forward_buffer_sync(since_2_13) == {"forward_sync_buffers": False}
+    ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
+    assert set(ddp_no_forward_buffer_sync(ddp_init)) <= set(inspect.signature(ddp_init).parameters)

@@ -59,6 +59,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import inspect
 import math
 import os
 import queue
@@ -68,6 +69,7 @@ import sys
 import threading
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -509,6 +511,15 @@ class _DistBase(Runtime):
             dist.destroy_process_group()
 
 
+def ddp_no_forward_buffer_sync(ddp_init: Callable[..., Any]) -> dict[str, bool]:
+    """DDP's keyword for "no buffer broadcast before each forward", given its
+    ``__init__``: ``forward_sync_buffers`` since torch 2.13 (where ``broadcast_buffers``
+    is deprecated), ``broadcast_buffers`` in the releases before."""
+    if "forward_sync_buffers" in inspect.signature(ddp_init).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 class SyncDistRuntime(_DistBase):
     """hardsync / plain (DDP), SMA and local SGD on real processes; surface of SimRuntime.
 
@@ -559,7 +570,7 @@ class SyncDistRuntime(_DistBase):
             self.ddp = DistributedDataParallel(
                 engine.model,
                 device_ids=[engine.device] if on_gpu else None,
-                forward_sync_buffers=False,
+                **ddp_no_forward_buffer_sync(DistributedDataParallel.__init__),
             )
 
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
