@@ -8,6 +8,7 @@ import tomllib
 import warnings
 
 import pytest
+import torch
 
 from distsgd import cli
 from distsgd.config import ConfigWarning, RunConfig
@@ -88,6 +89,47 @@ def test_cache_is_keyed_by_memory_format(cache, calls):
     older = "\n".join(x for x in older.splitlines() if not x.startswith("memory_format"))
     files[0].write_text(older)
     assert profiles.read_profile(files[0], setting="s").key.memory_format == "contiguous"
+
+
+def test_cache_is_keyed_by_precision_device_and_model_kwargs(cache, calls):
+    """A bf16-mixed or GPU device is not the fp32 CPU one, and a factory's kwargs can change
+    its cost without changing P: each has its own entry; a file without the newer key
+    fields reads as measured on the CPU in fp32, compile off, kwargs unknown."""
+    _calibrated(small_config(cluster=CALIBRATE))
+    _calibrated(small_config(cluster=CALIBRATE, train={"precision": "bf16-mixed"}))
+    assert len(calls) == 2 * factory.PROFILE_REPEATS
+    saved = {tomllib.loads(f.read_text())["profile"]["precision"] for f in cache.glob("*.toml")}
+    assert saved == {"fp32", "bf16-mixed"}
+    user = {"data": {"factory": "tests.user_project.zoo:tabular"}}
+    keys = []
+    for kwargs in ({"hidden": 16}, {"hidden": 16, "batchnorm": True}):
+        cfg = small_config(
+            model={"factory": "tests.user_project.zoo:tabular_mlp", "kwargs": kwargs}, **user
+        )
+        ds = load_dataset(cfg.data, seed=0)
+        cfg = config_for_data(cfg, ds)
+        engine = factory._throwaway_engine(cfg, None)
+        keys.append(factory.profile_key(cfg, engine))
+    assert keys[0].num_parameters == keys[1].num_parameters and keys[0] != keys[1]
+    assert keys[0].device == "cpu" and keys[0].compile == "off"
+    path = next(cache.glob("*.toml"))
+    older = "\n".join(
+        x
+        for x in path.read_text().splitlines()
+        if x.split(" =")[0] not in ("device", "precision", "compile", "model_kwargs")
+    )
+    path.write_text(older)
+    key = profiles.read_profile(path, setting="s").key
+    assert (key.device, key.precision, key.compile, key.model_kwargs) == ("cpu", "fp32", "off", "")
+
+
+def test_an_object_models_profile_is_named_by_its_class(cache):
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    cfg = small_config()
+    code = factory.UserCode(model=lambda: model)  # what fit() makes of an instance
+    engine = factory._throwaway_engine(cfg, code)
+    key = factory.profile_key(cfg, engine, code)
+    assert key.model == "(object) Sequential" and "cnn" not in key.file_name()
 
 
 def test_cached_profile_without_the_servers_cost_gets_it(cache, calls):
@@ -297,13 +339,19 @@ def test_calibrate_command_warns_of_a_large_spread_in_one_line(
 
 
 def test_calibration_fallback_is_a_config_warning(monkeypatch):
-    """A larger batch measured no slower (a loaded machine): the fallback's warning is a
+    """A larger batch measured faster (a loaded machine): the fallback's warning is a
     ConfigWarning, which the CLI prints as one line."""
     cfg = small_config()
     ds = load_dataset(cfg.data, seed=0)
     engine = factory._throwaway_engine(config_for_data(cfg, ds), None)
-    clock = iter(range(1000))  # every timed gradient takes 1 s, whatever its batch
-    monkeypatch.setattr(sim_module.time, "perf_counter", lambda: float(next(clock)))
+    ticks = iter(range(1, 1000))  # every call of the clock advances it less: later
+    now = [0.0]  # (larger) batches measure faster
+
+    def clock() -> float:
+        now[0] += 1.0 / next(ticks)
+        return now[0]
+
+    monkeypatch.setattr(sim_module.time, "perf_counter", clock)
     with pytest.warns(ConfigWarning, match="device calibration is unreliable"):
         prof = sim_module.calibrate(engine, ds)
-    assert prof.seconds_per_batch == 0.0
+    assert prof.seconds_per_sample == 0.0 and prof.seconds_per_batch > 0

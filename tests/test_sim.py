@@ -5,11 +5,12 @@ from collections import Counter
 import pytest
 import torch
 
-from distsgd.config import ClusterConfig, DataConfig
+from distsgd.config import ClusterConfig, ConfigWarning, DataConfig
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
 from distsgd.protocols import ComputeGroups, HardSync, ParameterServer
+from distsgd.runtime import sim as sim_module
 from distsgd.runtime.sim import DeviceProfile, SimRuntime, calibrate
 
 PROFILE = DeviceProfile(seconds_per_batch=1e-3, seconds_per_sample=1e-4)
@@ -183,3 +184,58 @@ def test_calibration_gives_positive_profile(dataset):
     assert prof.calibrated
     assert prof.seconds_per_sample > 0 and prof.seconds_per_batch >= 0
     assert prof.compute_seconds(64) > prof.compute_seconds(8)
+
+
+class _ClockedEngine:
+    """An engine whose gradient costs ``cost(b)`` seconds of a fake clock."""
+
+    def __init__(self, cost, clock):
+        self.cost, self.clock = cost, clock
+
+    def initial_weights(self):
+        return torch.zeros(3)
+
+    def gradient(self, w, x, y):
+        self.clock[0] += self.cost(len(x))
+        return torch.zeros(3), 0.0
+
+
+class _Indices:
+    num_train = 60_000
+
+    class train:  # noqa: N801 - the Split interface
+        @staticmethod
+        def batch(idx):
+            return idx, idx
+
+
+def _calibrate_with(cost, monkeypatch, **kw):
+    clock = [0.0]
+    monkeypatch.setattr(sim_module.time, "perf_counter", lambda: clock[0])
+    return calibrate(_ClockedEngine(cost, clock), _Indices(), **kw)
+
+
+def test_calibration_of_a_launch_bound_device_grows_the_batch(monkeypatch):
+    """On an H200 the cnn's step took 1.77 ms at b = 16 and 1.52 ms at b = 128 (kernel
+    launches, not samples): the profile then was per sample and predicted 0.19 ms at
+    b = 16. The larger batch now grows until its time shows the per-sample cost."""
+    prof = _calibrate_with(lambda b: 1e-3 + max(0, b - 1024) * 1e-6, monkeypatch)
+    assert prof.compute_seconds(16) == pytest.approx(1e-3, rel=0.02)
+    assert prof.compute_seconds(128) == pytest.approx(1e-3, rel=0.1)
+    assert prof.seconds_per_sample > 0
+    assert prof.compute_seconds(4096) == pytest.approx(1e-3 + 3072e-6, rel=0.3)
+
+
+def test_calibration_of_a_cpu_keeps_its_two_batches(monkeypatch):
+    seen = []
+    prof = _calibrate_with(lambda b: seen.append(b) or 2e-4 + b * 1e-5, monkeypatch)
+    assert set(seen) == {16, 128}
+    assert prof.seconds_per_batch == pytest.approx(2e-4) and prof.seconds_per_sample == (
+        pytest.approx(1e-5)
+    )
+
+
+def test_calibration_that_measures_a_larger_batch_faster_warns_and_is_per_batch(monkeypatch):
+    with pytest.warns(ConfigWarning, match="larger batch measured faster"):
+        prof = _calibrate_with(lambda b: 1e-3 if b <= 16 else 5e-4, monkeypatch)
+    assert prof.seconds_per_sample == 0 and prof.seconds_per_batch == pytest.approx(1e-3)

@@ -125,6 +125,10 @@ class DeviceProfile:
         return cm.device_seconds(replicas, batch_size, self.model)
 
 
+CALIBRATION_MAX_BATCH = 4096  # the largest batch calibrate() grows to
+CALIBRATION_GROWTH = 1.25  # t(large) / t(small) that shows the per-sample cost
+
+
 def calibrate(
     engine: GradientEngine,
     dataset: Dataset,
@@ -132,21 +136,26 @@ def calibrate(
     repeats: int = 6,
     statistic: Callable[[list[float]], float] = min,
 ) -> DeviceProfile:
-    """Measure forward+backward time of the model on this machine and fit a device profile.
+    """Measure forward+backward time of the model on this machine and fit a device profile
+    ``t(b) = seconds_per_batch + b · seconds_per_sample``.
 
     Times ``repeats`` minibatches at each of two batch sizes (after one warm-up each),
     takes the fastest (the least disturbed by other work on the machine, as ``timeit``
     advises; ``statistic`` replaces it, e.g. ``statistics.median`` to predict a loaded
-    machine's typical time), and fits the line through the two points.
+    machine's typical time), and fits the line through the two points. When the larger
+    batch is not clearly slower (``t2 < CALIBRATION_GROWTH · t1``: a GPU, whose small
+    batches cost their kernel launches, not their samples; or a disturbed CPU timing) the
+    larger batch is quadrupled, up to ``CALIBRATION_MAX_BATCH`` and the training set, until
+    it is; a profile still flat there is per batch (the slope measured, clamped at 0).
+    ``engine.gradient`` returns its loss as a float, so each timing waits for the device.
 
     Returns:
         DeviceProfile with non-negative coefficients, ``calibrated=True``.
     """
     w = engine.initial_weights()
-    best = []
     n = dataset.num_train
-    for b in batch_sizes:
-        b = min(b, n)
+
+    def seconds(b: int) -> float:
         x, y = dataset.train.batch(torch.arange(b))
         engine.gradient(w, x, y)
         times = []
@@ -154,20 +163,25 @@ def calibrate(
             t0 = time.perf_counter()
             engine.gradient(w, x, y)
             times.append(time.perf_counter() - t0)
-        best.append((b, statistic(times)))
-    (b1, t1), (b2, t2) = best
-    if b2 == b1 or t2 <= t1:
-        # A larger batch measured no slower: the timings were disturbed (other load on
-        # the machine). Fall back to a profile proportional to the batch.
+        return statistic(times)
+
+    b1, b2 = (min(b, n) for b in batch_sizes)
+    t1, t2 = seconds(b1), seconds(b2)
+    while t2 < CALIBRATION_GROWTH * t1 and b2 < min(n, CALIBRATION_MAX_BATCH):
+        b2 = min(4 * b2, n, CALIBRATION_MAX_BATCH)
+        t2 = seconds(b2)
+    if b2 == b1:
+        return DeviceProfile(0.0, t1 / b1, calibrated=True)
+    per_sample = max((t2 - t1) / (b2 - b1), 0.0)
+    if t2 < t1:
         warnings.warn(
             f"device calibration is unreliable ({t1 * 1e3:.2f} ms at batch {b1}, "
-            f"{t2 * 1e3:.2f} ms at batch {b2}); using a per-sample profile. Give "
-            "cluster.seconds_per_sample / seconds_per_batch to fix the profile.",
+            f"{t2 * 1e3:.2f} ms at batch {b2}: the larger batch measured faster); using a "
+            "per-batch profile. Give cluster.seconds_per_sample / seconds_per_batch to fix "
+            "the profile.",
             ConfigWarning,
             stacklevel=2,
         )
-        return DeviceProfile(0.0, t2 / b2, calibrated=True)
-    per_sample = (t2 - t1) / (b2 - b1)
     per_batch = max(t1 - b1 * per_sample, 0.0)
     return DeviceProfile(per_batch, per_sample, calibrated=True)
 
