@@ -242,18 +242,22 @@ class Trainer:
 
     def _build(self) -> None:
         """Set up the process (threads; the process group on real processes), load the
-        data, fold the runtime's calibration into the config, then build the model, the
-        protocol and the runtime under the run's seed."""
+        data, build the model under the run's seed and try it on the data (one line for a
+        model that does not fit, before anything is measured or written), fold the
+        runtime's calibration into the config, then build the protocol and the runtime."""
         kind = self._kind
         kind.prepare(self.cfg)
         cfg = self._load_data()
-        self.cfg, self.profile_calibrated = kind.calibrate(cfg, self.dataset, self.code)
-        torch.manual_seed(self.cfg.train.seed)  # same seed => same initial weights
-        self.engine = build_engine(self.cfg, self.code)
+        torch.manual_seed(cfg.train.seed)  # same seed => same initial weights
+        self.engine = build_engine(cfg, self.code)
         # config.toml records the layout train.memory_format = "auto" resolved to
-        t = self.cfg.train
-        self.cfg = self.cfg.replace(train=replace(t, memory_format=self.engine.memory_format))
-        check_on_data(self.engine, self.dataset, self.cfg)  # one line, before any writing
+        cfg = cfg.replace(train=replace(cfg.train, memory_format=self.engine.memory_format))
+        check_on_data(self.engine, self.dataset, cfg, self.code)
+        # calibration (a throwaway model, dropout in its steps) draws nothing from the run's
+        # generators
+        device = self.engine.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            self.cfg, self.profile_calibrated = kind.calibrate(cfg, self.dataset, self.code)
         initial = self._start_weights(self.engine.initial_weights())
         self.runtime = kind.build(self.cfg, self.engine, self.dataset, initial)
         self.protocol = self.runtime.protocol

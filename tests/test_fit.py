@@ -432,6 +432,17 @@ def test_fit_refuses_arguments_of_the_wrong_kind(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_fit_names_an_object_model_that_does_not_fit_the_data_by_its_class(tmp_path):
+    """Found by a fresh user: an object model's failing forward was reported as
+    ``model.name = 'cnn'`` (the default of a setting fit() does not use)."""
+    cfg = fit_config({"name": "hardsync", "num_learners": 1, "batch_size": 32})
+    wrong = torch.nn.Sequential(torch.nn.Linear(5, 3))  # the blobs have 8 features
+    with pytest.raises(ConfigError, match=r"^the model \(a Sequential object\): its forward") as e:
+        distsgd.fit(wrong, blobs(64, 1), config=cfg, out_dir=tmp_path / "run", progress=False)
+    assert "cnn" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_dist_run_writes_a_model_pt_that_reproduces_its_final_metric(tmp_path):
     cfg = small_config(

@@ -13,6 +13,7 @@ import distsgd
 from distsgd.cli import main as cli_main
 from distsgd.config import ConfigError
 from distsgd.metrics import read_metrics
+from distsgd.runtime import factory, profiles
 from tests.conftest import small_config
 
 ZOO = "tests.user_project.zoo"
@@ -307,3 +308,31 @@ def test_every_other_protocol_trains_a_user_model_on_real_processes(tmp_path, pr
     assert s["status"] == "completed" and s["runtime"] == "dist"
     assert records[-1]["eval_metric"] > records[0]["eval_metric"]
     assert (tmp_path / "model.pt").exists()
+
+
+def test_a_model_that_does_not_fit_fails_in_one_line_before_the_device_is_calibrated(
+    tmp_path, monkeypatch, capsys
+):
+    """Found by a fresh user: on a model's first simulated run (no cached device profile)
+    a forward that fails on the data raised inside the calibration: a traceback, exit 1."""
+    monkeypatch.setenv(profiles.CACHE_ENV, str(tmp_path / "cache"))
+    measured = []
+    monkeypatch.setattr(factory, "calibrate", lambda *a, **k: measured.append(1))
+    out = tmp_path / "run"
+    code = cli_main(
+        [
+            "train",
+            "--set", f"model.factory={ZOO}:TokenModel",
+            "--set", "model.kwargs={}",
+            "--set", f"data.factory={ZOO}:tabular",
+            "--set", "cluster.seconds_per_sample=-1",
+            "--set", "cluster.seconds_per_batch=-1",
+            "--set", "train.max_epochs=1",
+            "--out", str(out),
+            "--quiet",
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "forward on a batch of the data" in err and not measured
+    assert not out.exists() or not any(out.iterdir())
