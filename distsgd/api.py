@@ -59,7 +59,7 @@ from distsgd.metrics import (
 from distsgd.models import model_from_config
 from distsgd.rundir import RunDirClaim
 from distsgd.runtime import profiles
-from distsgd.runtime.factory import measure_device, profile_key, warn_spread
+from distsgd.runtime.factory import measure_device, warn_spread
 from distsgd.runtime.faults import RankFaults
 from distsgd.trainer import Trainer
 from distsgd.tuner.online import is_tuning_run, train_tuned
@@ -168,11 +168,7 @@ def calibrate(
     ds = load_dataset(cfg.data, seed=cfg.train.seed)
     cfg = config_for_data(cfg, ds)
     prof = measure_device(cfg, ds, server=True)
-    path = (
-        Path(out)
-        if out is not None
-        else profiles.cache_path(profile_key(cfg, prof.key.num_parameters, prof.key.memory_format))
-    )
+    path = Path(out) if out is not None else profiles.cache_path(prof.key)
     profiles.write_profile(path, prof)
     warn_spread(prof, path)
     return path, prof

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -67,19 +68,34 @@ def _throwaway_engine(cfg: RunConfig, code: UserCode | None) -> GradientEngine:
 PROFILE_REPEATS = 3
 
 
-def profile_key(cfg: RunConfig, num_parameters: int, memory_format: str) -> profiles.ProfileKey:
-    """The cache key of ``cfg``'s device profile on this machine: model and P, the run's b,
-    this process's torch threads, torch's version, :func:`~distsgd.runtime.profiles.machine_id`,
-    the engine's resolved memory format (:attr:`GradientEngine.memory_format`)."""
+def profile_key(
+    cfg: RunConfig, engine: GradientEngine, code: UserCode | None = None
+) -> profiles.ProfileKey:
+    """The cache key of ``cfg``'s device profile on this machine: the model (its name or
+    factory, an object model's class; its kwargs) and P, the run's b, this process's torch
+    threads, torch's version, :func:`~distsgd.runtime.profiles.machine_id`, and the
+    engine's device (a GPU by name), precision, compilation and resolved memory format."""
     m = cfg.model
+    model = m.label
+    if code is not None and code.model is not None:
+        model = f"(object) {type(engine.model).__qualname__}"
+    device = engine.device
+    if device.type == "cuda":
+        device_name = f"cuda {torch.cuda.get_device_name(device)}"
+    else:
+        device_name = device.type
     return profiles.ProfileKey(
-        m.factory or m.name,
-        int(num_parameters),
+        model,
+        int(engine.num_parameters),
         cfg.protocol.batch_size,
         torch.get_num_threads(),
         torch.__version__,
         profiles.machine_id(),
-        memory_format,
+        engine.memory_format,
+        device_name,
+        cfg.train.precision,
+        cfg.train.compile,
+        json.dumps(m.kwargs, sort_keys=True, default=repr),
     )
 
 
@@ -124,7 +140,7 @@ def measure_device(
     t_b = [f.compute_seconds(b) for f in fits]
     spread = (max(t_b) - min(t_b)) / statistics.median(t_b) if min(t_b) > 0 else 0.0
     prof = profiles.DeviceProfileFile(
-        profile_key(cfg, engine.num_parameters, engine.memory_format),
+        profile_key(cfg, engine, code),
         spb,
         sps,
         repeats=len(fits),
@@ -160,7 +176,7 @@ def _cached_device(
     unreadable; what it lacks that the run needs is measured and added); says which on
     stderr. ``distsgd calibrate CONFIG`` replaces the entry (recalibration)."""
     engine = _throwaway_engine(cfg, code)
-    key = profile_key(cfg, engine.num_parameters, engine.memory_format)
+    key = profile_key(cfg, engine, code)
     path = profiles.cache_path(key)
     prof = None
     if path.exists():
@@ -227,7 +243,7 @@ def _named_device(cfg: RunConfig, code: UserCode | None) -> profiles.DeviceProfi
     path = Path(cfg.cluster.profile).expanduser()
     prof = profiles.read_profile(path)
     engine = _throwaway_engine(cfg, code)
-    model = cfg.model.factory or cfg.model.name
+    model = profile_key(cfg, engine, code).model
     if (prof.key.model, prof.key.num_parameters) != (model, engine.num_parameters):
         raise ConfigError(
             f"cluster.profile = {cfg.cluster.profile!r} is not allowed: it was measured on "

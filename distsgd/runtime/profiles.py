@@ -98,6 +98,11 @@ class ProfileKey:
         machine: :func:`machine_id`.
         memory_format: the engine's resolved ``train.memory_format`` (``"contiguous"``
             or ``"channels_last"``; files without it were measured contiguous).
+        device: ``"cpu"``, or ``"cuda <GPU name>"`` (files without it: the CPU).
+        precision: ``train.precision`` (files without it: ``"fp32"``).
+        compile: ``train.compile`` (files without it: ``"off"``).
+        model_kwargs: ``model.kwargs`` as sorted JSON (files without it: unknown, so a
+            cached one is measured again).
     """
 
     model: str
@@ -107,6 +112,10 @@ class ProfileKey:
     torch: str
     machine: str
     memory_format: str = "contiguous"
+    device: str = "cpu"
+    precision: str = "fp32"
+    compile: str = "off"
+    model_kwargs: str = ""
 
     def file_name(self) -> str:
         """``<model>-b<b>-t<threads>-<hash of all fields>.toml``."""
@@ -174,6 +183,10 @@ def write_profile(path: Path, prof: DeviceProfileFile) -> None:
         "torch": k.torch,
         "machine": k.machine,
         "memory_format": k.memory_format,
+        "device": k.device,
+        "precision": k.precision,
+        "compile": k.compile,
+        "model_kwargs": k.model_kwargs,
         "measured_at": prof.measured_at,
         "repeats": prof.repeats,
         "spread": prof.spread,
@@ -201,6 +214,10 @@ _REQUIRED = {
     "seconds_per_batch": float,
     "seconds_per_sample": float,
 }
+
+
+#: key fields that older files lack, and what such a file was measured with
+_OPTIONAL_KEY_FIELDS = {"device": "cpu", "precision": "fp32", "compile": "off", "model_kwargs": ""}
 
 
 def _field(setting: str, path: Path, raw: dict[str, Any], name: str, kind: type) -> Any:
@@ -253,6 +270,13 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
             f"{setting} = {str(path)!r} is not allowed: its memory_format = "
             f"{got['memory_format']!r} is not 'contiguous' or 'channels_last'"
         )
+    for name, default in _OPTIONAL_KEY_FIELDS.items():
+        got[name] = table.get(name, default)
+        if not isinstance(got[name], str):
+            raise ConfigError(
+                f"{setting} = {str(path)!r} is not allowed: its {name} = {got[name]!r} is not "
+                "a string"
+            )
     key = ProfileKey(*(got[n] for n in ProfileKey.__dataclass_fields__))
     push = table.get("seconds_per_push")
     if push is not None:
