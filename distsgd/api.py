@@ -161,6 +161,7 @@ def calibrate(
         ConfigError: bad settings, or ``out`` is a directory.
     """
     cfg = resolve_config(config, overrides)
+    check_device(cfg)  # before anything is measured or written
     if out is not None and Path(out).is_dir():
         raise ConfigError(f"--out {str(out)!r} is a directory: expected a profile file to write")
     torch.set_num_threads(cfg.train.num_threads or (os.cpu_count() or 1))

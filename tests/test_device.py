@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from distsgd import api
+from distsgd.cli import main as cli_main
 from distsgd.config import (
     ConfigError,
     RunConfig,
@@ -32,7 +33,7 @@ from distsgd.layout import build_protocol
 from distsgd.metrics import digest_path, load_checked, save_checked
 from distsgd.models import MLP
 from distsgd.protocols.base import AsynchronousProtocol
-from distsgd.runtime import ps
+from distsgd.runtime import profiles, ps
 from distsgd.runtime.dist import (
     NCCL_WITH_GLOO,
     ProcessInfo,
@@ -150,6 +151,22 @@ def test_cli_refuses_cuda_without_cuda(tmp_path, args, fragment):
     assert len(lines) == 1 and fragment in lines[0], r.stderr
     assert "no CUDA device" in lines[0] and "Traceback" not in r.stderr
     assert not (tmp_path / "r").exists() and not (tmp_path / "runs").exists()
+
+
+@no_cuda
+@pytest.mark.parametrize("command", ["calibrate", "tune"])
+def test_calibrate_and_tune_refuse_cuda_without_cuda(tmp_path, command, capsys, monkeypatch):
+    """Found by a fresh user: both measured or probed first and ended in a traceback
+    (ZeroDivisionError: no GPUs to take the local rank modulo)."""
+    monkeypatch.setenv(profiles.CACHE_ENV, str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "hardsync.toml")
+    args = [command, config, "--set", "train.device=cuda"]
+    code = cli_main([*args, "--out", str(out / "p.toml" if command == "calibrate" else out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "train.device = 'cuda' is not allowed" in err
+    assert not out.exists() and not (tmp_path / "cache").exists()
 
 
 @no_cuda

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import launch
-from distsgd.config import ConfigError, RunConfig
+from distsgd.config import ConfigError, RunConfig, check_device
 from distsgd.trainer import Trainer
 from distsgd.tuner import perf_model as pm
 from distsgd.tuner.plan import _MIN_EVALS as MIN_PREDICTION_EVALS
@@ -97,6 +97,7 @@ def tune(
         KeyboardInterrupt: Ctrl-C; the probes' run directories and ``decisions.jsonl``
             written so far stay in ``out_dir``, no plan is written.
     """
+    check_device(config)  # before any probe starts or anything is written
     check_tunable(config)
     session = TuneSession.setup(
         config, out_dir, budget_s=budget_s, progress=progress, check=check_prediction_budget
