@@ -195,14 +195,19 @@ def check_on_data(
     engine: GradientEngine, dataset: Dataset, cfg: RunConfig, code: UserCode | None = None
 ) -> None:
     """Run the model, the loss and the metric once on two training samples and two
-    evaluation samples (evaluation mode, no gradient: no random numbers are drawn and no
-    buffer changes), so that a model, loss or metric that does not fit the data fails
-    here, in one line naming its setting, before the run writes anything.
+    evaluation samples (evaluation mode, no gradient), then one training step (training
+    mode, forward, loss and backward) on a batch of ``protocol.batch_size`` training
+    samples, so that a model, loss or metric that does not fit the data fails here, in one
+    line naming its setting, before the device is calibrated or the run writes anything.
+    The model's buffers (BatchNorm statistics) and the random generators are left as they
+    were.
 
     Raises:
         ConfigError: the forward raises or returns something other than a tensor; the
-            loss raises, is not a scalar, or (``mse``, ``bce_with_logits``) gets outputs
-            and targets of different shapes; the metric raises or is not a number.
+            model gives fewer outputs than the labels have classes (``cross_entropy``);
+            the loss raises, is not a scalar, or (``mse``, ``bce_with_logits``) gets
+            outputs and targets of different shapes; the metric raises or is not a number;
+            the training step raises.
     """
     if code is not None and code.model is not None:
         model = f"the model (a {type(engine.model).__qualname__} object)"
@@ -260,9 +265,49 @@ def check_on_data(
                         f"train.metric = {metric_name!r} on outputs {list(out.shape)} and "
                         f"targets {list(y.shape)} {y.dtype} raised {_first_line(e)}"
                     ) from None
+        _check_classes(model, out, dataset, loss_name)
+        _check_training_step(engine, dataset, cfg, model)
     finally:
         for m, training in modes:
             m.training = training
+
+
+def _check_classes(model: str, out: Tensor, dataset: Dataset, loss_name: str) -> None:
+    """Cross-entropy needs an output per class: compare the model's outputs ``[B, K]``
+    with the labels' class count (known for built-in data and integer label tensors)."""
+    classes = dataset.class_count()
+    if loss_name != "cross_entropy" or classes is None or out.dim() != 2:
+        return
+    if out.shape[1] < classes:
+        raise ConfigError(
+            f"{model}: it gives {out.shape[1]} outputs per sample but the training labels "
+            f"go up to {classes - 1}: train.loss = 'cross_entropy' needs one output per "
+            f"class, {classes} here"
+        )
+
+
+def _check_training_step(
+    engine: GradientEngine, dataset: Dataset, cfg: RunConfig, model: str
+) -> None:
+    """One gradient at the initial weights on the first ``protocol.batch_size`` training
+    samples, its buffers and random numbers undone (see :func:`check_on_data`)."""
+    b = min(cfg.protocol.batch_size, dataset.train.num_samples)
+    x, y = dataset.train.batch(torch.arange(b))
+    buffers = engine.buffers_state()
+    devices = [engine.device] if engine.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            engine.gradient(engine.initial_weights(), x, y)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's model, loss or backward
+            raise ConfigError(
+                f"{model}: a training step (training mode: forward, train.loss and backward) "
+                f"on a batch of protocol.batch_size = {b} samples (inputs {list(x.shape)} "
+                f"{x.dtype}) raised {_first_line(e)}"
+            ) from None
+        finally:
+            engine.load_buffers_state(buffers)
 
 
 def build_engine(cfg: RunConfig, code: UserCode | None = None) -> GradientEngine:

@@ -10,6 +10,7 @@ predictions over the evaluation set) are compared exactly unless a comment says 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.metrics import read_metrics, save_checked
 from distsgd.models import model_from_config
+from distsgd.runtime import factory
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
 from tests.conftest import small_config
@@ -440,6 +442,68 @@ def test_fit_names_an_object_model_that_does_not_fit_the_data_by_its_class(tmp_p
     with pytest.raises(ConfigError, match=r"^the model \(a Sequential object\): its forward") as e:
         distsgd.fit(wrong, blobs(64, 1), config=cfg, out_dir=tmp_path / "run", progress=False)
     assert "cnn" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+class _Detached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(NUM_FEATURES, NUM_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x).detach()  # no gradient reaches the weights
+
+
+class _FailsWhenTraining(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(NUM_FEATURES, NUM_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            raise RuntimeError("not in training mode, please")
+        return self.linear(x)
+
+
+def _too_few_outputs() -> nn.Module:
+    return nn.Sequential(nn.Linear(NUM_FEATURES, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _first_labels_zero() -> tuple[Tensor, Tensor]:
+    x, y = blobs(64, 1)
+    y[:2] = 0  # what the two-sample try-run sees fits two outputs
+    return x, y
+
+
+@pytest.mark.parametrize(
+    "model, data, batch_size, message",
+    [
+        (_Detached, None, 32, r"a training step .* raised RuntimeError: element 0 of tensors"),
+        (_FailsWhenTraining, None, 32, r"a training step .* not in training mode, please"),
+        (
+            lambda: nn.Sequential(nn.Linear(NUM_FEATURES, 16), nn.BatchNorm1d(16)),
+            None,
+            1,
+            r"on a batch of protocol.batch_size = 1 samples .* Expected more than 1 value",
+        ),
+        (_too_few_outputs, _first_labels_zero, 32, r"it gives 2 outputs per sample but the "),
+    ],
+)
+def test_a_model_that_fails_only_when_training_is_one_line_before_calibration(
+    tmp_path, monkeypatch, model, data, batch_size, message
+):
+    """Found by a fresh user: the eval-mode try-run on two samples let these through, and
+    they raised from inside the device calibration or the first step (a traceback, and a
+    run directory left behind)."""
+    monkeypatch.setattr(factory, "calibrate", lambda *a, **k: pytest.fail("calibrated first"))
+    cfg = fit_config({"name": "hardsync", "num_learners": 1, "batch_size": batch_size})
+    cfg = cfg.replace(
+        cluster=dataclasses.replace(cfg.cluster, seconds_per_sample=-1, seconds_per_batch=-1)
+    )
+    train_data = data() if data else blobs(64, 1)
+    with pytest.raises(ConfigError, match=message) as e:
+        distsgd.fit(model(), train_data, config=cfg, out_dir=tmp_path / "run", progress=False)
+    assert "\n" not in str(e.value) and str(e.value).startswith(("the model (a ", "the model"))
     assert not (tmp_path / "run").exists()
 
 
