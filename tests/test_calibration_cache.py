@@ -220,6 +220,13 @@ def test_calibrate_out_and_profile_round_trip(tmp_path, cache, calls, capsys):
             lambda t: t.replace('memory_format = "contiguous"', 'memory_format = "nhwc"'),
             "memory_format = 'nhwc' is not 'contiguous' or 'channels_last'",
         ),
+        (lambda t: t.replace("format = 1", "format = 99"), "format = 99 is not 1"),
+        (
+            lambda t: "\n".join(
+                "spread = -1.0" if x.startswith("spread") else x for x in t.splitlines()
+            ),
+            "spread = -1.0 is not a number of seconds >= 0",
+        ),
     ],
 )
 def test_bad_profile_is_one_line_exit_2(tmp_path, cache, capsys, edit, fragment):
@@ -237,6 +244,41 @@ def test_bad_profile_is_one_line_exit_2(tmp_path, cache, capsys, edit, fragment)
     assert err.count("\n") == 1 and err.startswith("distsgd: error: cluster.profile = ")
     assert fragment in err
     assert not (out / "summary.json").exists()
+
+
+def test_profile_measured_with_other_settings_warns_in_one_line(tmp_path, cache, capsys):
+    """Found by a fresh user: a file measured in fp32 at b = 32 was used silently for a
+    bf16-mixed run at b = 64 (the cache keys both)."""
+    config = _write_config(tmp_path / "run.toml", small_config(cluster=CALIBRATE))
+    profile = tmp_path / "p.toml"
+    assert cli.main(["calibrate", config, "--out", str(profile)]) == 0
+    capsys.readouterr()
+    args = ["train", config, "--set", f"cluster.profile={str(profile)!r}", "--quiet"]
+    same = cli.main([*args, "--out", str(tmp_path / "same")])
+    assert same == 0 and "was measured with" not in capsys.readouterr().err
+    other = ["--set", "train.precision='bf16-mixed'", "--set", "protocol.batch_size=64"]
+    assert cli.main([*args, *other, "--out", str(tmp_path / "other")]) == 0
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "was measured with" in x]
+    assert "batch_size 32 (this run: 64)" in line
+    assert "precision 'fp32' (this run: 'bf16-mixed')" in line
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_a_cache_that_is_not_a_directory_is_one_line_before_measuring(
+    tmp_path, monkeypatch, calls, capsys, where
+):
+    """Found by a fresh user: DISTSGD_PROFILE_CACHE naming a file gave a traceback after
+    the device had been measured."""
+    blocker = tmp_path / "cachefile"
+    blocker.write_text("")
+    path = blocker if where == "file" else blocker / "sub"
+    monkeypatch.setenv(profiles.CACHE_ENV, str(path))
+    config = _write_config(tmp_path / "run.toml", small_config(cluster=CALIBRATE))
+    rc = cli.main(["train", config, "--out", str(tmp_path / "run"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"distsgd: error: {profiles.CACHE_ENV} = ") and not calls
+    assert not (tmp_path / "run").exists()
 
 
 def test_missing_profile_file_is_one_line_exit_2(tmp_path, cache, capsys):

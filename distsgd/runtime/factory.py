@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from distsgd.config import ConfigError, RunConfig
+from distsgd.config import ConfigError, ConfigWarning, RunConfig
 from distsgd.data import Dataset
 from distsgd.engine import GradientEngine, UserCode, build_engine
 from distsgd.layout import build_protocol, spec_for
@@ -175,6 +175,7 @@ def _cached_device(
     """The device profile from the cache (measured and written there when missing or
     unreadable; what it lacks that the run needs is measured and added); says which on
     stderr. ``distsgd calibrate CONFIG`` replaces the entry (recalibration)."""
+    profiles.check_cache_dir()  # one line now, not a traceback after measuring
     engine = _throwaway_engine(cfg, code)
     key = profile_key(cfg, engine, code)
     path = profiles.cache_path(key)
@@ -208,6 +209,33 @@ def _cached_device(
         profiles.write_profile(path, prof)
     print(f"distsgd: cached device profile used ({_describe(prof)}) from {path}", file=sys.stderr)
     return prof
+
+
+#: what a named profile may have been measured with that changes its device's seconds
+_COMPARED = ("batch_size", "precision", "compile", "memory_format", "model_kwargs")
+
+
+def _warn_other_settings(
+    cfg: RunConfig, measured: profiles.ProfileKey, run: profiles.ProfileKey
+) -> None:
+    """One warning line when ``cluster.profile`` was measured with other settings than the
+    run's (its machine, threads and torch are meant to differ; a file without a field is
+    not compared on it)."""
+    differ = [
+        f"{name} {getattr(measured, name)!r} (this run: {getattr(run, name)!r})"
+        for name in _COMPARED
+        if getattr(measured, name) != getattr(run, name)
+        and not (name == "model_kwargs" and not measured.model_kwargs)
+    ]
+    if differ:
+        warnings.warn(
+            f"cluster.profile = {cfg.cluster.profile!r} was measured with "
+            + ", ".join(differ)
+            + ": its seconds are of that setting (measure again with distsgd calibrate on "
+            "this run's config)",
+            ConfigWarning,
+            stacklevel=2,
+        )
 
 
 def _describe(prof: profiles.DeviceProfileFile) -> str:
@@ -251,6 +279,7 @@ def _named_device(cfg: RunConfig, code: UserCode | None) -> profiles.DeviceProfi
             f"trains {model!r} with {engine.num_parameters} (measure it with distsgd "
             "calibrate on this run's config)"
         )
+    _warn_other_settings(cfg, prof.key, profile_key(cfg, engine, code))
     if spec_for(cfg.protocol).has_server and prof.seconds_per_push is None:
         raise ConfigError(
             f"cluster.profile = {cfg.cluster.profile!r} is not allowed: it has no "

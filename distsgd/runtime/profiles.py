@@ -55,6 +55,7 @@ __all__ = [
     "ProfileSpreadWarning",
     "cache_dir",
     "cache_path",
+    "check_cache_dir",
     "machine_id",
     "read_profile",
     "write_profile",
@@ -153,6 +154,34 @@ def cache_dir() -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "distsgd" / "profiles"
+
+
+def check_cache_dir() -> Path:
+    """The cache directory, created if missing.
+
+    Raises:
+        ConfigError: it cannot be created or is not a writable directory (one line naming
+            ``$DISTSGD_PROFILE_CACHE`` when that chose it).
+    """
+    path = cache_dir()
+    where = (
+        f"{CACHE_ENV} = {os.environ[CACHE_ENV]!r}"
+        if os.environ.get(CACHE_ENV)
+        else (f"the profile cache {str(path)!r}")
+    )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"{where} is not allowed: cannot make it a directory ({type(e).__name__}); set "
+            f"{CACHE_ENV} to a directory distsgd may write"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{where} is not allowed: the directory is not writable; set {CACHE_ENV} to a "
+            "directory distsgd may write"
+        )
+    return path
 
 
 def cache_path(key: ProfileKey) -> Path:
@@ -263,7 +292,14 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
             f"{setting} = {str(path)!r} is not allowed: it has no [profile] table (write it "
             "with distsgd calibrate CONFIG --out FILE)"
         )
+    if table.get("format", FORMAT) != FORMAT:
+        raise ConfigError(
+            f"{setting} = {str(path)!r} is not allowed: its format = {table.get('format')!r} "
+            f"is not {FORMAT}, the format this distsgd reads (measure it again with distsgd "
+            "calibrate CONFIG --out FILE)"
+        )
     got = {n: _field(setting, path, table, n, kind) for n, kind in _REQUIRED.items()}
+    spread = _field(setting, path, {"spread": 0.0, **table}, "spread", float)
     got["memory_format"] = table.get("memory_format", "contiguous")
     if got["memory_format"] not in ("contiguous", "channels_last"):
         raise ConfigError(
@@ -294,7 +330,7 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
         got["seconds_per_batch"],
         got["seconds_per_sample"],
         repeats=int(table.get("repeats", 1)),
-        spread=float(table.get("spread", 0.0)),
+        spread=spread,
         seconds_per_push=push,
         replica_ratios=[float(r) for r in ratios],
         measured_at=str(table.get("measured_at", "")),
