@@ -588,7 +588,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sma-batch", type=int, default=16)
     ap.add_argument("--out", default="bench/results/gpu")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = torch.device("meta")  # refused below
+    if device.type not in ("cpu", "cuda"):
+        print(f"gpu_check: --device {args.device}: expected cpu, cuda or cuda:N", file=sys.stderr)
+        return 2
     if device.type == "cuda" and not torch.cuda.is_available():
         print(
             f"gpu_check: --device {args.device}: this machine has no CUDA device", file=sys.stderr
