@@ -231,6 +231,21 @@ def as_split(data: Any, collate: Callable[[list[Any]], Any] | None, setting: str
     )
 
 
+def _class_labels(split: Split) -> Tensor | None:
+    """A split's integer class labels ``[N]`` when it holds them as a tensor (or a
+    map-style data set's ``targets`` attribute), else None."""
+    if isinstance(split, TensorSplit):
+        y = split.y
+    elif isinstance(split, MapSplit) and getattr(split.dataset, "targets", None) is not None:
+        try:
+            y = torch.as_tensor(split.dataset.targets)
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    else:
+        return None
+    return y if y.dim() == 1 and not y.is_floating_point() and not y.is_complex() else None
+
+
 class Dataset:
     """A data set in memory: a training split and an evaluation split.
 
@@ -299,18 +314,15 @@ class Dataset:
         return tuple(int(d) for d in x.shape[1:])
 
     def class_count(self) -> int | None:
-        """``num_classes`` when known; else, for integer class labels ``[N]`` held as a
-        tensor, ``max label + 1``; else None."""
+        """``num_classes`` when known; else, when the labels are integer class indices
+        ``[N]`` held as a tensor (or a map-style data set's ``targets``, torchvision's
+        convention), ``max label + 1`` over the training and evaluation labels; else None."""
         if self.num_classes is not None:
             return self.num_classes
-        split = self.train
-        if (
-            isinstance(split, TensorSplit)
-            and split.y.dim() == 1
-            and not split.y.is_floating_point()
-        ):
-            return int(split.y.max()) + 1
-        return None
+        labels = [_class_labels(s) for s in (self.train, self.test) if s is not None]
+        if labels[0] is None:
+            return None
+        return max(int(y.max()) + 1 for y in labels if y is not None and y.numel())
 
     @property
     def num_train(self) -> int:

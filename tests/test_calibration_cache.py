@@ -225,7 +225,7 @@ def test_calibrate_out_and_profile_round_trip(tmp_path, cache, calls, capsys):
             lambda t: "\n".join(
                 "spread = -1.0" if x.startswith("spread") else x for x in t.splitlines()
             ),
-            "spread = -1.0 is not a number of seconds >= 0",
+            "spread = -1.0 is not a relative spread >= 0",
         ),
     ],
 )

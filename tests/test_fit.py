@@ -507,6 +507,74 @@ def test_a_model_that_fails_only_when_training_is_one_line_before_calibration(
     assert not (tmp_path / "run").exists()
 
 
+class _SortedByClass(TorchDataset):
+    """Map-style data ordered by class, as ``ImageFolder`` orders its samples; with
+    ``targets`` (torchvision's convention) or without."""
+
+    def __init__(self, num_classes: int, per_class: int, with_targets: bool) -> None:
+        self.y = torch.arange(num_classes).repeat_interleave(per_class)
+        self.x = torch.randn(len(self.y), NUM_FEATURES, generator=torch.Generator().manual_seed(0))
+        if with_targets:
+            self.targets = self.y.tolist()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.x[i], self.y[i]
+
+
+def _two_outputs() -> nn.Module:
+    return nn.Sequential(nn.Linear(NUM_FEATURES, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+@pytest.mark.parametrize(
+    "train_data, eval_data, message",
+    [
+        # the evaluation labels go further than the training labels (tensors)
+        (
+            (torch.randn(64, NUM_FEATURES), torch.randint(0, 2, (64,))),
+            (torch.randn(16, NUM_FEATURES), torch.arange(16) % 4),
+            r"it gives 2 outputs per sample but the training labels go up to 3",
+        ),
+        # map-style, sorted by class, with targets: the class count comes from them
+        (
+            _SortedByClass(4, 64, with_targets=True),
+            None,
+            r"it gives 2 outputs per sample but the training labels go up to 3",
+        ),
+        # map-style without targets: the first batches fit, the calibration's larger do not
+        (
+            _SortedByClass(4, 32, with_targets=False),  # b = 128 reaches class 3
+            None,
+            r"a training step on the first \d+ training samples, while measuring the device",
+        ),
+    ],
+)
+def test_labels_beyond_the_models_outputs_are_one_line_before_anything_is_written(
+    tmp_path, monkeypatch, train_data, eval_data, message
+):
+    """Found by a fresh user: labels the first samples do not show (data sorted by class,
+    or evaluation labels beyond the training ones) raised from inside the calibration or
+    the first evaluation, after the run directory was written."""
+    monkeypatch.setenv("DISTSGD_PROFILE_CACHE", str(tmp_path / "cache"))
+    cfg = fit_config({"name": "hardsync", "num_learners": 1, "batch_size": 32})
+    cfg = cfg.replace(
+        cluster=dataclasses.replace(cfg.cluster, seconds_per_sample=-1, seconds_per_batch=-1)
+    )
+    with pytest.raises(ConfigError, match=message) as e:
+        distsgd.fit(
+            _two_outputs(),
+            train_data,
+            eval_data,
+            config=cfg,
+            out_dir=tmp_path / "run",
+            progress=False,
+        )
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_dist_run_writes_a_model_pt_that_reproduces_its_final_metric(tmp_path):
     cfg = small_config(

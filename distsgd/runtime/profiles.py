@@ -299,7 +299,18 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
             "calibrate CONFIG --out FILE)"
         )
     got = {n: _field(setting, path, table, n, kind) for n, kind in _REQUIRED.items()}
-    spread = _field(setting, path, {"spread": 0.0, **table}, "spread", float)
+    spread = table.get("spread", 0.0)
+    if not (
+        isinstance(spread, int | float)
+        and not isinstance(spread, bool)
+        and math.isfinite(spread)
+        and spread >= 0
+    ):
+        raise ConfigError(
+            f"{setting} = {str(path)!r} is not allowed: its spread = {spread!r} is not a "
+            "relative spread >= 0"
+        )
+    spread = float(spread)
     got["memory_format"] = table.get("memory_format", "contiguous")
     if got["memory_format"] not in ("contiguous", "channels_last"):
         raise ConfigError(

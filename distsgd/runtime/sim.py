@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distsgd.config import ClusterConfig, ConfigWarning, TrainConfig
+from distsgd.config import ClusterConfig, ConfigError, ConfigWarning, TrainConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol
@@ -151,13 +151,27 @@ def calibrate(
 
     Returns:
         DeviceProfile with non-negative coefficients, ``calibrated=True``.
+
+    Raises:
+        ConfigError: the first step at a batch size raises (the user's model or loss on
+            samples the run's own try-run did not reach).
     """
     w = engine.initial_weights()
     n = dataset.num_train
 
     def seconds(b: int) -> float:
         x, y = dataset.train.batch(torch.arange(b))
-        engine.gradient(w, x, y)
+        try:
+            engine.gradient(w, x, y)  # warm-up: the first step at this batch size
+        except Exception as e:  # noqa: BLE001 - the user's model or loss on these samples
+            text = str(e).strip().splitlines()
+            raise ConfigError(
+                f"a training step on the first {b} training samples, while measuring the "
+                "device (cluster.seconds_per_sample = -1), raised "
+                f"{type(e).__name__}: {text[0] if text else ''}: the model or train.loss does "
+                "not fit all of the data (the try-run on the first protocol.batch_size "
+                "samples passed)"
+            ) from None
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
