@@ -274,13 +274,14 @@ def check_on_data(
 
 def _check_classes(model: str, out: Tensor, dataset: Dataset, loss_name: str) -> None:
     """Cross-entropy needs an output per class: compare the model's outputs ``[B, K]``
-    with the labels' class count (known for built-in data and integer label tensors)."""
+    with the labels' class count (:meth:`Dataset.class_count`: built-in data, integer
+    label tensors, a map-style data set's ``targets``)."""
     classes = dataset.class_count()
     if loss_name != "cross_entropy" or classes is None or out.dim() != 2:
         return
     if out.shape[1] < classes:
         raise ConfigError(
-            f"{model}: it gives {out.shape[1]} outputs per sample but the training labels "
+            f"{model}: it gives {out.shape[1]} outputs per sample but the labels of the data "
             f"go up to {classes - 1}: train.loss = 'cross_entropy' needs one output per "
             f"class, {classes} here"
         )

@@ -535,13 +535,13 @@ def _two_outputs() -> nn.Module:
         (
             (torch.randn(64, NUM_FEATURES), torch.randint(0, 2, (64,))),
             (torch.randn(16, NUM_FEATURES), torch.arange(16) % 4),
-            r"it gives 2 outputs per sample but the training labels go up to 3",
+            r"it gives 2 outputs per sample but the labels of the data go up to 3",
         ),
         # map-style, sorted by class, with targets: the class count comes from them
         (
             _SortedByClass(4, 64, with_targets=True),
             None,
-            r"it gives 2 outputs per sample but the training labels go up to 3",
+            r"it gives 2 outputs per sample but the labels of the data go up to 3",
         ),
         # map-style without targets: the first batches fit, the calibration's larger do not
         (
