@@ -11,6 +11,11 @@ A profile is a small TOML file::
     num_threads = 1               # torch threads of the measuring process
     torch = "2.13.0"
     machine = "host x86_64 Intel(R) ... 2 cores"
+    memory_format = "channels_last"
+    device = "cpu"                # or "cuda NVIDIA H200"
+    precision = "fp32"
+    compile = "off"
+    model_kwargs = "{}"           # model.kwargs as sorted JSON
     measured_at = "2026-12-01T05:00:00"
     repeats = 3                   # the profile was measured this many times …
     spread = 0.04                 # … (max − min)/median of t(b) over them
@@ -21,7 +26,8 @@ A profile is a small TOML file::
 
 Two uses (:func:`distsgd.runtime.factory.calibrated_config`):
 
-* the **cache**: one file per (machine, model and P, batch size, threads, torch version)
+* the **cache**: one file per (machine, model and P, batch size, threads, torch version,
+  memory format, device, precision, compile, model kwargs)
   under :func:`cache_dir` (``$DISTSGD_PROFILE_CACHE``, else
   ``$XDG_CACHE_HOME/distsgd/profiles``, else ``~/.cache/distsgd/profiles``), written by the
   first run that calibrates and read by later ones; delete the file (or pass
