@@ -94,7 +94,7 @@ def _results_lines(out_dir: Path) -> list[str]:
     run = shlex.quote(str(out_dir))
     lines = [
         f"run directory {out_dir} (summary.json, metrics.jsonl, config.toml, checkpoint.pt)",
-        f"report        distsgd report {run}  (writes report/report.md: learning curves, "
+        f"report        distsgd report {run}  (writes ./report/report.md: learning curves, "
         "staleness, a table)",
     ]
     tb = out_dir / "tb"

@@ -227,6 +227,8 @@ def test_calibrate_out_and_profile_round_trip(tmp_path, cache, calls, capsys):
             ),
             "spread = -1.0 is not a relative spread >= 0",
         ),
+        (lambda t: t.replace("repeats = 3", "repeats = 0"), "repeats = 0 is not an integer >= 1"),
+        (lambda t: t.replace("repeats = 3", 'repeats = "x"'), "repeats = 'x' is not an integer"),
     ],
 )
 def test_bad_profile_is_one_line_exit_2(tmp_path, cache, capsys, edit, fragment):
@@ -279,6 +281,24 @@ def test_a_cache_that_is_not_a_directory_is_one_line_before_measuring(
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"distsgd: error: {profiles.CACHE_ENV} = ") and not calls
     assert not (tmp_path / "run").exists()
+
+
+def test_a_cache_entry_that_is_a_directory_is_one_line_before_measuring(
+    tmp_path, cache, calls, capsys
+):
+    """Found by a fresh user: a traceback after measuring (the rename onto it failed)."""
+    cfg = small_config(cluster=CALIBRATE)
+    _calibrated(cfg)
+    (entry,) = cache.glob("*.toml")
+    entry.unlink()
+    entry.mkdir()
+    measured = len(calls)
+    capsys.readouterr()
+    config = _write_config(tmp_path / "run.toml", cfg)
+    rc = cli.main(["train", config, "--out", str(tmp_path / "run"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "is a directory: remove it" in err
+    assert len(calls) == measured and not (tmp_path / "run").exists()
 
 
 def test_missing_profile_file_is_one_line_exit_2(tmp_path, cache, capsys):

@@ -105,7 +105,7 @@ def test_end_of_run_says_where_the_results_are(tmp_path, capsys):
     assert main(["train", str(cfg_path), "--out", str(out), "--quiet"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith(f"run directory {out} ") for line in lines)
-    assert f"report        distsgd report '{out}'  (writes report/report.md" in "\n".join(lines)
+    assert f"report        distsgd report '{out}'  (writes ./report/report.md" in "\n".join(lines)
     tb_lines = [line for line in lines if line.startswith("tensorboard ")]
     if (out / "tb").is_dir() and any((out / "tb").iterdir()):
         assert tb_lines == [f"tensorboard   tensorboard --logdir '{out / 'tb'}'"]

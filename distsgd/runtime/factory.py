@@ -179,6 +179,11 @@ def _cached_device(
     engine = _throwaway_engine(cfg, code)
     key = profile_key(cfg, engine, code)
     path = profiles.cache_path(key)
+    if path.is_dir():
+        raise ConfigError(
+            f"the profile cache entry {str(path)!r} is a directory: remove it (or set "
+            f"{profiles.CACHE_ENV} to another directory)"
+        )
     prof = None
     if path.exists():
         try:

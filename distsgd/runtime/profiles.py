@@ -317,6 +317,12 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
             "relative spread >= 0"
         )
     spread = float(spread)
+    repeats = table.get("repeats", 1)
+    if not (isinstance(repeats, int) and not isinstance(repeats, bool) and repeats >= 1):
+        raise ConfigError(
+            f"{setting} = {str(path)!r} is not allowed: its repeats = {repeats!r} is not an "
+            "integer >= 1"
+        )
     got["memory_format"] = table.get("memory_format", "contiguous")
     if got["memory_format"] not in ("contiguous", "channels_last"):
         raise ConfigError(
@@ -346,7 +352,7 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
         key,
         got["seconds_per_batch"],
         got["seconds_per_sample"],
-        repeats=int(table.get("repeats", 1)),
+        repeats=repeats,
         spread=spread,
         seconds_per_push=push,
         replica_ratios=[float(r) for r in ratios],
