@@ -17,6 +17,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -343,7 +344,8 @@ def config_for_data(cfg: RunConfig, dataset: Dataset, code: UserCode | None = No
     """``cfg`` completed from its loaded data, so that the run's ``config.toml``
     reproduces it anywhere: a built-in file data set's resolved ``data.root``, a built-in
     model's ``input_shape`` and ``num_classes`` (:func:`~distsgd.models.with_data_shape`),
-    ``train.device = "auto"`` resolved (:func:`~distsgd.config.resolved_device_setting`).
+    ``train.device = "auto"`` resolved (:func:`~distsgd.config.resolved_device_setting`), a
+    relative ``cluster.profile`` made absolute (a resume from another directory finds it).
 
     Raises:
         ConfigError: a built-in model needs ``num_classes`` and the data does not say it.
@@ -355,6 +357,10 @@ def config_for_data(cfg: RunConfig, dataset: Dataset, code: UserCode | None = No
     if not cfg.data.factory and code.data is None and cfg.data.dataset in DEFAULT_ROOTS:
         if not cfg.data.root:
             cfg = cfg.replace(data=dataclasses.replace(cfg.data, root=str(resolve_root(cfg.data))))
+    profile = cfg.cluster.profile
+    if profile and not Path(profile).expanduser().is_absolute():
+        absolute = str(Path(profile).expanduser().resolve())
+        cfg = cfg.replace(cluster=dataclasses.replace(cfg.cluster, profile=absolute))
     if not cfg.model.factory and code.model is None:
         data = f"data.factory = {cfg.data.factory!r}" if cfg.data.factory else "this data"
         model = with_data_shape(cfg.model, dataset.input_shape, dataset.class_count(), data)

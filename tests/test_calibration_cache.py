@@ -301,6 +301,28 @@ def test_a_cache_entry_that_is_a_directory_is_one_line_before_measuring(
     assert len(calls) == measured and not (tmp_path / "run").exists()
 
 
+def test_a_relative_profile_is_recorded_absolute_and_a_resume_elsewhere_finds_it(
+    tmp_path, cache, capsys, monkeypatch
+):
+    """Found by a fresh user: config.toml kept the relative path, so a resume from another
+    directory could not read the profile."""
+    base = small_config(cluster=CALIBRATE, train={"max_epochs": 1})
+    config = _write_config(tmp_path / "run.toml", base)
+    assert cli.main(["calibrate", config, "--out", str(tmp_path / "p.toml")]) == 0
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    args = ["train", config, "--set", "cluster.profile='p.toml'", "--out", str(out), "--quiet"]
+    assert cli.main(args) == 0
+    recorded = RunConfig.from_toml(out / "config.toml").cluster.profile
+    assert recorded == str(tmp_path / "p.toml")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    rc = cli.main(["train", "--resume", str(out), "--set", "train.max_epochs=2", "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+
+
 def test_missing_profile_file_is_one_line_exit_2(tmp_path, cache, capsys):
     config = _write_config(tmp_path / "run.toml", small_config(cluster=CALIBRATE))
     rc = cli.main(["train", config, "--set", "cluster.profile='nowhere.toml'"])
