@@ -57,6 +57,7 @@ __all__ = [
     "bn_recalibration_inputs",
     "eval_subset",
     "eval_subset_indices",
+    "first_line",
     "resolve_memory_format",
 ]
 
@@ -187,7 +188,8 @@ def check_user_code(cfg: RunConfig) -> None:
             resolve_callable(setting, path)
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """``"<ExceptionType>: <first line of its message>"``, for one-line errors."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
@@ -228,7 +230,7 @@ def check_on_data(
                 except Exception as e:  # noqa: BLE001 - the user's forward on the data
                     raise ConfigError(
                         f"{model}: its forward on a batch of the data (inputs "
-                        f"{list(x.shape)} {x.dtype}) raised {_first_line(e)}"
+                        f"{list(x.shape)} {x.dtype}) raised {first_line(e)}"
                     ) from None
                 if not isinstance(out, Tensor):
                     raise ConfigError(
@@ -249,7 +251,7 @@ def check_on_data(
                     raise ConfigError(
                         f"train.loss = {loss_name!r} on outputs {list(out.shape)} "
                         f"{out.dtype} and targets {list(y.shape)} {y.dtype} raised "
-                        f"{_first_line(e)}"
+                        f"{first_line(e)}"
                     ) from None
                 if not math.isfinite(value):
                     raise ConfigError(
@@ -264,7 +266,7 @@ def check_on_data(
                 except Exception as e:  # noqa: BLE001
                     raise ConfigError(
                         f"train.metric = {metric_name!r} on outputs {list(out.shape)} and "
-                        f"targets {list(y.shape)} {y.dtype} raised {_first_line(e)}"
+                        f"targets {list(y.shape)} {y.dtype} raised {first_line(e)}"
                     ) from None
         _check_classes(model, out, dataset, loss_name)
         _check_training_step(engine, dataset, cfg, model)
@@ -306,7 +308,7 @@ def _check_training_step(
             raise ConfigError(
                 f"{model}: a training step (training mode: forward, train.loss and backward) "
                 f"on a batch of protocol.batch_size = {b} samples (inputs {list(x.shape)} "
-                f"{x.dtype}) raised {_first_line(e)}"
+                f"{x.dtype}) raised {first_line(e)}"
             ) from None
         finally:
             engine.load_buffers_state(buffers)
@@ -609,7 +611,7 @@ class GradientEngine:
             except Exception as e:  # noqa: BLE001 - any failure of torch.compile's stack
                 self._compiled = None
                 warnings.warn(
-                    f"train.compile = 'on': compiling the model failed ({_first_line(e)}); "
+                    f"train.compile = 'on': compiling the model failed ({first_line(e)}); "
                     "computing gradients eagerly instead",
                     ConfigWarning,
                     stacklevel=2,

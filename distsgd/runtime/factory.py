@@ -276,7 +276,8 @@ def _named_device(cfg: RunConfig, code: UserCode | None) -> profiles.DeviceProfi
     path = Path(cfg.cluster.profile).expanduser()
     prof = profiles.read_profile(path)
     engine = _throwaway_engine(cfg, code)
-    model = profile_key(cfg, engine, code).model
+    key = profile_key(cfg, engine, code)
+    model = key.model
     if (prof.key.model, prof.key.num_parameters) != (model, engine.num_parameters):
         raise ConfigError(
             f"cluster.profile = {cfg.cluster.profile!r} is not allowed: it was measured on "
@@ -284,7 +285,7 @@ def _named_device(cfg: RunConfig, code: UserCode | None) -> profiles.DeviceProfi
             f"trains {model!r} with {engine.num_parameters} (measure it with distsgd "
             "calibrate on this run's config)"
         )
-    _warn_other_settings(cfg, prof.key, profile_key(cfg, engine, code))
+    _warn_other_settings(cfg, prof.key, key)
     if spec_for(cfg.protocol).has_server and prof.seconds_per_push is None:
         raise ConfigError(
             f"cluster.profile = {cfg.cluster.profile!r} is not allowed: it has no "

@@ -58,7 +58,7 @@ from torch import Tensor
 
 from distsgd.config import ClusterConfig, ConfigError, ConfigWarning, TrainConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
-from distsgd.engine import GradientEngine, bn_recalibration_inputs
+from distsgd.engine import GradientEngine, bn_recalibration_inputs, first_line
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol
 from distsgd.protocols.hardsync import HardSync
 from distsgd.runtime import cluster_model as cm
@@ -164,11 +164,10 @@ def calibrate(
         try:
             engine.gradient(w, x, y)  # warm-up: the first step at this batch size
         except Exception as e:  # noqa: BLE001 - the user's model or loss on these samples
-            text = str(e).strip().splitlines()
             raise ConfigError(
                 f"a training step on the first {b} training samples, while measuring the "
-                "device (cluster.seconds_per_sample = -1), raised "
-                f"{type(e).__name__}: {text[0] if text else ''}: the model or train.loss does "
+                f"device (cluster.seconds_per_sample = -1), raised {first_line(e)}: the "
+                "model or train.loss does "
                 "not fit all of the data (the try-run on the first protocol.batch_size "
                 "samples passed)"
             ) from None
