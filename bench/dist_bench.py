@@ -367,6 +367,8 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         ),
         "network": {
             "latency_s": network.latency_s,
+            "allreduce_latency_s": network.allreduce_latency_s,
+            "allreduce_bandwidth_gbps": network.allreduce_bandwidth_gbps,
             "bandwidth_gbps": network.bandwidth_gbps,
             "measurements": network.measurements,
         },
@@ -595,8 +597,15 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
         f"(×{cal['contention_factor_batch']:.2f} at batch {s['batch_size']}); network "
         "(gloo, 2 processes on loopback, median of 20, least-squares fit, "
         "distsgd.runtime.netcal): "
-        f"latency {net['latency_s'] * 1e6:.0f} µs, bandwidth {net['bandwidth_gbps']:.2f} Gbit/s; "
-        "parameter server's apply + copy per push (one thread, median of 200, "
+        f"messages: latency {net['latency_s'] * 1e6:.0f} µs, bandwidth "
+        f"{net['bandwidth_gbps']:.2f} Gbit/s"
+        + (
+            f"; all-reduce (fitted apart): latency {net['allreduce_latency_s'] * 1e6:.0f} µs, "
+            f"bandwidth {net['allreduce_bandwidth_gbps']:.2f} Gbit/s; "
+            if net.get("allreduce_latency_s") is not None
+            else "; "
+        )
+        + "parameter server's apply + copy per push (one thread, median of 200, "
         "distsgd.runtime.sim.calibrate_server): "
         + ", ".join(
             f"{float(v) * 1e3:.3f} ms at λ = {k}"

@@ -760,6 +760,12 @@ class ClusterConfig:
         jitter: relative spread of compute times (0 = deterministic equal-speed schedule).
         latency_s: one-way message latency in seconds.
         bandwidth_gbps: link bandwidth in gigabits per second; 0 means infinite.
+        allreduce_latency_s: the latency term of a ring all-reduce (``2(m−1) ·
+            allreduce_latency_s + 2(m−1)/m · 32 P / bw``), seconds; negative (-1,
+            default): ``latency_s``. ``distsgd.runtime.netcal`` fits it apart from the
+            messages' (gloo's all-reduce reduces and copies as it goes).
+        allreduce_bandwidth_gbps: the all-reduce's bandwidth in Gb/s, 0 infinite;
+            negative (-1, default): ``bandwidth_gbps``.
         seconds_per_push: parameter-server protocols (and compute groups): seconds the
             server works on each pushed gradient (apply the update, copy the weights for
             the reply); pushes are served one at a time, so the server saturates at
@@ -791,6 +797,8 @@ class ClusterConfig:
     jitter: float = 0.1
     latency_s: float = 50e-6
     bandwidth_gbps: float = 10.0
+    allreduce_latency_s: float = -1.0
+    allreduce_bandwidth_gbps: float = -1.0
     cores: int = 0
 
     def __post_init__(self) -> None:
@@ -834,6 +842,15 @@ class ClusterConfig:
         check_float("cluster.jitter", self.jitter, 0.0, 2.0)
         check_float("cluster.latency_s", self.latency_s, 0.0)
         check_float("cluster.bandwidth_gbps", self.bandwidth_gbps, 0.0)
+        for key in ("allreduce_latency_s", "allreduce_bandwidth_gbps"):
+            v = getattr(self, key)
+            if (
+                not isinstance(v, int | float)
+                or isinstance(v, bool)
+                or not math.isfinite(v)
+                or (v < 0 and v != -1)
+            ):
+                fail(f"cluster.{key}", v, "a number >= 0, or -1 for the messages' value")
         if not isinstance(self.cores, int) or isinstance(self.cores, bool) or self.cores < 0:
             fail("cluster.cores", self.cores, "an integer >= 0 (0: a core per process)")
         if not isinstance(self.profile, str):
@@ -842,6 +859,15 @@ class ClusterConfig:
     @property
     def needs_calibration(self) -> bool:
         return self.seconds_per_sample < 0 or self.seconds_per_batch < 0
+
+    @property
+    def allreduce_network(self) -> tuple[float | None, float | None]:
+        """``(allreduce_latency_s, allreduce_bandwidth_gbps)``, None where negative
+        (the messages' value; :class:`distsgd.runtime.cluster_model.ClusterModel`)."""
+        return (
+            None if self.allreduce_latency_s < 0 else float(self.allreduce_latency_s),
+            None if self.allreduce_bandwidth_gbps < 0 else float(self.allreduce_bandwidth_gbps),
+        )
 
 
 @dataclass

@@ -402,10 +402,11 @@ def test_cli_process_count_that_cannot_fit_is_one_line_exit_2(tmp_path, capsys):
 
 def test_fit_network_recovers_the_model_it_fits():
     """Times made by the simulator's own model are fitted back to its parameters (1e-9
-    relative: float64 least squares on exact data)."""
+    relative: float64 least squares on exact data); messages and all-reduces apart."""
     from distsgd.runtime.netcal import fit_network
 
-    lat, bw = 2e-4, 3.0  # seconds, Gbit/s
+    lat, bw = 2e-4, 3.0  # seconds, Gbit/s: the messages'
+    ar_lat, ar_bw = 5e-4, 1.0  # the all-reduce's (gloo's reduces and copies)
     ms = []
     for p in (1, 1000, 100_000, 400_000):
         bits = 32 * p
@@ -413,14 +414,68 @@ def test_fit_network_recovers_the_model_it_fits():
             {"op": "send", "participants": 2, "num_values": p, "seconds": lat + bits / (bw * 1e9)}
         )
         ms.append(
-            {"op": "all_reduce", "participants": 2, "num_values": p, "seconds": 2 * lat + bits / (bw * 1e9)}
+            {"op": "all_reduce", "participants": 2, "num_values": p, "seconds": 2 * ar_lat + bits / (ar_bw * 1e9)}
         )  # fmt: skip
     prof = fit_network(ms)
     assert prof.latency_s == pytest.approx(lat, rel=1e-9)
     assert prof.bandwidth_gbps == pytest.approx(bw, rel=1e-9)
-    assert prof.overrides() == [f"cluster.latency_s={prof.latency_s!r}", f"cluster.bandwidth_gbps={prof.bandwidth_gbps!r}"]  # fmt: skip
+    assert prof.allreduce_latency_s == pytest.approx(ar_lat, rel=1e-9)
+    assert prof.allreduce_bandwidth_gbps == pytest.approx(ar_bw, rel=1e-9)
+    assert prof.overrides() == [
+        f"cluster.latency_s={prof.latency_s!r}",
+        f"cluster.bandwidth_gbps={prof.bandwidth_gbps!r}",
+        f"cluster.allreduce_latency_s={prof.allreduce_latency_s!r}",
+        f"cluster.allreduce_bandwidth_gbps={prof.allreduce_bandwidth_gbps!r}",
+    ]
+    # one send size only: one fit of both, the all-reduce takes the messages' values
+    one = fit_network([ms[0], *ms[1::2]])
+    assert one.allreduce_latency_s is None and one.allreduce_bandwidth_gbps is None
+    assert len(one.overrides()) == 2
     with pytest.raises(ValueError, match="unknown op"):
         fit_network([{**ms[0], "op": "broadcast"}, ms[1]])
+
+
+def test_allreduce_network_apart_from_the_messages():
+    """cluster.allreduce_* set the all-reduce's cost (simulator and tuner model alike);
+    -1 keeps the messages' values; a bad value is one line naming the setting."""
+    from distsgd.config import ConfigError, RunConfig
+    from distsgd.runtime import cluster_model as cm
+    from distsgd.tuner.session import cluster_model
+
+    base = {"seconds_per_sample": 1e-4, "seconds_per_batch": 1e-3, "latency_s": 1e-4}
+    cfg = RunConfig.from_dict({"cluster": {**base, "bandwidth_gbps": 10.0}})
+    same = cluster_model(cfg, 1000)
+    assert cm.allreduce_seconds(2, same) == pytest.approx(2e-4 + 32e3 / 10e9)
+    cfg = RunConfig.from_dict(
+        {"cluster": {**base, "allreduce_latency_s": 3e-4, "allreduce_bandwidth_gbps": 1.0}}
+    )
+    apart = cluster_model(cfg, 1000)
+    assert cm.allreduce_seconds(2, apart) == pytest.approx(6e-4 + 32e3 / 1e9)
+    assert cm.allreduce_seconds(4, apart) == pytest.approx(6 * 3e-4 + 1.5 * 32e3 / 1e9)
+    assert apart.message_seconds == same.message_seconds  # messages unchanged
+    with pytest.raises(ConfigError, match="cluster.allreduce_latency_s"):
+        RunConfig.from_dict({"cluster": {"allreduce_latency_s": -0.5}})
+
+
+def test_simulated_hardsync_charges_the_allreduce_network(tmp_path):
+    """The simulator's hardsync iteration charges cluster.allreduce_*: with jitter 0 two
+    runs differ by exactly the iterations times the two all-reduce costs' difference."""
+    import distsgd
+    from distsgd.runtime import cluster_model as cm
+    from distsgd.tuner.session import cluster_model
+
+    from .conftest import small_config
+
+    proto = {"name": "hardsync", "num_learners": 2, "batch_size": 32}
+    apart = {"allreduce_latency_s": 1e-3, "allreduce_bandwidth_gbps": 1.0}
+    cfgs = [small_config(protocol=proto, cluster={"jitter": 0.0, **x}) for x in ({}, apart)]
+    runs = [distsgd.train(c, out_dir=tmp_path / str(i)) for i, c in enumerate(cfgs)]
+    assert runs[0]["iterations"] == runs[1]["iterations"] > 0
+    p = runs[0]["num_parameters"]
+    per_iteration = [cm.allreduce_seconds(2, cluster_model(c, p)) for c in cfgs]
+    assert per_iteration[1] > 3 * per_iteration[0]
+    diff = runs[0]["iterations"] * (per_iteration[1] - per_iteration[0])
+    assert runs[1]["virtual_s"] - runs[0]["virtual_s"] == pytest.approx(diff, rel=1e-6)
 
 
 def test_calibrate_network_measures_two_gloo_processes():

@@ -55,6 +55,13 @@ class ClusterModel:
         replica_ratios: SMA only: measured t(k)/t(1) for k = 1, 2, …
             (``cluster.replica_ratios``); when given it replaces ``t_replica``
             (:func:`replica_ratio`).
+        allreduce_latency_s: the all-reduce's own latency term, seconds
+            (``cluster.allreduce_latency_s``); None: ``latency_s``.
+        allreduce_bandwidth_gbps: the all-reduce's own bandwidth, Gb/s, 0 infinite
+            (``cluster.allreduce_bandwidth_gbps``); None: ``bandwidth_gbps``. gloo's
+            all-reduce reduces and copies as it goes, so per byte it is not a send: on
+            loopback here 421,642 values took 0.54 ms as one send and 1.85 ms as an
+            all-reduce of two processes (``bench/results/dist/fidelity.md``).
         cores: CPU cores the cluster's processes share (``cluster.cores``); 0: every
             process has a core of its own (a real cluster). With more busy processes than
             cores, compute and the server's work stretch (:func:`core_stretch`,
@@ -71,6 +78,8 @@ class ClusterModel:
     t_replica: float | None = None
     replica_ratios: tuple[float, ...] = ()
     cores: int = 0
+    allreduce_latency_s: float | None = None
+    allreduce_bandwidth_gbps: float | None = None
 
     @property
     def message_seconds(self) -> float:
@@ -120,11 +129,20 @@ def device_seconds(replicas: int, batch_size: int | float, cluster: ClusterModel
 
 def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
     """Ring all-reduce of P float32 values among m participants:
-    ``2(m−1)·latency + 2(m−1)/m · 32P/bandwidth`` (0 for m <= 1)."""
+    ``2(m−1)·latency + 2(m−1)/m · 32P/bandwidth`` (0 for m <= 1), with the all-reduce's
+    own ``allreduce_latency_s`` / ``allreduce_bandwidth_gbps`` where they are set, else
+    the messages' ``latency_s`` / ``bandwidth_gbps``."""
     m = participants
     if m <= 1:
         return 0.0
-    return 2 * (m - 1) * cluster.latency_s + 2 * (m - 1) / m * cluster.transfer_seconds
+    lat = cluster.latency_s if cluster.allreduce_latency_s is None else cluster.allreduce_latency_s
+    bw = (
+        cluster.bandwidth_gbps
+        if cluster.allreduce_bandwidth_gbps is None
+        else cluster.allreduce_bandwidth_gbps
+    )
+    transfer = 0.0 if bw == 0 else 32.0 * cluster.num_parameters / (bw * 1e9)
+    return 2 * (m - 1) * lat + 2 * (m - 1) / m * transfer
 
 
 def straggler_factor(m: int, jitter: float) -> float:

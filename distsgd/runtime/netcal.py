@@ -18,14 +18,24 @@ thread each. For each message size
 
 * point-to-point: ``repeats`` ping-pongs (rank 0 sends, rank 1 receives and sends back);
   one message is half the round trip;
-* all-reduce (sum) of the same buffer by both ranks, after a barrier.
+* all-reduce (sum) of the same buffer by both ranks, after a barrier and ``compute_s``
+  (10 ms) of matrix products on each rank: a synchronous iteration's all-reduce follows
+  its gradient's computation, and after it the same all-reduce of 421,642 values took
+  1.8–3.1 ms on this machine where back to back it took 1.2–1.85 ms (gloo's threads and
+  the caches are cold; the DDP hardsync runs waited ~3 ms per iteration in it); the
+  figure is the mean of the two ranks' medians.
 
 Rank 0 takes the median of the repeats (a run's mean iteration time includes the
 ordinary disturbances that the minimum would hide). Model fit: every measurement t of
 a buffer of B = 32 P bits gives one row of a linear least-squares problem in
 ``(latency_s, 1 / bandwidth)``: a message ``t = latency_s + B / bw``, an all-reduce over
-m = 2 ``t = 2 latency_s + B / bw``. Negative solutions are clipped (latency to 0,
-bandwidth to infinity, i.e. ``bandwidth_gbps = 0``).
+m = 2 ``t = 2 latency_s + B / bw``. The messages and the all-reduces are fitted apart
+(``cluster.allreduce_latency_s`` / ``allreduce_bandwidth_gbps``): gloo's all-reduce
+reduces and copies as it goes, and on loopback here it took 3.4× a send of the same
+421,642 values (1.85 vs 0.54 ms), which one shared bandwidth cannot fit (it predicted
+1.21 ms for that all-reduce, and the synchronous rows' seconds per iteration were
+under-predicted). Negative solutions are clipped (latency to 0, bandwidth to infinity,
+i.e. ``bandwidth_gbps = 0``).
 """
 
 from __future__ import annotations
@@ -50,11 +60,15 @@ __all__ = ["NetworkProfile", "calibrate_network", "fit_network"]
 
 @dataclass
 class NetworkProfile:
-    """A fitted network: the simulator's ``cluster.latency_s`` and ``bandwidth_gbps``.
+    """A fitted network: the simulator's ``cluster.latency_s`` and ``bandwidth_gbps`` (the
+    messages') and ``cluster.allreduce_latency_s`` / ``allreduce_bandwidth_gbps``.
 
     Attributes:
         latency_s: one-way message latency, seconds (>= 0).
         bandwidth_gbps: bandwidth in gigabits per second (0: infinite).
+        allreduce_latency_s: the all-reduce's latency term, seconds (None: ``latency_s``).
+        allreduce_bandwidth_gbps: the all-reduce's bandwidth, Gbit/s, 0 infinite (None:
+            ``bandwidth_gbps``).
         measurements: what was fitted: ``{"op": "send" | "all_reduce", "participants":
             m, "num_values": P, "seconds": t}`` per operation and size (median seconds).
     """
@@ -62,17 +76,52 @@ class NetworkProfile:
     latency_s: float
     bandwidth_gbps: float
     measurements: list[dict[str, Any]] = field(default_factory=list)
+    allreduce_latency_s: float | None = None
+    allreduce_bandwidth_gbps: float | None = None
 
     def overrides(self) -> list[str]:
         """``--set`` items that give the simulator this network."""
-        return [
+        out = [
             f"cluster.latency_s={self.latency_s!r}",
             f"cluster.bandwidth_gbps={self.bandwidth_gbps!r}",
         ]
+        if self.allreduce_latency_s is not None:
+            out.append(f"cluster.allreduce_latency_s={self.allreduce_latency_s!r}")
+        if self.allreduce_bandwidth_gbps is not None:
+            out.append(f"cluster.allreduce_bandwidth_gbps={self.allreduce_bandwidth_gbps!r}")
+        return out
+
+
+def _row(m: dict[str, Any]) -> list[float]:
+    """The model's coefficients of ``(latency, 1 / bandwidth)`` for one measurement."""
+    bits = 32.0 * m["num_values"]
+    if m["op"] == "send":
+        return [1.0, bits]
+    if m["op"] == "all_reduce":
+        k = m["participants"]
+        return [2.0 * (k - 1), 2.0 * (k - 1) / k * bits]
+    raise ValueError(f"unknown op {m['op']!r}: expected 'send' or 'all_reduce'")
+
+
+def _least_squares(measurements: list[dict[str, Any]]) -> tuple[float, float]:
+    """(latency seconds, bandwidth Gbit/s, 0 infinite) minimising the squared error."""
+    a = torch.tensor([_row(m) for m in measurements], dtype=torch.float64)
+    ts = torch.tensor([[m["seconds"]] for m in measurements], dtype=torch.float64)
+    scale = a.abs().amax(0)  # columns of very different magnitude: scale for lstsq
+    sol = torch.linalg.lstsq(a / scale, ts).solution
+    latency, inv_bw = (sol[:, 0] / scale).tolist()
+    if latency < 0:  # refit the bandwidth alone
+        latency = 0.0
+        inv_bw = float(torch.linalg.lstsq(a[:, 1:], ts).solution)
+    return latency, 0.0 if inv_bw <= 0 else 1.0 / inv_bw / 1e9
 
 
 def fit_network(measurements: list[dict[str, Any]]) -> NetworkProfile:
     """Least-squares fit of the simulator's network model to measured operation times.
+
+    Messages and all-reduces are fitted apart when each has at least two sizes (gloo's
+    all-reduce reduces and copies as it goes: per byte it is not a send); otherwise one
+    fit of both gives the messages' parameters and the all-reduce's stay None.
 
     Args:
         measurements: ``{"op", "participants", "num_values", "seconds"}`` items; ``op``
@@ -86,35 +135,35 @@ def fit_network(measurements: list[dict[str, Any]]) -> NetworkProfile:
     """
     if len(measurements) < 2:
         raise ValueError("fit_network needs at least two measurements")
-    rows, ts = [], []
     for m in measurements:
-        bits = 32.0 * m["num_values"]
-        if m["op"] == "send":
-            rows.append([1.0, bits])
-        elif m["op"] == "all_reduce":
-            k = m["participants"]
-            rows.append([2.0 * (k - 1), 2.0 * (k - 1) / k * bits])
-        else:
-            raise ValueError(f"unknown op {m['op']!r}: expected 'send' or 'all_reduce'")
-        ts.append([m["seconds"]])
-    a = torch.tensor(rows, dtype=torch.float64)
-    scale = a.abs().amax(0)  # columns of very different magnitude: scale for lstsq
-    sol = torch.linalg.lstsq(a / scale, torch.tensor(ts, dtype=torch.float64)).solution
-    latency, inv_bw = (sol[:, 0] / scale).tolist()
-    if latency < 0:  # refit the bandwidth alone
-        latency = 0.0
-        col = a[:, 1:]
-        inv_bw = float(torch.linalg.lstsq(col, torch.tensor(ts, dtype=torch.float64)).solution)
-    bandwidth_gbps = 0.0 if inv_bw <= 0 else 1.0 / inv_bw / 1e9
-    return NetworkProfile(latency, bandwidth_gbps, list(measurements))
+        _row(m)  # an unknown op raises
+    sends = [m for m in measurements if m["op"] == "send"]
+    reduces = [m for m in measurements if m["op"] == "all_reduce"]
+    if len(sends) >= 2 and len(reduces) >= 2:
+        latency, bandwidth = _least_squares(sends)
+        ar_latency, ar_bandwidth = _least_squares(reduces)
+        return NetworkProfile(latency, bandwidth, list(measurements), ar_latency, ar_bandwidth)
+    latency, bandwidth = _least_squares(measurements)
+    return NetworkProfile(latency, bandwidth, list(measurements))
 
 
-def _worker(sizes: list[int], repeats: int, timeout_s: float) -> list[dict[str, Any]]:
-    """One of the two ranks: time ping-pongs and all-reduces; rank 0 returns medians."""
+def _compute(seconds: float, a: torch.Tensor) -> None:
+    """Matrix products for ``seconds`` (a stand-in for a gradient's computation)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+
+
+def _worker(
+    sizes: list[int], repeats: int, timeout_s: float, compute_s: float
+) -> list[dict[str, Any]]:
+    """One of the two ranks: time ping-pongs and all-reduces; rank 0 returns medians
+    (an all-reduce's: the mean of both ranks' medians)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     other = 1 - rank
+    a = torch.randn(512, 512)
     out: list[dict[str, Any]] = []
     try:
         for p in sizes:
@@ -133,19 +182,18 @@ def _worker(sizes: list[int], repeats: int, timeout_s: float) -> list[dict[str, 
                     pp.append((time.perf_counter() - t0) / 2)
             for i in range(repeats + 1):
                 dist.barrier()
+                _compute(compute_s, a)  # as a synchronous iteration's gradient
                 t0 = time.perf_counter()
                 dist.all_reduce(buf)
                 if i:
                     ar.append(time.perf_counter() - t0)
-            for op, times in (("send", pp), ("all_reduce", ar)):
-                out.append(
-                    {
-                        "op": op,
-                        "participants": 2,
-                        "num_values": p,
-                        "seconds": statistics.median(times),
-                    }
-                )
+            medians = [None, None]
+            dist.all_gather_object(medians, statistics.median(ar))
+            for op, seconds in (
+                ("send", statistics.median(pp)),
+                ("all_reduce", statistics.mean(medians)),
+            ):
+                out.append({"op": op, "participants": 2, "num_values": p, "seconds": seconds})
     finally:
         dist.destroy_process_group()
     return out if rank == 0 else []
@@ -158,6 +206,7 @@ def calibrate_network(
     repeats: int = 20,
     master_addr: str = "127.0.0.1",
     timeout_s: float = 60.0,
+    compute_s: float = 0.01,
 ) -> NetworkProfile:
     """Measure gloo between two processes on this machine and fit the network model.
 
@@ -168,6 +217,9 @@ def calibrate_network(
         repeats: timed repeats per operation and size (after one warm-up).
         master_addr: rendezvous address (loopback by default).
         timeout_s: c10d timeout of the two ranks, seconds.
+        compute_s: seconds of computation (matrix products) on each rank before every
+            timed all-reduce, as a synchronous iteration's all-reduce follows its
+            gradient (module docstring); 0: back to back.
 
     Returns:
         The fitted :class:`NetworkProfile` with its measurements.
@@ -201,7 +253,7 @@ def calibrate_network(
         ctx = start_processes(
             name="distsgd-netcal",
             entrypoint=_worker,
-            args={r: (sizes, repeats, timeout_s) for r in range(2)},
+            args={r: (sizes, repeats, timeout_s, compute_s) for r in range(2)},
             envs=envs,
             logs_specs=DefaultLogsSpecs(log_dir=tmp),
             start_method="spawn",
@@ -223,3 +275,7 @@ if __name__ == "__main__":  # pragma: no cover - manual use: python -m distsgd.r
     for m in prof.measurements:
         print(f"{m['op']:10s} {m['num_values']:>9d} values {m['seconds'] * 1e3:8.3f} ms")
     print(f"latency {prof.latency_s * 1e6:.1f} µs, bandwidth {prof.bandwidth_gbps:.3f} Gbit/s")
+    print(
+        f"all-reduce: latency {(prof.allreduce_latency_s or 0) * 1e6:.1f} µs, bandwidth "
+        f"{prof.allreduce_bandwidth_gbps or 0:.3f} Gbit/s"
+    )

@@ -17,7 +17,8 @@ Timing model (all in virtual seconds):
   :func:`calibrate_replicas`), or ``ρ(k) = 1 + (k − 1) · seconds_per_replica / t(1)``
   without a measurement (speed_d: the slowest of its learners; k = 1 is the line above);
 * one message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``;
-* ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``;
+* ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``
+  (with ``cluster.allreduce_latency_s`` / ``allreduce_bandwidth_gbps`` where set);
 * the parameter server's work on one push (apply the protocol, copy the weights for the
   reply): ``seconds_per_push``; the server serves pushes one at a time, in arrival order;
 * processes sharing cores (``cluster.cores`` > 0, every rank on one machine): compute,
@@ -389,6 +390,8 @@ class SimRuntime(Runtime):
             latency_s=cluster.latency_s,
             bandwidth_gbps=cluster.bandwidth_gbps,
             num_parameters=engine.num_parameters,
+            allreduce_latency_s=cluster.allreduce_network[0],
+            allreduce_bandwidth_gbps=cluster.allreduce_network[1],
         )
         self.message_s = self._network.message_seconds
         self._stretch = self._core_stretch()

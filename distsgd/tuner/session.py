@@ -154,6 +154,8 @@ def cluster_model(cfg: RunConfig, num_parameters: int) -> pm.ClusterModel:
         replica_ratios=tuple(c.replica_ratios),
         t_server=max(c.seconds_per_push, 0.0),
         cores=c.cores,
+        allreduce_latency_s=c.allreduce_network[0],
+        allreduce_bandwidth_gbps=c.allreduce_network[1],
     )
 
 
@@ -201,6 +203,8 @@ def _measured_network(
             cfg.cluster,
             latency_s=network.latency_s,
             bandwidth_gbps=network.bandwidth_gbps,
+            allreduce_latency_s=network.allreduce_latency_s,
+            allreduce_bandwidth_gbps=network.allreduce_bandwidth_gbps,
             jitter=0.0,
         )
     )
