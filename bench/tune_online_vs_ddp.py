@@ -69,10 +69,11 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run_one(kind: str, seed: int, out: Path, eval_every: int) -> dict:
+def run_one(kind: str, seed: int, out: Path, eval_every: int, c_sets: list[str] = ()) -> dict:
     run_dir = out / f"{kind}-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [*BASE, f"train.seed={seed}", f"train.eval_every_samples={eval_every}", *RUNS[kind]]
+    sets += list(c_sets) if kind == "c" else []
     cmd = [sys.executable, "-m", "distsgd", "train", "--runtime", "dist", "--num-processes", "2"]
     cmd += [x for s in sets for x in ("--set", s)] + ["--out", str(run_dir), "--quiet"]
     if kind == "c":
@@ -132,7 +133,7 @@ def where_time_went(run_dir: Path) -> str:
         f"cold start {parts['cold'][0]} probes {parts['cold'][1]:.1f} s wall "
         f"({parts['cold'][2]:.1f} s of it training); steady state {parts['steady'][0]} probes "
         f"{parts['steady'][1]:.1f} s ({parts['steady'][2]:.1f} s training); {len(segs)} "
-        f"training segments {seg_wall:.1f} s (each a launch of 2 processes)"
+        f"training segments {seg_wall:.1f} s (probes and segments on one pool of 2 ranks)"
     )
 
 
@@ -206,6 +207,13 @@ def main() -> int:
     ap.add_argument("--out", default="bench/out/tune_online")
     ap.add_argument("--results", default="bench/results/tune_online")
     ap.add_argument(
+        "--c-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a further setting of run (c) (after its own; repeatable)",
+    )
+    ap.add_argument(
         "--rewrite", action="store_true", help="only rewrite README.md from results.json"
     )
     args = ap.parse_args()
@@ -219,7 +227,7 @@ def main() -> int:
     before, rows = _load(), []
     for seed in args.seeds:
         for kind in args.runs:
-            rows.append(run_one(kind, seed, out, args.eval_every))
+            rows.append(run_one(kind, seed, out, args.eval_every, args.c_set))
             print(json.dumps({k: rows[-1][k] for k in ("kind", "seed", "reached",
                   "command_wall_s", "tuning_share")}), flush=True)  # fmt: skip
             write_results(rows, args.seeds, Path(args.results), (before, _load()), out)

@@ -40,6 +40,11 @@ evaluation in ``metrics.jsonl``), so that ``distsgd report`` reads the run.
 
 In every case :func:`run` returns only after every process it started has ended.
 
+**Ranks kept for many runs.** :class:`RankPool` starts the ranks once and trains run
+after run on them (``distsgd train --tune``'s probes and segments): each run is what
+:func:`run` trains, with the same failure policy, in a fresh process group whose store
+keys are its own; a run that fails ends the ranks, and the next starts fresh ones.
+
 **Ending a rank.** A rank ends with ``os._exit`` once its outcome is known and written
 (:func:`exit_worker`: the process group is already destroyed, the streams are flushed),
 so no C++ static destructor or thread of torch.distributed (gloo, the store client) runs
@@ -101,6 +106,7 @@ from distsgd.trainer import Trainer
 
 __all__ = [
     "DistRunFailed",
+    "RankPool",
     "exit_worker",
     "is_process_loss",
     "run",
@@ -109,6 +115,8 @@ __all__ = [
 ]
 
 ENV_ERROR_FILE = "DISTSGD_DIST_ERROR_FILE"
+ENV_POOL_DIR = "DISTSGD_POOL_DIR"  # a pooled rank's folder of run files (RankPool)
+POOL_STOP = "stop"  # the file in that folder that ends the pooled ranks
 _POLL_S = 0.1
 
 
@@ -172,6 +180,112 @@ def run(
     return _launch_local(cfg, out, resume=resume, progress=progress, faults=faults)
 
 
+def _rank_envs(
+    n: int, addr: str, port: int, extra: Callable[[int], dict[str, str]]
+) -> dict[int, dict[str, str]]:
+    """The environment of each of ``n`` ranks on this machine (``extra``: per rank)."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    return {
+        r: {
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": str(port),
+            "RANK": str(r),
+            "WORLD_SIZE": str(n),
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": str(n),
+            "PYTHONPATH": pythonpath,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank a client of the store
+            **extra(r),
+        }
+        for r in range(n)
+    }
+
+
+def _start(n: int, envs: dict[int, dict[str, str]], tmp: str) -> Any:
+    """Start ``python -m distsgd.worker`` as ``n`` ranks (torch's process layer)."""
+    return start_processes(
+        name="distsgd",
+        entrypoint=sys.executable,
+        args={r: ("-m", "distsgd.worker") for r in range(n)},
+        envs=envs,
+        logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
+        start_method="spawn",
+    )
+
+
+class _Watch:
+    """The launcher's failure policy over one run's ranks (module docstring): polls the
+    processes every ``_POLL_S`` until every rank has ended or, with ``run_done`` (pooled
+    ranks, which outlive a run), until it says the run is done; a fatal loss ends the
+    watch ``dist.timeout_s + 5`` seconds later at the latest. ``outcome(r)`` is rank r's
+    outcome file for this run."""
+
+    def __init__(self, ctx: Any, cfg: RunConfig, outcome: Callable[[int], Path]) -> None:
+        self.ctx, self.cfg, self.outcome = ctx, cfg, outcome
+        self.codes: dict[int, int | None] = {}
+        self.lost: dict[int, int] = {}
+        self.after_done: dict[int, int] = {}  # ended with an error after reporting "done"
+        self.hung: set[int] = set()  # named silent by their peers, killed here
+        self.fatal_since: float | None = None
+
+    def poll(self) -> None:
+        cfg = self.cfg
+        self.codes = {r: h.proc.poll() for r, h in self.ctx.subprocess_handlers.items()}
+        for r, code in self.codes.items():
+            if code in (None, 0) or r in self.lost or r in self.after_done:
+                continue
+            if r in self.hung:
+                self.lost[r] = code  # killed here (_kill_hung), already reported
+                continue
+            pid = self.ctx.subprocess_handlers[r].proc.pid
+            if _finished(self.outcome(r)):
+                # its part of the run was done: the run is not affected
+                self.after_done[r] = code
+                print(
+                    f"distsgd: rank {r} ({_role(cfg, r)}, pid {pid}) {describe_exit(code)} "
+                    "after it had finished its part of the run",
+                    file=sys.stderr,
+                )
+                continue
+            self.lost[r] = code
+            if not _tolerates_loss(cfg, r) and self.fatal_since is None:
+                self.fatal_since = time.monotonic()
+            print(
+                f"distsgd: rank {r} ({_role(cfg, r)}, pid {pid}) {describe_exit(code)}"
+                + ("; the server goes on without it" if self.fatal_since is None else ""),
+                file=sys.stderr,
+            )
+
+    def until_done(self, run_done: Callable[[], bool] | None = None) -> None:
+        try:
+            while True:
+                self.poll()
+                if all(c is not None for c in self.codes.values()):
+                    return
+                if run_done is not None and run_done():
+                    return
+                if self.fatal_since is not None:
+                    _kill_hung(self.ctx, self.codes, self.outcome, self.hung)
+                    if time.monotonic() - self.fatal_since > self.cfg.dist.timeout_s + 5:
+                        running = {r for r, c in self.codes.items() if c is None}
+                        self.hung.update(running & _named_silent(self.codes, self.outcome))
+                        return
+                time.sleep(_POLL_S)
+        except SignalException:
+            # start_processes turns SIGINT/SIGTERM into SignalException: an interrupt like
+            # Ctrl-C (every rank is stopped by the caller; rank 0 writes its summary)
+            raise KeyboardInterrupt from None
+
+    def errors(self) -> dict[int, dict[str, Any]]:
+        out = {}
+        for r in self.ctx.subprocess_handlers:
+            f = self.outcome(r)
+            if f.exists():
+                out[r] = json.loads(f.read_text())
+        return out
+
+
 def _launch_local(
     cfg: RunConfig, out: Path, *, resume: bool, progress: bool, faults: RankFaults | None
 ) -> dict[str, Any]:
@@ -181,105 +295,182 @@ def _launch_local(
     # The rendezvous store is hosted here, as torchrun's agent hosts it, so that a free
     # port (master_port = 0) is bound once and no rank can lose it to another program.
     store = rendezvous_store(addr, cfg.dist.master_port, world_size=n, timeout_s=cfg.dist.timeout_s)
-    port = store.port
-    package_root = str(Path(__file__).resolve().parents[2])
-    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix="distsgd-launch-") as tmp:
-        envs = {
-            r: {
-                "MASTER_ADDR": addr,
-                "MASTER_PORT": str(port),
-                "RANK": str(r),
-                "WORLD_SIZE": str(n),
-                "LOCAL_RANK": str(r),
-                "LOCAL_WORLD_SIZE": str(n),
-                "PYTHONPATH": pythonpath,
-                "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank a client of `store`
+
+        def outcome(r: int) -> Path:
+            return Path(tmp) / f"rank{r}.json"
+
+        envs = _rank_envs(
+            n,
+            addr,
+            store.port,
+            lambda r: {
                 rdist.ENV_CONFIG: cfg.to_toml(),
                 rdist.ENV_OUT: str(out.resolve()),
                 rdist.ENV_RESUME: "1" if resume else "0",
                 rdist.ENV_PROGRESS: "1" if progress and r == 0 else "0",
                 rdist.ENV_FAULTS: faults.to_json() if faults is not None else "",
-                ENV_ERROR_FILE: str(Path(tmp) / f"rank{r}.json"),
-            }
-            for r in range(n)
-        }
-        ctx = start_processes(
-            name="distsgd",
-            entrypoint=sys.executable,
-            args={r: ("-m", "distsgd.worker") for r in range(n)},
-            envs=envs,
-            logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
-            start_method="spawn",
+                ENV_ERROR_FILE: str(outcome(r)),
+            },
         )
-        codes: dict[int, int | None] = {}
-        lost: dict[int, int] = {}
-        after_done: dict[int, int] = {}  # ended with an error after reporting "done"
-        hung: set[int] = set()  # named silent by their peers, killed here
-        fatal_since: float | None = None
+        ctx = _start(n, envs, tmp)
+        watch = _Watch(ctx, cfg, outcome)
         try:
-            while True:
-                codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
-                for r, code in codes.items():
-                    if code not in (None, 0) and r in hung and r not in lost:
-                        lost[r] = code  # killed here (_kill_hung), already reported
-                        continue
-                    if code not in (None, 0) and r not in lost and r not in after_done:
-                        pid = ctx.subprocess_handlers[r].proc.pid
-                        if _finished(Path(tmp) / f"rank{r}.json"):
-                            # its part of the run was done: the run is not affected
-                            after_done[r] = code
-                            print(
-                                f"distsgd: rank {r} ({_role(cfg, r)}, pid {pid}) "
-                                f"{describe_exit(code)} after it had finished its part of "
-                                "the run",
-                                file=sys.stderr,
-                            )
-                            continue
-                        lost[r] = code
-                        tolerated = _tolerates_loss(cfg, r)
-                        if not tolerated and fatal_since is None:
-                            fatal_since = time.monotonic()
-                        print(
-                            f"distsgd: rank {r} ({_role(cfg, r)}, pid {pid}) {describe_exit(code)}"
-                            + ("; the server goes on without it" if fatal_since is None else ""),
-                            file=sys.stderr,
-                        )
-                if all(c is not None for c in codes.values()):
-                    break
-                if fatal_since is not None:
-                    _kill_hung(ctx, codes, Path(tmp), hung)
-                if fatal_since is not None and (
-                    time.monotonic() - fatal_since > cfg.dist.timeout_s + 5
-                ):
-                    running = {r for r, c in codes.items() if c is None}
-                    hung.update(running & _named_silent(codes, Path(tmp)))  # closed below
-                    break
-                time.sleep(_POLL_S)
-        except SignalException:
-            # start_processes turns SIGINT/SIGTERM into SignalException: an interrupt like
-            # Ctrl-C (every rank is stopped below; rank 0 writes its summary)
-            raise KeyboardInterrupt from None
+            watch.until_done()
         finally:
             # SIGTERM to every rank still running (rank 0 then writes its summary), SIGKILL
             # to any still there 5 s later
             ctx.close(timeout=5)
         codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
-        errors = {}
-        for r in range(n):
-            f = Path(tmp) / f"rank{r}.json"
-            if f.exists():
-                errors[r] = json.loads(f.read_text())
+        errors = watch.errors()
     del store  # the ranks have ended
-    return _outcome(cfg, out, codes, lost, errors, hung=hung)
+    return _outcome(cfg, out, codes, watch.lost, errors, hung=watch.hung)
 
 
-def _kill_hung(ctx: Any, codes: dict[int, int | None], tmp: Path, hung: set[int]) -> None:
+class RankPool:
+    """Ranks on this machine kept alive from one ``dist`` run to the next, for a caller
+    that trains many short runs with the same number of processes (``distsgd train
+    --tune``'s probes and segments): a run then costs no process start (interpreter,
+    torch, the first optimizer's ``torch._dynamo`` import: 4–6 s a launch on 2 cores).
+
+    Each run is :func:`run`'s, rank for rank: every rank joins a fresh process group (its
+    store keys under ``run<N>/``, :func:`distsgd.runtime.dist.store_namespace`), trains
+    ``cfg`` with :class:`~distsgd.trainer.Trainer` and reports its outcome; the same
+    failure policy applies. A run that fails in any way (a rank lost, diverged, a user
+    error) ends the pool's processes, as :func:`run` would end its own, and the next run
+    starts fresh ones. Under torchrun (this process is one rank) it is :func:`run`.
+
+    Args:
+        num_processes: the ranks every run must need (``required_processes``).
+
+    Raises (from :meth:`run`): what :func:`run` raises; ``ValueError`` for a run that
+    needs another number of processes.
+    """
+
+    def __init__(self, num_processes: int) -> None:
+        self.num_processes = num_processes
+        self._ctx: Any = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._store: Any = None
+        self._runs = 0
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ensure(self, cfg: RunConfig) -> None:
+        if self._ctx is not None and all(
+            h.proc.poll() is None for h in self._ctx.subprocess_handlers.values()
+        ):
+            return
+        self.close()
+        n = self.num_processes
+        self._runs = 0  # fresh ranks count their runs from 1
+        self._tmp = tempfile.TemporaryDirectory(prefix="distsgd-pool-")
+        tmp = self._tmp.name
+        self._store = rendezvous_store(
+            cfg.dist.master_addr, cfg.dist.master_port, world_size=n, timeout_s=cfg.dist.timeout_s
+        )
+        envs = _rank_envs(n, cfg.dist.master_addr, self._store.port, lambda r: {ENV_POOL_DIR: tmp})
+        self._ctx = _start(n, envs, tmp)
+
+    def run(
+        self,
+        cfg: RunConfig,
+        out_dir: str | Path,
+        *,
+        resume: bool = False,
+        progress: bool = False,
+        faults: RankFaults | None = None,
+    ) -> dict[str, Any]:
+        """Train ``cfg`` (runtime ``dist``) to its stop rule on the pool's ranks; returns
+        rank 0's summary (as :func:`run`; ``faults``: injected by tests)."""
+        out = Path(out_dir)
+        if under_launcher():
+            return run(cfg, out, resume=resume, progress=progress, faults=faults)
+        n, why = required_processes(cfg.protocol, cfg.dist)
+        if n != self.num_processes:
+            raise ValueError(f"the pool has {self.num_processes} ranks, the run needs {n} ({why})")
+        if not resume:
+            Trainer(cfg, out)._check_out_dir()  # fail before any rank starts the run
+        self._ensure(cfg)
+        assert self._tmp is not None
+        self._runs += 1
+        tmp = Path(self._tmp.name)
+        number = self._runs
+
+        def outcome(r: int) -> Path:
+            return tmp / f"run{number}-rank{r}.json"
+
+        job = {"config": cfg.to_toml(), "out": str(out.resolve()), "resume": resume}
+        job |= {"progress": progress, "faults": faults.to_json() if faults is not None else ""}
+        part = tmp / f"run{number}.json.part"
+        part.write_text(json.dumps(job))
+        part.rename(tmp / f"run{number}.json")  # the ranks see it whole
+        ctx = self._ctx
+        watch = _Watch(ctx, cfg, outcome)
+        late: list[int] = []
+        first_done: list[float] = []
+        grace_s = cfg.dist.timeout_s + 5
+
+        def run_done() -> bool:
+            # every rank reported the end of its part or ended (lost: the policy above
+            # decides); or some did and the others have not for dist.timeout_s + 5 s (a
+            # rank stuck after its last collective)
+            done = [r in watch.lost or _finished(outcome(r)) for r in range(n)]
+            if all(done) or not any(done):
+                return all(done)
+            first_done[:] = first_done or [time.monotonic()]
+            if time.monotonic() - first_done[0] <= grace_s:
+                return False
+            late[:] = [r for r in range(n) if not done[r]]
+            return True
+
+        try:
+            watch.until_done(run_done)
+        except BaseException:
+            self.close()  # Ctrl-C: every rank is stopped (rank 0 writes its summary)
+            raise
+        for r in late:
+            print(
+                f"distsgd: rank {r} ({_role(cfg, r)}) did not report the end of its part "
+                f"{grace_s:g} s after the others; the pool's ranks are restarted",
+                file=sys.stderr,
+            )
+        errors = watch.errors()
+        if watch.lost or late or any(e["kind"] != "done" for e in errors.values()):
+            self.close()  # a failed run ends the pool's ranks, as run() ends its own
+        codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
+        return _outcome(cfg, out, codes, watch.lost, errors, hung=watch.hung)
+
+    def close(self) -> None:
+        """End the ranks (asked to stop; SIGTERM, then SIGKILL, for any still running 5 s
+        later) and remove the pool's files."""
+        if self._ctx is not None:
+            assert self._tmp is not None
+            (Path(self._tmp.name) / POOL_STOP).touch()
+            end = time.monotonic() + 5
+            handlers = self._ctx.subprocess_handlers.values()
+            while time.monotonic() < end and any(h.proc.poll() is None for h in handlers):
+                time.sleep(_POLL_S)
+            self._ctx.close(timeout=5)
+            self._ctx = None
+        self._store = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def _kill_hung(
+    ctx: Any, codes: dict[int, int | None], outcome: Callable[[int], Path], hung: set[int]
+) -> None:
     """SIGKILL the ranks still running that every other rank has left, if the ranks that
     stopped on a lost peer named them as silent (no heartbeat): they hang (stopped or
     stuck), and waiting for them would only delay the end of the run."""
     running = {r for r, c in codes.items() if c is None}
-    if not running or not running <= _named_silent(codes, tmp):
+    if not running or not running <= _named_silent(codes, outcome):
         return
     for r in sorted(running - hung):
         hung.add(r)
@@ -294,7 +485,7 @@ def _kill_hung(ctx: Any, codes: dict[int, int | None], tmp: Path, hung: set[int]
             pass
 
 
-def _named_silent(codes: dict[int, int | None], tmp: Path) -> set[int]:
+def _named_silent(codes: dict[int, int | None], outcome: Callable[[int], Path]) -> set[int]:
     """The ranks that the ended ranks' outcome files name as silent (no heartbeat when
     they lost contact)."""
     named: set[int] = set()
@@ -302,8 +493,8 @@ def _named_silent(codes: dict[int, int | None], tmp: Path) -> set[int]:
         if code is None:
             continue
         try:
-            outcome = json.loads((tmp / f"rank{r}.json").read_text())
-            named.update(int(x) for x in outcome.get("silent_ranks", []))
+            found = json.loads(outcome(r).read_text())
+            named.update(int(x) for x in found.get("silent_ranks", []))
         except (OSError, ValueError, TypeError, AttributeError):
             continue
     return named
@@ -512,10 +703,44 @@ def rank_faults() -> RankFaults:
     return RankFaults.from_json(os.environ.get(rdist.ENV_FAULTS, ""))
 
 
+def pooled_ranks_main(pool_dir: Path) -> int:
+    """A rank of a :class:`RankPool`: train each run the pool writes (``run<N>.json``:
+    config, directory, resume and progress flags) as :func:`run_worker`, in order, until
+    the pool asks it to stop (status 0) or a run does not end well (that run's status)."""
+    rank = os.environ.get("RANK", "?")
+    rdist.end_with_parent(65.0)  # also while no run has started its process group
+    number = 0
+    try:
+        while True:
+            number += 1
+            path = pool_dir / f"run{number}.json"
+            while not path.exists():
+                if (pool_dir / POOL_STOP).exists():
+                    return 0
+                time.sleep(0.02)
+            job = json.loads(path.read_text())
+            os.environ[rdist.ENV_POOL_RUN] = str(number)
+            os.environ[ENV_ERROR_FILE] = str(pool_dir / f"run{number}-rank{rank}.json")
+            code = run_worker(
+                job["config"],
+                job["out"],
+                resume=job["resume"],
+                progress=job["progress"] and rank == "0",
+                faults=RankFaults.from_json(job["faults"]),
+            )
+            if code != 0:
+                return code
+    except KeyboardInterrupt:
+        return 130
+
+
 def main() -> int:
     """A rank's work (``python -m distsgd.worker``, started by :func:`run`): the run's
     config, directory, resume flag and injected faults come from the environment the
-    launcher set for it."""
+    launcher set for it (a :class:`RankPool`'s ranks: from its run files)."""
+    pool = os.environ.get(ENV_POOL_DIR)
+    if pool:
+        return pooled_ranks_main(Path(pool))
     return run_worker(
         os.environ[rdist.ENV_CONFIG],
         os.environ[rdist.ENV_OUT],

@@ -59,6 +59,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import gc
 import inspect
 import math
 import os
@@ -110,9 +111,22 @@ ENV_OUT = "DISTSGD_DIST_OUT"
 ENV_RESUME = "DISTSGD_DIST_RESUME"
 ENV_PROGRESS = "DISTSGD_DIST_PROGRESS"
 ENV_FAULTS = "DISTSGD_DIST_FAULTS"  # the launcher's channel for RankFaults (tests)
+# set by a pooled rank (distsgd.launch.RankPool) for each run it trains: the number of the
+# run, so that its store keys (process group, heartbeats) are apart from the runs before
+ENV_POOL_RUN = "DISTSGD_POOL_RUN"
+
+
+def store_namespace() -> str:
+    """The prefix of this run's keys in the rendezvous store: ``distsgd/<restart>/``
+    (torchrun's ``TORCHELASTIC_RESTART_COUNT``, 0 under distsgd's launcher), and
+    ``run<N>/`` below it for the N-th run of pooled ranks (:data:`ENV_POOL_RUN`)."""
+    prefix = f"distsgd/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    run = os.environ.get(ENV_POOL_RUN)
+    return prefix + (f"run{run}/" if run else "")
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_watching_parent = False
 
 
 class PeerLost(RuntimeError):
@@ -142,9 +156,9 @@ class Heartbeats:
     solo work (rank 0 evaluating) waits as long as that rank beats (:meth:`wait_for`),
     not ``timeout_s``.
 
-    Keys: ``distsgd/<restart>/beat/<rank>``, ``…/left/<rank>`` (the rank ended its part
-    on purpose), ``…/<name>`` of :meth:`post`; ``<restart>`` is torchrun's
-    ``TORCHELASTIC_RESTART_COUNT`` (0 under distsgd's launcher).
+    Keys: ``<namespace>beat/<rank>``, ``…/left/<rank>`` (the rank ended its part on
+    purpose), ``…/<name>`` of :meth:`post`; ``<namespace>`` is :func:`store_namespace`
+    (``distsgd/<restart>/``, with ``run<N>/`` for pooled ranks).
 
     Raises:
         PeerLost: from :meth:`wait_for`, the awaited rank's heartbeat stopped for
@@ -154,7 +168,7 @@ class Heartbeats:
     def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.interval_s = min(1.0, timeout_s / 10)
-        self._prefix = f"distsgd/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self._prefix = store_namespace()
         self._store = self._client()  # the main thread's
         self._seen: dict[int, tuple[int, float]] = {}  # rank: (count, when it moved)
         self._stop = threading.Event()
@@ -254,6 +268,10 @@ def end_with_parent(grace_s: float) -> None:
     still runs ``grace_s`` seconds later. SIGTERM ends a rank as Ctrl-C does (rank 0
     writes an "interrupted" summary).
     """
+    global _watching_parent
+    if _watching_parent:  # a pooled rank: once for all its runs
+        return
+    _watching_parent = True
     parent = os.getppid()
     if sys.platform.startswith("linux"):
         try:
@@ -410,11 +428,23 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
         )
     if not dist.is_initialized():
         end_with_parent(cfg.dist.timeout_s + 5)
+        timeout = timedelta(seconds=cfg.dist.timeout_s)
+        # pooled ranks join a fresh process group for each run, its keys apart
+        store = (
+            dist.PrefixStore(
+                store_namespace() + "pg",
+                dist.TCPStore(
+                    os.environ["MASTER_ADDR"],
+                    int(os.environ["MASTER_PORT"]),
+                    is_master=False,
+                    timeout=timeout,
+                ),
+            )
+            if os.environ.get(ENV_POOL_RUN)
+            else None
+        )
         dist.init_process_group(
-            backend,
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=timedelta(seconds=cfg.dist.timeout_s),
+            backend, rank=info.rank, world_size=info.world_size, timeout=timeout, store=store
         )
         try:
             check_same_config(cfg)
@@ -505,10 +535,17 @@ class _DistBase(Runtime):
         return box[0]
 
     def close(self) -> None:
-        """Leave the process group (and stop this rank's heartbeat)."""
+        """Leave the process group (and stop this rank's heartbeat). What holds the group
+        is freed first: a DDP Reducer freed after ``destroy_process_group`` can deadlock
+        in ``~ProcessGroupGloo`` (a pooled rank hung there when its previous run's runtime
+        was collected during the next run: :class:`~distsgd.launch.RankPool`)."""
         self.heartbeats.close()
+        self._free_group_users()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _free_group_users(self) -> None:
+        """Drop the references this runtime holds to the process group (subclasses)."""
 
 
 def ddp_no_forward_buffer_sync(ddp_init: Callable[..., Any]) -> dict[str, bool]:
@@ -572,6 +609,10 @@ class SyncDistRuntime(_DistBase):
                 device_ids=[engine.device] if on_gpu else None,
                 **ddp_no_forward_buffer_sync(DistributedDataParallel.__init__),
             )
+
+    def _free_group_users(self) -> None:
+        self.ddp = None  # its Reducer holds the process group
+        gc.collect()  # the wrapper sits in reference cycles
 
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
         """Change k, this rank's replicas, between synchronous iterations (the auto-tuner;

@@ -50,6 +50,13 @@ those of every probe that did not continue; ``tuning_wall_s`` (setup and all pro
 ``tuning_share`` = ``tuning_wall_s`` / ``total_wall_s``. Each ``metrics.jsonl`` record
 gets ``total_wall_s`` (and on ``sim`` ``total_virtual_s``) on the same clock.
 
+**Real processes.** On ``dist`` every probe and segment runs on one
+:class:`~distsgd.launch.RankPool`: the ranks start once for the whole run and train each
+probe and segment as a fresh launch would (a fresh process group each), so a probe costs
+no process start (4–6 s a launch on 2 cores: interpreter, ``import torch``, the data, the
+first ``torch.optim.SGD``'s import of ``torch._dynamo``). A probe or segment that fails
+ends the pool's ranks; the next one starts fresh ranks.
+
 **Resume** (``distsgd train --resume RUN``): the procedure is replayed; a probe or
 segment whose run directory completed is read back instead of run again, one cut short
 is run again. On ``sim`` every measurement is simulated, so the decisions are the same;
@@ -72,7 +79,7 @@ import torch
 from tqdm import tqdm
 
 from distsgd import launch
-from distsgd.config import ConfigError, ConfigWarning, RunConfig
+from distsgd.config import ConfigError, ConfigWarning, RunConfig, required_processes
 from distsgd.data import load_dataset
 from distsgd.engine import UserCode, build_engine, config_for_data
 from distsgd.metrics import load_checkpoint_file, read_metrics, save_checked, write_json
@@ -428,12 +435,22 @@ class OnlineTune:
                 trainer = Trainer(cfg, run_dir, progress=False, evaluate=False, code=self.code)
                 trainer.run(resume=start is not None)
             else:
-                launch.run(cfg, run_dir, resume=start is not None)
+                self._launch(cfg, run_dir, resume=start is not None)
         except TrainingDiverged:
             pass  # summary.json records it; the probe scores NaN
         except launch.DistRunFailed:
             if _summary(run_dir).get("status") != "completed":
                 raise
+
+    def _launch(self, cfg: RunConfig, run_dir: Path, resume: bool, progress: bool = False) -> None:
+        """One probe or segment on real processes: on the run's pool of ranks
+        (:class:`~distsgd.launch.RankPool`, started once, kept from one to the next)."""
+        if self.pool is None:
+            self.pool = launch.RankPool(self.num_processes)
+        if required_processes(cfg.protocol, cfg.dist)[0] == self.pool.num_processes:
+            self.pool.run(cfg, run_dir, resume=resume, progress=progress)
+        else:  # pragma: no cover - every tuned layout fits the run's processes
+            launch.run(cfg, run_dir, resume=resume, progress=progress)
 
     # ---- the run's segments ------------------------------------------------------------
     def _segment(self, cand: Candidate, start: Path, check_every: int) -> tuple[Path, bool]:
@@ -467,7 +484,7 @@ class OnlineTune:
             if self.simulated:
                 Trainer(cfg, seg, progress=self.progress, code=self.code).run(resume=True)
             else:
-                launch.run(cfg, seg, resume=True, progress=self.progress)
+                self._launch(cfg, seg, resume=True, progress=self.progress)
             saved = {
                 "begin_elapsed_s": begin,
                 "end_elapsed_s": self.elapsed(),
@@ -647,6 +664,7 @@ class OnlineTune:
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Tune while training (module docstring); returns the run's summary."""
         self._t0 = time.perf_counter()
+        self.pool: launch.RankPool | None = None  # dist: the ranks every launch reuses
         self.timeline: list[tuple[Path, dict[str, Any]]] = []
         self._setup(resume)
         self.bar = (
@@ -677,6 +695,8 @@ class OnlineTune:
                 if won is not None:
                     cand, start = won[0], Path(won[1].run_dir)
         finally:
+            if self.pool is not None:
+                self.pool.close()
             if self.bar is not None:
                 self.bar.close()
         return self._finish(seg, setup_wall_s)
