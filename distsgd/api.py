@@ -71,6 +71,7 @@ __all__ = [
     "default_out_dir",
     "export_model",
     "fit",
+    "is_tuning_run",
     "resolve_config",
     "run",
     "train",

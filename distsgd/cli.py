@@ -438,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
         if out_dir and (Path(out_dir) / "checkpoint.pt").exists():
             msg = f"the last checkpoint in {out_dir} is kept (continue with --resume {out_dir})"
+        elif out_dir and api.is_tuning_run(out_dir):
+            msg = f"the probes so far are kept in {out_dir} (continue with --resume {out_dir})"
         else:
             msg = "no checkpoint was written yet"
         print(f"distsgd: interrupted; {msg}", file=sys.stderr)

@@ -83,6 +83,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 import traceback
@@ -184,7 +185,7 @@ def _rank_envs(
     n: int, addr: str, port: int, extra: Callable[[int], dict[str, str]]
 ) -> dict[int, dict[str, str]]:
     """The environment of each of ``n`` ranks on this machine (``extra``: per rank)."""
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(Path(__file__).resolve().parents[1])  # the folder holding distsgd/
     pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     return {
         r: {
@@ -202,9 +203,18 @@ def _rank_envs(
     }
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def _start(n: int, envs: dict[int, dict[str, str]], tmp: str) -> Any:
-    """Start ``python -m distsgd.worker`` as ``n`` ranks (torch's process layer)."""
-    return start_processes(
+    """Start ``python -m distsgd.worker`` as ``n`` ranks (torch's process layer).
+
+    torch's ``start_processes`` leaves handlers behind that turn SIGINT and SIGTERM into
+    its ``SignalException`` for the rest of this process's life; they are replaced by
+    ones that raise ``KeyboardInterrupt``, which the CLI and the callers handle (a Ctrl-C
+    between two runs of a :class:`RankPool`, or while it closes, is an interrupt too)."""
+    ctx = start_processes(
         name="distsgd",
         entrypoint=sys.executable,
         args={r: ("-m", "distsgd.worker") for r in range(n)},
@@ -212,6 +222,10 @@ def _start(n: int, envs: dict[int, dict[str, str]], tmp: str) -> Any:
         logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
         start_method="spawn",
     )
+    if threading.current_thread() is threading.main_thread():  # where torch set its own
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _interrupt)
+    return ctx
 
 
 class _Watch:
@@ -330,21 +344,28 @@ def _launch_local(
 class RankPool:
     """Ranks on this machine kept alive from one ``dist`` run to the next, for a caller
     that trains many short runs with the same number of processes (``distsgd train
-    --tune``'s probes and segments): a run then costs no process start (interpreter,
-    torch, the first optimizer's ``torch._dynamo`` import: 4–6 s a launch on 2 cores).
+    --tune``'s probes and segments, ``distsgd tune``'s probes): a run then costs no
+    process start (interpreter, torch, the first optimizer's ``torch._dynamo`` import:
+    4–6 s a launch on 2 cores).
 
     Each run is :func:`run`'s, rank for rank: every rank joins a fresh process group (its
     store keys under ``run<N>/``, :func:`distsgd.runtime.dist.store_namespace`), trains
     ``cfg`` with :class:`~distsgd.trainer.Trainer` and reports its outcome; the same
     failure policy applies. A run that fails in any way (a rank lost, diverged, a user
-    error) ends the pool's processes, as :func:`run` would end its own, and the next run
-    starts fresh ones. Under torchrun (this process is one rank) it is :func:`run`.
+    error, an interrupt) ends the pool's processes at once (SIGTERM, then SIGKILL 5 s
+    later), as :func:`run` ends its own, and the next run starts fresh ones; so does a
+    run whose ``dist.master_addr`` / ``master_port`` / ``timeout_s`` differ from those the
+    ranks were started with. Under torchrun (this process is one rank) it is :func:`run`.
+    A pooled rank ends itself ``65`` s after its launcher died (:func:`run`'s ranks:
+    ``dist.timeout_s + 5``), and once the pool's folder is gone (a pool dropped without
+    :meth:`close`).
 
     Args:
         num_processes: the ranks every run must need (``required_processes``).
 
     Raises (from :meth:`run`): what :func:`run` raises; ``ValueError`` for a run that
-    needs another number of processes.
+    needs another number of processes, or a fault a pooled rank cannot inject
+    (``RankFaults.abort_at_exit``).
     """
 
     def __init__(self, num_processes: int) -> None:
@@ -352,6 +373,7 @@ class RankPool:
         self._ctx: Any = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._store: Any = None
+        self._started_with: tuple[str, int, float] | None = None
         self._runs = 0
 
     def __enter__(self) -> RankPool:
@@ -360,10 +382,21 @@ class RankPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __del__(self) -> None:  # a pool dropped without close(): end its ranks
+        if getattr(self, "_ctx", None) is not None:
+            try:
+                self._terminate()
+            except Exception:  # noqa: BLE001 - at interpreter shutdown; the ranks end alone
+                pass
+
     def _ensure(self, cfg: RunConfig) -> None:
-        if self._ctx is not None and all(
+        """Start the ranks unless they run already, with ``cfg``'s rendezvous settings."""
+        d = cfg.dist
+        wanted = (d.master_addr, d.master_port, d.timeout_s)
+        alive = self._ctx is not None and all(
             h.proc.poll() is None for h in self._ctx.subprocess_handlers.values()
-        ):
+        )
+        if alive and wanted == self._started_with:
             return
         self.close()
         n = self.num_processes
@@ -371,10 +404,11 @@ class RankPool:
         self._tmp = tempfile.TemporaryDirectory(prefix="distsgd-pool-")
         tmp = self._tmp.name
         self._store = rendezvous_store(
-            cfg.dist.master_addr, cfg.dist.master_port, world_size=n, timeout_s=cfg.dist.timeout_s
+            d.master_addr, d.master_port, world_size=n, timeout_s=d.timeout_s
         )
-        envs = _rank_envs(n, cfg.dist.master_addr, self._store.port, lambda r: {ENV_POOL_DIR: tmp})
+        envs = _rank_envs(n, d.master_addr, self._store.port, lambda r: {ENV_POOL_DIR: tmp})
         self._ctx = _start(n, envs, tmp)
+        self._started_with = wanted
 
     def run(
         self,
@@ -393,71 +427,98 @@ class RankPool:
         n, why = required_processes(cfg.protocol, cfg.dist)
         if n != self.num_processes:
             raise ValueError(f"the pool has {self.num_processes} ranks, the run needs {n} ({why})")
+        if faults is not None and faults.abort_at_exit is not None:
+            raise ValueError("RankFaults.abort_at_exit is not injected into pooled ranks")
         if not resume:
             Trainer(cfg, out)._check_out_dir()  # fail before any rank starts the run
         self._ensure(cfg)
-        assert self._tmp is not None
-        self._runs += 1
-        tmp = Path(self._tmp.name)
-        number = self._runs
-
-        def outcome(r: int) -> Path:
-            return tmp / f"run{number}-rank{r}.json"
-
-        job = {"config": cfg.to_toml(), "out": str(out.resolve()), "resume": resume}
-        job |= {"progress": progress, "faults": faults.to_json() if faults is not None else ""}
-        part = tmp / f"run{number}.json.part"
-        part.write_text(json.dumps(job))
-        part.rename(tmp / f"run{number}.json")  # the ranks see it whole
+        outcome = self._submit(cfg, out, resume, progress, faults)
         ctx = self._ctx
         watch = _Watch(ctx, cfg, outcome)
         late: list[int] = []
-        first_done: list[float] = []
-        grace_s = cfg.dist.timeout_s + 5
-
-        def run_done() -> bool:
-            # every rank reported the end of its part or ended (lost: the policy above
-            # decides); or some did and the others have not for dist.timeout_s + 5 s (a
-            # rank stuck after its last collective)
-            done = [r in watch.lost or _finished(outcome(r)) for r in range(n)]
-            if all(done) or not any(done):
-                return all(done)
-            first_done[:] = first_done or [time.monotonic()]
-            if time.monotonic() - first_done[0] <= grace_s:
-                return False
-            late[:] = [r for r in range(n) if not done[r]]
-            return True
-
         try:
-            watch.until_done(run_done)
+            watch.until_done(self._run_done(watch, outcome, cfg.dist.timeout_s + 5, late))
         except BaseException:
-            self.close()  # Ctrl-C: every rank is stopped (rank 0 writes its summary)
+            self._terminate()  # Ctrl-C: every rank is stopped (rank 0 writes its summary)
             raise
         for r in late:
             print(
                 f"distsgd: rank {r} ({_role(cfg, r)}) did not report the end of its part "
-                f"{grace_s:g} s after the others; the pool's ranks are restarted",
+                f"{cfg.dist.timeout_s + 5:g} s after the others had; the pool's ranks are "
+                "restarted",
                 file=sys.stderr,
             )
         errors = watch.errors()
         if watch.lost or late or any(e["kind"] != "done" for e in errors.values()):
-            self.close()  # a failed run ends the pool's ranks, as run() ends its own
+            self._terminate()  # a failed run ends the pool's ranks, as run() ends its own
         codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
         return _outcome(cfg, out, codes, watch.lost, errors, hung=watch.hung)
 
+    def _submit(
+        self, cfg: RunConfig, out: Path, resume: bool, progress: bool, faults: RankFaults | None
+    ) -> Callable[[int], Path]:
+        """Hand the run to the ranks (``run<N>.json``, written whole); returns where rank
+        r reports its outcome."""
+        assert self._tmp is not None
+        self._runs += 1
+        tmp, number = Path(self._tmp.name), self._runs
+        job = {"config": cfg.to_toml(), "out": str(out.resolve()), "resume": resume}
+        job |= {"progress": progress, "faults": faults.to_json() if faults is not None else ""}
+        part = tmp / f"run{number}.json.part"
+        part.write_text(json.dumps(job))
+        part.rename(tmp / f"run{number}.json")
+
+        def outcome(r: int) -> Path:
+            return tmp / f"run{number}-rank{r}.json"
+
+        return outcome
+
+    def _run_done(
+        self, watch: _Watch, outcome: Callable[[int], Path], grace_s: float, late: list[int]
+    ) -> Callable[[], bool]:
+        """The watch's end: every rank reported the end of its part or was lost (the
+        failure policy decides then); or, with none lost, some reported it and the others
+        have not for ``grace_s`` seconds (a rank stuck after its last collective: named in
+        ``late``)."""
+        first_done: list[float] = []
+
+        def done() -> bool:
+            finished = [_finished(outcome(r)) for r in range(self.num_processes)]
+            if all(f or r in watch.lost for r, f in enumerate(finished)):
+                return True
+            if watch.lost or not any(finished):
+                return False
+            first_done[:] = first_done or [time.monotonic()]
+            if time.monotonic() - first_done[0] <= grace_s:
+                return False
+            late[:] = [r for r, f in enumerate(finished) if not f]
+            return True
+
+        return done
+
     def close(self) -> None:
-        """End the ranks (asked to stop; SIGTERM, then SIGKILL, for any still running 5 s
-        later) and remove the pool's files."""
+        """End the ranks and remove the pool's files: ranks waiting for a run are asked to
+        stop (up to 5 s); any still running then get SIGTERM, and SIGKILL 5 s later. A
+        Ctrl-C meanwhile skips the wait and is raised once the ranks are ended."""
         if self._ctx is not None:
             assert self._tmp is not None
             (Path(self._tmp.name) / POOL_STOP).touch()
             end = time.monotonic() + 5
             handlers = self._ctx.subprocess_handlers.values()
-            while time.monotonic() < end and any(h.proc.poll() is None for h in handlers):
-                time.sleep(_POLL_S)
-            self._ctx.close(timeout=5)
-            self._ctx = None
+            try:
+                while time.monotonic() < end and any(h.proc.poll() is None for h in handlers):
+                    time.sleep(_POLL_S)
+            finally:
+                self._terminate()
+        self._terminate()
+
+    def _terminate(self) -> None:
+        """SIGTERM to every rank still running, SIGKILL 5 s later; remove the files."""
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.close(timeout=5)
         self._store = None
+        self._started_with = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -705,18 +766,20 @@ def rank_faults() -> RankFaults:
 
 def pooled_ranks_main(pool_dir: Path) -> int:
     """A rank of a :class:`RankPool`: train each run the pool writes (``run<N>.json``:
-    config, directory, resume and progress flags) as :func:`run_worker`, in order, until
-    the pool asks it to stop (status 0) or a run does not end well (that run's status)."""
+    config, directory, resume and progress flags, faults) as :func:`run_worker`, in
+    order, until the pool asks it to stop or its folder is gone (status 0), or a run does
+    not end well (that run's status)."""
     rank = os.environ.get("RANK", "?")
-    rdist.end_with_parent(65.0)  # also while no run has started its process group
+    # armed once for all runs (a run's own dist.timeout_s + 5 is not known yet)
+    rdist.end_with_parent(65.0)
     number = 0
     try:
         while True:
             number += 1
             path = pool_dir / f"run{number}.json"
             while not path.exists():
-                if (pool_dir / POOL_STOP).exists():
-                    return 0
+                if (pool_dir / POOL_STOP).exists() or not pool_dir.is_dir():
+                    return 0  # asked to stop, or the pool was dropped without close()
                 time.sleep(0.02)
             job = json.loads(path.read_text())
             os.environ[rdist.ENV_POOL_RUN] = str(number)

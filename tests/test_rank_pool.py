@@ -96,6 +96,29 @@ def test_a_tolerated_learner_loss_completes_the_run_and_the_pool_restarts(tmp_pa
     assert len(starts) == 2
 
 
+def test_a_dropped_pool_ends_its_ranks_and_an_interrupt_is_keyboard_interrupt(tmp_path):
+    """A pool dropped without close() ends its ranks; after ranks were started, SIGINT
+    in this process is a KeyboardInterrupt (not torch's SignalException), so the CLI's
+    interrupt handling applies between two runs too."""
+    import gc
+    import os
+    import signal
+    import time
+
+    pool = launch.RankPool(2)
+    pool.run(dist_config(HARDSYNC), tmp_path / "run")
+    procs = [h.proc for h in pool._ctx.subprocess_handlers.values()]
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the signal arrives at once; this only bounds a failure
+    del pool
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(p.poll() is not None for p in procs)
+
+
 def test_tune_on_dist_starts_the_ranks_once(tmp_path, starts):
     """distsgd train --tune on real processes: every probe and segment on one pool."""
     tune = {"lrs": [0.1, 0.01], "momenta": [0.9], "probe_seconds": 0.3, "extra_probes": 0}

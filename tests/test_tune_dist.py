@@ -105,7 +105,12 @@ def test_unprobed_he_is_scaled_by_measured_over_predicted():
 
 
 @pytest.mark.slow
-def test_tune_on_dist_writes_a_plan_that_train_dist_accepts(tmp_path, capsys):
+def test_tune_on_dist_writes_a_plan_that_train_dist_accepts(tmp_path, capsys, monkeypatch):
+    from distsgd import launch
+
+    starts = []  # rank starts: every probe and long run on one pool of ranks
+    real_start = launch._start
+    monkeypatch.setattr(launch, "_start", lambda *a, **k: starts.append(1) or real_start(*a, **k))
     base = small_config(
         protocol={"num_learners": 2, "batch_size": 16},
         train={"target": 0.5, "max_epochs": 1, "eval_every_samples": 256},
@@ -128,6 +133,7 @@ def test_tune_on_dist_writes_a_plan_that_train_dist_accepts(tmp_path, capsys):
     # alone took 24 s on a loaded machine
     assert main([*argv, "--budget", "1h", "--out", str(out), "--quiet"]) == 0
     state = json.loads((out / "tune.json").read_text())
+    assert len(state["probes"]) >= 3 and len(starts) == 1
     assert state["clock"] == "wall" and state["runtime"] == "dist"
     assert state["num_processes"] == 2 and state["network"]["measurements"]
     assert state["probes"]

@@ -420,3 +420,26 @@ def test_a_plain_run_with_plateau_checks_resumes_without_repeating_them(tmp_path
         load_checked(tmp_path / "killed" / "checkpoint.pt")["protocol"]["weights"],
         load_checked(tmp_path / "whole" / "checkpoint.pt")["protocol"]["weights"],
     )
+
+
+def test_an_interrupted_tuning_run_says_resume_works(tmp_path, capsys, monkeypatch):
+    """Ctrl-C mid-probe: a run of --tune has no checkpoint.pt of its own yet, but its
+    probes are kept and --resume continues it; the line says so."""
+    from distsgd import api
+    from distsgd.tuner import online
+
+    out = tmp_path / "run"
+
+    def interrupted(config, out_dir, **kw):
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / online.STATE_FILE).write_text(config.to_toml())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "train_tuned", interrupted)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tiny_config().to_toml())
+    assert main(["train", str(cfg), "--tune", "--out", str(out), "--quiet"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"distsgd: interrupted; the probes so far are kept in {out} (continue with --resume {out})"
+    )

@@ -9,8 +9,9 @@ on real processes. Each probe writes an ordinary run directory under ``probes/``
 * ``sim``: the Trainer runs in this process from the in-memory snapshot
   (``Trainer(initial_weights=...)``) and records every tick's training loss
   (``Trainer(on_tick=...)``).
-* ``dist``: an ordinary dist training (:func:`distsgd.launch.run`); the snapshot
-  goes to the ranks as a file (``train.initial_weights``, under ``snapshots/``) and rank 0
+* ``dist``: an ordinary dist training (:func:`distsgd.launch.run`; with ``keep_ranks``
+  on one :class:`~distsgd.launch.RankPool` for all the prober's runs, closed by
+  :meth:`Prober.close`); the snapshot goes to the ranks as a file (``train.initial_weights``, under ``snapshots/``) and rank 0
   writes every tick's loss to the probe's ``ticks.jsonl`` and the final central model to
   ``final_weights.pt`` (``train.record_ticks``), which are read back here.
 
@@ -32,7 +33,7 @@ import torch
 
 from distsgd import launch
 from distsgd.checks import fail
-from distsgd.config import ConfigError, RunConfig
+from distsgd.config import ConfigError, RunConfig, required_processes
 from distsgd.metrics import load_checked, save_checked
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
@@ -209,6 +210,8 @@ class Prober:
         probe_seconds: probe length on the runtime's clock.
         score_window: losses averaged by the score.
         initial: the cold-start snapshot's weights ``[P]``.
+        keep_ranks: ``dist``: run every probe and long run on one pool of ranks (no
+            process start per run); :meth:`close` ends them.
     """
 
     def __init__(
@@ -218,14 +221,23 @@ class Prober:
         probe_seconds: float,
         score_window: int,
         initial: torch.Tensor,
+        keep_ranks: bool = False,
     ) -> None:
         check_runtime(base.runtime)
         self.base = base
+        self.keep_ranks = keep_ranks
+        self._pool: launch.RankPool | None = None
         self.out_dir = Path(out_dir)
         self.probe_seconds = probe_seconds
         self.score_window = score_window
         self.snapshots: dict[str, torch.Tensor] = {"initial": initial}
         self.count = 0
+
+    def close(self) -> None:
+        """End the pool's ranks (``keep_ranks``), if any were started."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     @property
     def simulated(self) -> bool:
@@ -327,7 +339,14 @@ class Prober:
             )
         )
         try:
-            launch.run(cfg, run_dir)
+            if self.keep_ranks:
+                n = required_processes(cfg.protocol, cfg.dist)[0]
+                if self._pool is None or self._pool.num_processes != n:
+                    self.close()
+                    self._pool = launch.RankPool(n)
+                self._pool.run(cfg, run_dir)
+            else:
+                launch.run(cfg, run_dir)
         except TrainingDiverged:
             result.diverged = True
         except launch.DistRunFailed as e:

@@ -189,6 +189,11 @@ def _fixed_profile(
     return cfg, initial, engine.num_parameters, timings
 
 
+def _or_messages(value: float | None) -> float:
+    """A fitted all-reduce term, or -1 (the messages' value) where none was fitted."""
+    return -1.0 if value is None else value
+
+
 def _measured_network(
     cfg: RunConfig, num_parameters: int, timings: dict[str, float]
 ) -> tuple[RunConfig, NetworkProfile]:
@@ -203,8 +208,8 @@ def _measured_network(
             cfg.cluster,
             latency_s=network.latency_s,
             bandwidth_gbps=network.bandwidth_gbps,
-            allreduce_latency_s=network.allreduce_latency_s,
-            allreduce_bandwidth_gbps=network.allreduce_bandwidth_gbps,
+            allreduce_latency_s=_or_messages(network.allreduce_latency_s),
+            allreduce_bandwidth_gbps=_or_messages(network.allreduce_bandwidth_gbps),
             jitter=0.0,
         )
     )
@@ -408,6 +413,7 @@ class TuneSession:
             self.settings.probe_seconds,
             self.settings.score_window,
             fixed.initial,
+            keep_ranks=True,  # dist: one pool of ranks for every probe and long run
         )
         self.clock = self.prober.clock
         self.search = OmnivoreSearch(

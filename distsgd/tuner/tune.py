@@ -102,13 +102,16 @@ def tune(
     session = TuneSession.setup(
         config, out_dir, budget_s=budget_s, progress=progress, check=check_prediction_budget
     )
-    session.cold_start()
-    session.joint_search()
-    session.long_run()
-    session.steady_state()
-    session.learning_rate_step()
-    session.plan()
-    saved = session.report()
+    try:
+        session.cold_start()
+        session.joint_search()
+        session.long_run()
+        session.steady_state()
+        session.learning_rate_step()
+        session.plan()
+        saved = session.report()
+    finally:
+        session.prober.close()  # the ranks every dist probe ran on
     if verify:
         saved = verify_plan(session.out, progress=progress)
     return saved
