@@ -383,13 +383,9 @@ class TuneSession:
     Create it with :meth:`setup`. Example (the whole tune)::
 
         session = TuneSession.setup(config, "runs/tune", budget_s=600)
-        session.cold_start()
-        session.joint_search()
-        session.long_run()
-        session.steady_state()
-        session.learning_rate_step()
-        session.plan()
-        saved = session.report()  # what tune.json holds
+        # then, in order: cold_start, joint_search, long_run, steady_state,
+        # learning_rate_step, plan; report() returns what tune.json holds;
+        # session.prober.close() ends the ranks of a dist tune (distsgd.tuner.tune.tune)
     """
 
     def __init__(self, fixed: TuneSetup, progress: bool = True) -> None:
