@@ -445,12 +445,12 @@ class OnlineTune:
     def _launch(self, cfg: RunConfig, run_dir: Path, resume: bool, progress: bool = False) -> None:
         """One probe or segment on real processes: on the run's pool of ranks
         (:class:`~distsgd.launch.RankPool`, started once, kept from one to the next)."""
-        if self.pool is None:
-            self.pool = launch.RankPool(self.num_processes)
-        if required_processes(cfg.protocol, cfg.dist)[0] == self.pool.num_processes:
-            self.pool.run(cfg, run_dir, resume=resume, progress=progress)
-        else:  # pragma: no cover - every tuned layout fits the run's processes
-            launch.run(cfg, run_dir, resume=resume, progress=progress)
+        n = required_processes(cfg.protocol, cfg.dist)[0]  # the run's (tune_layout)
+        if self.pool is None or self.pool.num_processes != n:
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = launch.RankPool(n)
+        self.pool.run(cfg, run_dir, resume=resume, progress=progress)
 
     # ---- the run's segments ------------------------------------------------------------
     def _segment(self, cand: Candidate, start: Path, check_every: int) -> tuple[Path, bool]:
