@@ -97,6 +97,30 @@ def test_idx_round_trip(tmp_path: Path, gz: bool) -> None:
     assert ds.test_y.tolist() == arrays["test_labels"].tolist()
 
 
+def test_gzip_files_are_unpacked_once_per_process_until_they_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a process that trains many runs (a pooled rank, --tune's probes) gunzips them once
+    unpacked = []
+    real = gzip.decompress
+    monkeypatch.setattr(gzip, "decompress", lambda raw: unpacked.append(1) or real(raw))
+    write_idx_dataset(tmp_path, seed=1)
+    cfg = DataConfig(dataset="mnist", root=str(tmp_path))
+    first = load_dataset(cfg)
+    assert len(unpacked) == 4
+    want = first.train_x.clone()
+    first.train_x.add_(100.0)  # a run that changes its tensors does not change the next's
+    again = load_dataset(cfg)
+    assert len(unpacked) == 4 and torch.equal(again.train_x, want)
+    # rewritten at once (same sizes, maybe the same mtime; random pixels are stored blocks,
+    # whose whole-file CRC-32 is the same for any content): read anew, the new values
+    changed = write_idx_dataset(tmp_path, seed=2)
+    third = load_dataset(cfg)
+    assert len(unpacked) == 8
+    assert third.train_y.tolist() == changed["train_labels"].tolist()
+    assert not torch.equal(third.train_x, want)
+
+
 def test_root_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DATA_DIR_ENV, raising=False)
     assert resolve_root(DataConfig(dataset="fashion_mnist")) == Path(DEFAULT_ROOTS["fashion_mnist"])
