@@ -1400,6 +1400,12 @@ class TuneConfig:
             still tries its end, as Omnivore's steady state does).
         step_margin: an evaluation qualifies as a step point when its test accuracy is at
             least the target minus this margin (and below the target).
+        first_rung: ``distsgd train --tune`` only: successive halving (Jamieson &
+            Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR 2018) of each probe round:
+            every probe first runs this fraction of ``probe_seconds``, then the best
+            ``promote`` continue from their own checkpoints to ``probe_seconds`` and the
+            best of those wins (1: every probe runs ``probe_seconds``, no second rung).
+        promote: ``--tune`` only: probes of the first rung that continue to the second.
     """
 
     budget_s: float = 600.0
@@ -1418,6 +1424,8 @@ class TuneConfig:
     noise_scale: float = 0.0
     step_points: int = 3
     step_margin: float = 0.03
+    first_rung: float = 0.25
+    promote: int = 2
 
     def __post_init__(self) -> None:
         check_float("tune.budget_s", self.budget_s, 0.0, min_inclusive=False)
@@ -1450,6 +1458,8 @@ class TuneConfig:
         check_float("tune.noise_scale", self.noise_scale, 0.0)
         check_int("tune.step_points", self.step_points, 0, 20)
         check_float("tune.step_margin", self.step_margin, 0.0, 1.0, min_inclusive=False)
+        check_float("tune.first_rung", self.first_rung, 0.0, 1.0, min_inclusive=False)
+        check_int("tune.promote", self.promote, 1)
 
 
 _SECTIONS: dict[str, type] = {

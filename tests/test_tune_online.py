@@ -78,6 +78,14 @@ def test_winning_probe_continues_bit_identically_and_report_reads_the_run(tmp_pa
     first = sorted((run / "train").iterdir())[0]
     start = json.loads((first / "online_segment.json").read_text())["start"]
     assert "probes" in start  # the first segment continues the cold start's winner
+    # successive halving: the winner is a second-rung probe, which continued its own
+    # first-rung probe's checkpoint (the chain first rung -> second rung -> segment is
+    # checked against one plain run below)
+    assert "-cold2-" in Path(start).name
+    cold = next(d for d in decisions(run) if d["decision"].startswith("continue with"))
+    winner = next(m for m in cold["measurements"] if m["probe"] == Path(start).name)
+    first_rung = json.loads((run / "probes" / winner["continues"] / "summary.json").read_text())
+    assert "-cold-" in winner["continues"] and 0 < first_rung["samples"]
     # one launch: it checked at the end of epoch 1 (keep training) and stopped at the end
     # of epoch 2, where the rule was due
     seg_summary = json.loads((first / "summary.json").read_text())
@@ -222,11 +230,37 @@ def test_probes_leave_a_run_limited_by_epochs_most_of_its_samples(tmp_path):
     run = tmp_path / "r"
     s = OnlineTune(cfg, run, progress=False).run()
     limit = 3 * 1024  # max_epochs · training samples
-    cold = [json.loads(p.read_text()) for p in sorted(run.glob("probes/*-cold-*/summary.json"))]
+
+    def samples(probe):
+        return json.loads((run / "probes" / probe / "summary.json").read_text())["samples"]
+
+    cold = [p.name for p in sorted(run.glob("probes/*-cold-*"))]
+    # a second rung continues its first rung's checkpoint: only the samples it added count
+    measured = next(d for d in decisions(run) if d["decision"].startswith("continue with"))
+    added = [
+        samples(m["probe"]) - samples(m["continues"])
+        for m in measured["measurements"]
+        if "continues" in m
+    ]
     # the cold start's probes share 0.2 of the run's samples (at hardsync's rate), plus at
-    # most one iteration's overshoot of their clock limit: well under 0.25 in all
-    assert cold and sum(p["samples"] for p in cold) <= 0.25 * limit
+    # most one iteration's overshoot of their clock limit per probe: under 0.25 in all
+    assert cold and sum(map(samples, cold)) + sum(added) <= 0.25 * limit
     assert s["samples"] == limit and len(read_metrics(run / "metrics.jsonl")) > 1
+
+
+def test_first_rung_1_runs_every_probe_full_length_and_no_second_rung(tmp_path):
+    cfg = tiny_config()
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, first_rung=1.0))
+    assert online.planned_probes(cfg.tune) == 3.0
+    halved = dataclasses.replace(cfg.tune, first_rung=0.25, promote=2)
+    assert online.planned_probes(halved) == pytest.approx(3 * 0.25 + 2 * 0.75)
+    run = tmp_path / "r"
+    OnlineTune(cfg, run, progress=False).run()
+    names = [p.name for p in (run / "probes").iterdir()]
+    assert names and not [n for n in names if "cold2" in n or "steady2" in n]
+    cold = next(d for d in decisions(run) if d["decision"].startswith("continue with"))
+    assert "second rung" not in cold["reason"]
+    assert not [m for m in cold["measurements"] if "continues" in m]
 
 
 class PerEpochSegments(OnlineTune):

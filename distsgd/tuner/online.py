@@ -34,11 +34,19 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
 max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; on ``sim`` also
 the simulated seconds of ``train.max_epochs`` / ``max_samples`` at hardsync's rate on the
 cluster model, so that the probes cannot use up a run limited by samples), a probe lasts
-``min(tune.probe_seconds, PROBE_SHARE · T / n)`` with n = ``len(tune.lrs) +
-tune.extra_probes`` the cold start's planned probes; without one, ``tune.probe_seconds``.
+``min(tune.probe_seconds, PROBE_SHARE · T / n)`` with n = :func:`planned_probes` the
+cold start's planned work in probes of full length; without one, ``tune.probe_seconds``.
+**Successive halving** (Jamieson & Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR
+2018) in every probe round: each probe runs a first rung of ``tune.first_rung`` · that
+length, the ``tune.promote`` best continue from their own checkpoints to the full length
+(``probes/NNN-cold2-…`` / ``NNN-steady2-…``, whose decision names the first rung in
+``continues``) and the best of those continues as the run; so n = m · r + min(promote, m)
+· (1 − r) with m = ``len(tune.lrs) + tune.extra_probes`` and r = ``tune.first_rung``
+(r = 1: no second rung, n = m). The continued chain (first rung, second rung, segment)
+trains exactly as one run would, so only the probes that did not continue are overhead.
 **Too small a budget**: when that is below ``MIN_PROBE_FRACTION · tune.probe_seconds``,
-probes last ``MIN_PROBE_FRACTION · tune.probe_seconds`` (at most ``PROBE_SHARE · T``) and
-the cold start runs only as
+probes last ``MIN_PROBE_FRACTION · tune.probe_seconds`` (at most ``PROBE_SHARE · T``,
+with no second rung) and the cold start runs only as
 many as ``PROBE_SHARE · T`` holds (at least one), largest η first; the run says so before
 it starts (a decision and a warning line) and trains with the best of them.
 
@@ -79,7 +87,13 @@ import torch
 from tqdm import tqdm
 
 from distsgd import launch
-from distsgd.config import ConfigError, ConfigWarning, RunConfig, required_processes
+from distsgd.config import (
+    ConfigError,
+    ConfigWarning,
+    RunConfig,
+    TuneConfig,
+    required_processes,
+)
 from distsgd.data import load_dataset
 from distsgd.engine import UserCode, build_engine, config_for_data
 from distsgd.metrics import load_checkpoint_file, read_metrics, save_checked, write_json
@@ -170,13 +184,16 @@ def is_tuning_run(run_dir: str | Path) -> bool:
     return (Path(run_dir) / STATE_FILE).exists()
 
 
-def probe_seconds_for(settings_probe_s: float, budget_s: float, planned: int) -> tuple[float, int]:
+def probe_seconds_for(
+    settings_probe_s: float, budget_s: float, planned: float
+) -> tuple[float, int]:
     """The cold start's probe length and how many probes it may run (module docstring).
 
     Args:
         settings_probe_s: ``tune.probe_seconds``, seconds on the runtime's clock.
         budget_s: the run's time budget T on the same clock (0: none).
-        planned: n, the cold start's planned probes.
+        planned: n, the cold start's planned probes in probes of full length
+            (:func:`planned_probes`).
 
     Returns:
         ``(probe_seconds, max_probes)``; ``max_probes`` 0 means no limit.
@@ -190,6 +207,15 @@ def probe_seconds_for(settings_probe_s: float, budget_s: float, planned: int) ->
         return length, 0
     floor = min(floor, share)  # one probe never takes more than the probes' share of T
     return floor, max(1, int(share // floor))
+
+
+def planned_probes(settings: TuneConfig) -> float:
+    """The cold start's planned work in probes of ``tune.probe_seconds``: n = ``len(tune.
+    lrs) + tune.extra_probes`` first-rung probes of ``tune.first_rung`` of it each, and
+    ``min(tune.promote, n)`` of them continued by the rest (n with no second rung)."""
+    n = len(settings.lrs) + settings.extra_probes
+    r = settings.first_rung
+    return n * r + min(settings.promote, n) * (1 - r) if r < 1 else float(n)
 
 
 def _set_momentum(checkpoint: Path, momentum: float) -> None:
@@ -267,6 +293,7 @@ class OnlineTune:
         self.count = 0  # probes so far (their directories are numbered)
         self.segments = 0
         self.overhead_clock_s = 0.0  # clock seconds of probes that did not continue
+        self._first_rung: dict[str, ProbeResult] = {}  # a second-rung probe's first rung
         self.probe_wall_s = 0.0
         self.segment_wall_s = 0.0
         self._offset_s = 0.0
@@ -301,11 +328,14 @@ class OnlineTune:
         self.num_parameters = build_engine(cfg, self.code).num_parameters
         self.cfg = cfg
         self.cluster = cluster_model(cfg, self.num_parameters)
-        planned = len(cfg.tune.lrs) + cfg.tune.extra_probes
         self.probe_s, self.max_probes = probe_seconds_for(
-            cfg.tune.probe_seconds, self._time_budget_s(), planned
+            cfg.tune.probe_seconds, self._time_budget_s(), planned_probes(cfg.tune)
         )
-        self.settings = dataclasses.replace(cfg.tune, probe_seconds=self.probe_s)
+        # successive halving: first-rung probes of rung_s, the best continue to probe_s
+        # (none when the budget is too small: probes of the shortest length, no second rung)
+        halving = cfg.tune.first_rung < 1 and not self.max_probes
+        self.rung_s = self.probe_s * cfg.tune.first_rung if halving else self.probe_s
+        self.settings = dataclasses.replace(cfg.tune, probe_seconds=self.rung_s)
         self.out.mkdir(parents=True, exist_ok=True)
         if not resume:
             (self.out / STATE_FILE).write_text(self.config.to_toml())
@@ -333,15 +363,27 @@ class OnlineTune:
     def _log_setup(self) -> None:
         budget = self._time_budget_s()
         rule = (
-            f"min(tune.probe_seconds, {PROBE_SHARE:g} · {budget:g} s / {len(self.cfg.tune.lrs)}"
-            f" + {self.cfg.tune.extra_probes} planned probes)"
+            f"min(tune.probe_seconds, {PROBE_SHARE:g} · {budget:g} s / "
+            f"{planned_probes(self.cfg.tune):g} planned probes of full length)"
             if budget > 0
             else "tune.probe_seconds (the run has no time budget)"
         )
+        halving = self.rung_s < self.probe_s
         self.log(
             "setup",
-            f"probes of {self.probe_s:.4g} {self.clock.name} seconds each",
-            f"probe length = {rule}",
+            (
+                f"probes of {self.rung_s:.4g} {self.clock.name} seconds, the best "
+                f"{self.cfg.tune.promote} of each round continued to {self.probe_s:.4g} s"
+                if halving
+                else f"probes of {self.probe_s:.4g} {self.clock.name} seconds each"
+            ),
+            f"probe length = {rule}"
+            + (
+                f"; successive halving: a first rung of tune.first_rung = "
+                f"{self.cfg.tune.first_rung:g} of it"
+                if halving
+                else ""
+            ),
             run_clock_s=0.0,
         )
         if self.max_probes:
@@ -384,15 +426,23 @@ class OnlineTune:
         s = _summary(start)
         return float(s.get(self.clock.run_seconds_key) or 0.0), int(s.get("iterations") or 0)
 
-    def probe(self, cand: Candidate, snapshot: str) -> ProbeResult:
-        """One probe of ``cand`` for ``probe_s`` clock seconds from ``snapshot``:
-        ``initial`` (the seeded initial model) or a segment's run directory, whose
-        checkpoint it resumes. Reads a completed probe back instead of running it again
-        (resume)."""
+    def probe(
+        self,
+        cand: Candidate,
+        snapshot: str,
+        length_s: float | None = None,
+        kind: str | None = None,
+    ) -> ProbeResult:
+        """One probe of ``cand`` for ``length_s`` clock seconds (default: a first rung's)
+        from ``snapshot``: ``initial`` (the seeded initial model) or a run directory (a
+        segment's, or a first-rung probe's that continues), whose checkpoint it resumes.
+        ``kind`` names it (``cold``, ``steady``, …; default from the snapshot). Reads a
+        completed probe back instead of running it again (resume)."""
         start = _start_dir(snapshot)
         clock0, iters0 = self._start_of(start)
         self.count += 1
-        kind = "cold" if start is None else "steady"
+        kind = kind or ("cold" if start is None else "steady")
+        length_s = self.rung_s if length_s is None else length_s
         run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.settings.score_window)
         result.run_dir = str(run_dir)
@@ -405,7 +455,7 @@ class OnlineTune:
                 shutil.rmtree(run_dir)  # cut short: run it again
             t0 = time.perf_counter()
             self._bar(f"probe {cand.label()}")
-            self._run_probe(self._probe_config(cand, clock0 + self.probe_s), run_dir, start)
+            self._run_probe(self._probe_config(cand, clock0 + length_s), run_dir, start)
             saved = {"wall_s": time.perf_counter() - t0, "end_elapsed_s": self.elapsed()}
             write_json(note, saved)
         self.probe_wall_s += saved["wall_s"]
@@ -532,26 +582,63 @@ class OnlineTune:
 
     # ---- decisions -------------------------------------------------------------------
     def _measurements(self, results: list[ProbeResult]) -> list[dict[str, Any]]:
-        return [
-            {
+        """Each probe's score and clock span; ``from_clock_s`` is the decision point it
+        started from (a second-rung probe's: its first rung's start)."""
+        out = []
+        for r in results:
+            parent = self._first_rung.get(r.run_dir)
+            start_s = self._start_of(_start_dir(r.snapshot))[0]
+            rec = {
                 "label": r.candidate.label(),
                 "score": None if math.isnan(r.score) else r.score,
                 "seconds_per_iteration": None
                 if math.isnan(r.seconds_per_iteration)
                 else r.seconds_per_iteration,
-                "from_clock_s": self._start_of(_start_dir(r.snapshot))[0],
-                "measured_until_clock_s": (r.virtual_s[-1] if r.virtual_s else 0.0)
-                + self._start_of(_start_dir(r.snapshot))[0],
+                "from_clock_s": self._start_of(_start_dir(parent.snapshot))[0]
+                if parent is not None
+                else start_s,
+                "measured_until_clock_s": (r.virtual_s[-1] if r.virtual_s else 0.0) + start_s,
                 "probe": Path(r.run_dir).name,
             }
-            for r in results
-        ]
+            if parent is not None:
+                rec["continues"] = Path(parent.run_dir).name
+            out.append(rec)
+        return out
 
     def _count_overhead(self, results: list[ProbeResult], winner: ProbeResult) -> None:
-        """Clock seconds of the probes that did not continue count as tuning overhead."""
+        """Clock seconds of the probes that did not continue as the run (the winner and,
+        for a second-rung winner, its first rung) count as tuning overhead."""
+        parent = self._first_rung.get(winner.run_dir)
+        kept = {winner.run_dir} | ({parent.run_dir} if parent is not None else set())
         for r in results:
-            if r is not winner and r.virtual_s:
+            if r.run_dir not in kept and r.virtual_s:
                 self.overhead_clock_s += r.virtual_s[-1]
+
+    def _second_rung(self, phase: str, results: list[ProbeResult]) -> list[ProbeResult]:
+        """Successive halving's second rung: the ``tune.promote`` best of a round's
+        first-rung probes (lowest score; ties prefer larger η, then μ) continue from their
+        own checkpoints to ``probe_s`` from the round's start (same-length probes again,
+        so their scores compare). Returns the continued probes ([] with no second rung)."""
+        if self.rung_s >= self.probe_s:
+            return []
+        ok = [r for r in results if not math.isnan(r.score)]
+        ok.sort(key=lambda r: (r.score, -r.candidate.lr, -r.candidate.momentum))
+        kind = "cold2" if phase == "cold start" else "steady2"
+        out = []
+        for r in ok[: self.cfg.tune.promote]:
+            cont = self.probe(r.candidate, r.run_dir, self.probe_s - self.rung_s, kind)
+            self._first_rung[cont.run_dir] = r
+            out.append(cont)
+            self.log(
+                phase,
+                f"continue {r.candidate.label()} to {self.probe_s:.4g} s: "
+                + ("NaN" if cont.diverged else f"score {cont.score:.4f}"),
+                f"successive halving: one of the {self.cfg.tune.promote} best first-rung "
+                f"scores ({r.score:.4f} after {self.rung_s:.4g} {self.clock.name} s), "
+                "continued from its own checkpoint",
+                score=None if cont.diverged else cont.score,
+            )
+        return out
 
     def cold_start(self) -> ProbeResult:
         """Omnivore's cold start, then the joint search's best ``tune.extra_probes``."""
@@ -574,14 +661,20 @@ class OnlineTune:
         better = pick_best(extra, self.settings.tie_buffer)
         if better is not None and better.score < best.score * (1 - self.settings.tie_buffer):
             best = better
-        results = search.results
+        second = self._second_rung("cold start", search.results)
+        best = pick_best(second, self.settings.tie_buffer) or best
+        results = search.results + second
         self._count_overhead(results, best)
         self.log(
             "cold start",
             f"continue with {best.candidate.label()} as the run",
-            "lowest equal-time score of the cold start (ties prefer larger η, then μ; the "
-            "joint search wins only by more than the tie buffer); its probe's whole state "
-            "continues, so its samples count towards the run",
+            (
+                "lowest equal-time score of the second rung (ties prefer larger η, then μ)"
+                if second
+                else "lowest equal-time score of the cold start (ties prefer larger η, then "
+                "μ; the joint search wins only by more than the tie buffer)"
+            )
+            + "; its probe's whole state continues, so its samples count towards the run",
             run_clock_s=0.0,
             measurements=self._measurements(results),
         )
@@ -631,10 +724,14 @@ class OnlineTune:
                 "steady state",
                 f"probe {r.candidate.label()}: "
                 + ("NaN" if r.diverged else f"score {r.score:.4f}"),
-                f"from {seg.name} after {self.probe_s:.4g} {self.clock.name} s",
+                f"from {seg.name} after {self.rung_s:.4g} {self.clock.name} s",
                 score=None if r.diverged else r.score,
             )
-        best = pick_best(results, self.settings.tie_buffer)
+        second = self._second_rung("steady state", results)
+        best = pick_best(second, self.settings.tie_buffer) or pick_best(
+            results, self.settings.tie_buffer
+        )
+        results = results + second
         if best is None:
             return None
         self._count_overhead(results, best)
