@@ -117,16 +117,15 @@ def where_time_went(run_dir: Path) -> str:
     training segments, and how much of the probes' wall was their training."""
     parts = {"cold": [0, 0.0, 0.0], "steady": [0, 0.0, 0.0]}
     for probe in sorted((run_dir / "probes").glob("*")):
-        kind = "cold" if "-cold-" in probe.name else "steady"
+        kind = "cold" if "-cold" in probe.name else "steady"  # cold2: a second rung
+        resumed = "-cold-" not in probe.name  # continues a snapshot's counters
         note = json.loads((probe / "online_probe.json").read_text())
         ticks = [json.loads(x) for x in (probe / "ticks.jsonl").read_text().splitlines()]
         parts[kind][0] += 1
         parts[kind][1] += note["wall_s"]
-        # a steady-state probe continues the run's counters: its own training is the
-        # span of its ticks (less one tick's seconds)
-        parts[kind][2] += ticks[-1]["train_wall_s"] - (
-            ticks[0]["train_wall_s"] if kind == "steady" else 0.0
-        )
+        # a probe from a snapshot (steady state, a second rung) continues its counters:
+        # its own training is the span of its ticks (less one tick's seconds)
+        parts[kind][2] += ticks[-1]["train_wall_s"] - (ticks[0]["train_wall_s"] if resumed else 0.0)
     segs = [json.loads(p.read_text()) for p in sorted(run_dir.glob("train/*/online_segment.json"))]
     seg_wall = sum(x["end_elapsed_s"] - x["begin_elapsed_s"] for x in segs)
     return (
