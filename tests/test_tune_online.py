@@ -248,19 +248,40 @@ def test_probes_leave_a_run_limited_by_epochs_most_of_its_samples(tmp_path):
     assert s["samples"] == limit and len(read_metrics(run / "metrics.jsonl")) > 1
 
 
-def test_first_rung_1_runs_every_probe_full_length_and_no_second_rung(tmp_path):
-    cfg = tiny_config()
-    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, first_rung=1.0))
+def test_a_second_rung_equals_a_full_length_probe_and_first_rung_1_has_none(tmp_path):
+    # probe_seconds fixed by the budget: the same probe length with and without halving
+    cfg = tiny_config(max_virtual_seconds=2.0)
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, probe_seconds=0.02, first_rung=1.0))
     assert online.planned_probes(cfg.tune) == 3.0
     halved = dataclasses.replace(cfg.tune, first_rung=0.25, promote=2)
     assert online.planned_probes(halved) == pytest.approx(3 * 0.25 + 2 * 0.75)
-    run = tmp_path / "r"
-    OnlineTune(cfg, run, progress=False).run()
-    names = [p.name for p in (run / "probes").iterdir()]
+    full = OnlineTune(cfg, tmp_path / "full", progress=False)
+    full.run()
+    names = [p.name for p in (tmp_path / "full" / "probes").iterdir()]
     assert names and not [n for n in names if "cold2" in n or "steady2" in n]
-    cold = next(d for d in decisions(run) if d["decision"].startswith("continue with"))
+    cold = next(
+        d for d in decisions(tmp_path / "full") if d["decision"].startswith("continue with")
+    )
     assert "second rung" not in cold["reason"]
     assert not [m for m in cold["measurements"] if "continues" in m]
+    by_label = {m["label"]: m for m in cold["measurements"]}
+    # with halving: a first rung, then its continuation, is the full-length probe of the
+    # same candidate: it ends on the same iteration and scores the same losses (issue 18:
+    # the second rung ran its full length on top of the first rung's overshoot and scored
+    # its own losses only)
+    half = OnlineTune(cfg.replace(tune=halved), tmp_path / "half", progress=False)
+    half.run()
+    assert half.probe_s == full.probe_s == 0.02 and half.rung_s == 0.005
+    cold = next(
+        d for d in decisions(tmp_path / "half") if d["decision"].startswith("continue with")
+    )
+    chained = [m for m in cold["measurements"] if "continues" in m]
+    assert len(chained) == 2
+    for m in chained:
+        want = by_label[m["label"]]
+        assert m["from_clock_s"] == want["from_clock_s"] == 0.0
+        assert m["measured_until_clock_s"] == pytest.approx(want["measured_until_clock_s"])
+        assert m["score"] == pytest.approx(want["score"], rel=1e-12)
 
 
 class PerEpochSegments(OnlineTune):

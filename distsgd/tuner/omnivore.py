@@ -145,6 +145,9 @@ class ProbeResult:
         train_wall_s: wall seconds of training (``wall_s`` less build and evaluations).
         samples: training samples the probe processed.
         notes: what else happened (e.g. a rank lost after the run completed).
+        earlier_losses: for a probe that continues another from its checkpoint
+            (successive halving's second rung), that probe's losses, which :attr:`score`
+            counts before this probe's own: the score of the whole span.
     """
 
     candidate: Candidate
@@ -160,13 +163,15 @@ class ProbeResult:
     train_wall_s: float = 0.0
     samples: int = 0
     notes: list[str] = field(default_factory=list)
+    earlier_losses: list[float] = field(default_factory=list)
 
     @property
     def score(self) -> float:
-        """Mean of the last ``score_window`` training losses; NaN if diverged or empty."""
+        """Mean of the last ``score_window`` training losses (``earlier_losses``, those of
+        the probe this one continues, first); NaN if diverged or empty."""
         if self.diverged or not self.losses:
             return math.nan
-        tail = self.losses[-self.score_window :]
+        tail = (self.earlier_losses + self.losses)[-self.score_window :]
         s = sum(tail) / len(tail)
         return s if math.isfinite(s) else math.nan
 
@@ -404,7 +409,8 @@ class OmnivoreSearch:
             self.log(
                 phase,
                 f"probe {cand.label()}: score {r.score:.4f}",
-                f"mean of the last {self.settings.score_window} training losses after "
+                f"mean of the last {min(self.settings.score_window, len(r.losses))} "
+                "training losses after "
                 f"{self.settings.probe_seconds:g} s from snapshot {snapshot!r}; "
                 f"{r.seconds_per_iteration * 1e3:.3f} ms per iteration",
                 snapshot=snapshot,

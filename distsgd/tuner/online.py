@@ -52,7 +52,7 @@ it starts (a decision and a warning line) and trains with the best of them.
 
 **Time counted from the run's start.** ``summary.json`` of the run directory is the last
 segment's, with ``time_to_target_s`` = wall seconds from the start of ``--tune`` (setup
-and every probe included) to the end of the segment that reached the target;
+and every probe included) to the evaluation that reached the target;
 ``time_to_target_virtual_s`` (``sim``) = the continued chain's simulated seconds plus
 those of every probe that did not continue; ``tuning_wall_s`` (setup and all probes),
 ``tuning_share`` = ``tuning_wall_s`` / ``total_wall_s``. Each ``metrics.jsonl`` record
@@ -368,6 +368,11 @@ class OnlineTune:
             if budget > 0
             else "tune.probe_seconds (the run has no time budget)"
         )
+        if self.max_probes:
+            rule += (
+                f", below the shortest allowed, so min({MIN_PROBE_FRACTION:g} · "
+                f"tune.probe_seconds, {PROBE_SHARE:g} · {budget:g} s)"
+            )
         halving = self.rung_s < self.probe_s
         self.log(
             "setup",
@@ -389,7 +394,9 @@ class OnlineTune:
         if self.max_probes:
             line = (
                 f"the budget {budget:g} s is too small for the full cold start: probes of "
-                f"{self.probe_s:.4g} s (the shortest allowed), at most {self.max_probes}; "
+                f"{self.probe_s:.4g} s (the shortest allowed: min({MIN_PROBE_FRACTION:g} · "
+                f"tune.probe_seconds, {PROBE_SHARE:g} · the budget)), at most "
+                f"{self.max_probes}; "
                 "the run trains with the best of them"
             )
             self.log("setup", "budget too small: fewer probes", line, run_clock_s=0.0)
@@ -430,11 +437,12 @@ class OnlineTune:
         self,
         cand: Candidate,
         snapshot: str,
-        length_s: float | None = None,
+        until_clock_s: float | None = None,
         kind: str | None = None,
     ) -> ProbeResult:
-        """One probe of ``cand`` for ``length_s`` clock seconds (default: a first rung's)
-        from ``snapshot``: ``initial`` (the seeded initial model) or a run directory (a
+        """One probe of ``cand`` from ``snapshot`` until the runtime's clock reads
+        ``until_clock_s`` (default: a first rung's length from the snapshot's clock):
+        ``snapshot`` is ``initial`` (the seeded initial model) or a run directory (a
         segment's, or a first-rung probe's that continues), whose checkpoint it resumes.
         ``kind`` names it (``cold``, ``steady``, …; default from the snapshot). Reads a
         completed probe back instead of running it again (resume)."""
@@ -442,7 +450,7 @@ class OnlineTune:
         clock0, iters0 = self._start_of(start)
         self.count += 1
         kind = kind or ("cold" if start is None else "steady")
-        length_s = self.rung_s if length_s is None else length_s
+        until_clock_s = clock0 + self.rung_s if until_clock_s is None else until_clock_s
         run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.settings.score_window)
         result.run_dir = str(run_dir)
@@ -455,7 +463,7 @@ class OnlineTune:
                 shutil.rmtree(run_dir)  # cut short: run it again
             t0 = time.perf_counter()
             self._bar(f"probe {cand.label()}")
-            self._run_probe(self._probe_config(cand, clock0 + length_s), run_dir, start)
+            self._run_probe(self._probe_config(cand, until_clock_s), run_dir, start)
             saved = {"wall_s": time.perf_counter() - t0, "end_elapsed_s": self.elapsed()}
             write_json(note, saved)
         self.probe_wall_s += saved["wall_s"]
@@ -617,8 +625,10 @@ class OnlineTune:
     def _second_rung(self, phase: str, results: list[ProbeResult]) -> list[ProbeResult]:
         """Successive halving's second rung: the ``tune.promote`` best of a round's
         first-rung probes (lowest score; ties prefer larger η, then μ) continue from their
-        own checkpoints to ``probe_s`` from the round's start (same-length probes again,
-        so their scores compare). Returns the continued probes ([] with no second rung)."""
+        own checkpoints until ``probe_s`` after the round's start on the runtime's clock
+        (each chain as long as a full probe, whatever its first rung overshot), scored
+        over the chain's last ``tune.score_window`` losses, so their scores compare.
+        Returns the continued probes ([] with no second rung)."""
         if self.rung_s >= self.probe_s:
             return []
         ok = [r for r in results if not math.isnan(r.score)]
@@ -626,7 +636,9 @@ class OnlineTune:
         kind = "cold2" if phase == "cold start" else "steady2"
         out = []
         for r in ok[: self.cfg.tune.promote]:
-            cont = self.probe(r.candidate, r.run_dir, self.probe_s - self.rung_s, kind)
+            round_start = self._start_of(_start_dir(r.snapshot))[0]
+            cont = self.probe(r.candidate, r.run_dir, round_start + self.probe_s, kind)
+            cont.earlier_losses = list(r.losses)
             self._first_rung[cont.run_dir] = r
             out.append(cont)
             self.log(
@@ -669,7 +681,8 @@ class OnlineTune:
             "cold start",
             f"continue with {best.candidate.label()} as the run",
             (
-                "lowest equal-time score of the second rung (ties prefer larger η, then μ)"
+                f"lowest equal-time score of the second rung (ties within "
+                f"{100 * self.settings.tie_buffer:g}% prefer larger η, then μ)"
                 if second
                 else "lowest equal-time score of the cold start (ties prefer larger η, then "
                 "μ; the joint search wins only by more than the tie buffer)"
