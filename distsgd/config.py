@@ -1406,6 +1406,8 @@ class TuneConfig:
             ``promote`` continue from their own checkpoints to ``probe_seconds`` and the
             best of those wins (1: every probe runs ``probe_seconds``, no second rung).
         promote: ``--tune`` only: probes of the first rung that continue to the second.
+        steady_rounds: ``--tune`` only: steady-state re-optimisations per run at most (0:
+            none; the cold start's winner trains to the end without checks).
     """
 
     budget_s: float = 600.0
@@ -1426,6 +1428,7 @@ class TuneConfig:
     step_margin: float = 0.03
     first_rung: float = 0.25
     promote: int = 2
+    steady_rounds: int = 2
 
     def __post_init__(self) -> None:
         check_float("tune.budget_s", self.budget_s, 0.0, min_inclusive=False)
@@ -1460,6 +1463,7 @@ class TuneConfig:
         check_float("tune.step_margin", self.step_margin, 0.0, 1.0, min_inclusive=False)
         check_float("tune.first_rung", self.first_rung, 0.0, 1.0, min_inclusive=False)
         check_int("tune.promote", self.promote, 1)
+        check_int("tune.steady_rounds", self.steady_rounds, 0, 20)
 
 
 _SECTIONS: dict[str, type] = {

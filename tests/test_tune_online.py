@@ -284,6 +284,17 @@ def test_a_second_rung_equals_a_full_length_probe_and_first_rung_1_has_none(tmp_
         assert m["score"] == pytest.approx(want["score"], rel=1e-12)
 
 
+def test_steady_rounds_0_trains_the_cold_start_winner_to_the_end(tmp_path):
+    cfg = tiny_config()
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, steady_rounds=0))
+    run = tmp_path / "r"
+    s = OnlineTune(cfg, run, progress=False).run()
+    assert not list(run.glob("probes/*-steady*"))  # the tiny run re-optimises once by default
+    assert [p.name[:3] for p in (run / "train").iterdir()] == ["01-"]
+    assert s["samples"] == 3 * 1024 and s["stop_reason"] == "max_epochs/max_samples"
+    assert not [d for d in decisions(run) if d["phase"] == "steady state"]
+
+
 class PerEpochSegments(OnlineTune):
     """The procedure before the run checked steady state itself (issue 18): every epoch a
     segment of its own, each a launch (``Trainer.run(resume=True)`` of the previous one's

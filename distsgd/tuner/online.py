@@ -22,8 +22,8 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    (``keep training`` / ``re-optimise``, from the segment's ``plateau_checks.jsonl``).
    At a due check every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first) is
    probed from the segment's checkpoint, and the best (:func:`pick_best`) continues;
-   after :data:`MAX_STEADY_ROUNDS` re-optimisations one segment trains to the end without
-   checks. The checks, their decisions and the stop points are those of the earlier
+   after ``tune.steady_rounds`` (default 2) re-optimisations one segment trains to the
+   end without checks. The checks, their decisions and the stop points are those of the earlier
    one-epoch segments, each a launch (issue 18): the same evaluations (a check scores the
    whole test set, as a segment's last evaluation did) and the same training, bit for bit
    (a resumed checkpoint continues exactly), without a relaunch for a check that keeps
@@ -134,13 +134,11 @@ __all__ = [
     "MIN_PROBE_FRACTION",
     "CHECK_EPOCHS",
     "FLAT_GAIN",
-    "MAX_STEADY_ROUNDS",
 ]
 
 PROBE_SHARE = 0.2  # share of the run's time budget the cold start's probes may take
 MIN_PROBE_FRACTION = 0.25  # shortest probe, as a fraction of tune.probe_seconds
 CHECK_EPOCHS = 1.0  # epochs between steady-state checks (segment length)
-MAX_STEADY_ROUNDS = 2  # steady-state re-optimisations per run at most
 STATE_FILE = "tune_config.toml"  # marks a tuning run directory; holds its base config
 # the protocols of the families the search probes (candidate_config): a base config on
 # another protocol would be replaced silently, so it is refused
@@ -568,7 +566,7 @@ class OnlineTune:
         due = bool(check["due"])
         self.log(
             "steady state",
-            "re-optimise" if due and rounds < MAX_STEADY_ROUNDS else "keep training",
+            "re-optimise" if due and rounds < self.cfg.tune.steady_rounds else "keep training",
             (
                 f"training loss fell by less than {100 * FLAT_GAIN:g}% over the last "
                 f"{CHECK_EPOCHS:g} epoch"
@@ -577,8 +575,9 @@ class OnlineTune:
                 f"{CHECK_EPOCHS:g} epoch (or too few evaluations)"
             )
             + (
-                f"; the run re-optimised {MAX_STEADY_ROUNDS} times already"
-                if due and rounds >= MAX_STEADY_ROUNDS
+                f"; the run re-optimised {rounds} times already (tune.steady_rounds = "
+                f"{self.cfg.tune.steady_rounds})"
+                if due and rounds >= self.cfg.tune.steady_rounds
                 else ""
             ),
             run_clock_s=float(check.get(self.clock.run_seconds_key) or 0.0),
@@ -794,7 +793,8 @@ class OnlineTune:
             while True:
                 # one launch until the rule is due at an epoch's end or the run ends; no
                 # re-optimisation left: no checks, train to the end at once
-                seg, ends = self._segment(cand, start, every if rounds < MAX_STEADY_ROUNDS else 0)
+                more = rounds < self.cfg.tune.steady_rounds
+                seg, ends = self._segment(cand, start, every if more else 0)
                 for check in self._checks(seg):
                     self._log_check(check, rounds)
                 if ends:
