@@ -450,9 +450,36 @@ def _times_text(runs: list[Run]) -> str:
     if not tuned:
         return f"Times to target are {plain}."
     if len(tuned) == len(runs):
-        return f"These are runs of `--tune`: times to target are {with_tuning}."
+        return f"These are runs of `--tune`: times to target are {with_tuning}." + _tuning_shares(
+            tuned
+        )
     names = ", ".join(_cell(run.label) for run in tuned)
-    return f"Times to target are {plain}, except for the runs of `--tune` ({names}): {with_tuning}."
+    return (
+        f"Times to target are {plain}, except for the runs of `--tune` ({names}): "
+        f"{with_tuning}." + _tuning_shares(tuned)
+    )
+
+
+def _tuning_shares(tuned: list[Run]) -> str:
+    """Each ``--tune`` run's tuning share of its wall time and its number of probes."""
+    parts = []
+    for run in tuned:
+        share, total = (
+            _number(run.summary.get("tuning_share")),
+            _number(run.summary.get("total_wall_s")),
+        )
+        if share is None or total is None:
+            continue
+        probes = run.summary.get("num_probes")
+        parts.append(
+            f"{_cell(run.label)}: tuning {100 * share:.0f}% of its {total:.1f} s"
+            + (f" ({probes} probes)" if probes is not None else "")
+        )
+    return (
+        f" Tuning share (setup and every probe) of each run's wall: {'; '.join(parts)}."
+        if parts
+        else ""
+    )
 
 
 _HEADER = [

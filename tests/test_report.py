@@ -259,12 +259,15 @@ def test_report_header_says_a_tuning_runs_times_include_the_tuning(runs, tmp_pat
     tuned = tmp_path / "tuned"
     shutil.copytree(runs["hs"], tuned)
     summary = json.loads((tuned / "summary.json").read_text())
-    (tuned / "summary.json").write_text(json.dumps({**summary, "tuned": True}))
+    tuning = {"tuned": True, "tuning_share": 0.4187, "total_wall_s": 74.73, "num_probes": 12}
+    (tuned / "summary.json").write_text(json.dumps({**summary, **tuning}))
     md = make_report([runs["hs"], tuned], tmp_path / "rep").read_text()
     header = next(line for line in md.splitlines() if line.startswith("The metric is"))
     # the copy's label is the original's made unique by its folder name, "… (tuned)"
     assert "training only" in header and "except for the runs of `--tune` (" in header
     assert "(tuned)):" in header
     assert "tuning (setup, every probe) and evaluations included" in header
+    # and how much of the run the tuning took
+    assert "(tuned): tuning 42% of its 74.7 s (12 probes)." in header
     only = make_report([tuned], tmp_path / "rep2").read_text()
     assert "training only" not in only and "runs of `--tune`" in only
