@@ -110,6 +110,23 @@ def default_out_dir(cfg: RunConfig) -> Path:
     return path
 
 
+def _check_overrides(overrides: Any) -> None:
+    """``overrides`` is None or a list (or tuple) of ``section.key=value`` strings.
+
+    Raises:
+        ConfigError: anything else, e.g. a dict or one string (iterated, it gave
+            "--set 't': expected KEY=VALUE" for its keys or characters).
+    """
+    ok = overrides is None or (
+        isinstance(overrides, list | tuple) and all(isinstance(x, str) for x in overrides)
+    )
+    if not ok:
+        raise ConfigError(
+            f"overrides = {overrides!r} is not allowed: expected a list of "
+            "'section.key=value' strings, e.g. ['optimizer.lr=0.05', 'tune.promote=2']"
+        )
+
+
 def resolve_config(
     config: RunConfig | str | Path | dict[str, Any] | None,
     overrides: list[str] | None = None,
@@ -118,8 +135,10 @@ def resolve_config(
     run, with ``section.key=value`` overrides (TOML values) applied on top.
 
     Raises:
-        ConfigError: a bad setting, value or file.
+        ConfigError: a bad setting, value or file, or overrides that are not a list of
+            strings.
     """
+    _check_overrides(overrides)
     if isinstance(config, RunConfig):
         if not overrides:
             return config
@@ -183,6 +202,7 @@ def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> Ru
     Raises:
         ConfigError: another setting is overridden, or the run has no config.toml.
     """
+    _check_overrides(overrides)
     for item in overrides or []:
         key = item.split("=", 1)[0].strip()
         if key not in RESUMABLE_SETTINGS:

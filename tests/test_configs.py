@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import distsgd
-from distsgd.config import RunConfig
+from distsgd.config import ConfigError, RunConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 SHRINK = [
@@ -35,3 +35,13 @@ def test_config_runs(path, tmp_path):
     assert cfg.data.dataset == "fashion_mnist" and cfg.model.name == "cnn"
     s = distsgd.train(path, overrides=SHRINK, out_dir=tmp_path / "run")
     assert s["status"] == "completed" and s["samples"] >= 512
+
+
+@pytest.mark.parametrize("overrides", [{"tune.promote": 0}, "train.max_epochs=1", [1]])
+def test_overrides_that_are_not_a_list_of_strings_are_one_clear_error(tmp_path, overrides):
+    # a dict gave "--set 'tune.promote': expected KEY=VALUE" (its keys were iterated)
+    with pytest.raises(ConfigError, match="expected a list of 'section.key=value' strings"):
+        distsgd.train(None, overrides=overrides, out_dir=tmp_path / "r")
+    with pytest.raises(ConfigError, match="expected a list"):
+        distsgd.api.resume_config(tmp_path, overrides)
+    assert not (tmp_path / "r").exists()
