@@ -450,24 +450,22 @@ def _times_text(runs: list[Run]) -> str:
     if not tuned:
         return f"Times to target are {plain}."
     if len(tuned) == len(runs):
-        return f"These are runs of `--tune`: times to target are {with_tuning}." + _tuning_shares(
-            tuned
+        text = f"These are runs of `--tune`: times to target are {with_tuning}."
+    else:
+        names = ", ".join(_cell(run.label) for run in tuned)
+        text = (
+            f"Times to target are {plain}, except for the runs of `--tune` ({names}): "
+            f"{with_tuning}."
         )
-    names = ", ".join(_cell(run.label) for run in tuned)
-    return (
-        f"Times to target are {plain}, except for the runs of `--tune` ({names}): "
-        f"{with_tuning}." + _tuning_shares(tuned)
-    )
+    return text + _tuning_shares(tuned)
 
 
 def _tuning_shares(tuned: list[Run]) -> str:
     """Each ``--tune`` run's tuning share of its wall time and its number of probes."""
     parts = []
     for run in tuned:
-        share, total = (
-            _number(run.summary.get("tuning_share")),
-            _number(run.summary.get("total_wall_s")),
-        )
+        share = _number(run.summary.get("tuning_share"))
+        total = _number(run.summary.get("total_wall_s"))
         if share is None or total is None:
             continue
         probes = run.summary.get("num_probes")
