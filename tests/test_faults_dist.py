@@ -364,3 +364,38 @@ def test_coordinator_evaluation_longer_than_the_timeout_is_not_silence(tmp_path,
     assert not any("lost" in e for e in s["events"]), s["events"]
     err = capfd.readouterr().err
     assert "lost" not in err, err
+
+
+_EXIT_WHILE_BEATING = """
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from distsgd.runtime.dist import Heartbeats
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=10))
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+beats = Heartbeats(0, 1, 10.0)
+beats.interval_s = 0.0  # the beat thread is (nearly) always inside a store call
+time.sleep(0.05)
+if sys.argv[1] == "close":
+    beats.close()
+    assert not beats._thread.is_alive(), "close() returned with the beat thread running"
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_exit_while_the_heartbeat_is_in_a_store_call_is_not_an_abort(how):
+    """Bug: a rank that closed its run and returned at once could die of SIGABRT
+    ("terminate called without an active exception") when the daemon beat thread was
+    inside ``TCPStore.add`` as the interpreter exited (the own-loop example under
+    torchrun, rank 1, in CI). close() and interpreter exit now join the beat thread."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_BEATING, how],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "terminate called" not in done.stderr

@@ -56,6 +56,7 @@ RankFaults`); nothing is read from the environment for them.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import dataclasses
@@ -174,6 +175,10 @@ class Heartbeats:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
         self._thread.start()
+        # A daemon thread still inside a store call when the interpreter exits aborts the
+        # process ("terminate called without an active exception", SIGABRT: its return
+        # to Python unwinds through pybind11's noexcept GIL guard): stop it before then.
+        atexit.register(self._stop_beating)
 
     def _client(self) -> dist.TCPStore:
         return dist.TCPStore(
@@ -251,12 +256,19 @@ class Heartbeats:
             raise PeerLost(f"lost the run's store while waiting for rank {rank} ({e})") from e
 
     def close(self) -> None:
-        """Say that this rank leaves on purpose, and stop beating."""
+        """Say that this rank leaves on purpose, and stop beating (the beat thread is
+        joined: at most one store round trip, bounded by ``timeout_s``)."""
         try:
             self._store.set(f"{self._prefix}left/{self.rank}", "1")
         except (RuntimeError, dist.DistError):
             pass
+        self._stop_beating()
+        atexit.unregister(self._stop_beating)
+
+    def _stop_beating(self) -> None:
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.timeout_s)
 
 
 def end_with_parent(grace_s: float) -> None:
