@@ -778,7 +778,10 @@ def pooled_ranks_main(pool_dir: Path) -> int:
         while True:
             # what the rank holds between runs (modules, caches) is moved out of the
             # collector's reach, so the full collection that frees a run's DDP wrapper
-            # (SyncDistRuntime.close) scans that run's objects only: 0.18 s a run -> ~0
+            # (SyncDistRuntime.close) scans that run's objects only (0.18 s a run -> ~0);
+            # the last run's garbage is collected first (a scan of its objects only), so
+            # none of it is frozen for good
+            gc.collect()
             gc.freeze()
             number += 1
             path = pool_dir / f"run{number}.json"

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from distsgd.cli import main
-from distsgd.config import ConfigWarning, RunConfig
+from distsgd.config import ConfigError, ConfigWarning, RunConfig
 from distsgd.metrics import load_checked, read_metrics, write_json
 from distsgd.plateau import next_check
+from distsgd.rundir import RunDirClaim
 from distsgd.trainer import Trainer
 from distsgd.tuner import online
+from distsgd.tuner.omnivore import Candidate, ProbeResult
 from distsgd.tuner.online import OnlineTune, steady_state_due, train_tuned
 from distsgd.tuner.probes import candidate_config, safe_name
 
@@ -509,3 +511,79 @@ def test_an_interrupted_tuning_run_says_resume_works(tmp_path, capsys, monkeypat
     assert err == (
         f"distsgd: interrupted; the probes so far are kept in {out} (continue with --resume {out})"
     )
+
+
+# ---- found by a fresh user's review ------------------------------------------------------
+
+
+def test_a_running_tune_holds_its_run_directory_against_a_second_writer(tmp_path):
+    # a --resume (or a second --tune) into a directory a tuning run holds ran alongside
+    # it and broke it (FileNotFoundError in the first one's TensorBoard writer)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / online.STATE_FILE).write_text(tiny_config().to_toml())  # a tuning run's dir
+    holder = RunDirClaim.acquire(run)  # the running tune's claim
+    try:
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            train_tuned(None, run, resume=True)
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            train_tuned(tiny_config(), run)
+    finally:
+        holder.release()
+    assert sorted(p.name for p in run.iterdir()) == [online.STATE_FILE]  # nothing written
+
+
+def test_tune_into_an_out_that_is_a_file_is_one_line_exit_2(tmp_path, capsys):
+    target = tmp_path / "file.toml"
+    target.write_text("x = 1\n")
+    for out in (target, target / "sub"):
+        args = ["train", "--tune", "--out", str(out), "--set", "data.dataset=synthetic"]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.count("\n") == 1, err
+        assert "a file" in err
+    assert target.read_text() == "x = 1\n"
+
+
+def test_the_run_directory_has_the_last_segments_staleness_and_a_clock_across_resume(
+    tmp_path, monkeypatch
+):
+    cfg = tiny_config()
+    killed = tmp_path / "killed"
+
+    class KillFirstSegment(Trainer):
+        def __init__(self, cfg, out_dir, *args, **kwargs):
+            super().__init__(cfg, out_dir, *args, **kwargs)
+            if "train" in Path(out_dir).parts[-2]:
+                self.on_tick = lambda tick, trainer: (_ for _ in ()).throw(KeyboardInterrupt)
+
+    monkeypatch.setattr(online, "Trainer", KillFirstSegment)
+    with pytest.raises(KeyboardInterrupt):
+        OnlineTune(cfg, killed, progress=False).run()
+    first_session = json.loads((killed / online.CLOCK_FILE).read_text())["elapsed_s"]
+    # the cold start's probes completed in the first session
+    probes = json.loads(sorted((killed / "probes").glob("*/online_probe.json"))[-1].read_text())
+    assert 0 < probes["end_elapsed_s"] <= first_session
+    monkeypatch.setattr(online, "Trainer", Trainer)
+    s = train_tuned(None, killed, resume=True)
+    # the clock went on from the first session: the resumed run's wall counts it
+    assert s["total_wall_s"] > first_session
+    assert s["tuning_wall_s"] >= probes["end_elapsed_s"]
+    stamps = [
+        json.loads(x)["t_wall_s"] for x in (killed / "decisions.jsonl").read_text().splitlines()
+    ]
+    assert stamps == sorted(stamps) and stamps[0] >= first_session
+    last = sorted((killed / "train").iterdir())[-1]
+    assert (killed / "staleness.json").read_text() == (last / "staleness.json").read_text()
+
+
+def test_probes_shorter_than_the_score_window_warn_and_a_second_rung_scores_its_chain(tmp_path):
+    cfg = tiny_config()
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, probe_seconds=1e-9))
+    with pytest.warns(ConfigWarning, match="too short to score|fewer than tune.score_window"):
+        OnlineTune(cfg, tmp_path / "r", progress=False).run()
+    # a second rung that trained nothing of its own (its first rung overshot the probe's
+    # end) scores the chain, not NaN
+    rung = ProbeResult(Candidate("hardsync", 2, 16, 0.1, 0.9), "x", earlier_losses=[1.0, 3.0])
+    assert rung.score == 2.0
+    assert math.isnan(ProbeResult(Candidate("hardsync", 2, 16, 0.1, 0.9), "x").score)

@@ -168,10 +168,11 @@ class ProbeResult:
     @property
     def score(self) -> float:
         """Mean of the last ``score_window`` training losses (``earlier_losses``, those of
-        the probe this one continues, first); NaN if diverged or empty."""
-        if self.diverged or not self.losses:
-            return math.nan
+        the probe this one continues, first: a second rung that trained no iteration of
+        its own scores its chain); NaN if diverged or empty."""
         tail = (self.earlier_losses + self.losses)[-self.score_window :]
+        if self.diverged or not tail:
+            return math.nan
         s = sum(tail) / len(tail)
         return s if math.isfinite(s) else math.nan
 
@@ -214,22 +215,28 @@ class DecisionLog:
     Args:
         path: ``decisions.jsonl`` to append to (None: keep in memory only).
         echo: called with each one-line text (e.g. ``tqdm.write``); None: silent.
+        clock: wall seconds of the run for an entry's ``t_wall_s`` (a resumed run's clock
+            goes on from its earlier sessions); None: seconds since this log was made.
     """
 
     def __init__(
-        self, path: str | Path | None = None, echo: Callable[[str], None] | None = None
+        self,
+        path: str | Path | None = None,
+        echo: Callable[[str], None] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.path = Path(path) if path is not None else None
         self.echo = echo
         self.entries: list[dict[str, Any]] = []
-        self._t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        self._clock = clock or (lambda: time.perf_counter() - t0)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
 
     def __call__(self, phase: str, decision: str, reason: str, **data: Any) -> None:
         entry = {
-            "t_wall_s": round(time.perf_counter() - self._t0, 3),
+            "t_wall_s": round(self._clock(), 3),
             "phase": phase,
             "decision": decision,
             "reason": reason,

@@ -54,8 +54,12 @@ it starts (a decision and a warning line) and trains with the best of them.
 segment's, with ``time_to_target_s`` = wall seconds from the start of ``--tune`` (setup
 and every probe included) to the evaluation that reached the target;
 ``time_to_target_virtual_s`` (``sim``) = the continued chain's simulated seconds plus
-those of every probe that did not continue; ``tuning_wall_s`` (setup and all probes),
-``tuning_share`` = ``tuning_wall_s`` / ``total_wall_s``. Each ``metrics.jsonl`` record
+those of every probe that did not continue; ``tuning_wall_s`` = ``total_wall_s`` less the
+segments' wall (setup and all probes; after a resume also each session's setup and what
+the interruption lost), ``tuning_share`` = ``tuning_wall_s`` / ``total_wall_s``. The clock
+goes on across a resume: each session's end is kept in ``tune_clock.json``, and the next
+one starts from it (a session killed without a chance to write it counts up to its last
+completed probe or segment). Each ``metrics.jsonl`` record
 gets ``total_wall_s`` (and on ``sim`` ``total_virtual_s``) on the same clock.
 
 **Real processes.** On ``dist`` every probe and segment runs on one
@@ -98,6 +102,7 @@ from distsgd.data import load_dataset
 from distsgd.engine import UserCode, build_engine, config_for_data
 from distsgd.metrics import load_checkpoint_file, read_metrics, save_checked, write_json
 from distsgd.plateau import FLAT_GAIN, steady_state_due
+from distsgd.rundir import RunDirClaim
 from distsgd.runtime.factory import with_device_profile
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
@@ -140,11 +145,12 @@ PROBE_SHARE = 0.2  # share of the run's time budget the cold start's probes may 
 MIN_PROBE_FRACTION = 0.25  # shortest probe, as a fraction of tune.probe_seconds
 CHECK_EPOCHS = 1.0  # epochs between steady-state checks (segment length)
 STATE_FILE = "tune_config.toml"  # marks a tuning run directory; holds its base config
+CLOCK_FILE = "tune_clock.json"  # the run's wall clock when a session of it ended
 # the protocols of the families the search probes (candidate_config): a base config on
 # another protocol would be replaced silently, so it is refused
 TUNED_PROTOCOLS = ("hardsync", "compute_groups", "parameter_server", "sma")
 _START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
-_FINAL_FILES = ("config.toml", "model.pt", "model.pt.sha256", "checkpoint.pt")
+_FINAL_FILES = ("config.toml", "model.pt", "model.pt.sha256", "checkpoint.pt", "staleness.json")
 
 
 def check_online_tunable(config: RunConfig) -> None:
@@ -668,6 +674,7 @@ class OnlineTune:
                 f"tune.lrs = {self.settings.lrs!r} is not allowed: every cold-start probe "
                 "diverged; expected smaller learning rates"
             )
+        self._warn_short_probes(search.results)
         extra = self._joint(search, best)
         better = pick_best(extra, self.settings.tie_buffer)
         if better is not None and better.score < best.score * (1 - self.settings.tie_buffer):
@@ -691,6 +698,22 @@ class OnlineTune:
             measurements=self._measurements(results),
         )
         return best
+
+    def _warn_short_probes(self, results: list[ProbeResult]) -> None:
+        """A warning (and a decision) when the cold start's probes trained fewer iterations
+        than ``tune.score_window``: their scores then average fewer minibatch losses."""
+        window = self.settings.score_window
+        counts = [len(r.losses) for r in results if not r.diverged]
+        if not counts or min(counts) >= window:
+            return
+        line = (
+            f"probes of {self.rung_s:.4g} {self.clock.name} s trained as few as "
+            f"{min(counts)} iteration(s), fewer than tune.score_window = {window}: their "
+            "scores average that many minibatch losses and rank the candidates by noise; "
+            "raise tune.probe_seconds (or tune.first_rung) or the time budget"
+        )
+        warnings.warn(line, ConfigWarning, stacklevel=2)
+        self.log("cold start", "warning: probes too short to score", line)
 
     def _joint(self, search: OmnivoreSearch, best: ProbeResult) -> list[ProbeResult]:
         """Probe the joint search's best-predicted ``tune.extra_probes`` from the start."""
@@ -773,6 +796,9 @@ class OnlineTune:
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Tune while training (module docstring); returns the run's summary."""
         self._t0 = time.perf_counter()
+        clock = self.out / CLOCK_FILE
+        if resume and clock.exists():  # the earlier sessions' wall, lost work included
+            self._offset_s = float(json.loads(clock.read_text())["elapsed_s"])
         self.pool: launch.RankPool | None = None  # dist: the ranks every launch reuses
         self.timeline: list[tuple[Path, dict[str, Any]]] = []
         self._setup(resume)
@@ -782,9 +808,10 @@ class OnlineTune:
             else None
         )
         self.log = DecisionLog(
-            self.out / "decisions.jsonl", echo=tqdm.write if self.progress else None
+            self.out / "decisions.jsonl",
+            echo=tqdm.write if self.progress else None,
+            clock=self.elapsed,
         )
-        setup_wall_s = self.elapsed()
         try:
             self._log_setup()
             best = self.cold_start()
@@ -809,9 +836,10 @@ class OnlineTune:
                 self.pool.close()
             if self.bar is not None:
                 self.bar.close()
-        return self._finish(seg, setup_wall_s)
+            write_json(clock, {"elapsed_s": self.elapsed()})  # also when interrupted
+        return self._finish(seg)
 
-    def _finish(self, seg: Path, setup_wall_s: float) -> dict[str, Any]:
+    def _finish(self, seg: Path) -> dict[str, Any]:
         """The run directory's records: the last segment's with the whole run's times."""
         total = self.elapsed()
         records = read_metrics(seg / "metrics.jsonl")
@@ -834,7 +862,9 @@ class OnlineTune:
         s.update(chain)
         s["tuned"] = True
         s["total_wall_s"] = total
-        s["tuning_wall_s"] = setup_wall_s + self.probe_wall_s
+        # all but the run's own training: every session's setup, every probe, and what an
+        # interruption lost (in a run of one session: the setup and the probes)
+        s["tuning_wall_s"] = max(total - self.segment_wall_s, 0.0)
         s["tuning_share"] = s["tuning_wall_s"] / total if total > 0 else None
         s["num_probes"] = self.count
         s["time_to_target_s"] = reached_at["total_wall_s"] if reached_at else None
@@ -890,4 +920,12 @@ def train_tuned(
         config = RunConfig.from_toml(Path(out_dir) / STATE_FILE)
     elif config is None:
         raise ConfigError("distsgd train --tune needs a config (or resume=RUN_DIR)")
-    return OnlineTune(config, out_dir, progress=progress, code=code).run(resume=resume)
+    tune = OnlineTune(config, out_dir, progress=progress, code=code)  # checks the settings
+    # one writer: the run directory is claimed for the whole tuning run, as a plain run's
+    # (a concurrent --resume or second --tune into it is refused, naming this process)
+    claim = RunDirClaim.acquire(out_dir)
+    try:
+        return tune.run(resume=resume)
+    finally:
+        if claim is not None:
+            claim.release()
