@@ -237,6 +237,13 @@ def test_tune_refuses_more_processes_than_cores_and_families_it_cannot_probe(
     # 0 (and no flag) means what the base protocol needs: 2 learners of hardsync
     zero = RunConfig.from_toml(cfg, ["runtime=dist", "dist.num_processes=0"])
     assert tune_layout(zero) == (2, 2, 1)
+    # a layout that needs more than the cores, the count not set: the message names the
+    # protocol's need, not a value the user never gave (found by a fresh user)
+    ps = ["--set", "protocol.name=parameter_server", "--set", "protocol.num_learners=4"]
+    err = _one_line_exit_2(capsys, [*argv, *ps])
+    assert "dist.num_processes = 0 (what parameter_server with protocol.num_learners = 4" in err
+    assert "needs: 5) is not allowed for distsgd tune: expected at most 2" in err
+    assert not out.exists()
     # 2 processes leave one learner beside the server: no n-softsync to probe
     err = _one_line_exit_2(
         capsys, [*argv, "--num-processes", "2", "--set", 'tune.families=["softsync"]']

@@ -111,10 +111,17 @@ def tune_layout(config: RunConfig) -> tuple[int, int, int]:
         )
         cores = os.cpu_count() or 1
         if num_processes > cores:
+            setting = (
+                f"dist.num_processes = {num_processes}"
+                if config.dist.num_processes
+                else f"dist.num_processes = 0 (what {config.protocol.name} with "
+                f"protocol.num_learners = {config.protocol.num_learners} needs: "
+                f"{num_processes})"
+            )
             raise ConfigError(
-                f"dist.num_processes = {num_processes} is not allowed for distsgd tune: "
-                f"expected at most {cores} (the CPU cores of this machine; 0 = what the "
-                "protocol needs)"
+                f"{setting} is not allowed for distsgd tune: expected at most {cores} "
+                "processes (the CPU cores of this machine); set --num-processes or "
+                "protocol.num_learners"
             )
         lam, ps_lam = num_processes, num_processes - config.dist.num_servers
     s = config.tune
