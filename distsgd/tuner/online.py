@@ -298,7 +298,6 @@ class OnlineTune:
         self.segments = 0
         self.overhead_clock_s = 0.0  # clock seconds of probes that did not continue
         self._first_rung: dict[str, ProbeResult] = {}  # a second-rung probe's first rung
-        self.probe_wall_s = 0.0
         self.segment_wall_s = 0.0
         self._offset_s = 0.0
 
@@ -470,7 +469,6 @@ class OnlineTune:
             self._run_probe(self._probe_config(cand, until_clock_s), run_dir, start)
             saved = {"wall_s": time.perf_counter() - t0, "end_elapsed_s": self.elapsed()}
             write_json(note, saved)
-        self.probe_wall_s += saved["wall_s"]
         result.wall_s = saved["wall_s"]
         s = _summary(run_dir)
         result.diverged = s.get("status") == "diverged"
