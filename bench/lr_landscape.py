@@ -34,23 +34,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tune_online_vs_ddp import BASE as TUNE_BENCH_JOB  # bench/, the script's folder
 
 from distsgd.api import resolve_config
 from distsgd.data import load_dataset
 from distsgd.models import model_from_config, with_data_shape
 from distsgd.trainer import Trainer
 
-BASE = [
-    "data.dataset=fashion_mnist",
-    "model.name=cnn",
-    "protocol.name=hardsync",
-    "protocol.num_learners=2",
-    "protocol.batch_size=64",
-    "optimizer.momentum=0.9",
-    "train.target=0.9",
-    "train.max_epochs=6",
-    "train.eval_batch_size=1000",
-]
+# the job of bench/tune_online_vs_ddp.py (its runs stop at the target well before its
+# max_epochs), at μ 0.9; later settings override it
+BASE = [*TUNE_BENCH_JOB, "optimizer.momentum=0.9"]
 SCORE_WINDOW = 10  # tune.score_window's default
 TIE_BUFFER = 0.01  # tune.tie_buffer's default
 
