@@ -1769,14 +1769,56 @@ def _field_defaults(section_cls: type) -> dict[str, Any]:
     return out
 
 
+def _parse_toml_value(text: str) -> Any:
+    """``text`` as one TOML value. Raises tomllib.TOMLDecodeError."""
+    return tomllib.loads(f"v = {text}")["v"]
+
+
+def _override_value(item: str, text: str) -> Any:
+    """The value of ``--set item`` (see :func:`apply_override`)."""
+    try:
+        return _parse_toml_value(text)
+    except tomllib.TOMLDecodeError as e:
+        error = e
+    if text.startswith("[") and text.endswith("]") and "[" not in text[1:-1]:
+        words = [w.strip() for w in text[1:-1].split(",")]
+        if words[-1] == "":
+            words.pop()  # a trailing comma, or []
+        if any(not w for w in words):
+            raise ConfigError(f"--set {item!r}: a list with an empty item")
+        try:
+            return [_bare_or_toml(w) for w in words]
+        except tomllib.TOMLDecodeError as e:
+            error = e
+    if text[:1] in ("[", "{", '"', "'"):
+        raise ConfigError(
+            f"--set {item!r}: {text!r} is not a TOML value ({error}); e.g. [1, 2], "
+            '["a", "b"], "text"'
+        )
+    return text  # a bare word: a string
+
+
+def _bare_or_toml(word: str) -> Any:
+    """One item of a flat list: a TOML value, else (a bare word) the string itself."""
+    try:
+        return _parse_toml_value(word)
+    except tomllib.TOMLDecodeError:
+        if word[:1] in ("[", "{", '"', "'"):
+            raise
+        return word
+
+
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one ``section.key=value`` override to a raw config dict in place.
 
     The value is parsed as TOML (``0.1``, ``true``, ``[1, 2]``, ``"text"``); a bare word
-    that is not valid TOML is taken as a string (``protocol.name=sma``).
+    that is not valid TOML is taken as a string (``protocol.name=sma``), and so is each bare
+    word of a flat list (``tune.families=[hardsync, sma]``, as a shell leaves
+    ``'["hardsync", "sma"]'`` without its quotes).
 
     Raises:
-        ConfigError: the item has no ``=`` or an empty key.
+        ConfigError: the item has no ``=`` or an empty key, or its value opens a list or a
+            table (``[``, ``{``) or a quoted string but is not TOML.
     """
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. optimizer.lr=0.05")
@@ -1784,10 +1826,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. optimizer.lr=0.05")
-    try:
-        value = tomllib.loads(f"v = {text.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text.strip()
+    value = _override_value(item, text.strip())
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:

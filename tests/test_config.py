@@ -50,6 +50,27 @@ def test_overrides_parse_toml_values_and_bare_words():
     }
 
 
+def test_override_lists_of_bare_words_are_strings():
+    # a shell drops the quotes of --set tune.families=["hardsync", "sma"]; the list of bare
+    # words was taken whole as the string '[hardsync, sma]' and named as such in the error
+    raw: dict = {}
+    apply_override(raw, "tune.families=[hardsync, sma]")
+    apply_override(raw, "tune.lrs=[0.1, 0.01,]")
+    apply_override(raw, 'model.kwargs.names=["a", b]')
+    assert raw["tune"] == {"families": ["hardsync", "sma"], "lrs": [0.1, 0.01]}
+    assert raw["model"] == {"kwargs": {"names": ["a", "b"]}}
+    with pytest.raises(ConfigError, match=r"tune.families = \['bogus'\] is not allowed"):
+        RunConfig.from_toml(None, ["tune.families=[bogus]"])
+
+
+@pytest.mark.parametrize("value", ["[0.1", "[1, [2]", "{x = 1", '"text', "[1,,2]"])
+def test_override_that_opens_a_toml_value_but_is_none_is_one_line(value):
+    raw: dict = {}
+    with pytest.raises(ConfigError, match=r"--set 'optimizer.lr=") as e:
+        apply_override(raw, f"optimizer.lr={value}")
+    assert "\n" not in str(e.value) and raw == {}
+
+
 @pytest.mark.parametrize(
     "override, fragment",
     [
