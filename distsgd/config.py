@@ -1408,6 +1408,12 @@ class TuneConfig:
         promote: ``--tune`` only: probes of the first rung that continue to the second.
         steady_rounds: ``--tune`` only: steady-state re-optimisations per run at most (0:
             none; the cold start's winner trains to the end without checks).
+        check_epochs: ``--tune`` only: epochs between the run's steady-state checks, and
+            the span over which each check asks whether the training loss fell by 10% or
+            more (:func:`distsgd.plateau.steady_state_due`; a check at each multiple of it
+            since the run's start). A quarter epoch re-optimised (and so stepped η) where
+            the swept-best constant-η run of ``bench/tune_online_vs_ddp.py`` gains most
+            from a step; one epoch checked too late (``bench/results/tune_online``).
     """
 
     budget_s: float = 600.0
@@ -1429,6 +1435,7 @@ class TuneConfig:
     first_rung: float = 0.25
     promote: int = 2
     steady_rounds: int = 2
+    check_epochs: float = 0.25
 
     def __post_init__(self) -> None:
         check_float("tune.budget_s", self.budget_s, 0.0, min_inclusive=False)
@@ -1464,6 +1471,7 @@ class TuneConfig:
         check_float("tune.first_rung", self.first_rung, 0.0, 1.0, min_inclusive=False)
         check_int("tune.promote", self.promote, 1)
         check_int("tune.steady_rounds", self.steady_rounds, 0, 20)
+        check_float("tune.check_epochs", self.check_epochs, 0.0, 100.0, min_inclusive=False)
 
 
 _SECTIONS: dict[str, type] = {

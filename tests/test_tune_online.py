@@ -35,6 +35,7 @@ TUNE = {
     "probe_seconds": 0.05,
     "extra_probes": 1,
     "batch_sizes": [16, 32],
+    "check_epochs": 1.0,  # a check at each epoch's end (1024 samples)
 }
 
 
@@ -182,8 +183,9 @@ def test_resume_of_a_run_killed_mid_probe_gives_the_same_decisions(tmp_path, mon
         # issue 18: both were overridden silently (evaluated anyway; trained hardsync)
         (["train.evaluate=false"], "train.evaluate = false"),
         (["protocol.name=local_sgd"], "protocol.name = 'local_sgd'"),
-        # --tune sets it (one epoch) for its segments
+        # --tune sets it (tune.check_epochs) for its segments
         (["train.plateau_check_samples=512"], "train.plateau_check_samples = 512"),
+        (["tune.check_epochs=0"], "tune.check_epochs = 0"),
     ],
 )
 def test_bad_tune_combinations_are_one_line_and_exit_2(tmp_path, capsys, sets, names):
@@ -284,6 +286,26 @@ def test_a_second_rung_equals_a_full_length_probe_and_first_rung_1_has_none(tmp_
         assert m["from_clock_s"] == want["from_clock_s"] == 0.0
         assert m["measured_until_clock_s"] == pytest.approx(want["measured_until_clock_s"])
         assert m["score"] == pytest.approx(want["score"], rel=1e-12)
+
+
+def test_check_epochs_sets_where_and_over_what_span_the_run_checks(tmp_path):
+    # half-epoch checks (512 samples): the run re-optimises at the first multiple of 512
+    # where the training loss fell by less than 10% over the last 512 samples; with
+    # one-epoch checks (the tiny runs above) only at the end of epoch 2
+    cfg = tiny_config()
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, check_epochs=0.5))
+    run = tmp_path / "r"
+    OnlineTune(cfg, run, progress=False).run()
+    first = sorted((run / "train").iterdir())[0]
+    assert RunConfig.from_toml(first / "config.toml").train.plateau_check_samples == 512
+    checks = [json.loads(x) for x in (first / "plateau_checks.jsonl").read_text().splitlines()]
+    assert [c["samples"] % 512 for c in checks] == [0] * len(checks) and checks[-1]["due"]
+    records = read_metrics(first / "metrics.jsonl")
+    for c in checks:  # each the rule over 512 samples, from the records up to its point
+        assert steady_state_due(records, c["samples"], 512) == (c["due"], c["used"])
+    due = [d for d in decisions(run) if d["decision"] == "re-optimise"]
+    assert due and "over the last 0.5 epoch" in due[0]["reason"]
+    assert due[0]["measurements"][-1]["samples"] == checks[-1]["samples"]
 
 
 def test_steady_rounds_0_trains_the_cold_start_winner_to_the_end(tmp_path):

@@ -13,9 +13,10 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
 2. **The winner continues as the run**: its probe's checkpoint is resumed
    (:meth:`Trainer.run(resume=True) <distsgd.trainer.Trainer.run>`, exact) with the run's
    own stop rule and evaluations, so the samples it trained count towards the run.
-3. **Steady state**: every :data:`CHECK_EPOCHS` epochs (at each multiple since the run's
-   start) :func:`~distsgd.plateau.steady_state_due` decides from the evaluations recorded
-   so far (never a later one) whether the training loss has flattened. The run checks it
+3. **Steady state**: every ``tune.check_epochs`` epochs (default ¼; at each multiple
+   since the run's start) :func:`~distsgd.plateau.steady_state_due` decides from the
+   evaluations recorded so far (never a later one) whether the training loss has
+   flattened over that span. The run checks it
    itself (``train.plateau_check_samples``, :mod:`distsgd.plateau`): a segment
    (``train/NN-…``) is one launch that trains until the first check where the rule is due
    (``stop_reason = "steady_state"``) or the run ends; each check is a decision
@@ -23,8 +24,8 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    At a due check every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first) is
    probed from the segment's checkpoint, and the best (:func:`pick_best`) continues;
    after ``tune.steady_rounds`` (default 2) re-optimisations one segment trains to the
-   end without checks. The checks, their decisions and the stop points are those of the earlier
-   one-epoch segments, each a launch (issue 18): the same evaluations (a check scores the
+   end without checks. The checks, their decisions and the stop points are those of
+   segments of ``tune.check_epochs`` each, each a launch (issue 18): the same evaluations (a check scores the
    whole test set, as a segment's last evaluation did) and the same training, bit for bit
    (a resumed checkpoint continues exactly), without a relaunch for a check that keeps
    training. Where a time limit and a check fall on the same evaluation the time limit
@@ -137,13 +138,11 @@ __all__ = [
     "steady_state_due",
     "PROBE_SHARE",
     "MIN_PROBE_FRACTION",
-    "CHECK_EPOCHS",
     "FLAT_GAIN",
 ]
 
 PROBE_SHARE = 0.2  # share of the run's time budget the cold start's probes may take
 MIN_PROBE_FRACTION = 0.25  # shortest probe, as a fraction of tune.probe_seconds
-CHECK_EPOCHS = 1.0  # epochs between steady-state checks (segment length)
 STATE_FILE = "tune_config.toml"  # marks a tuning run directory; holds its base config
 CLOCK_FILE = "tune_clock.json"  # the run's wall clock when a session of it ended
 # the protocols of the families the search probes (candidate_config): a base config on
@@ -172,7 +171,7 @@ def check_online_tunable(config: RunConfig) -> None:
         raise ConfigError(
             f"train.plateau_check_samples = {config.train.plateau_check_samples} is not "
             f"allowed with --tune: the tuning run checks steady state every "
-            f"{CHECK_EPOCHS:g} epoch itself; drop the setting"
+            f"tune.check_epochs = {config.tune.check_epochs:g} epoch itself; drop the setting"
         )
     if config.protocol.name not in TUNED_PROTOCOLS:
         raise ConfigError(
@@ -573,10 +572,10 @@ class OnlineTune:
             "re-optimise" if due and rounds < self.cfg.tune.steady_rounds else "keep training",
             (
                 f"training loss fell by less than {100 * FLAT_GAIN:g}% over the last "
-                f"{CHECK_EPOCHS:g} epoch"
+                f"{self.cfg.tune.check_epochs:g} epoch"
                 if due
                 else f"training loss still falls by {100 * FLAT_GAIN:g}% or more per "
-                f"{CHECK_EPOCHS:g} epoch (or too few evaluations)"
+                f"{self.cfg.tune.check_epochs:g} epoch (or too few evaluations)"
             )
             + (
                 f"; the run re-optimised {rounds} times already (tune.steady_rounds = "
@@ -814,7 +813,7 @@ class OnlineTune:
             self._log_setup()
             best = self.cold_start()
             cand, start = best.candidate, Path(best.run_dir)
-            rounds, every = 0, max(int(CHECK_EPOCHS * self.num_train), 1)
+            rounds, every = 0, max(int(self.cfg.tune.check_epochs * self.num_train), 1)
             while True:
                 # one launch until the rule is due at an epoch's end or the run ends; no
                 # re-optimisation left: no checks, train to the end at once
