@@ -103,13 +103,25 @@ def run_one(kind: str, seed: int, out: Path, eval_every: int, c_sets: list[str] 
 
 
 def _ratio(rows: list[dict], num: str, den: str, seed: int) -> tuple[float, str] | None:
-    """(num / den wall, "=" or "<"): "<" when den did not reach the target (its time to
-    it is more than its whole run), None when num did not or a run is missing."""
+    """(num / den wall, "=", "<" or ">"): "<" when den did not reach the target (its time
+    to it is more than its whole run), ">" when num did not (likewise: the ratio is more
+    than the figure); None when neither did or a run is missing or failed."""
     n = next((r for r in rows if r["kind"] == num and r["seed"] == seed), None)
     d = next((r for r in rows if r["kind"] == den and r["seed"] == seed), None)
-    if n is None or d is None or not n["reached"] or d["returncode"] != 0:
+    if n is None or d is None or n["returncode"] != 0 or d["returncode"] != 0:
         return None
-    return n["command_wall_s"] / d["command_wall_s"], "=" if d["reached"] else "<"
+    if not n["reached"] and not d["reached"]:
+        return None
+    mark = "=" if n["reached"] and d["reached"] else ("<" if n["reached"] else ">")
+    return n["command_wall_s"] / d["command_wall_s"], mark
+
+
+def _median(ratios: list[tuple[float, str]]) -> str:
+    """The median of the per-seed ratios, exact when every bound lies on its side of it
+    (a "> x" at or above the median, a "< x" at or below), else marked "≈"."""
+    med = statistics.median(x for x, _ in ratios)
+    exact = all(m == "=" or (m == ">" and x >= med) or (m == "<" and x <= med) for x, m in ratios)
+    return f"{'' if exact else '≈ '}{med:.3f}"
 
 
 def where_time_went(run_dir: Path) -> str:
@@ -167,15 +179,15 @@ def write_results(
     for num, den, goal in (("c", "a", "≤ 1.0, goal 0.8"), ("c", "b", "≤ 0.6")):
         ratios = [_ratio(rows, num, den, s) for s in seeds]
         ok = [x for x in ratios if x is not None]
-        bound = "< " if any(x[1] == "<" for x in ok) else ""
-        med = f"{bound}{statistics.median(x[0] for x in ok):.3f}" if ok else "n/a"
+        med = _median(ok) if ok else "n/a"
         each = ", ".join(
-            "n/a" if x is None else f"{'< ' if x[1] == '<' else ''}{x[0]:.3f}" for x in ratios
+            "n/a" if x is None else f"{'' if x[1] == '=' else x[1] + ' '}{x[0]:.3f}" for x in ratios
         )
         lines.append(f"- ({num})/({den}): per seed {each}; median **{med}** (target {goal}).")
     lines.append(
         '  ("<": the denominator did not reach 90% within 10 epochs, so its time to 90% '
-        "is more than its whole run and the ratio is below the figure.)"
+        'is more than its whole run and the ratio is below the figure; ">": the numerator '
+        "did not, and the ratio is above it.)"
     )
     for r in rows:
         if r["kind"] == "c" and r["reached"]:
