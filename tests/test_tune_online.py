@@ -22,7 +22,7 @@ from distsgd.rundir import RunDirClaim
 from distsgd.trainer import Trainer
 from distsgd.tuner import online
 from distsgd.tuner.omnivore import Candidate, ProbeResult
-from distsgd.tuner.online import OnlineTune, steady_state_due, train_tuned
+from distsgd.tuner.online import OnlineTune, steady_grid, steady_state_due, train_tuned
 from distsgd.tuner.probes import candidate_config, safe_name
 
 from .conftest import small_config
@@ -306,6 +306,47 @@ def test_check_epochs_sets_where_and_over_what_span_the_run_checks(tmp_path):
     due = [d for d in decisions(run) if d["decision"] == "re-optimise"]
     assert due and "over the last 0.5 epoch" in due[0]["reason"]
     assert due[0]["measurements"][-1]["samples"] == checks[-1]["samples"]
+
+
+def test_steady_grid_steps_down_only_from_the_top_decade_of_rates():
+    momenta = [0.0, 0.9]
+    # within a decade of the highest stable rate (1.0): the whole grid, as before
+    assert steady_grid(0.1, 0.9, momenta, 1.0) == [
+        (0.1, 0.9),
+        (0.1 / 10, 0.9),
+        (0.1, 0.0),
+        (0.1 / 10, 0.0),
+    ]
+    assert len(steady_grid(0.05, 0.9, momenta, 1.0)) == 4  # effective rate 0.5
+    # a decade below it (η 0.01, μ 0.9: 0.1 up to float noise): no step down; the input
+    # of bench/tune_online_vs_ddp.py's seed 1 that stalled at 0.87-0.895 for 10 epochs
+    assert steady_grid(0.01, 0.9, momenta, 0.1 / (1 - 0.9)) == [(0.01, 0.9)]
+    # a higher rate (μ up) or the same one (η/10 with μ 0.9) only
+    assert steady_grid(0.01, 0.0, momenta, 1.0) == [(0.01, 0.0), (0.01, 0.9), (0.001, 0.9)]
+
+
+def test_a_winner_a_decade_below_the_highest_stable_rate_trains_without_rounds(
+    tmp_path, monkeypatch
+):
+    # the cold start's highest stable rate raised 100-fold: the winner may not step down,
+    # and tune.momenta holds no higher rate, so no checks and no steady-state probes
+    cold_start = OnlineTune.cold_start
+
+    def high_ceiling(self):
+        best = cold_start(self)
+        self.rate_ceiling *= 100
+        return best
+
+    monkeypatch.setattr(OnlineTune, "cold_start", high_ceiling)
+    run = tmp_path / "r"
+    s = OnlineTune(tiny_config(), run, progress=False).run()
+    assert not list(run.glob("probes/*-steady*"))  # the tiny run re-optimises otherwise
+    assert [p.name[:3] for p in (run / "train").iterdir()] == ["01-"]
+    assert not (next((run / "train").iterdir()) / "plateau_checks.jsonl").exists()
+    assert s["samples"] == 3 * 1024 and s["stop_reason"] == "max_epochs/max_samples"
+    steady = [d for d in decisions(run) if d["phase"] == "steady state"]
+    assert len(steady) == 1 and "to the end without checks" in steady[0]["decision"]
+    assert "a decade or more below" in steady[0]["reason"]
 
 
 def test_steady_rounds_0_trains_the_cold_start_winner_to_the_end(tmp_path):

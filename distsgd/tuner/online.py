@@ -21,14 +21,15 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    (``train/NN-…``) is one launch that trains until the first check where the rule is due
    (``stop_reason = "steady_state"``) or the run ends; each check is a decision
    (``keep training`` / ``re-optimise``, from the segment's ``plateau_checks.jsonl``).
-   At a due check every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first) is
+   At a due check every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first; a
+   lower effective rate only from the top decade of stable rates, :func:`steady_grid`) is
    probed from the segment's checkpoint, and the best (:func:`pick_best`) continues;
    after ``tune.steady_rounds`` (default 2) re-optimisations one segment trains to the
    end without checks. The checks, their decisions and the stop points are those of
-   segments of ``tune.check_epochs`` each, each a launch (issue 18): the same evaluations (a check scores the
-   whole test set, as a segment's last evaluation did) and the same training, bit for bit
-   (a resumed checkpoint continues exactly), without a relaunch for a check that keeps
-   training. Where a time limit and a check fall on the same evaluation the time limit
+   segments of ``tune.check_epochs`` each, each a launch (issue 18): the same evaluations
+   (a check scores the whole test set, as a segment's last evaluation did) and the same
+   training, bit for bit (a resumed checkpoint continues exactly), without a relaunch for
+   a check that keeps training. Where a time limit and a check fall on the same evaluation the time limit
    ends the run (the segments checked there first, then trained on beyond it).
 
 **Probe length rule.** With a time budget T on the runtime's clock (``train.
@@ -136,6 +137,8 @@ __all__ = [
     "TUNED_PROTOCOLS",
     "probe_seconds_for",
     "steady_state_due",
+    "steady_grid",
+    "effective_rate",
     "PROBE_SHARE",
     "MIN_PROBE_FRACTION",
     "FLAT_GAIN",
@@ -150,6 +153,42 @@ CLOCK_FILE = "tune_clock.json"  # the run's wall clock when a session of it ende
 TUNED_PROTOCOLS = ("hardsync", "compute_groups", "parameter_server", "sma")
 _START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
 _FINAL_FILES = ("config.toml", "model.pt", "model.pt.sha256", "checkpoint.pt", "staleness.json")
+
+
+def effective_rate(lr: float, momentum: float) -> float:
+    """SGD's effective learning rate η / (1 − μ): the step a constant gradient takes
+    per iteration once the momentum buffer has filled."""
+    return lr / (1.0 - momentum)
+
+
+def steady_grid(
+    lr: float, momentum: float, momenta: list[float], rate_ceiling: float
+) -> list[tuple[float, float]]:
+    """The (η, μ) a steady-state round probes: the incumbent first, then every μ of
+    ``momenta`` × {η, η/10} (largest μ first); a step down of the effective rate
+    (:func:`effective_rate`) only while the incumbent's is above a tenth of
+    ``rate_ceiling``, the highest effective rate among the cold start's probes that did
+    not diverge.
+
+    Why the floor: the round ranks its probes by their loss a few seconds on, and a lower
+    rate always wins that race (short-horizon bias, Wu et al., ICLR 2018). A step from a
+    rate already a decade below the highest stable one stalled ``--tune`` short of its
+    target: on ``bench/tune_online_vs_ddp.py``'s job (seed 1, cold start η 0.01, μ 0.9 of
+    a grid whose highest stable rate was 1.0) two rounds took the effective rate to 0.01
+    and the run stayed at 0.87-0.895 test accuracy for 10 epochs; one step from 0.5 or 1.0
+    gained most (``bench/results/tune_online/check_epochs.md``, ``step_bound.md``). Omnivore's
+    η grid is in decades: the floor keeps the run in the top two.
+    """
+    incumbent = effective_rate(lr, momentum)
+    may_step_down = incumbent > rate_ceiling / 10 * (1 + 1e-9)  # float noise of 1 − μ
+    grid = [(lr, momentum)]
+    for mu in sorted(momenta, reverse=True):
+        for rate in (lr, lr / 10):
+            if (rate, mu) in grid:
+                continue
+            if may_step_down or effective_rate(rate, mu) >= incumbent * (1 - 1e-9):
+                grid.append((rate, mu))
+    return grid
 
 
 def check_online_tunable(config: RunConfig) -> None:
@@ -680,6 +719,9 @@ class OnlineTune:
         best = pick_best(second, self.settings.tie_buffer) or best
         results = search.results + second
         self._count_overhead(results, best)
+        self.rate_ceiling = max(
+            effective_rate(r.candidate.lr, r.candidate.momentum) for r in results if not r.diverged
+        )
         self.log(
             "cold start",
             f"continue with {best.candidate.label()} as the run",
@@ -739,14 +781,26 @@ class OnlineTune:
             )
         return extra
 
+    def _steady_grid(self, current: Candidate) -> list[tuple[float, float]]:
+        return steady_grid(current.lr, current.momentum, self.settings.momenta, self.rate_ceiling)
+
+    def _no_round_left(self, current: Candidate) -> None:
+        """The decision when steady state has nothing to probe for ``current``: no step
+        down from its rate (:func:`steady_grid`) and no higher rate in the grid."""
+        self.log(
+            "steady state",
+            f"train {current.label()} to the end without checks",
+            f"its effective rate η/(1 − μ) = {effective_rate(current.lr, current.momentum):.4g}"
+            f" is a decade or more below the highest the cold start probed without "
+            f"diverging ({self.rate_ceiling:.4g}): a steady-state round would only probe "
+            "lower rates, which stall a run short of its target (its short probes prefer "
+            "them), and tune.momenta holds no higher one",
+        )
+
     def steady_state(self, current: Candidate, seg: Path) -> tuple[Candidate, ProbeResult] | None:
         """Probe the incumbent, then μ ∈ ``tune.momenta`` × {η, η/10}, from the segment's
         checkpoint; returns the winner and its probe (None: every probe diverged)."""
-        grid = [(current.lr, current.momentum)]
-        for mu in sorted(self.settings.momenta, reverse=True):
-            for lr in (current.lr, current.lr / 10):
-                if (lr, mu) not in grid:
-                    grid.append((lr, mu))
+        grid = self._steady_grid(current)
         results = [
             self.probe(dataclasses.replace(current, lr=lr, momentum=mu), str(seg))
             for lr, mu in grid
@@ -815,9 +869,13 @@ class OnlineTune:
             cand, start = best.candidate, Path(best.run_dir)
             rounds, every = 0, max(int(self.cfg.tune.check_epochs * self.num_train), 1)
             while True:
-                # one launch until the rule is due at an epoch's end or the run ends; no
-                # re-optimisation left: no checks, train to the end at once
+                # one launch until the rule is due at a check or the run ends; no
+                # re-optimisation left (or none the rate may make): no checks, train to
+                # the end at once
                 more = rounds < self.cfg.tune.steady_rounds
+                if more and len(self._steady_grid(cand)) == 1:
+                    self._no_round_left(cand)
+                    more = False
                 seg, ends = self._segment(cand, start, every if more else 0)
                 for check in self._checks(seg):
                     self._log_check(check, rounds)
