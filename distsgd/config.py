@@ -1788,8 +1788,9 @@ def _override_value(item: str, text: str) -> Any:
         return _parse_toml_value(text)
     except tomllib.TOMLDecodeError as e:
         error = e
-    if text.startswith("[") and text.endswith("]") and "[" not in text[1:-1]:
-        words = [w.strip() for w in text[1:-1].split(",")]
+    inner = text[1:-1]
+    if text.startswith("[") and text.endswith("]") and not any(c in inner for c in "[]{}"):
+        words = [w.strip() for w in _split_items(inner)]
         if words[-1] == "":
             words.pop()  # a trailing comma, or []
         if any(not w for w in words):
@@ -1804,6 +1805,25 @@ def _override_value(item: str, text: str) -> Any:
             '["a", "b"], "text"'
         )
     return text  # a bare word: a string
+
+
+def _split_items(inner: str) -> list[str]:
+    """The items of a flat list's inside, split at the commas outside quotes."""
+    items, start, quote, escaped = [], 0, "", False
+    for i, c in enumerate(inner):
+        if quote:
+            if escaped:
+                escaped = False
+            elif c == "\\" and quote == '"':  # TOML's escapes: basic strings only
+                escaped = True
+            elif c == quote:
+                quote = ""
+        elif c in "\"'":
+            quote = c
+        elif c == ",":
+            items.append(inner[start:i])
+            start = i + 1
+    return [*items, inner[start:]]
 
 
 def _bare_or_toml(word: str) -> Any:

@@ -57,13 +57,17 @@ def test_override_lists_of_bare_words_are_strings():
     apply_override(raw, "tune.families=[hardsync, sma]")
     apply_override(raw, "tune.lrs=[0.1, 0.01,]")
     apply_override(raw, 'model.kwargs.names=["a", b]')
+    # a quoted item keeps its commas (it was cut at them: found by a fresh user)
+    apply_override(raw, 'data.kwargs.names=["x,y", b, "c\\",d"]')
     assert raw["tune"] == {"families": ["hardsync", "sma"], "lrs": [0.1, 0.01]}
     assert raw["model"] == {"kwargs": {"names": ["a", "b"]}}
+    assert raw["data"] == {"kwargs": {"names": ["x,y", "b", 'c",d']}}
     with pytest.raises(ConfigError, match=r"tune.families = \['bogus'\] is not allowed"):
         RunConfig.from_toml(None, ["tune.families=[bogus]"])
 
 
-@pytest.mark.parametrize("value", ["[0.1", "[1, [2]", "{x = 1", '"text', "[1,,2]"])
+# "[a, b]]": an extra bracket was kept in the last item ('b]': found by a fresh user)
+@pytest.mark.parametrize("value", ["[0.1", "[1, [2]", "{x = 1", '"text', "[1,,2]", "[a, b]]"])
 def test_override_that_opens_a_toml_value_but_is_none_is_one_line(value):
     raw: dict = {}
     with pytest.raises(ConfigError, match=r"--set 'optimizer.lr=") as e:
