@@ -1411,7 +1411,11 @@ class TuneConfig:
         check_epochs: ``--tune`` only: epochs between the run's steady-state checks, and
             the span over which each check asks whether the training loss fell by 10% or
             more (:func:`distsgd.plateau.steady_state_due`; a check at each multiple of it
-            since the run's start). A quarter epoch re-optimised (and so stepped η) where
+            since the run's start; it compares with the last evaluation at or before one
+            span back, so where iterations do not divide the span and the check before
+            fell a few samples past its multiple, with the evaluation before that: up to
+            two spans, as at most checks of ``bench/tune_online_vs_ddp.py``). A quarter
+            epoch re-optimised (and so stepped η) where
             the swept-best constant-η run of ``bench/tune_online_vs_ddp.py`` gains most
             from a step; one epoch checked too late (``bench/results/tune_online``).
     """
