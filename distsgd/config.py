@@ -1415,9 +1415,9 @@ class TuneConfig:
             span back, so where iterations do not divide the span and the check before
             fell a few samples past its multiple, with the evaluation before that: up to
             two spans, as at most checks of ``bench/tune_online_vs_ddp.py``). A quarter
-            epoch re-optimised (and so stepped η) where
-            the swept-best constant-η run of ``bench/tune_online_vs_ddp.py`` gains most
-            from a step; one epoch checked too late (``bench/results/tune_online``).
+            epoch re-optimised (and so stepped η) where the swept-best constant-η run of
+            that bench gains most from a step; one epoch checked too late
+            (``bench/results/tune_online``).
     """
 
     budget_s: float = 600.0

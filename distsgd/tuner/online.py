@@ -29,8 +29,9 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    segments of ``tune.check_epochs`` each, each a launch (issue 18): the same evaluations
    (a check scores the whole test set, as a segment's last evaluation did) and the same
    training, bit for bit (a resumed checkpoint continues exactly), without a relaunch for
-   a check that keeps training. Where a time limit and a check fall on the same evaluation the time limit
-   ends the run (the segments checked there first, then trained on beyond it).
+   a check that keeps training. Where a time limit and a check fall on the same evaluation
+   the time limit ends the run (the segments checked there first, then trained on beyond
+   it).
 
 **Probe length rule.** With a time budget T on the runtime's clock (``train.
 max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; on ``sim`` also
@@ -186,6 +187,7 @@ def steady_grid(
         for rate in (lr, lr / 10):
             if (rate, mu) in grid:
                 continue
+            # the same rate by another (η, μ) is no step down, whatever 1 − μ rounds to
             if may_step_down or effective_rate(rate, mu) >= incumbent * (1 - 1e-9):
                 grid.append((rate, mu))
     return grid
@@ -798,8 +800,9 @@ class OnlineTune:
         )
 
     def steady_state(self, current: Candidate, seg: Path) -> tuple[Candidate, ProbeResult] | None:
-        """Probe the incumbent, then μ ∈ ``tune.momenta`` × {η, η/10}, from the segment's
-        checkpoint; returns the winner and its probe (None: every probe diverged)."""
+        """Probe :func:`steady_grid` (the incumbent, then μ ∈ ``tune.momenta`` × {η, η/10}
+        where the rate may step down) from the segment's checkpoint; returns the winner and
+        its probe (None: every probe diverged)."""
         grid = self._steady_grid(current)
         results = [
             self.probe(dataclasses.replace(current, lr=lr, momentum=mu), str(seg))
