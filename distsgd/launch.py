@@ -96,6 +96,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from distsgd.config import METRICS, ConfigError, RunConfig, required_processes
+from distsgd.data import keep_loaded
 from distsgd.layout import spec_for
 from distsgd.metrics import read_metrics, write_json
 from distsgd.objectives import reached as target_reached
@@ -120,6 +121,7 @@ ENV_ERROR_FILE = "DISTSGD_DIST_ERROR_FILE"
 ENV_POOL_DIR = "DISTSGD_POOL_DIR"  # a pooled rank's folder of run files (RankPool)
 POOL_STOP = "stop"  # the file in that folder that ends the pooled ranks
 _POLL_S = 0.1
+_POOL_POLL_S = 0.02  # a pooled run's end: a short run's wall is not padded by the poll
 
 
 class DistRunFailed(RuntimeError):
@@ -231,13 +233,16 @@ def _start(n: int, envs: dict[int, dict[str, str]], tmp: str) -> Any:
 
 class _Watch:
     """The launcher's failure policy over one run's ranks (module docstring): polls the
-    processes every ``_POLL_S`` until every rank has ended or, with ``run_done`` (pooled
-    ranks, which outlive a run), until it says the run is done; a fatal loss ends the
+    processes every ``poll_s`` until every rank has ended or, with ``run_done`` (pooled
+    ranks, which outlive a run; polled every ``_POOL_POLL_S``: a probe's end is noticed
+    sooner), until it says the run is done; a fatal loss ends the
     watch ``dist.timeout_s + 5`` seconds later at the latest. ``outcome(r)`` is rank r's
     outcome file for this run."""
 
-    def __init__(self, ctx: Any, cfg: RunConfig, outcome: Callable[[int], Path]) -> None:
-        self.ctx, self.cfg, self.outcome = ctx, cfg, outcome
+    def __init__(
+        self, ctx: Any, cfg: RunConfig, outcome: Callable[[int], Path], poll_s: float = _POLL_S
+    ) -> None:
+        self.ctx, self.cfg, self.outcome, self.poll_s = ctx, cfg, outcome, poll_s
         self.codes: dict[int, int | None] = {}
         self.lost: dict[int, int] = {}
         self.after_done: dict[int, int] = {}  # ended with an error after reporting "done"
@@ -286,7 +291,7 @@ class _Watch:
                         running = {r for r, c in self.codes.items() if c is None}
                         self.hung.update(running & _named_silent(self.codes, self.outcome))
                         return
-                time.sleep(_POLL_S)
+                time.sleep(self.poll_s)
         except SignalException:
             # start_processes turns SIGINT/SIGTERM into SignalException: an interrupt like
             # Ctrl-C (every rank is stopped by the caller; rank 0 writes its summary)
@@ -435,7 +440,7 @@ class RankPool:
         self._ensure(cfg)
         outcome = self._submit(cfg, out, resume, progress, faults)
         ctx = self._ctx
-        watch = _Watch(ctx, cfg, outcome)
+        watch = _Watch(ctx, cfg, outcome, poll_s=_POOL_POLL_S)
         late: list[int] = []
         try:
             watch.until_done(self._run_done(watch, outcome, cfg.dist.timeout_s + 5, late))
@@ -775,32 +780,33 @@ def pooled_ranks_main(pool_dir: Path) -> int:
     rdist.end_with_parent(65.0)
     number = 0
     try:
-        while True:
-            # what the rank holds between runs (modules, caches) is moved out of the
-            # collector's reach, so the full collection that frees a run's DDP wrapper
-            # (SyncDistRuntime.close) scans that run's objects only (0.18 s a run -> ~0);
-            # the last run's garbage is collected first (a scan of its objects only), so
-            # none of it is frozen for good
-            gc.collect()
-            gc.freeze()
-            number += 1
-            path = pool_dir / f"run{number}.json"
-            while not path.exists():
-                if (pool_dir / POOL_STOP).exists() or not pool_dir.is_dir():
-                    return 0  # asked to stop, or the pool was dropped without close()
-                time.sleep(0.02)
-            job = json.loads(path.read_text())
-            os.environ[rdist.ENV_POOL_RUN] = str(number)
-            os.environ[ENV_ERROR_FILE] = str(pool_dir / f"run{number}-rank{rank}.json")
-            code = run_worker(
-                job["config"],
-                job["out"],
-                resume=job["resume"],
-                progress=job["progress"] and rank == "0",
-                faults=RankFaults.from_json(job["faults"]),
-            )
-            if code != 0:
-                return code
+        with keep_loaded():  # a built-in data set is read once for all the pool's runs
+            while True:
+                # what the rank holds between runs (modules, caches) is moved out of the
+                # collector's reach, so the full collection that frees a run's DDP wrapper
+                # (SyncDistRuntime.close) scans that run's objects only (0.18 s a run -> ~0);
+                # the last run's garbage is collected first (a scan of its objects only), so
+                # none of it is frozen for good
+                gc.collect()
+                gc.freeze()
+                number += 1
+                path = pool_dir / f"run{number}.json"
+                while not path.exists():
+                    if (pool_dir / POOL_STOP).exists() or not pool_dir.is_dir():
+                        return 0  # asked to stop, or the pool was dropped without close()
+                    time.sleep(0.02)
+                job = json.loads(path.read_text())
+                os.environ[rdist.ENV_POOL_RUN] = str(number)
+                os.environ[ENV_ERROR_FILE] = str(pool_dir / f"run{number}-rank{rank}.json")
+                code = run_worker(
+                    job["config"],
+                    job["out"],
+                    resume=job["resume"],
+                    progress=job["progress"] and rank == "0",
+                    faults=RankFaults.from_json(job["faults"]),
+                )
+                if code != 0:
+                    return code
     except KeyboardInterrupt:
         return 130
 

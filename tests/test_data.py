@@ -21,6 +21,7 @@ from distsgd.data import (
     LearnerStream,
     ShardedSampler,
     iter_eval_batches,
+    keep_loaded,
     load_dataset,
     resolve_root,
 )
@@ -119,6 +120,26 @@ def test_gzip_files_are_unpacked_once_per_process_until_they_change(
     assert len(unpacked) == 8
     assert third.train_y.tolist() == changed["train_labels"].tolist()
     assert not torch.equal(third.train_x, want)
+
+
+def test_keep_loaded_reads_a_builtin_data_set_once_per_block(tmp_path: Path) -> None:
+    # a pooled rank or --tune on sim trains many runs: inside keep_loaded() the files are
+    # read and normalised once (per name and directory); outside, every load reads anew
+    write_idx_dataset(tmp_path / "a", seed=1)
+    write_idx_dataset(tmp_path / "b", seed=2)
+    cfg_a = DataConfig(dataset="mnist", root=str(tmp_path / "a"))
+    cfg_b = DataConfig(dataset="mnist", root=str(tmp_path / "b"))
+    assert load_dataset(cfg_a).train_x is not load_dataset(cfg_a).train_x
+    with keep_loaded():
+        first = load_dataset(cfg_a)
+        with keep_loaded():  # nested blocks share the outermost one's data sets
+            assert load_dataset(cfg_a).train_x is first.train_x
+        assert load_dataset(cfg_a).test_y is first.test_y
+        other = load_dataset(cfg_b)
+        assert not torch.equal(other.train_x, first.train_x)
+        assert load_dataset(DataConfig(dataset="fashion_mnist", root=str(tmp_path / "a"))).name
+    assert load_dataset(cfg_a).train_x is not first.train_x  # dropped with the block
+    assert torch.equal(load_dataset(cfg_a).train_x, first.train_x)
 
 
 def test_root_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
