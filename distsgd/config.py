@@ -1405,7 +1405,15 @@ class TuneConfig:
             every probe first runs this fraction of ``probe_seconds``, then the best
             ``promote`` continue from their own checkpoints to ``probe_seconds`` and the
             best of those wins (1: every probe runs ``probe_seconds``, no second rung).
-        promote: ``--tune`` only: probes of the first rung that continue to the second.
+        promote: ``--tune`` only: probes of the cold start's first rung that continue to
+            the second.
+        steady_promote: ``--tune`` only: probes of a steady-state round's first rung that
+            continue to the second (1: the best first rung continues as the run, no
+            second rung). From a trained model the rungs agree: in the 6 steady-state
+            rounds of two runs of ``bench/tune_online_vs_ddp.py`` the best first rung (¼
+            of the probe) had the effective rate η / (1 − μ) of the round's winner at the
+            full length, while from the initial model a smaller batch led the first rung
+            and lost the second on every seed (``bench/results/tune_online``).
         steady_rounds: ``--tune`` only: steady-state re-optimisations per run at most (0:
             none; the cold start's winner trains to the end without checks).
         check_epochs: ``--tune`` only: epochs between the run's steady-state checks, and
@@ -1438,6 +1446,7 @@ class TuneConfig:
     step_margin: float = 0.03
     first_rung: float = 0.25
     promote: int = 2
+    steady_promote: int = 1
     steady_rounds: int = 2
     check_epochs: float = 0.25
 
@@ -1474,6 +1483,7 @@ class TuneConfig:
         check_float("tune.step_margin", self.step_margin, 0.0, 1.0, min_inclusive=False)
         check_float("tune.first_rung", self.first_rung, 0.0, 1.0, min_inclusive=False)
         check_int("tune.promote", self.promote, 1)
+        check_int("tune.steady_promote", self.steady_promote, 1)
         check_int("tune.steady_rounds", self.steady_rounds, 0, 20)
         check_float("tune.check_epochs", self.check_epochs, 0.0, 100.0, min_inclusive=False)
 

@@ -325,6 +325,46 @@ def test_steady_grid_steps_down_only_from_the_top_decade_of_rates():
     assert steady_grid(0.01, 0.0, momenta, 1.0) == [(0.01, 0.0), (0.01, 0.9), (0.001, 0.9)]
 
 
+def test_steady_grid_on_hardsync_probes_one_momentum_per_effective_rate():
+    momenta = [0.0, 0.9]
+    # (0.1, 0) has (0.01, 0.9)'s rate 0.1: the larger μ (first in the order) is kept
+    assert steady_grid(0.1, 0.9, momenta, 1.0, one_per_rate=True) == [
+        (0.1, 0.9),
+        (0.1 / 10, 0.9),
+        (0.1 / 10, 0.0),
+    ]
+    # the incumbent's μ is kept whatever its place: (0.01, 0.9) has the incumbent's rate
+    assert steady_grid(0.1, 0.0, [0.0, 0.9], 0.5, one_per_rate=True) == [
+        (0.1, 0.0),
+        (0.1, 0.9),
+        (0.1 / 10, 0.0),
+    ]
+    four = steady_grid(0.05, 0.9, [0.0, 0.3, 0.6, 0.9], 1.0, one_per_rate=True)
+    rates = [round(lr / (1 - mu), 12) for lr, mu in four]
+    assert len(rates) == len(set(rates)) == 7 and (0.05, 0.0) not in four
+
+
+def test_a_steady_state_round_that_promotes_one_continues_its_best_first_rung(tmp_path):
+    # tune.steady_promote = 1 (default): no steady2 probe, the best first rung continues as
+    # the run; = 2: the two best first rungs continue to the full length, as the cold start
+    cfg = tiny_config()
+    halved = dataclasses.replace(cfg.tune, first_rung=0.25, promote=2)
+    one, two = tmp_path / "one", tmp_path / "two"
+    OnlineTune(cfg.replace(tune=halved), one, progress=False).run()
+    names = [p.name for p in (one / "probes").iterdir()]
+    assert [n for n in names if "-steady-" in n] and not [n for n in names if "steady2" in n]
+    assert len([n for n in names if "cold2" in n]) == 2
+    won = [d for d in decisions(one) if d["decision"].startswith("continue with hardsync")]
+    steady_won = [d for d in won if d["phase"] == "steady state"]
+    assert steady_won and all("continues" not in m for m in steady_won[0]["measurements"])
+    segs = sorted((one / "train").iterdir())
+    start = json.loads((segs[1] / "online_segment.json").read_text())["start"]
+    assert "-steady-" in Path(start).name  # the first-rung probe itself continued
+    both = dataclasses.replace(halved, steady_promote=2)
+    OnlineTune(cfg.replace(tune=both), two, progress=False).run()
+    assert len([p for p in (two / "probes").iterdir() if "steady2" in p.name]) == 2
+
+
 def test_a_winner_a_decade_below_the_highest_stable_rate_trains_without_rounds(
     tmp_path, monkeypatch
 ):
@@ -426,8 +466,8 @@ def _strip_segment_names(decs):
 
 
 def test_one_launch_stops_and_decides_as_the_per_epoch_segments_did(tmp_path):
-    # 6 epochs, evaluations every 300 samples (not at the epochs' ends): one re-optimisation,
-    # then checks that keep training; the rule is due at the end of epoch 2
+    # 6 epochs, evaluations every 300 samples (not at the epochs' ends): the rule is due at
+    # the end of epochs 2 and 5 (two re-optimisations), the other checks keep training
     cfg = small_config(train={"target": 0.0, "max_epochs": 6, "eval_every_samples": 300}, tune=TUNE)
     new, old = tmp_path / "one_launch", tmp_path / "per_epoch"
     OnlineTune(cfg, new, progress=False).run()
@@ -439,12 +479,13 @@ def test_one_launch_stops_and_decides_as_the_per_epoch_segments_did(tmp_path):
         for d in decisions(new)
         if d["decision"] in ("keep training", "re-optimise")
     ]
-    assert [s[0] for s in steady] == ["keep training", "re-optimise"] + ["keep training"] * 3
+    keep, reopt = "keep training", "re-optimise"
+    assert [s[0] for s in steady] == [keep, reopt, keep, keep, reopt]
     assert [s[2] for s in steady[1:]] == [[1024 * i, 1024 * (i + 1)] for i in range(1, 5)]
     assert _strip_segment_names(decisions(new)) == _strip_segment_names(decisions(old))
     # the stop points: where the one-epoch segments re-optimised, the one launch stopped
     segs = sorted((new / "train").iterdir())
-    assert len(segs) == 2 and len(list((old / "train").iterdir())) == 6
+    assert len(segs) == 3 and len(list((old / "train").iterdir())) == 6
     first = json.loads((segs[0] / "summary.json").read_text())
     assert first["stop_reason"] == "steady_state" and first["samples"] == 2048
     # the same training and the same evaluations, bit for bit
@@ -462,7 +503,8 @@ def test_one_launch_stops_and_decides_as_the_per_epoch_segments_did(tmp_path):
     # every check in the launch saw only the evaluations up to its decision point: later
     # ones poisoned, the rule decides alike
     records = read_metrics(segs[-1] / "metrics.jsonl")
-    for seg in segs:
+    assert not (segs[-1] / "plateau_checks.jsonl").exists()  # tune.steady_rounds spent
+    for seg in segs[:-1]:
         for line in (seg / "plateau_checks.jsonl").read_text().splitlines():
             check = json.loads(line)
             now = check["samples"]

@@ -23,6 +23,7 @@ from distsgd.tuner.omnivore import (
     nan_pruned,
     pick_best,
     rank_candidates,
+    worse_than_above,
 )
 from distsgd.tuner.perf_model import ClusterModel
 from distsgd.tuner.tune import parse_budget
@@ -101,6 +102,40 @@ def test_score_is_the_mean_of_the_last_ten_losses():
     assert r.score == pytest.approx(0.25)
     r.losses = [1.0] * 5 + [0.1 * i for i in range(10)]
     assert r.score == pytest.approx(0.45)
+
+
+@pytest.mark.parametrize("stop", [True, False], ids=["online", "offline"])
+def test_stop_descending_skips_the_smaller_lrs_once_the_score_rises(stop):
+    # η 0.1 scores 1.0, η 0.01 1.5: online (stop_descending) η 0.001 and 0.0001 are not
+    # probed and a decision says why; offline the whole grid is (SPEC.md §3)
+    scores = {0.1: 1.0, 0.01: 1.5, 0.001: 0.9, 0.0001: 2.0}
+    probe = FakeProbe(lambda c, s: scores[c.lr])
+    s = TuneConfig(lrs=[0.1, 0.01, 0.001, 0.0001])
+    log = DecisionLog()
+    search = OmnivoreSearch(probe, s, 1, 16, log, stop_descending=stop)
+    best = search.cold_start()
+    probed = [lr for _, lr, _, _ in probe.calls]
+    if stop:
+        assert probed == [0.1, 0.01] and best.candidate.lr == 0.1
+        skip = [d for d in log.entries if d["decision"].startswith("skip g=1")]
+        assert skip and "0.001, 0.0001" in skip[0]["decision"]
+    else:
+        assert probed == [0.1, 0.01, 0.001, 0.0001] and best.candidate.lr == 0.001
+
+
+def test_stop_descending_goes_on_past_a_tie_and_a_diverged_larger_lr():
+    # 0.1 diverges (NaN), 0.01 scores 1.0, 0.001 1.005 (within the 1% tie buffer), 0.0001
+    # 2.0: the descent stops only at 0.0001
+    scores = {0.1: 0.1, 0.01: 1.0, 0.001: 1.005, 0.0001: 2.0}
+    probe = FakeProbe(lambda c, s: scores[c.lr], nan=lambda c: c.lr == 0.1)
+    s = TuneConfig(lrs=[0.1, 0.01, 0.001, 0.0001], tie_buffer=0.01)
+    search = OmnivoreSearch(probe, s, 1, 16, DecisionLog(), stop_descending=True)
+    search.cold_start()
+    assert [lr for _, lr, _, _ in probe.calls] == [0.1, 0.01, 0.001, 0.0001]
+    rs = [fake_result(Candidate("hardsync", 1, 16, 0.1, 0.9), "s", 1.0)]
+    assert not worse_than_above(rs, 0.01)  # nothing above the first
+    rs.append(fake_result(Candidate("hardsync", 1, 16, 0.01, 0.9), "s", 1.02))
+    assert worse_than_above(rs, 0.01) and not worse_than_above(rs, 0.05)
 
 
 def test_cold_start_probes_in_order_prunes_nan_and_picks_per_g():

@@ -68,6 +68,7 @@ __all__ = [
     "nan_pruned",
     "nan_applies",
     "pick_best",
+    "worse_than_above",
     "joint_candidates",
     "rank_candidates",
     "he_scales",
@@ -308,6 +309,17 @@ def cold_start_grid(
     return grid, pruned
 
 
+def worse_than_above(results: list[ProbeResult], tie_buffer: float) -> bool:
+    """Whether the last of ``results`` (a descending η grid at one μ) scored worse than
+    the last one before it that did not diverge, by more than ``tie_buffer`` (relative)."""
+    if len(results) < 2 or results[-1].diverged:
+        return False
+    above = [r for r in results[:-1] if not r.diverged]
+    if not above:
+        return False
+    return results[-1].score > above[-1].score * (1 + tie_buffer)
+
+
 def pick_best(results: list[ProbeResult], tie_buffer: float) -> ProbeResult | None:
     """The lowest score; scores within ``tie_buffer`` (relative) of it tie, and ties
     prefer larger η, then larger μ (SPEC.md §3). None if every probe diverged."""
@@ -335,6 +347,10 @@ class OmnivoreSearch:
             n-softsync); default λ. On real processes a server rank takes one of the
             processes, so N processes hold λ = N learners in hardsync but N − S with S
             server ranks.
+        stop_descending: at g = 1, stop going down the η grid once a probe scores worse
+            than the larger η before it by more than ``tie_buffer`` (the score taken as
+            unimodal in log η; :func:`worse_than_above`). For ``--tune``, whose probes
+            are paid by the run; the offline search probes the whole grid (SPEC.md §3).
     """
 
     def __init__(
@@ -346,8 +362,10 @@ class OmnivoreSearch:
         log: DecisionLog,
         out_of_budget: Callable[[], bool] = lambda: False,
         ps_learners: int | None = None,
+        stop_descending: bool = False,
     ) -> None:
         self.probe = probe
+        self.stop_descending = stop_descending
         self.ps_learners = ps_learners or num_learners
         self.settings = settings
         self.num_learners = num_learners
@@ -444,6 +462,17 @@ class OmnivoreSearch:
                 if r is None:
                     continue
                 results.append(r)
+                if g == 1 and self.stop_descending and worse_than_above(results, s.tie_buffer):
+                    left = [f"{lr_:g}" for lr_, _ in grid[grid.index((lr, mu)) + 1 :]]
+                    if left:
+                        self.log(
+                            "cold start",
+                            f"skip g=1 η ∈ {{{', '.join(left)}}}",
+                            f"pruned: η={lr:g} scored {r.score:.4f}, worse than the larger "
+                            f"η before it by more than {100 * s.tie_buffer:g}%; the score "
+                            "is taken as unimodal in log η, so a smaller η cannot win",
+                        )
+                    break
                 if not he_checked and not r.diverged:
                     he_checked = True
                     he = r.seconds_per_iteration

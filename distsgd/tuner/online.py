@@ -6,9 +6,10 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
 :class:`OnlineTune` is that, on the ``sim`` and ``dist`` runtimes (issue 18):
 
 1. **Cold start** from the initial model: Omnivore's grid (groups g, η, μ;
-   :class:`~distsgd.tuner.omnivore.OmnivoreSearch` with its pruning and HE rule), then
-   the joint search's best ``tune.extra_probes`` (protocol family, batch) where the
-   layout allows. Every probe is an ordinary run (``probes/NNN-…``) that ends with a full
+   :class:`~distsgd.tuner.omnivore.OmnivoreSearch` with its pruning and HE rule; at g = 1
+   the descent through η stops once a probe scores worse than the larger η before it,
+   ``stop_descending``), then the joint search's best ``tune.extra_probes`` (protocol
+   family, batch) where the layout allows. Every probe is an ordinary run (``probes/NNN-…``) that ends with a full
    checkpoint (weights, momentum, protocol state, data position, clocks).
 2. **The winner continues as the run**: its probe's checkpoint is resumed
    (:meth:`Trainer.run(resume=True) <distsgd.trainer.Trainer.run>`, exact) with the run's
@@ -22,8 +23,10 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    (``stop_reason = "steady_state"``) or the run ends; each check is a decision
    (``keep training`` / ``re-optimise``, from the segment's ``plateau_checks.jsonl``).
    At a due check every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first; a
-   lower effective rate only from the top decade of stable rates, :func:`steady_grid`) is
-   probed from the segment's checkpoint, and the best (:func:`pick_best`) continues;
+   lower effective rate only from the top decade of stable rates; on hardsync one (η, μ)
+   per effective rate: :func:`steady_grid`) is probed from the segment's checkpoint, and
+   the best (:func:`pick_best`; ranked at the first rung with ``tune.steady_promote`` =
+   1) continues;
    after ``tune.steady_rounds`` (default 2) re-optimisations one segment trains to the
    end without checks. The checks, their decisions and the stop points are those of
    segments of ``tune.check_epochs`` each, each a launch (issue 18): the same evaluations
@@ -41,7 +44,8 @@ cluster model, so that the probes cannot use up a run limited by samples), a pro
 cold start's planned work in probes of full length; without one, ``tune.probe_seconds``.
 **Successive halving** (Jamieson & Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR
 2018) in every probe round: each probe runs a first rung of ``tune.first_rung`` · that
-length, the ``tune.promote`` best continue from their own checkpoints to the full length
+length, the ``tune.promote`` (steady state: ``tune.steady_promote``; 1: none, the best
+first rung continues as the run) best continue from their own checkpoints to the full length
 (``probes/NNN-cold2-…`` / ``NNN-steady2-…``, whose decision names the first rung in
 ``continues``) and the best of those continues as the run; so n = m · r + min(promote, m)
 · (1 − r) with m = ``len(tune.lrs) + tune.extra_probes`` and r = ``tune.first_rung``
@@ -101,7 +105,7 @@ from distsgd.config import (
     TuneConfig,
     required_processes,
 )
-from distsgd.data import load_dataset
+from distsgd.data import keep_loaded, load_dataset
 from distsgd.engine import UserCode, build_engine, config_for_data
 from distsgd.metrics import load_checkpoint_file, read_metrics, save_checked, write_json
 from distsgd.plateau import FLAT_GAIN, steady_state_due
@@ -163,7 +167,11 @@ def effective_rate(lr: float, momentum: float) -> float:
 
 
 def steady_grid(
-    lr: float, momentum: float, momenta: list[float], rate_ceiling: float
+    lr: float,
+    momentum: float,
+    momenta: list[float],
+    rate_ceiling: float,
+    one_per_rate: bool = False,
 ) -> list[tuple[float, float]]:
     """The (η, μ) a steady-state round probes: the incumbent first, then every μ of
     ``momenta`` × {η, η/10} (largest μ first); a step down of the effective rate
@@ -179,18 +187,32 @@ def steady_grid(
     and the run stayed at 0.87-0.895 test accuracy for 10 epochs; one step from 0.5 or 1.0
     gained most (``bench/results/tune_online/check_epochs.md``, ``step_bound.md``). Omnivore's
     η grid is in decades: the floor keeps the run in the top two.
+
+    ``one_per_rate`` (synchronous SGD, no implicit momentum): one (η, μ) per effective
+    rate, the first in the order above (the incumbent's μ, else the larger μ). SGD's noise
+    scale at steady state depends on η and μ through η / (1 − μ) only (Smith, Kindermans,
+    Ying & Le, ICLR 2018, §3), so a second probe of the same rate races noise, not a
+    choice: with ``tune.momenta = [0, 0.9]`` and μ = 0.9, (η, 0) is (η/10, 0.9)'s rate.
     """
     incumbent = effective_rate(lr, momentum)
     may_step_down = incumbent > rate_ceiling / 10 * (1 + 1e-9)  # float noise of 1 − μ
     grid = [(lr, momentum)]
     for mu in sorted(momenta, reverse=True):
         for rate in (lr, lr / 10):
-            if (rate, mu) in grid:
+            if (rate, mu) in grid or (
+                one_per_rate and any(_same_rate((rate, mu), other) for other in grid)
+            ):
                 continue
             # the same rate by another (η, μ) is no step down, whatever 1 − μ rounds to
             if may_step_down or effective_rate(rate, mu) >= incumbent * (1 - 1e-9):
                 grid.append((rate, mu))
     return grid
+
+
+def _same_rate(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two (η, μ) have one effective rate (relative 1e-9: float noise of 1 − μ)."""
+    ra, rb = effective_rate(*a), effective_rate(*b)
+    return abs(ra - rb) <= 1e-9 * max(ra, rb)
 
 
 def check_online_tunable(config: RunConfig) -> None:
@@ -421,7 +443,14 @@ class OnlineTune:
             "setup",
             (
                 f"probes of {self.rung_s:.4g} {self.clock.name} seconds, the best "
-                f"{self.cfg.tune.promote} of each round continued to {self.probe_s:.4g} s"
+                f"{self.cfg.tune.promote} of the cold start continued to "
+                f"{self.probe_s:.4g} s; "
+                + (
+                    "the best of a steady-state round continues as the run"
+                    if self.cfg.tune.steady_promote == 1
+                    else f"the best {self.cfg.tune.steady_promote} of a steady-state round "
+                    f"continued to {self.probe_s:.4g} s"
+                )
                 if halving
                 else f"probes of {self.probe_s:.4g} {self.clock.name} seconds each"
             ),
@@ -666,19 +695,23 @@ class OnlineTune:
                 self.overhead_clock_s += r.virtual_s[-1]
 
     def _second_rung(self, phase: str, results: list[ProbeResult]) -> list[ProbeResult]:
-        """Successive halving's second rung: the ``tune.promote`` best of a round's
-        first-rung probes (lowest score; ties prefer larger η, then μ) continue from their
-        own checkpoints until ``probe_s`` after the round's start on the runtime's clock
-        (each chain as long as a full probe, whatever its first rung overshot), scored
-        over the chain's last ``tune.score_window`` losses, so their scores compare.
-        Returns the continued probes ([] with no second rung)."""
-        if self.rung_s >= self.probe_s:
+        """Successive halving's second rung: the ``tune.promote`` (cold start) or
+        ``tune.steady_promote`` (steady state) best of a round's first-rung probes (lowest
+        score; ties prefer larger η, then μ) continue from their own checkpoints until
+        ``probe_s`` after the round's start on the runtime's clock (each chain as long as a
+        full probe, whatever its first rung overshot), scored over the chain's last
+        ``tune.score_window`` losses, so their scores compare. Returns the continued probes
+        ([] with no second rung; also for a steady state that promotes one: the best first
+        rung then continues as the run)."""
+        cold = phase == "cold start"
+        promote = self.cfg.tune.promote if cold else self.cfg.tune.steady_promote
+        if self.rung_s >= self.probe_s or (not cold and promote == 1):
             return []
         ok = [r for r in results if not math.isnan(r.score)]
         ok.sort(key=lambda r: (r.score, -r.candidate.lr, -r.candidate.momentum))
-        kind = "cold2" if phase == "cold start" else "steady2"
+        kind = "cold2" if cold else "steady2"
         out = []
-        for r in ok[: self.cfg.tune.promote]:
+        for r in ok[:promote]:
             round_start = self._start_of(_start_dir(r.snapshot))[0]
             cont = self.probe(r.candidate, r.run_dir, round_start + self.probe_s, kind)
             cont.earlier_losses = list(r.losses)
@@ -688,7 +721,7 @@ class OnlineTune:
                 phase,
                 f"continue {r.candidate.label()} to {self.probe_s:.4g} s: "
                 + ("NaN" if cont.diverged else f"score {cont.score:.4f}"),
-                f"successive halving: one of the {self.cfg.tune.promote} best first-rung "
+                f"successive halving: one of the {promote} best first-rung "
                 f"scores ({r.score:.4f} after {self.rung_s:.4g} {self.clock.name} s), "
                 "continued from its own checkpoint",
                 score=None if cont.diverged else cont.score,
@@ -705,6 +738,7 @@ class OnlineTune:
             self.log,
             ps_learners=self.ps_learners,
             out_of_budget=lambda: bool(self.max_probes) and self.count >= self.max_probes,
+            stop_descending=True,
         )
         best = search.cold_start("initial")
         if best is None:
@@ -784,7 +818,15 @@ class OnlineTune:
         return extra
 
     def _steady_grid(self, current: Candidate) -> list[tuple[float, float]]:
-        return steady_grid(current.lr, current.momentum, self.settings.momenta, self.rate_ceiling)
+        # hardsync only: compute groups add asynchrony's implicit momentum (SPEC.md §3),
+        # so one explicit η / (1 − μ) is not one rate there
+        return steady_grid(
+            current.lr,
+            current.momentum,
+            self.settings.momenta,
+            self.rate_ceiling,
+            one_per_rate=current.family == "hardsync",
+        )
 
     def _no_round_left(self, current: Candidate) -> None:
         """The decision when steady state has nothing to probe for ``current``: no step
@@ -978,12 +1020,14 @@ def train_tuned(
         config = RunConfig.from_toml(Path(out_dir) / STATE_FILE)
     elif config is None:
         raise ConfigError("distsgd train --tune needs a config (or resume=RUN_DIR)")
-    tune = OnlineTune(config, out_dir, progress=progress, code=code)  # checks the settings
-    # one writer: the run directory is claimed for the whole tuning run, as a plain run's
-    # (a concurrent --resume or second --tune into it is refused, naming this process)
-    claim = RunDirClaim.acquire(out_dir)
-    try:
-        return tune.run(resume=resume)
-    finally:
-        if claim is not None:
-            claim.release()
+    with keep_loaded():  # a built-in data set is read once for the setup and sim's probes
+        tune = OnlineTune(config, out_dir, progress=progress, code=code)  # checks the settings
+        # one writer: the run directory is claimed for the whole tuning run, as a plain
+        # run's (a concurrent --resume or second --tune into it is refused, naming this
+        # process)
+        claim = RunDirClaim.acquire(out_dir)
+        try:
+            return tune.run(resume=resume)
+        finally:
+            if claim is not None:
+                claim.release()
