@@ -242,10 +242,12 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     path, prof = api.calibrate(args.config, args.set, args.out)
     push = prof.seconds_per_push or 0.0
+    per_iteration = prof.seconds_per_iteration or 0.0
     print(
         f"device profile {prof.seconds_per_batch * 1e3:.3f} ms/batch + "
         f"{prof.seconds_per_sample * 1e6:.1f} µs/sample (spread {prof.spread:.0%} over "
-        f"{prof.repeats} measurements), server {push * 1e3:.3f} ms/push, "
+        f"{prof.repeats} measurements), {per_iteration * 1e3:.3f} ms/iteration beyond the "
+        f"gradient, server {push * 1e3:.3f} ms/push, "
         f"{prof.key.num_threads} thread(s), written to {path}"
         + (
             ""

@@ -773,6 +773,15 @@ class ClusterConfig:
             the device profile when that is calibrated or read from ``profile``
             (:func:`distsgd.runtime.sim.calibrate_server`), and free when
             ``seconds_per_sample`` / ``seconds_per_batch`` are given; 0: free.
+        seconds_per_iteration: synchronous protocols (hardsync, SMA, local SGD): seconds a
+            device works per iteration beyond its gradients: the protocol's update of the
+            flat weights and the runtime loop's own work (the DDP wrapper, drawing the
+            minibatch), charged once per device iteration. Negative (-1) means measured
+            with the device profile when that is calibrated
+            (:func:`distsgd.runtime.dist.calibrate_iteration`: the real hardsync
+            iteration at world size 1 minus the gradient alone), read from ``profile``
+            (0 when the file has none), and free when ``seconds_per_sample`` /
+            ``seconds_per_batch`` are given; 0: free.
         cores: CPU cores the simulated cluster's processes share; 0 (default): every
             process (learner, server) has cores of its own, as on a real cluster. With
             more busy processes than cores (every rank on one machine), compute and the
@@ -791,6 +800,7 @@ class ClusterConfig:
     seconds_per_batch: float = -1.0
     seconds_per_replica: float = -1.0
     seconds_per_push: float = -1.0
+    seconds_per_iteration: float = -1.0
     profile: str = ""
     replica_ratios: list[float] = field(default_factory=list)
     speed_factors: list[float] = field(default_factory=list)
@@ -807,6 +817,7 @@ class ClusterConfig:
             "seconds_per_batch",
             "seconds_per_replica",
             "seconds_per_push",
+            "seconds_per_iteration",
         ):
             v = getattr(self, key)
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
@@ -1678,7 +1689,8 @@ class RunConfig:
           network; ``summary.json`` echoes the configured profile, nothing uses it);
           ``cluster.seconds_per_replica`` and ``cluster.replica_ratios`` on the ``sim``
           runtime for protocols with one learner per device (k = 1: t(1) alone);
-          ``cluster.seconds_per_push`` for protocols without a parameter server;
+          ``cluster.seconds_per_push`` for protocols without a parameter server,
+          ``cluster.seconds_per_iteration`` for those with one;
         * ``train.max_virtual_seconds``: on the ``dist`` runtime (no virtual clock);
         * ``dist.*``: on the ``sim`` runtime; ``dist.num_servers`` for protocols without a
           parameter server;
@@ -1716,6 +1728,8 @@ class RunConfig:
                 unread |= {"cluster.seconds_per_replica", "cluster.replica_ratios"}
             if not spec.has_server:
                 unread.add("cluster.seconds_per_push")
+            else:
+                unread.add("cluster.seconds_per_iteration")
         return frozenset(unread)
 
     def replace(self, **sections: Any) -> RunConfig:

@@ -62,6 +62,11 @@ class ClusterModel:
             all-reduce reduces and copies as it goes, so per byte it is not a send: on
             loopback here 421,642 values took 0.54 ms as one send and 1.85 ms as an
             all-reduce of two processes (``bench/results/dist/fidelity.md``).
+        t_iteration: a synchronous device's seconds per iteration beyond its gradients
+            (``cluster.seconds_per_iteration``): the protocol's update of the flat weights
+            and the runtime loop's own work (DDP wrapper, minibatch draw), added once per
+            device iteration by :func:`device_seconds`; 0: free. Parameter-server
+            learners are not charged it (the update is the server's, ``t_server``).
         cores: CPU cores the cluster's processes share (``cluster.cores``); 0: every
             process has a core of its own (a real cluster). With more busy processes than
             cores, compute and the server's work stretch (:func:`core_stretch`,
@@ -80,6 +85,7 @@ class ClusterModel:
     cores: int = 0
     allreduce_latency_s: float | None = None
     allreduce_bandwidth_gbps: float | None = None
+    t_iteration: float = 0.0
 
     @property
     def message_seconds(self) -> float:
@@ -115,16 +121,18 @@ def replica_ratio(replicas: int, ratios: tuple[float, ...] | list[float]) -> flo
 
 
 def device_seconds(replicas: int, batch_size: int | float, cluster: ClusterModel) -> float:
-    """Seconds for one device to compute k = ``replicas`` replicas of b samples as one
-    batched computation: ``t(1)·replica_ratio(k)`` with measured ``replica_ratios``, else
-    ``t(1) + (k − 1)·t_replica``, with ``t(1) = t_batch + b·t_sample`` (the simulated
-    runtime's :meth:`~distsgd.runtime.sim.DeviceProfile.device_seconds`; Crossbow, SPEC §4);
-    k = 1 is :func:`compute_seconds`."""
+    """Seconds of one synchronous iteration of a device computing k = ``replicas``
+    replicas of b samples as one batched computation, and its work beyond the
+    gradients: ``t(1)·replica_ratio(k) + t_iteration`` with measured ``replica_ratios``,
+    else ``t(1) + (k − 1)·t_replica + t_iteration``, with
+    ``t(1) = t_batch + b·t_sample`` (the simulated runtime's
+    :meth:`~distsgd.runtime.sim.DeviceProfile.device_seconds`; Crossbow, SPEC §4);
+    k = 1 is :func:`compute_seconds` plus ``t_iteration``."""
     t1 = compute_seconds(batch_size, cluster)
     if cluster.replica_ratios:
-        return t1 * replica_ratio(replicas, cluster.replica_ratios)
+        return t1 * replica_ratio(replicas, cluster.replica_ratios) + cluster.t_iteration
     r = t1 if cluster.t_replica is None else cluster.t_replica
-    return t1 + (replicas - 1) * r
+    return t1 + (replicas - 1) * r + cluster.t_iteration
 
 
 def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:

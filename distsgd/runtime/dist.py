@@ -57,6 +57,7 @@ RankFaults`); nothing is read from the environment for them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -67,11 +68,12 @@ import os
 import queue
 import re
 import signal
+import statistics
 import sys
 import threading
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -103,6 +105,9 @@ __all__ = [
     "init_process_group",
     "collective_backend",
     "build_runtime",
+    "calibrate_iteration",
+    "draw_minibatches",
+    "hardsync_step",
     "SyncDistRuntime",
     "PSDistRuntime",
 ]
@@ -569,6 +574,133 @@ def ddp_no_forward_buffer_sync(ddp_init: Callable[..., Any]) -> dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
+def draw_minibatches(streams: list[LearnerStream], dataset: Dataset) -> tuple[Tensor, Tensor]:
+    """The next minibatch of each of a rank's learner ``streams``: inputs ``[k, b, ...]``
+    and targets ``[k, b, ...]`` (what one synchronous iteration of the rank draws)."""
+    idx = torch.stack([s.next_indices() for s in streams])  # [k, b]
+    return dataset.train.batch(idx)
+
+
+def hardsync_step(
+    engine: GradientEngine,
+    proto: HardSync,
+    x: Tensor,
+    y: Tensor,
+    lr: float,
+    module: torch.nn.Module | None,
+    check: Callable[[list[float]], None],
+) -> list[float]:
+    """One hardsync learner's iteration on its minibatch ``x`` ``[b, ...]``, ``y``: the
+    gradient through ``module`` (the DDP wrapper, whose backward all-reduces it; None:
+    the bare model), ``check`` of its losses, then the protocol's update of the flat
+    weights. Returns the losses."""
+    grad, losses = engine.gradient(proto.learner_weights(0), x, y, module=module)
+    check(losses)
+    proto.apply_mean_gradient(grad, lr)
+    return losses
+
+
+@contextlib.contextmanager
+def _solo_process_group() -> Iterator[bool]:
+    """A gloo process group of this process alone (world size 1, an in-memory store) for
+    the duration; yields False, and makes none, when one exists already or it cannot be
+    made (then a DDP wrapper cannot be timed)."""
+    made = False
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            made = True
+        except (RuntimeError, ValueError, dist.DistError):
+            made = False
+    try:
+        yield made
+    finally:
+        if made:
+            gc.collect()  # a DDP Reducer freed after the group can deadlock (close())
+            dist.destroy_process_group()
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Wall seconds of ``fn()``, waiting for ``device``'s queued work."""
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def calibrate_iteration(
+    cfg: RunConfig,
+    dataset: Dataset,
+    make_engine: Callable[[], GradientEngine],
+    repeats: int = 20,
+    statistic: Callable[[list[float]], float] = statistics.median,
+) -> float:
+    """Seconds a synchronous learner works per iteration beyond its gradient, on this
+    machine with this process's threads (``cluster.seconds_per_iteration``).
+
+    Times the real hardsync iteration of :class:`SyncDistRuntime` at world size 1
+    (:func:`draw_minibatches`, the gradient through the DDP wrapper of a one-process gloo
+    group, the protocol's update of the flat weights: :func:`hardsync_step`) and, in turn
+    with it in the same process, the bare gradient of a second engine at the same b;
+    returns ``statistic(iteration) − statistic(gradient)``, at least 0. One-process
+    all-reduce is a copy, not a network (the simulator charges the all-reduce apart).
+    Where a process group exists already the wrapper is left out (the update and the draw
+    are still timed). ``make_engine`` builds a throwaway engine of the run's model (it is
+    called twice); the protocol is a throwaway hardsync of ``cfg``'s optimizer at λ = 1.
+
+    Returns:
+        seconds per iteration (>= 0).
+    """
+    p = cfg.protocol
+    solo = cfg.replace(
+        protocol=dataclasses.replace(p, name="hardsync", num_learners=1, replicas_per_device=1),
+        dist=dataclasses.replace(cfg.dist, num_processes=0),
+    )
+    plain, stepped = make_engine(), make_engine()
+    proto = build_protocol(solo, stepped.initial_weights())
+    assert isinstance(proto, HardSync)
+    stream = LearnerStream(ShardedSampler(dataset.num_train, 1, p.batch_size, 0), 0)
+    x0, y0 = dataset.train.batch(torch.arange(min(p.batch_size, dataset.num_train)))
+    w = plain.initial_weights()
+    lr = cfg.optimizer.lr
+    with _solo_process_group() as grouped:
+        ddp = _ddp(stepped) if grouped else None
+
+        def step() -> None:
+            x, y = draw_minibatches([stream], dataset)
+            hardsync_step(stepped, proto, x[0], y[0], lr, ddp, lambda losses: None)
+
+        times = _time_in_turn([step, lambda: plain.gradient(w, x0, y0)], repeats, plain.device)
+        ddp = None  # freed before the group (_solo_process_group)
+    return max(statistic(times[0]) - statistic(times[1]), 0.0)
+
+
+def _time_in_turn(
+    fns: list[Callable[[], Any]], repeats: int, device: torch.device, warmup: int = 2
+) -> list[list[float]]:
+    """Wall seconds of each of ``fns``, called in turn in each of ``warmup + repeats``
+    rounds (a change of the machine's load reaches all alike); the warm-up rounds are
+    dropped. Returns one list of ``repeats`` seconds per function."""
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(warmup + repeats):
+        for fn, kept in zip(fns, times, strict=True):
+            t = _timed(fn, device)
+            if i >= warmup:
+                kept.append(t)
+    return times
+
+
+def _ddp(engine: GradientEngine) -> DistributedDataParallel:
+    """``engine``'s model in the DDP wrapper :class:`SyncDistRuntime` uses."""
+    on_gpu = engine.device.type == "cuda"
+    return DistributedDataParallel(
+        engine.model,
+        device_ids=[engine.device] if on_gpu else None,
+        **ddp_no_forward_buffer_sync(DistributedDataParallel.__init__),
+    )
+
+
 class SyncDistRuntime(_DistBase):
     """hardsync / plain (DDP), SMA and local SGD on real processes; surface of SimRuntime.
 
@@ -615,12 +747,7 @@ class SyncDistRuntime(_DistBase):
         if isinstance(self.protocol, HardSync):
             # no buffer broadcast: training forwards normalise with their batch's
             # statistics, and evaluation recomputes the running ones (evaluate)
-            on_gpu = engine.device.type == "cuda"
-            self.ddp = DistributedDataParallel(
-                engine.model,
-                device_ids=[engine.device] if on_gpu else None,
-                **ddp_no_forward_buffer_sync(DistributedDataParallel.__init__),
-            )
+            self.ddp = _ddp(engine)
 
     def _free_group_users(self) -> None:
         self.ddp = None  # its Reducer holds the process group
@@ -665,8 +792,7 @@ class SyncDistRuntime(_DistBase):
         return float(t.item())
 
     def _minibatches(self) -> tuple[Tensor, Tensor]:
-        idx = torch.stack([s.next_indices() for s in self.streams])  # [k, b]
-        return self.dataset.train.batch(idx)
+        return draw_minibatches(self.streams, self.dataset)
 
     def advance(self, lr: float) -> Tick:
         """One synchronous iteration of all λ learners; returns this rank's losses."""
@@ -676,11 +802,15 @@ class SyncDistRuntime(_DistBase):
         x, y = self._minibatches()
         try:
             if isinstance(proto, HardSync):
-                grad, losses = self.engine.gradient(
-                    proto.learner_weights(0), x[0], y[0], module=self.ddp
+                losses = hardsync_step(
+                    self.engine,
+                    proto,
+                    x[0],
+                    y[0],
+                    lr,
+                    self.ddp,
+                    lambda losses: _check_losses(losses, self.learners, lr, self.samples),
                 )
-                _check_losses(losses, self.learners, lr, self.samples)
-                proto.apply_mean_gradient(grad, lr)
             else:
                 assert isinstance(proto, SMA | LocalSGD)
                 grads, losses = self.engine.replica_gradients(proto.replicas.clone(), x, y)

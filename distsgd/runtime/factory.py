@@ -126,8 +126,11 @@ def measure_device(
     coefficient kept; spread = (max − min)/median of t(b) at the run's b), the server's
     work per push (:func:`~distsgd.runtime.sim.calibrate_server`, unless ``server`` is
     False: the tuner's parameter-server candidates need it whatever the run's protocol),
-    and t(k)/t(1) up to ``max_replicas``
-    (:func:`~distsgd.runtime.sim.calibrate_replicas`; None: what the run needs).
+    t(k)/t(1) up to ``max_replicas``
+    (:func:`~distsgd.runtime.sim.calibrate_replicas`; None: what the run needs), and a
+    synchronous learner's work per iteration beyond its gradient
+    (:func:`~distsgd.runtime.dist.calibrate_iteration`: the real hardsync iteration at
+    world size 1 minus the gradient, in the same process).
 
     Returns:
         the profile, keyed by :func:`profile_key`.
@@ -149,6 +152,7 @@ def measure_device(
     )
     if server is not False:
         prof.seconds_per_push = _server_seconds(cfg, engine)
+    prof.seconds_per_iteration = _iteration_seconds(cfg, dataset, code)
     k = _replicas_needed(cfg) if max_replicas is None else max_replicas
     if k > 1:
         prof.replica_ratios, _ = calibrate_replicas(engine, dataset, b, max_replicas=k)
@@ -167,6 +171,12 @@ def _server_seconds(cfg: RunConfig, engine: GradientEngine) -> float:
     proto = build_protocol(cfg, engine.initial_weights())
     assert isinstance(proto, AsynchronousProtocol)
     return calibrate_server(proto, cfg.optimizer.lr)
+
+
+def _iteration_seconds(cfg: RunConfig, dataset: Dataset, code: UserCode | None) -> float:
+    """A synchronous learner's seconds per iteration beyond its gradient
+    (:func:`~distsgd.runtime.dist.calibrate_iteration`, on throwaway models of ``cfg``'s)."""
+    return rdist.calibrate_iteration(cfg, dataset, lambda: _throwaway_engine(cfg, code))
 
 
 def _cached_device(
@@ -203,11 +213,14 @@ def _cached_device(
         warn_spread(prof, path)
         return prof
     missing_push = prof.seconds_per_push is None
+    missing_iteration = prof.seconds_per_iteration is None  # a file of an older distsgd
     k = _replicas_needed(cfg)
-    if missing_push or (k > 1 and len(prof.replica_ratios) < k):
+    if missing_push or missing_iteration or (k > 1 and len(prof.replica_ratios) < k):
         engine = _throwaway_engine(cfg, code)
         if missing_push:
             prof.seconds_per_push = _server_seconds(cfg, engine)
+        if missing_iteration:
+            prof.seconds_per_iteration = _iteration_seconds(cfg, dataset, code)
         if k > 1 and len(prof.replica_ratios) < k:
             b = cfg.protocol.batch_size
             prof.replica_ratios, _ = calibrate_replicas(engine, dataset, b, max_replicas=k)
@@ -250,6 +263,8 @@ def _describe(prof: profiles.DeviceProfileFile) -> str:
     )
     if prof.seconds_per_push is not None:
         text += f", server {prof.seconds_per_push * 1e3:.3f} ms/push"
+    if prof.seconds_per_iteration is not None:
+        text += f", {prof.seconds_per_iteration * 1e3:.3f} ms/iteration beyond the gradient"
     return text
 
 
@@ -301,13 +316,15 @@ def with_device_profile(
     cfg: RunConfig, dataset: Dataset, code: UserCode | None = None
 ) -> tuple[RunConfig, bool]:
     """``cfg`` with the simulated device's ``cluster.seconds_per_sample``,
-    ``seconds_per_batch`` and (for a protocol with a parameter server)
-    ``seconds_per_push`` filled in where the config asks for them (-1): from the profile
+    ``seconds_per_batch``, ``seconds_per_iteration`` (0 from a named file without it) and
+    (for a protocol with a parameter server) ``seconds_per_push`` filled in where the
+    config asks for them (-1): from the profile
     file ``cluster.profile`` names, else from this machine's profile cache
     (:mod:`distsgd.runtime.profiles`; measured on a throwaway model of the run's, ``code``:
     the user's objects, when the cache has no profile for this machine, model, b, threads
     and torch version). A device profile given in the config
-    leaves ``seconds_per_push = -1``, which charges no server work (:func:`device_profile`).
+    leaves ``seconds_per_push`` and ``seconds_per_iteration`` at -1, which charge no
+    server work and no work beyond the gradient (:func:`device_profile`).
 
     Returns:
         ``(config, calibrated)``: whether the profile was measured on this machine (now or
@@ -334,6 +351,10 @@ def with_device_profile(
     )
     if needs_push and prof.seconds_per_push is not None:
         cluster = dataclasses.replace(cluster, seconds_per_push=prof.seconds_per_push)
+    if c.seconds_per_iteration < 0:
+        cluster = dataclasses.replace(
+            cluster, seconds_per_iteration=prof.seconds_per_iteration or 0.0
+        )
     k = _replicas_needed(cfg)
     if k > 1 and len(prof.replica_ratios) >= 2:
         cluster = dataclasses.replace(cluster, replica_ratios=list(prof.replica_ratios))
@@ -391,6 +412,7 @@ def device_profile(cfg: RunConfig, calibrated: bool) -> DeviceProfile:
         seconds_per_replica=r if r >= 0 else None,
         replica_ratios=tuple(c.replica_ratios),
         seconds_per_push=max(c.seconds_per_push, 0.0),
+        seconds_per_iteration=max(c.seconds_per_iteration, 0.0),
     )
 
 

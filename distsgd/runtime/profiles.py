@@ -22,6 +22,8 @@ A profile is a small TOML file::
     seconds_per_batch = 0.0009    # median over the repeats, seconds
     seconds_per_sample = 0.00048  # median over the repeats, seconds
     seconds_per_push = 0.0004     # parameter server's work per push, seconds (optional)
+    seconds_per_iteration = 0.004 # synchronous learner's work per iteration beyond its
+                                  # gradient, seconds (optional)
     replica_ratios = [1.0, 1.3]   # t(k)/t(1) at batch_size (optional)
 
 Two uses (:func:`distsgd.runtime.factory.calibrated_config`):
@@ -35,6 +37,11 @@ Two uses (:func:`distsgd.runtime.factory.calibrated_config`):
 * a **named file** (``cluster.profile``, written by ``distsgd calibrate --out``): a device
   measured elsewhere, e.g. on the GPU node being planned for; it must be of the run's model
   (name and P), and is used whatever the machine, threads or torch version.
+
+Optional fields a file may lack (written by an older distsgd): ``seconds_per_push`` and
+``seconds_per_iteration`` read as None (not measured); a cached profile without them has
+them measured and added when a run needs them, a named file without
+``seconds_per_iteration`` charges none (0 s: the file's device was measured elsewhere).
 
 Pure file handling: no torch computation here (the measurement is in
 :mod:`distsgd.runtime.factory`).
@@ -135,7 +142,10 @@ class ProfileKey:
 class DeviceProfileFile:
     """A device profile as a file holds it (see the module docstring for the fields).
 
-    ``seconds_per_push`` None: not measured; ``replica_ratios`` empty: not measured.
+    ``seconds_per_push`` None: not measured; ``seconds_per_iteration`` None: not measured
+    (seconds a synchronous learner works per iteration beyond its gradient, see
+    :func:`distsgd.runtime.dist.calibrate_iteration`); ``replica_ratios`` empty: not
+    measured.
     """
 
     key: ProfileKey
@@ -145,6 +155,7 @@ class DeviceProfileFile:
     spread: float = 0.0
     seconds_per_push: float | None = None
     replica_ratios: list[float] = field(default_factory=list)
+    seconds_per_iteration: float | None = None
     measured_at: str = ""
 
     def seconds(self, batch_size: int) -> float:
@@ -230,6 +241,8 @@ def write_profile(path: Path, prof: DeviceProfileFile) -> None:
     }
     if prof.seconds_per_push is not None:
         values["seconds_per_push"] = prof.seconds_per_push
+    if prof.seconds_per_iteration is not None:
+        values["seconds_per_iteration"] = prof.seconds_per_iteration
     if prof.replica_ratios:
         values["replica_ratios"] = [float(r) for r in prof.replica_ratios]
     text = "[profile]\n" + "".join(f"{n} = {_toml_value(v)}\n" for n, v in values.items())
@@ -340,6 +353,9 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
     push = table.get("seconds_per_push")
     if push is not None:
         push = _field(setting, path, table, "seconds_per_push", float)
+    per_iteration = table.get("seconds_per_iteration")
+    if per_iteration is not None:
+        per_iteration = _field(setting, path, table, "seconds_per_iteration", float)
     ratios = table.get("replica_ratios", [])
     if not isinstance(ratios, list) or any(
         not isinstance(r, int | float) or isinstance(r, bool) or not r > 0 for r in ratios
@@ -356,5 +372,6 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
         spread=spread,
         seconds_per_push=push,
         replica_ratios=[float(r) for r in ratios],
+        seconds_per_iteration=per_iteration,
         measured_at=str(table.get("measured_at", "")),
     )

@@ -16,6 +16,11 @@ Timing model (all in virtual seconds):
   batched path measured on this machine at the run's b (``cluster.replica_ratios``,
   :func:`calibrate_replicas`), or ``ρ(k) = 1 + (k − 1) · seconds_per_replica / t(1)``
   without a measurement (speed_d: the slowest of its learners; k = 1 is the line above);
+* a synchronous device's work per iteration beyond its gradients (the protocol's update
+  of the flat weights, the runtime loop: DDP wrapper, minibatch draw):
+  ``seconds_per_iteration / speed_d``, added to its compute above (and stretched and
+  jittered with it); parameter-server learners are not charged it (the update is the
+  server's ``seconds_per_push``);
 * one message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``;
 * ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``
   (with ``cluster.allreduce_latency_s`` / ``allreduce_bandwidth_gbps`` where set);
@@ -93,6 +98,8 @@ class DeviceProfile:
             ``seconds_per_replica``); see :func:`distsgd.runtime.cluster_model.replica_ratio`.
         seconds_per_push: the parameter server's seconds of work per pushed gradient
             (>= 0; :func:`calibrate_server`); 0: free.
+        seconds_per_iteration: a synchronous device's seconds per iteration beyond its
+            gradients (>= 0; :func:`distsgd.runtime.dist.calibrate_iteration`); 0: free.
     """
 
     seconds_per_batch: float
@@ -101,6 +108,7 @@ class DeviceProfile:
     seconds_per_replica: float | None = None
     replica_ratios: tuple[float, ...] = ()
     seconds_per_push: float = 0.0
+    seconds_per_iteration: float = 0.0
 
     @functools.cached_property
     def model(self) -> cm.ClusterModel:
@@ -112,6 +120,7 @@ class DeviceProfile:
             t_replica=self.seconds_per_replica,
             replica_ratios=self.replica_ratios,
             t_server=self.seconds_per_push,
+            t_iteration=self.seconds_per_iteration,
         )
 
     def compute_seconds(self, batch_size: int) -> float:
@@ -119,10 +128,11 @@ class DeviceProfile:
         return cm.compute_seconds(batch_size, self.model)
 
     def device_seconds(self, replicas: int, batch_size: int) -> float:
-        """One iteration of k = ``replicas`` replicas × b = ``batch_size`` samples on one
-        device, as one batched computation, seconds
-        (:func:`~distsgd.runtime.cluster_model.device_seconds`: ``t(1) · replica_ratio(k)``
-        with measured ``replica_ratios``, else ``t(1) + (k − 1) · seconds_per_replica``)."""
+        """One synchronous iteration of k = ``replicas`` replicas × b = ``batch_size``
+        samples on one device, as one batched computation, and its work beyond the
+        gradients, seconds (:func:`~distsgd.runtime.cluster_model.device_seconds`:
+        ``t(1) · replica_ratio(k)`` with measured ``replica_ratios``, else
+        ``t(1) + (k − 1) · seconds_per_replica``; plus ``seconds_per_iteration``)."""
         return cm.device_seconds(replicas, batch_size, self.model)
 
 
@@ -427,11 +437,10 @@ class SimRuntime(Runtime):
         return base * self._stretch * self._jitter()
 
     def device_compute_seconds(self, device: int) -> float:
-        """Virtual seconds for ``device`` to compute one iteration of its k replicas
-        (draws jitter; k = 1 is :meth:`compute_seconds`)."""
+        """Virtual seconds for ``device`` to compute one synchronous iteration of its k
+        replicas, with its work beyond the gradients
+        (:meth:`DeviceProfile.device_seconds`; draws jitter)."""
         k = self.replicas_per_device
-        if k == 1:
-            return self.compute_seconds(device)
         speed = min(self.speeds[device * k : (device + 1) * k])
         base = self.profile.device_seconds(k, self.batch_size) / speed
         return base * self._stretch * self._jitter()

@@ -125,10 +125,11 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
     With t_c = ``compute_seconds(b)``, m the message time, AR(m) the ring all-reduce and
     J(m) the straggler factor:
 
-    * hardsync: ``J(λ)·t_c + AR(λ)`` (every learner, then one all-reduce; SPEC §1);
+    * hardsync: ``J(λ)·(t_c + t_iteration) + AR(λ)`` (every learner, then one
+      all-reduce; SPEC §1; ``t_iteration``: its update of the weights and loop work);
     * SMA, k replicas per device: ``J(λ/k)·D(k) + AR(λ/k)`` with the device time
       ``D(k)`` of :func:`device_seconds` (t(1) times the measured t(k)/t(1), or
-      ``t_batch + b·t_sample + (k − 1)·t_replica``; a
+      ``t_batch + b·t_sample + (k − 1)·t_replica``, plus ``t_iteration``; a
       device computes its k learners as one batched computation; devices all-reduce
       their corrections; Crossbow, SPEC §4);
     * compute groups: a group's cycle is ``2m + J(λ/g)·t_c + AR(λ/g) + t_server`` (the
@@ -151,7 +152,7 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
     s = cluster.jitter
     cores = cluster.cores
     if layout.family == "hardsync":
-        tc *= core_stretch(lam, cores)
+        tc = device_seconds(1, b, cluster) * core_stretch(lam, cores)
         return straggler_factor(lam, s) * tc + allreduce_seconds(lam, cluster)
     if layout.family == "sma":
         k = layout.replicas_per_device
