@@ -18,7 +18,11 @@ and learning rate everywhere:
    Calibration, with one thread per process as the dist runs: the device profile (median
    of 20 repeats) alone, and again while another process computes the same model (the
    2-learner runs compute two at a time on this machine's cores; they are predicted
-   with that profile); the network by :func:`distsgd.runtime.netcal.calibrate_network`
+   with that profile), each with a hardsync learner's work per iteration beyond its
+   gradient measured in the same process and condition
+   (:func:`distsgd.runtime.dist.calibrate_iteration`: the real hardsync iteration at world
+   size 1 minus the gradient; ``cluster.seconds_per_iteration``, charged to the hardsync
+   rows); the network by :func:`distsgd.runtime.netcal.calibrate_network`
    (gloo send/recv and all-reduce between two processes on loopback, least squares); the
    parameter server's apply + copy per push (one thread, median of 200 pushes,
    :func:`distsgd.runtime.sim.calibrate_server`, what ``distsgd calibrate`` measures) and
@@ -199,18 +203,21 @@ def busy_worker() -> None:
         engine.gradient(w, ds.train_x[:64], ds.train_y[:64])
 
 
-def calibrated_profile(concurrent: bool = False) -> dict[str, float]:
+def calibrated_profile(args: argparse.Namespace, concurrent: bool = False) -> dict[str, float]:
     """The device profile of one learner process: 1 thread (as every dist process in this
     benchmark), median of 20 repeats (the measured runs' mean includes the machine's
-    ordinary disturbances, which the fastest repeat hides). ``concurrent``: while another
-    process computes the same model with one thread (as the other learner of a
-    2-process run does)."""
+    ordinary disturbances, which the fastest repeat hides), and the hardsync learner's
+    work per iteration beyond its gradient (:func:`calibrate_iteration`, median of 20, in
+    the same process). ``concurrent``: while another process computes the same model with
+    one thread (as the other learner of a 2-process run does)."""
     import torch
 
+    from distsgd.api import resolve_config
     from distsgd.config import DataConfig
     from distsgd.data import load_dataset
     from distsgd.engine import GradientEngine
     from distsgd.models import build_model
+    from distsgd.runtime.dist import calibrate_iteration
     from distsgd.runtime.sim import calibrate
 
     busy = None
@@ -229,6 +236,10 @@ def calibrated_profile(concurrent: bool = False) -> dict[str, float]:
         torch.manual_seed(0)
         engine = GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes))
         prof = calibrate(engine, ds, repeats=20, statistic=statistics.median)
+        cfg = resolve_config(None, [*common(args), "protocol.name=hardsync"])
+        per_iteration = calibrate_iteration(
+            cfg, ds, lambda: GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes))
+        )
     finally:
         if busy is not None:
             busy.terminate()
@@ -236,6 +247,7 @@ def calibrated_profile(concurrent: bool = False) -> dict[str, float]:
     return {
         "seconds_per_sample": prof.seconds_per_sample,
         "seconds_per_batch": prof.seconds_per_batch,
+        "seconds_per_iteration": per_iteration,
         "num_parameters": engine.num_parameters,
     }
 
@@ -336,10 +348,15 @@ def server_seconds_on_processes(
     }
 
 
-def profile_overrides(profile: dict[str, float]) -> list[str]:
+def profile_overrides(profile: dict[str, float], synchronous: bool = True) -> list[str]:
+    """The simulated device of ``profile``; a synchronous protocol's learners are also
+    charged their work per iteration beyond the gradient (a parameter server's learners
+    are not: the update is the server's, in ``cluster.seconds_per_push``)."""
+    per_iteration = profile.get("seconds_per_iteration", 0.0)
     return [
         f"cluster.seconds_per_sample={profile['seconds_per_sample']!r}",
         f"cluster.seconds_per_batch={profile['seconds_per_batch']!r}",
+        *([f"cluster.seconds_per_iteration={per_iteration!r}"] if synchronous else []),
     ]
 
 
@@ -348,8 +365,8 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     machine: device profile alone and under contention, network by gloo measurement."""
     from distsgd.runtime.netcal import calibrate_network
 
-    alone = calibrated_profile()
-    contended = calibrated_profile(concurrent=True)
+    alone = calibrated_profile(args)
+    contended = calibrated_profile(args, concurrent=True)
     network = calibrate_network(int(alone["num_parameters"]))
     measured_profiles = []
     apply_s = {lam: server_seconds(args, lam) for lam in (1, 2)}
@@ -399,23 +416,29 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             # Measured again just before the row's dist run: the machine's load (shared
             # with other work) drifts within minutes, and the row is predicted with the
             # load of its own moment
-            alone = calibrated_profile()
+            alone = calibrated_profile(args)
             profiles = {"alone": alone}
             if lam == 2:
-                profiles["contended"] = contended = calibrated_profile(concurrent=True)
+                profiles["contended"] = contended = calibrated_profile(args, concurrent=True)
             measured_profiles.append({"row": f"{name} λ={lam}", "load": load(), **profiles})
             push = [f"cluster.seconds_per_push={push_s[lam]!r}"] if name == "async" else []
             predicted = {}
             for key, prof in profiles.items():
+                sync = name == "hardsync"
                 sim = distsgd_run(
-                    [*sim_base, *profile_overrides(prof), *push], tmp / f"sim-{name}{lam}{key}"
+                    [*sim_base, *profile_overrides(prof, sync), *push],
+                    tmp / f"sim-{name}{lam}{key}",
                 )
                 predicted[key] = sim["virtual_s"] / sim["iterations"]
             used = "alone" if lam == 1 else "contended"
             free = predicted[used]
             if name == "async":  # the same, with the server's work free (as before)
                 sim = distsgd_run(
-                    [*sim_base, *profile_overrides(profiles[used]), "cluster.seconds_per_push=0"],
+                    [
+                        *sim_base,
+                        *profile_overrides(profiles[used], synchronous=False),
+                        "cluster.seconds_per_push=0",
+                    ],
                     tmp / f"sim-{name}{lam}free",
                 )
                 free = sim["virtual_s"] / sim["iterations"]
@@ -571,7 +594,10 @@ def _server_on_processes_text(sp: dict[str, float] | None) -> str:
 
 
 def _fmt_profile(p: dict[str, float]) -> str:
-    return f"{p['seconds_per_batch'] * 1e3:.2f} + {p['seconds_per_sample'] * 1e3:.3f}"
+    text = f"{p['seconds_per_batch'] * 1e3:.2f} + {p['seconds_per_sample'] * 1e3:.3f}"
+    if "seconds_per_iteration" in p:
+        text += f"; {p['seconds_per_iteration'] * 1e3:.2f}"
+    return text
 
 
 def fidelity_markdown(r: dict[str, Any]) -> str:
@@ -594,7 +620,11 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
         f"{a['seconds_per_batch'] * 1e3:.2f} ms + {a['seconds_per_sample'] * 1e3:.3f} ms/sample; "
         "while another process computes the same model "
         f"{c['seconds_per_batch'] * 1e3:.2f} ms + {c['seconds_per_sample'] * 1e3:.3f} ms/sample "
-        f"(×{cal['contention_factor_batch']:.2f} at batch {s['batch_size']}); network "
+        f"(×{cal['contention_factor_batch']:.2f} at batch {s['batch_size']}); a hardsync "
+        "learner's work per iteration beyond its gradient (distsgd.runtime.dist."
+        "calibrate_iteration, charged to the hardsync rows): "
+        f"{a.get('seconds_per_iteration', math.nan) * 1e3:.2f} ms alone, "
+        f"{c.get('seconds_per_iteration', math.nan) * 1e3:.2f} ms contended; network "
         "(gloo, 2 processes on loopback, median of 20, least-squares fit, "
         "distsgd.runtime.netcal): "
         f"messages: latency {net['latency_s'] * 1e6:.0f} µs, bandwidth "
@@ -626,7 +656,8 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
         "Each row's device profile is measured again just before its dist run (alone; "
         "for λ = 2 also while another process computes):",
         "",
-        "| row | load average then | alone: ms + ms/sample | contended: ms + ms/sample |",
+        "| row | load average then | alone: ms + ms/sample; ms/iteration beyond the gradient "
+        "| contended: the same |",
         "|---|---|---|---|",
         *(
             f"| {p['row']} | {p['load']} | {_fmt_profile(p['alone'])} | "
