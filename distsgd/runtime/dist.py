@@ -648,6 +648,8 @@ def calibrate_iteration(
     Where a process group exists already the wrapper is left out (the update and the draw
     are still timed). ``make_engine`` builds a throwaway engine of the run's model (it is
     called twice); the protocol is a throwaway hardsync of ``cfg``'s optimizer at λ = 1.
+    SMA and local SGD are charged this figure too, though their iteration differs (no DDP
+    wrapper; k replicas' local steps): an approximation, not a measurement of their path.
 
     Returns:
         seconds per iteration (>= 0).
