@@ -27,8 +27,11 @@ and learning rate everywhere:
    parameter server's apply + copy per push (one thread, median of 200 pushes,
    :func:`distsgd.runtime.sim.calibrate_server`, what ``distsgd calibrate`` measures) and
    its whole time per push on real processes (async, one learner at batch 1, minus the
-   simulated compute and messages); the latter is charged to the async rows as
-   ``cluster.seconds_per_push`` (the last column shows the prediction without it). Each
+   simulated compute and messages; with ``--server-contended`` measured again while
+   another process computes for λ = 2, as its device profile: an experiment that
+   over-predicted, ``bench/results/dist/overhead_charged``); the latter is charged to the
+   async rows as ``cluster.seconds_per_push`` (the columns show the prediction with the
+   time measured alone and without any server work). Each
    row's device profile is measured again just before its dist run (the machine's load
    drifts). Every rank runs on this machine, so the simulated rows set ``cluster.cores``
    to its cores (:func:`distsgd.runtime.cluster_model.server_core_stretch`).
@@ -40,6 +43,7 @@ and learning rate everywhere:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -48,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +208,29 @@ def busy_worker() -> None:
         engine.gradient(w, ds.train_x[:64], ds.train_y[:64])
 
 
+@contextlib.contextmanager
+def busy_process(start: bool = True) -> Iterator[None]:
+    """While inside, another process computes the cnn's gradients with one thread
+    (:func:`busy_worker`; as the other learner of a 2-process run does); ``start``
+    False: nothing is started."""
+    busy = None
+    if start:
+        busy = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--busy-worker"],
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert busy.stdout is not None and busy.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # let it reach its steady loop
+    try:
+        yield
+    finally:
+        if busy is not None:
+            busy.terminate()
+            busy.wait()
+
+
 def calibrated_profile(args: argparse.Namespace, concurrent: bool = False) -> dict[str, float]:
     """The device profile of one learner process: 1 thread (as every dist process in this
     benchmark), median of 20 repeats (the measured runs' mean includes the machine's
@@ -220,17 +248,7 @@ def calibrated_profile(args: argparse.Namespace, concurrent: bool = False) -> di
     from distsgd.runtime.dist import calibrate_iteration
     from distsgd.runtime.sim import calibrate
 
-    busy = None
-    if concurrent:
-        busy = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--busy-worker"],
-            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert busy.stdout is not None and busy.stdout.readline().strip() == "ready"
-        time.sleep(1.0)  # let it reach its steady loop
-    try:
+    with busy_process(concurrent):
         torch.set_num_threads(1)
         ds = load_dataset(DataConfig())
         torch.manual_seed(0)
@@ -240,10 +258,6 @@ def calibrated_profile(args: argparse.Namespace, concurrent: bool = False) -> di
         per_iteration = calibrate_iteration(
             cfg, ds, lambda: GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes))
         )
-    finally:
-        if busy is not None:
-            busy.terminate()
-            busy.wait()
     return {
         "seconds_per_sample": prof.seconds_per_sample,
         "seconds_per_batch": prof.seconds_per_batch,
@@ -301,7 +315,11 @@ def gradient_seconds(batch_size: int, repeats: int = 200) -> float:
 
 
 def server_seconds_on_processes(
-    args: argparse.Namespace, tmp: Path, profile: dict[str, float], network_overrides: list[str]
+    args: argparse.Namespace,
+    tmp: Path,
+    profile: dict[str, float],
+    network_overrides: list[str],
+    concurrent: bool = False,
 ) -> dict[str, float]:
     """The server's whole time per push on real processes, as a learner waits for it:
     async with one learner at batch 1 (its compute is a few ms), ``pushes`` pushes;
@@ -311,7 +329,10 @@ def server_seconds_on_processes(
     :func:`server_seconds` leaves out: receiving the push and sending the reply in the
     server's threads, the hand-over to the training loop, the learner's own work around
     its gradient (drawing the batch, staging the push). ``profile`` is unused (kept for
-    the caller); the b = 1 compute is not taken from the profile's line.
+    the caller); the b = 1 compute is not taken from the profile's line. ``concurrent``:
+    the dist run while another process computes (:func:`busy_process`), as the λ = 2
+    rows' device profile is measured: there a push and its reply wait for a core while
+    the other learner computes (``bench/results/dist/overhead_charged``).
     """
     pushes = 400
     base = [
@@ -325,7 +346,8 @@ def server_seconds_on_processes(
         f"train.eval_every_samples={pushes}",
     ]
     t1 = gradient_seconds(1)
-    real = distsgd_run([*base, "runtime=dist"], tmp / "server-dist")
+    with busy_process(concurrent):
+        real = distsgd_run([*base, "runtime=dist"], tmp / f"server-dist-{concurrent}")
     sim = distsgd_run(
         [
             *base,
@@ -336,7 +358,7 @@ def server_seconds_on_processes(
             "cluster.jitter=0",
             "cluster.seconds_per_push=0",
         ],
-        tmp / "server-sim",
+        tmp / f"server-sim-{concurrent}",
     )
     measured = real["train_wall_s"] / real["iterations"]
     free = sim["virtual_s"] / sim["iterations"]
@@ -372,10 +394,17 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     apply_s = {lam: server_seconds(args, lam) for lam in (1, 2)}
     on_processes = server_seconds_on_processes(args, tmp, alone, network.overrides())
     push_s = {lam: on_processes["seconds_per_push"] for lam in (1, 2)}
+    contended_server = None
+    if args.server_contended:  # λ = 2: measured while another process computes
+        contended_server = server_seconds_on_processes(
+            args, tmp, contended, network.overrides(), concurrent=True
+        )
+        push_s[2] = contended_server["seconds_per_push"]
     calibration = {
         "seconds_per_push": {str(k): v for k, v in push_s.items()},
         "apply_seconds_per_push": {str(k): v for k, v in apply_s.items()},
         "server_on_processes": on_processes,
+        "server_on_processes_contended": contended_server,
         "profile_alone": alone,
         "profile_contended": contended,
         "contention_factor_batch": (
@@ -431,7 +460,17 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 )
                 predicted[key] = sim["virtual_s"] / sim["iterations"]
             used = "alone" if lam == 1 else "contended"
-            free = predicted[used]
+            free = server_alone = predicted[used]
+            if name == "async" and push_s[lam] != push_s[1]:  # the server's time measured alone
+                sim = distsgd_run(
+                    [
+                        *sim_base,
+                        *profile_overrides(profiles[used], synchronous=False),
+                        f"cluster.seconds_per_push={push_s[1]!r}",
+                    ],
+                    tmp / f"sim-{name}{lam}serveralone",
+                )
+                server_alone = sim["virtual_s"] / sim["iterations"]
             if name == "async":  # the same, with the server's work free (as before)
                 sim = distsgd_run(
                     [
@@ -455,6 +494,8 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     "measured_s_per_iteration": measured,
                     "ratio_measured_over_predicted": measured / predicted[used],
                     "ratio_measured_over_predicted_alone": measured / predicted["alone"],
+                    "predicted_server_alone_s_per_iteration": server_alone,
+                    "ratio_measured_over_predicted_server_alone": measured / server_alone,
                     "predicted_server_free_s_per_iteration": free,
                     "ratio_measured_over_predicted_server_free": measured / free,
                 }
@@ -485,6 +526,12 @@ def main() -> None:
         "--skip-to-target",
         action="store_true",
         help="only the fidelity part; the to-target part of <out>/results.json is kept",
+    )
+    ap.add_argument(
+        "--server-contended",
+        action="store_true",
+        help="async λ = 2: charge the server's time per push measured on processes while "
+        "another process computes (an experiment; default: measured alone)",
     )
     ap.add_argument("--out", default="bench/results/dist")
     args = ap.parse_args()
@@ -580,17 +627,21 @@ def markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines) + fidelity_markdown(r)
 
 
-def _server_on_processes_text(sp: dict[str, float] | None) -> str:
+def _server_on_processes_text(sp: dict[str, float] | None, condition: str = "") -> str:
     if not sp:
         return ""
     g1 = sp.get("gradient_s_at_batch_1")
     with_g1 = "" if g1 is None else f" (its gradient at batch 1 timed directly: {g1 * 1e3:.3f} ms)"
     return (
         "; the server's whole time per push on real processes (async, one learner at batch 1, "
-        f"400 pushes): {sp['measured_s_per_push'] * 1e3:.3f} ms per push measured − "
+        f"400 pushes{condition}): {sp['measured_s_per_push'] * 1e3:.3f} ms per push measured − "
         f"{sp['predicted_without_server_s_per_push'] * 1e3:.3f} ms simulated without server "
         f"work{with_g1} = {sp['seconds_per_push'] * 1e3:.3f} ms"
     )
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _fmt_profile(p: dict[str, float]) -> str:
@@ -642,6 +693,9 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
             for k, v in cal.get("apply_seconds_per_push", {}).items()
         )
         + _server_on_processes_text(cal.get("server_on_processes"))
+        + _server_on_processes_text(
+            cal.get("server_on_processes_contended"), " while another process computes"
+        )
         + "; charged to the async rows: "
         + ", ".join(f"{float(v) * 1e3:.3f} ms at λ = {k}" for k, v in push.items())
         + ".",
@@ -667,8 +721,9 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
         "",
         "| protocol | λ | iterations | device profile | predicted s/iteration (sim) | "
         "measured s/iteration (dist) | measured / predicted | measured / predicted with "
-        "the profile alone | measured / predicted with the server's work free |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "the profile alone | measured / predicted with the server's time measured alone | "
+        "measured / predicted with the server's work free |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in fid["rows"]:
         lines.append(
@@ -676,6 +731,7 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
             f"{f['predicted_s_per_iteration']:.4f} | {f['measured_s_per_iteration']:.4f} | "
             f"**{f['ratio_measured_over_predicted']:.2f}** | "
             f"{f['ratio_measured_over_predicted_alone']:.2f} | "
+            f"{_ratio(f.get('ratio_measured_over_predicted_server_alone'))} | "
             f"{f.get('ratio_measured_over_predicted_server_free', math.nan):.2f} |"
         )
     lines += ["", "Target: measured within ±20% of predicted (ratio 0.8–1.2).", ""]
