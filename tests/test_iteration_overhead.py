@@ -193,3 +193,19 @@ def test_calibrate_iteration_inside_a_process_group_leaves_it_alone():
         assert seconds >= 0 and dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+def test_calibrate_iteration_goes_on_without_a_wrapper_that_cannot_run(monkeypatch):
+    """A DDP wrapper that fails (e.g. a backend without this device's collectives) is left
+    out: the update and the draw are still measured."""
+
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("no collectives here")
+
+    monkeypatch.setattr(rdist, "_ddp", lambda engine: Broken())
+    cfg = small_config()
+    ds = load_dataset(cfg.data, seed=0)
+    cfg = config_for_data(cfg, ds)
+    seconds = rdist.calibrate_iteration(cfg, ds, lambda: build_engine(cfg), repeats=3)
+    assert seconds >= 0 and not dist.is_initialized()

@@ -645,9 +645,10 @@ def calibrate_iteration(
     with it in the same process, the bare gradient of a second engine at the same b;
     returns ``statistic(iteration) − statistic(gradient)``, at least 0. One-process
     all-reduce is a copy, not a network (the simulator charges the all-reduce apart).
-    Where a process group exists already the wrapper is left out (the update and the draw
-    are still timed). ``make_engine`` builds a throwaway engine of the run's model (it is
-    called twice); the protocol is a throwaway hardsync of ``cfg``'s optimizer at λ = 1.
+    Where a process group exists already, or the wrapper fails to run, it is left out
+    (the update and the draw are still timed; not tried on a GPU yet). ``make_engine``
+    builds a throwaway engine of the run's model (it is called twice); the protocol is a
+    throwaway hardsync of ``cfg``'s optimizer at λ = 1.
     SMA and local SGD are charged this figure too, though their iteration differs (no DDP
     wrapper; k replicas' local steps): an approximation, not a measurement of their path.
 
@@ -673,7 +674,14 @@ def calibrate_iteration(
             x, y = draw_minibatches([stream], dataset)
             hardsync_step(stepped, proto, x[0], y[0], lr, ddp, lambda losses: None)
 
-        times = _time_in_turn([step, lambda: plain.gradient(w, x0, y0)], repeats, plain.device)
+        fns = [step, lambda: plain.gradient(w, x0, y0)]
+        try:
+            times = _time_in_turn(fns, repeats, plain.device)
+        except (RuntimeError, dist.DistError):
+            if ddp is None:
+                raise
+            ddp = None  # the wrapper cannot run here (e.g. gloo on this device): without it
+            times = _time_in_turn(fns, repeats, plain.device)
         ddp = None  # freed before the group (_solo_process_group)
     return max(statistic(times[0]) - statistic(times[1]), 0.0)
 
@@ -694,7 +702,8 @@ def _time_in_turn(
 
 
 def _ddp(engine: GradientEngine) -> DistributedDataParallel:
-    """``engine``'s model in the DDP wrapper :class:`SyncDistRuntime` uses."""
+    """``engine``'s model in the DDP wrapper :class:`SyncDistRuntime` uses (the process
+    group must exist)."""
     on_gpu = engine.device.type == "cuda"
     return DistributedDataParallel(
         engine.model,
