@@ -9,8 +9,9 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    :class:`~distsgd.tuner.omnivore.OmnivoreSearch` with its pruning and HE rule; at g = 1
    the descent through η stops once a probe scores worse than the larger η before it,
    ``stop_descending``), then the joint search's best ``tune.extra_probes`` (protocol
-   family, batch) where the layout allows. Every probe is an ordinary run (``probes/NNN-…``) that ends with a full
-   checkpoint (weights, momentum, protocol state, data position, clocks).
+   family, batch) where the layout allows. Every probe is an ordinary run
+   (``probes/NNN-…``) that ends with a full checkpoint (weights, momentum, protocol
+   state, data position, clocks).
 2. **The winner continues as the run**: its probe's checkpoint is resumed
    (:meth:`Trainer.run(resume=True) <distsgd.trainer.Trainer.run>`, exact) with the run's
    own stop rule and evaluations, so the samples it trained count towards the run.
@@ -45,8 +46,8 @@ cold start's planned work in probes of full length; without one, ``tune.probe_se
 **Successive halving** (Jamieson & Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR
 2018) in every probe round: each probe runs a first rung of ``tune.first_rung`` · that
 length, the ``tune.promote`` (steady state: ``tune.steady_promote``; 1: none, the best
-first rung continues as the run) best continue from their own checkpoints to the full length
-(``probes/NNN-cold2-…`` / ``NNN-steady2-…``, whose decision names the first rung in
+first rung continues as the run) best continue from their own checkpoints to the full
+length (``probes/NNN-cold2-…`` / ``NNN-steady2-…``, whose decision names the first rung in
 ``continues``) and the best of those continues as the run; so n = m · r + min(promote, m)
 · (1 − r) with m = ``len(tune.lrs) + tune.extra_probes`` and r = ``tune.first_rung``
 (r = 1: no second rung, n = m). The continued chain (first rung, second rung, segment)
