@@ -138,7 +138,7 @@ def _calibrated(cfg: RunConfig) -> RunConfig:
 
 
 def test_the_profile_measures_it_and_an_older_cached_file_gets_it_added(
-    tmp_path, monkeypatch, measured
+    tmp_path, monkeypatch, measured, capsys
 ):
     monkeypatch.setenv(profiles.CACHE_ENV, str(tmp_path / "cache"))
     calls = []
@@ -151,15 +151,22 @@ def test_the_profile_measures_it_and_an_older_cached_file_gets_it_added(
     lines = saved.read_text().splitlines(keepends=True)
     saved.write_text("".join(x for x in lines if not x.startswith("seconds_per_iteration")))
     device_measurements = len(calls)
+    capsys.readouterr()
     again = _calibrated(cfg)
     assert again.cluster.seconds_per_iteration == 4e-3 and len(measured) == 2
+    # the line says the cache entry was completed, not only used
+    err = capsys.readouterr().err
+    assert "measured now and added to it: the work per iteration beyond the gradient" in err
     assert len(calls) == device_measurements  # the device itself is not measured again
     assert profiles.read_profile(saved).seconds_per_iteration == 4e-3
     given = _calibrated(small_config(cluster={**CALIBRATE, "seconds_per_iteration": 1e-3}))
-    assert given.cluster.seconds_per_iteration == 1e-3  # a given value wins
+    assert given.cluster.seconds_per_iteration == 1e-3  # a given value wins, and says so
+    err = capsys.readouterr().err
+    assert "measured now" not in err
+    assert "the config's cluster.seconds_per_iteration = 0.001 replaces the profile's" in err
 
 
-def test_a_named_profile_without_it_charges_none(tmp_path, measured):
+def test_a_named_profile_without_it_charges_none(tmp_path, measured, capsys):
     path = tmp_path / "older.toml"
     cfg = small_config()
     ds = load_dataset(cfg.data, seed=0)
@@ -171,6 +178,8 @@ def test_a_named_profile_without_it_charges_none(tmp_path, measured):
     got = factory.calibrated_config(named, ds)[0]
     assert got.cluster.seconds_per_iteration == 0.0 and not measured
     assert factory.device_profile(got, False).seconds_per_iteration == 0.0
+    # and says so in its line, with how to measure it
+    assert "no seconds_per_iteration" in capsys.readouterr().err
 
 
 def test_calibrate_iteration_times_the_real_iteration_and_leaves_no_process_group():

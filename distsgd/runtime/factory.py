@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from distsgd.config import ConfigError, ConfigWarning, RunConfig
+from distsgd.config import ClusterConfig, ConfigError, ConfigWarning, RunConfig
 from distsgd.data import Dataset
 from distsgd.engine import GradientEngine, UserCode, build_engine
 from distsgd.layout import build_protocol, spec_for
@@ -215,17 +215,25 @@ def _cached_device(
     missing_push = prof.seconds_per_push is None
     missing_iteration = prof.seconds_per_iteration is None  # a file of an older distsgd
     k = _replicas_needed(cfg)
+    added = []
     if missing_push or missing_iteration or (k > 1 and len(prof.replica_ratios) < k):
         engine = _throwaway_engine(cfg, code)
         if missing_push:
             prof.seconds_per_push = _server_seconds(cfg, engine)
+            added.append("the server's seconds per push")
         if missing_iteration:
             prof.seconds_per_iteration = _iteration_seconds(cfg, dataset, code)
+            added.append("the work per iteration beyond the gradient")
         if k > 1 and len(prof.replica_ratios) < k:
             b = cfg.protocol.batch_size
             prof.replica_ratios, _ = calibrate_replicas(engine, dataset, b, max_replicas=k)
+            added.append(f"the replica curve up to k = {k}")
         profiles.write_profile(path, prof)
-    print(f"distsgd: cached device profile used ({_describe(prof)}) from {path}", file=sys.stderr)
+    print(
+        f"distsgd: cached device profile used ({_describe(prof)}) from {path}"
+        + (f"; measured now and added to it: {', '.join(added)}" if added else ""),
+        file=sys.stderr,
+    )
     return prof
 
 
@@ -308,7 +316,14 @@ def _named_device(cfg: RunConfig, code: UserCode | None) -> profiles.DeviceProfi
             "distsgd calibrate on a config with a parameter server, or set "
             "cluster.seconds_per_push)"
         )
-    print(f"distsgd: device profile from {path} ({_describe(prof)})", file=sys.stderr)
+    note = ""
+    if prof.seconds_per_iteration is None and not spec_for(cfg.protocol).has_server:
+        note = (
+            "; the file has no seconds_per_iteration (written by an older distsgd): no work "
+            "per iteration beyond the gradient is charged (measure it again with distsgd "
+            "calibrate CONFIG --out FILE, or set cluster.seconds_per_iteration)"
+        )
+    print(f"distsgd: device profile from {path} ({_describe(prof)}){note}", file=sys.stderr)
     return prof
 
 
@@ -355,10 +370,21 @@ def with_device_profile(
         cluster = dataclasses.replace(
             cluster, seconds_per_iteration=prof.seconds_per_iteration or 0.0
         )
+    _say_given(c)
     k = _replicas_needed(cfg)
     if k > 1 and len(prof.replica_ratios) >= 2:
         cluster = dataclasses.replace(cluster, replica_ratios=list(prof.replica_ratios))
     return cfg.replace(cluster=cluster), not named
+
+
+def _say_given(c: ClusterConfig) -> None:
+    """One stderr line naming the config's own device figures, which replace the
+    profile's (the profile line above shows the profile's)."""
+    keys = ("seconds_per_sample", "seconds_per_batch", "seconds_per_iteration")
+    given = [f"cluster.{k} = {getattr(c, k):g}" for k in keys if getattr(c, k) >= 0]
+    if given:
+        verb = "replaces" if len(given) == 1 else "replace"
+        print(f"distsgd: the config's {', '.join(given)} {verb} the profile's", file=sys.stderr)
 
 
 def with_replica_profile(
@@ -413,6 +439,7 @@ def device_profile(cfg: RunConfig, calibrated: bool) -> DeviceProfile:
         replica_ratios=tuple(c.replica_ratios),
         seconds_per_push=max(c.seconds_per_push, 0.0),
         seconds_per_iteration=max(c.seconds_per_iteration, 0.0),
+        seconds_per_push_contended=c.seconds_per_push_contended,
     )
 
 
