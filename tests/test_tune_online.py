@@ -21,6 +21,7 @@ from distsgd.plateau import next_check
 from distsgd.rundir import RunDirClaim
 from distsgd.trainer import Trainer
 from distsgd.tuner import online
+from distsgd.tuner import perf_model as pm
 from distsgd.tuner.omnivore import Candidate, ProbeResult
 from distsgd.tuner.online import OnlineTune, steady_grid, steady_state_due, train_tuned
 from distsgd.tuner.probes import candidate_config, safe_name
@@ -224,6 +225,36 @@ def test_a_budget_too_small_says_so_and_trains_with_the_best_probe(tmp_path):
     assert s["stop_reason"] == "max_virtual_seconds"
     first = json.loads((tmp_path / "r" / "decisions.jsonl").read_text().splitlines()[1])
     assert first["decision"] == "budget too small: fewer probes"
+
+
+def test_a_budget_too_small_for_the_cold_start_has_no_steady_state_rounds(tmp_path):
+    # found by a fresh-user review: the cold start kept to one probe of its budget, then
+    # two steady-state rounds of one probe per grid point ran 3x the run's whole budget.
+    # 3 epochs at hardsync's rate hold far less than 0.2 of them for probes of 100 s
+    cfg = tiny_config()
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, probe_seconds=100.0))
+    run = tmp_path / "r"
+    with pytest.warns(ConfigWarning, match="without steady-state rounds"):
+        s = OnlineTune(cfg, run, progress=False).run()
+    assert s["num_probes"] >= 1 and s["samples"] == 3 * 1024
+    assert not list(run.glob("probes/*-steady*"))
+    assert not [d for d in decisions(run) if d["decision"] in ("keep training", "re-optimise")]
+    (seg,) = (run / "train").iterdir()
+    assert RunConfig.from_toml(seg / "config.toml").train.plateau_check_samples == 0
+
+
+def test_on_real_processes_the_sample_budget_sizes_the_probes_too(tmp_path):
+    # found by a fresh-user review: on dist a run limited by epochs had "no time budget",
+    # and its winning probe trained all of them. Its budget is now the predicted wall
+    # seconds of its samples at hardsync's rate, as on sim (no rank starts here)
+    cfg = tiny_config().replace(runtime="dist")
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, probe_seconds=100.0))
+    tune = OnlineTune(cfg, tmp_path / "r", progress=False)
+    tune._setup(resume=False)
+    layout = Candidate("hardsync", tune.num_learners, cfg.protocol.batch_size, 0.1, 0.0).layout()
+    per_sample = pm.seconds_per_iteration(layout, tune.cluster) / pm.samples_per_iteration(layout)
+    assert tune._time_budget_s() == pytest.approx(3 * 1024 * per_sample)
+    assert tune.max_probes and tune.probe_s < 100.0 and tune.steady_rounds == 0
 
 
 def test_probes_leave_a_run_limited_by_epochs_most_of_its_samples(tmp_path):

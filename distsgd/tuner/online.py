@@ -38,9 +38,10 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    it).
 
 **Probe length rule.** With a time budget T on the runtime's clock (``train.
-max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; on ``sim`` also
-the simulated seconds of ``train.max_epochs`` / ``max_samples`` at hardsync's rate on the
-cluster model, so that the probes cannot use up a run limited by samples), a probe lasts
+max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; also the seconds
+of ``train.max_epochs`` / ``max_samples`` at hardsync's rate on the cluster model of the
+run's device profile, on real processes a prediction of their wall, so that the probes
+cannot use up a run limited by samples), a probe lasts
 ``min(tune.probe_seconds, PROBE_SHARE · T / n)`` with n = :func:`planned_probes` the
 cold start's planned work in probes of full length; without one, ``tune.probe_seconds``.
 **Successive halving** (Jamieson & Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR
@@ -56,7 +57,8 @@ trains exactly as one run would, so only the probes that did not continue are ov
 probes last ``MIN_PROBE_FRACTION · tune.probe_seconds`` (at most ``PROBE_SHARE · T``,
 with no second rung) and the cold start runs only as
 many as ``PROBE_SHARE · T`` holds (at least one), largest η first; the run says so before
-it starts (a decision and a warning line) and trains with the best of them.
+it starts (a decision and a warning line) and trains with the best of them to the end,
+with no steady-state round (a round would cost more than the whole budget).
 
 **Time counted from the run's start.** ``summary.json`` of the run directory is the last
 segment's, with ``time_to_target_s`` = wall seconds from the start of ``--tune`` (setup
@@ -401,6 +403,8 @@ class OnlineTune:
         # (none when the budget is too small: probes of the shortest length, no second rung)
         halving = cfg.tune.first_rung < 1 and not self.max_probes
         self.rung_s = self.probe_s * cfg.tune.first_rung if halving else self.probe_s
+        # a budget too small for the cold start has none left for steady-state rounds
+        self.steady_rounds = 0 if self.max_probes else cfg.tune.steady_rounds
         self.settings = dataclasses.replace(cfg.tune, probe_seconds=self.rung_s)
         self.out.mkdir(parents=True, exist_ok=True)
         if not resume:
@@ -408,16 +412,17 @@ class OnlineTune:
 
     def _time_budget_s(self) -> float:
         """The run's time budget T on the runtime's clock (0: none): ``train.
-        max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; on
-        ``sim`` also the simulated seconds of the run's sample budget (``train.max_epochs``
-        / ``max_samples``) at hardsync's rate on the cluster model, so the probes cannot
-        use up a run limited by samples (issue 18: the winning probe trained all 3
-        epochs and the run continued for none)."""
+        max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; also the
+        seconds of the run's sample budget (``train.max_epochs`` / ``max_samples``) at
+        hardsync's rate on the cluster model of the run's device profile (on real
+        processes a prediction of their wall seconds), so the probes cannot use up a run
+        limited by samples (issue 18: the winning probe trained all 3 epochs and the run
+        continued for none; on ``dist`` too, found by a fresh-user review)."""
         t = self.cfg.train
         budget = t.max_virtual_seconds if self.simulated else t.max_seconds
         samples = [int(math.ceil(t.max_epochs * self.num_train))] if t.max_epochs else []
         samples += [t.max_samples] if t.max_samples else []
-        if not self.simulated or not samples:
+        if not samples:
             return budget
         layout = Candidate("hardsync", self.num_learners, self.cfg.protocol.batch_size, 0.1, 0.0)
         per_sample_s = pm.seconds_per_iteration(layout.layout(), self.cluster) / (
@@ -429,8 +434,10 @@ class OnlineTune:
     def _log_setup(self) -> None:
         budget = self._time_budget_s()
         rule = (
-            f"min(tune.probe_seconds, {PROBE_SHARE:g} · {budget:g} s / "
-            f"{planned_probes(self.cfg.tune):g} planned probes of full length)"
+            f"min(tune.probe_seconds, {PROBE_SHARE:g} · {budget:.4g} s / "
+            f"{planned_probes(self.cfg.tune):g} planned probes of full length); the budget "
+            "is the run's time limit or its sample budget's seconds at hardsync's predicted "
+            "rate, the smaller"
             if budget > 0
             else "tune.probe_seconds (the run has no time budget)"
         )
@@ -470,7 +477,8 @@ class OnlineTune:
                 f"{self.probe_s:.4g} s (the shortest allowed: min({MIN_PROBE_FRACTION:g} · "
                 f"tune.probe_seconds, {PROBE_SHARE:g} · the budget)), at most "
                 f"{self.max_probes}; "
-                "the run trains with the best of them"
+                "the run trains with the best of them to the end, without steady-state "
+                "rounds"
             )
             self.log("setup", "budget too small: fewer probes", line, run_clock_s=0.0)
             warnings.warn(line, ConfigWarning, stacklevel=3)
@@ -640,7 +648,7 @@ class OnlineTune:
         due = bool(check["due"])
         self.log(
             "steady state",
-            "re-optimise" if due and rounds < self.cfg.tune.steady_rounds else "keep training",
+            "re-optimise" if due and rounds < self.steady_rounds else "keep training",
             (
                 f"training loss fell by less than {100 * FLAT_GAIN:g}% over the last "
                 f"{self.cfg.tune.check_epochs:g} epoch"
@@ -651,7 +659,7 @@ class OnlineTune:
             + (
                 f"; the run re-optimised {rounds} times already (tune.steady_rounds = "
                 f"{self.cfg.tune.steady_rounds})"
-                if due and rounds >= self.cfg.tune.steady_rounds
+                if due and rounds >= self.steady_rounds
                 else ""
             ),
             run_clock_s=float(check.get(self.clock.run_seconds_key) or 0.0),
@@ -918,7 +926,7 @@ class OnlineTune:
                 # one launch until the rule is due at a check or the run ends; no
                 # re-optimisation left (or none the rate may make): no checks, train to
                 # the end at once
-                more = rounds < self.cfg.tune.steady_rounds
+                more = rounds < self.steady_rounds
                 if more and len(self._steady_grid(cand)) == 1:
                     self._no_round_left(cand)
                     more = False
