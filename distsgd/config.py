@@ -1370,6 +1370,8 @@ def _check_list(key: str, value: Any, kind: type, minimum: float, maximum: float
     ):
         what = "integers" if kind is int else "numbers"
         fail(key, value, f"a non-empty list of {what} in [{minimum}, {maximum}]")
+    if len(set(value)) != len(value):  # the same probe twice, or a grid point counted twice
+        fail(key, value, "a list without repeated values")
 
 
 @dataclass

@@ -497,6 +497,9 @@ _HEADER = [
 
 # markdown column alignment: text left, numbers right
 _ALIGN = ["---"] * 3 + ["---:"] * 2 + ["---"] + ["---:"] * 6
+#: the simulated device's figures in a run's summary (``device_profile``) that its simulated
+#: seconds depend on (an older summary without one reads as None)
+_DEVICE_KEYS = ("seconds_per_sample", "seconds_per_batch", "seconds_per_iteration")
 
 
 def make_report(run_dirs: list[Path], out_dir: Path) -> Path:
@@ -548,7 +551,7 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> Path:
     ]
     lines += ["| " + " | ".join(_row(run)) + " |" for run in runs]
     profiles = {
-        (p.get("seconds_per_batch"), p.get("seconds_per_sample"))
+        tuple(p.get(k) for k in _DEVICE_KEYS)
         for p in (run.summary.get("device_profile") for run in runs)
         if isinstance(p, dict)
     }
@@ -557,8 +560,9 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> Path:
             "",
             "Note: these runs simulate different device profiles (each calibrated its own, "
             "or was given one), so their simulated times are not comparable. Give every run "
-            "the same `cluster.seconds_per_sample` and `cluster.seconds_per_batch` to "
-            "compare them.",
+            "the same "
+            + ", ".join(f"`cluster.{k}`" for k in _DEVICE_KEYS[:-1])
+            + f" and `cluster.{_DEVICE_KEYS[-1]}` (or one `cluster.profile`) to compare them.",
         ]
     lines += ["", "Run directories:", ""]
     lines += [f"- {_cell(run.label)}: `{run.path}`" for run in runs]

@@ -968,6 +968,8 @@ class Trainer:
                 "seconds_per_batch": cfg.cluster.seconds_per_batch,
                 "seconds_per_sample": cfg.cluster.seconds_per_sample,
                 "seconds_per_replica": cfg.cluster.seconds_per_replica,
+                "seconds_per_iteration": cfg.cluster.seconds_per_iteration,
+                "seconds_per_push": cfg.cluster.seconds_per_push,
                 "calibrated": self.profile_calibrated,
                 "replica_ratios": cfg.cluster.replica_ratios,
             },

@@ -271,3 +271,20 @@ def test_report_header_says_a_tuning_runs_times_include_the_tuning(runs, tmp_pat
     assert "(tuned): tuning 42% of its 74.7 s (12 probes)." in header
     only = make_report([tuned], tmp_path / "rep2").read_text()
     assert "training only" not in only and "runs of `--tune`" in only
+
+
+def test_runs_charged_another_work_per_iteration_are_flagged_as_not_comparable(runs, tmp_path):
+    # the summary records every device figure the simulated seconds depend on (found by a
+    # fresh-user review: seconds_per_iteration was missing, and the note named two figures)
+    summary = json.loads((runs["hs"] / "summary.json").read_text())
+    assert {"seconds_per_iteration", "seconds_per_push"} <= set(summary["device_profile"])
+    same = tmp_path / "same"
+    shutil.copytree(runs["hs"], same)
+    md = make_report([runs["hs"], same], tmp_path / "r1").read_text()
+    assert "different device profiles" not in md
+    other = tmp_path / "other"
+    shutil.copytree(runs["hs"], other)
+    summary["device_profile"]["seconds_per_iteration"] += 1e-3
+    (other / "summary.json").write_text(json.dumps(summary))
+    md = make_report([runs["hs"], other], tmp_path / "r2").read_text()
+    assert "different device profiles" in md and "`cluster.seconds_per_iteration`" in md

@@ -187,6 +187,9 @@ def test_resume_of_a_run_killed_mid_probe_gives_the_same_decisions(tmp_path, mon
         # --tune sets it (tune.check_epochs) for its segments
         (["train.plateau_check_samples=512"], "train.plateau_check_samples = 512"),
         (["tune.check_epochs=0"], "tune.check_epochs = 0"),
+        # found by a fresh-user review: the same probe ran twice
+        (["tune.lrs=[0.01, 0.01, 0.001]"], "without repeated values"),
+        (["tune.steady_promote=0"], "tune.steady_promote = 0"),
     ],
 )
 def test_bad_tune_combinations_are_one_line_and_exit_2(tmp_path, capsys, sets, names):
