@@ -27,11 +27,15 @@ and learning rate everywhere:
    parameter server's apply + copy per push (one thread, median of 200 pushes,
    :func:`distsgd.runtime.sim.calibrate_server`, what ``distsgd calibrate`` measures) and
    its whole time per push on real processes (async, one learner at batch 1, minus the
-   simulated compute and messages; with ``--server-contended`` measured again while
-   another process computes for λ = 2, as its device profile: an experiment that
-   over-predicted, ``bench/results/dist/overhead_charged``); the latter is charged to the
-   async rows as ``cluster.seconds_per_push`` (the columns show the prediction with the
-   time measured alone and without any server work). Each
+   simulated compute and messages), charged to the async rows as
+   ``cluster.seconds_per_push``; unless ``--server-alone``, measured again while the
+   row's other λ − 1 learners' worth of processes compute (1 for λ = 2: what a push meets
+   there, its own learner waiting for the reply) and charged as
+   ``cluster.seconds_per_push_contended``, a wall time with the waits for a core in it,
+   which the simulator does not stretch again (``bench/results/dist/overhead_charged``;
+   the columns show the prediction with the time measured alone, with the contended time
+   stretched again, with it measured while λ processes compute, and without any server
+   work). Each
    row's device profile is measured again just before its dist run (the machine's load
    drifts). Every rank runs on this machine, so the simulated rows set ``cluster.cores``
    to its cores (:func:`distsgd.runtime.cluster_model.server_core_stretch`).
@@ -209,26 +213,28 @@ def busy_worker() -> None:
 
 
 @contextlib.contextmanager
-def busy_process(start: bool = True) -> Iterator[None]:
-    """While inside, another process computes the cnn's gradients with one thread
-    (:func:`busy_worker`; as the other learner of a 2-process run does); ``start``
-    False: nothing is started."""
-    busy = None
-    if start:
-        busy = subprocess.Popen(
+def busy_process(count: int | bool = 1) -> Iterator[None]:
+    """While inside, ``count`` other processes compute the cnn's gradients with one thread
+    each (:func:`busy_worker`; as the other learners of a run do); True: 1, 0 or False:
+    nothing is started."""
+    busy = []
+    for _ in range(int(count)):
+        proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--busy-worker"],
             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
             stdout=subprocess.PIPE,
             text=True,
         )
-        assert busy.stdout is not None and busy.stdout.readline().strip() == "ready"
-        time.sleep(1.0)  # let it reach its steady loop
+        busy.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    if busy:
+        time.sleep(1.0)  # let them reach their steady loop
     try:
         yield
     finally:
-        if busy is not None:
-            busy.terminate()
-            busy.wait()
+        for proc in busy:
+            proc.terminate()
+            proc.wait()
 
 
 def calibrated_profile(args: argparse.Namespace, concurrent: bool = False) -> dict[str, float]:
@@ -319,7 +325,7 @@ def server_seconds_on_processes(
     tmp: Path,
     profile: dict[str, float],
     network_overrides: list[str],
-    concurrent: bool = False,
+    busy: int = 0,
 ) -> dict[str, float]:
     """The server's whole time per push on real processes, as a learner waits for it:
     async with one learner at batch 1 (its compute is a few ms), ``pushes`` pushes;
@@ -329,10 +335,13 @@ def server_seconds_on_processes(
     :func:`server_seconds` leaves out: receiving the push and sending the reply in the
     server's threads, the hand-over to the training loop, the learner's own work around
     its gradient (drawing the batch, staging the push). ``profile`` is unused (kept for
-    the caller); the b = 1 compute is not taken from the profile's line. ``concurrent``:
-    the dist run while another process computes (:func:`busy_process`), as the λ = 2
-    rows' device profile is measured: there a push and its reply wait for a core while
-    the other learner computes (``bench/results/dist/overhead_charged``).
+    the caller); the b = 1 compute is not taken from the profile's line. ``busy``: the
+    dist run while that many other processes compute (:func:`busy_process`): for a run of
+    λ learners, λ − 1, what a push meets there (its own learner waits for the reply while
+    the other λ − 1 compute), so its messages and the server's handling wait for a core as
+    they do in the run; the result is a wall time with those waits in it, charged as
+    ``cluster.seconds_per_push_contended`` (not stretched again;
+    ``bench/results/dist/overhead_charged``).
     """
     pushes = 400
     base = [
@@ -346,8 +355,8 @@ def server_seconds_on_processes(
         f"train.eval_every_samples={pushes}",
     ]
     t1 = gradient_seconds(1)
-    with busy_process(concurrent):
-        real = distsgd_run([*base, "runtime=dist"], tmp / f"server-dist-{concurrent}")
+    with busy_process(busy):
+        real = distsgd_run([*base, "runtime=dist"], tmp / f"server-dist-{busy}")
     sim = distsgd_run(
         [
             *base,
@@ -358,7 +367,7 @@ def server_seconds_on_processes(
             "cluster.jitter=0",
             "cluster.seconds_per_push=0",
         ],
-        tmp / f"server-sim-{concurrent}",
+        tmp / f"server-sim-{busy}",
     )
     measured = real["train_wall_s"] / real["iterations"]
     free = sim["virtual_s"] / sim["iterations"]
@@ -382,6 +391,21 @@ def profile_overrides(profile: dict[str, float], synchronous: bool = True) -> li
     ]
 
 
+def push_overrides(protocol: str, push_s: float, contended_s: float | None) -> list[str]:
+    """The server's charge of an async row: ``cluster.seconds_per_push`` (its work
+    measured alone: its demand for a core, stretched where the cores are shared) and,
+    where measured (the default; not with ``--server-alone``),
+    ``cluster.seconds_per_push_contended`` (its time per push measured while the row's
+    other λ − 1 learners compute: charged as measured, not stretched again). Hardsync
+    rows: none."""
+    if protocol != "async":
+        return []
+    out = [f"cluster.seconds_per_push={push_s!r}"]
+    if contended_s is not None:
+        out.append(f"cluster.seconds_per_push_contended={contended_s!r}")
+    return out
+
+
 def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Predicted vs measured seconds per iteration; the simulator calibrated on this
     machine: device profile alone and under contention, network by gloo measurement."""
@@ -394,17 +418,27 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     apply_s = {lam: server_seconds(args, lam) for lam in (1, 2)}
     on_processes = server_seconds_on_processes(args, tmp, alone, network.overrides())
     push_s = {lam: on_processes["seconds_per_push"] for lam in (1, 2)}
-    contended_server = None
-    if args.server_contended:  # λ = 2: measured while another process computes
+    contended_s: dict[int, float] = {}  # cluster.seconds_per_push_contended per λ
+    contended_server = contended_server_all = None
+    if not args.server_alone:
+        # what a push meets in a run of λ learners: the other λ − 1 compute (λ = 1: none,
+        # the measurement alone; with 1 learner + server on 2 cores nothing stretches)
+        contended_s[1] = on_processes["seconds_per_push"]
         contended_server = server_seconds_on_processes(
-            args, tmp, contended, network.overrides(), concurrent=True
+            args, tmp, contended, network.overrides(), busy=1
         )
-        push_s[2] = contended_server["seconds_per_push"]
+        contended_s[2] = contended_server["seconds_per_push"]
+        # a diagnostic, not charged: with as many computing processes as λ = 2 has learners
+        contended_server_all = server_seconds_on_processes(
+            args, tmp, contended, network.overrides(), busy=2
+        )
     calibration = {
         "seconds_per_push": {str(k): v for k, v in push_s.items()},
+        "seconds_per_push_contended": {str(k): v for k, v in contended_s.items()},
         "apply_seconds_per_push": {str(k): v for k, v in apply_s.items()},
         "server_on_processes": on_processes,
         "server_on_processes_contended": contended_server,
+        "server_on_processes_contended_lambda_busy": contended_server_all,
         "profile_alone": alone,
         "profile_contended": contended,
         "contention_factor_batch": (
@@ -450,7 +484,7 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             if lam == 2:
                 profiles["contended"] = contended = calibrated_profile(args, concurrent=True)
             measured_profiles.append({"row": f"{name} λ={lam}", "load": load(), **profiles})
-            push = [f"cluster.seconds_per_push={push_s[lam]!r}"] if name == "async" else []
+            push = push_overrides(name, push_s[lam], contended_s.get(lam))
             predicted = {}
             for key, prof in profiles.items():
                 sync = name == "hardsync"
@@ -460,27 +494,39 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 )
                 predicted[key] = sim["virtual_s"] / sim["iterations"]
             used = "alone" if lam == 1 else "contended"
-            free = server_alone = predicted[used]
-            if name == "async" and push_s[lam] != push_s[1]:  # the server's time measured alone
-                sim = distsgd_run(
-                    [
-                        *sim_base,
-                        *profile_overrides(profiles[used], synchronous=False),
-                        f"cluster.seconds_per_push={push_s[1]!r}",
-                    ],
-                    tmp / f"sim-{name}{lam}serveralone",
-                )
-                server_alone = sim["virtual_s"] / sim["iterations"]
-            if name == "async":  # the same, with the server's work free (as before)
-                sim = distsgd_run(
-                    [
-                        *sim_base,
-                        *profile_overrides(profiles[used], synchronous=False),
-                        "cluster.seconds_per_push=0",
-                    ],
-                    tmp / f"sim-{name}{lam}free",
-                )
-                free = sim["virtual_s"] / sim["iterations"]
+            # the same row with other server charges (async only; None: as predicted)
+            variants: dict[str, list[str] | None] = {
+                "server_alone": None,  # its work measured alone, stretched (``--server-alone``)
+                "server_stretched_again": None,  # the contended time, stretched again
+                "server_lambda_busy": None,  # measured while λ processes compute
+                "server_free": None,
+            }
+            if name == "async":
+                variants["server_free"] = ["cluster.seconds_per_push=0"]
+                if lam in contended_s and lam > 1:
+                    variants["server_alone"] = push_overrides(name, push_s[lam], None)
+                    variants["server_stretched_again"] = push_overrides(
+                        name, contended_s[lam], None
+                    )
+                    assert contended_server_all is not None
+                    variants["server_lambda_busy"] = push_overrides(
+                        name, push_s[lam], contended_server_all["seconds_per_push"]
+                    )
+            other: dict[str, float | None] = {}
+            for key, overrides in variants.items():
+                # not measured (a row without a contended time): no figure
+                applies = key in ("server_alone", "server_free")
+                other[key] = predicted[used] if applies else None
+                if overrides is not None:
+                    sim = distsgd_run(
+                        [
+                            *sim_base,
+                            *profile_overrides(profiles[used], synchronous=name == "hardsync"),
+                            *overrides,
+                        ],
+                        tmp / f"sim-{name}{lam}{key}",
+                    )
+                    other[key] = sim["virtual_s"] / sim["iterations"]
             real = distsgd_run([*base, "runtime=dist"], tmp / f"dist-{name}{lam}")
             measured = real["train_wall_s"] / real["iterations"]
             rows.append(
@@ -494,10 +540,11 @@ def fidelity(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     "measured_s_per_iteration": measured,
                     "ratio_measured_over_predicted": measured / predicted[used],
                     "ratio_measured_over_predicted_alone": measured / predicted["alone"],
-                    "predicted_server_alone_s_per_iteration": server_alone,
-                    "ratio_measured_over_predicted_server_alone": measured / server_alone,
-                    "predicted_server_free_s_per_iteration": free,
-                    "ratio_measured_over_predicted_server_free": measured / free,
+                    **{f"predicted_{k}_s_per_iteration": v for k, v in other.items()},
+                    **{
+                        f"ratio_measured_over_predicted_{k}": None if v is None else measured / v
+                        for k, v in other.items()
+                    },
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -528,11 +575,16 @@ def main() -> None:
         help="only the fidelity part; the to-target part of <out>/results.json is kept",
     )
     ap.add_argument(
-        "--server-contended",
+        "--server-alone",
         action="store_true",
-        help="async λ = 2: charge the server's time per push measured on processes while "
-        "another process computes (an experiment; default: measured alone)",
+        help="async rows: charge only the server's time per push measured alone, stretched by "
+        "the share of the cores (the model before the contended time was charged); "
+        "default: also its time measured while the row's other λ − 1 learners' worth of "
+        "processes compute, charged as measured (cluster.seconds_per_push_contended)",
     )
+    # the default since bench/results/dist/overhead_charged's contended runs; kept so that
+    # the commands recorded there still run
+    ap.add_argument("--server-contended", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="bench/results/dist")
     args = ap.parse_args()
     if args.plain_ddp_worker:
@@ -664,7 +716,9 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
         "",
         f"Load average (1, 5, 15 min) before: {r['load_before']}; after: {r['load_after']}; "
         f"{os.cpu_count()} cores. Command: `flock /tmp/distsgd-bench.lock python "
-        "bench/dist_bench.py --skip-to-target`.",
+        "bench/dist_bench.py --skip-to-target"
+        + (" --server-alone" if s.get("server_alone") else "")
+        + "`.",
         "",
         "Calibration at the start (one thread per process, as in the dist runs; medians): "
         "device profile alone "
@@ -694,10 +748,23 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
         )
         + _server_on_processes_text(cal.get("server_on_processes"))
         + _server_on_processes_text(
-            cal.get("server_on_processes_contended"), " while another process computes"
+            cal.get("server_on_processes_contended"), " while 1 other process computes"
         )
-        + "; charged to the async rows: "
+        + _server_on_processes_text(
+            cal.get("server_on_processes_contended_lambda_busy"),
+            " while 2 other processes compute (not charged)",
+        )
+        + "; charged to the async rows as cluster.seconds_per_push: "
         + ", ".join(f"{float(v) * 1e3:.3f} ms at λ = {k}" for k, v in push.items())
+        + (
+            "; as cluster.seconds_per_push_contended (not stretched): "
+            + ", ".join(
+                f"{float(v) * 1e3:.3f} ms at λ = {k}"
+                for k, v in cal.get("seconds_per_push_contended", {}).items()
+            )
+            if cal.get("seconds_per_push_contended")
+            else ""
+        )
         + ".",
         "",
         "| operation | float32 values | median ms |",
@@ -722,8 +789,10 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
         "| protocol | λ | iterations | device profile | predicted s/iteration (sim) | "
         "measured s/iteration (dist) | measured / predicted | measured / predicted with "
         "the profile alone | measured / predicted with the server's time measured alone | "
+        "measured / predicted with the server's contended time stretched again | "
+        "measured / predicted with the server's time measured while λ processes compute | "
         "measured / predicted with the server's work free |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in fid["rows"]:
         lines.append(
@@ -732,6 +801,8 @@ def fidelity_markdown(r: dict[str, Any]) -> str:
             f"**{f['ratio_measured_over_predicted']:.2f}** | "
             f"{f['ratio_measured_over_predicted_alone']:.2f} | "
             f"{_ratio(f.get('ratio_measured_over_predicted_server_alone'))} | "
+            f"{_ratio(f.get('ratio_measured_over_predicted_server_stretched_again'))} | "
+            f"{_ratio(f.get('ratio_measured_over_predicted_server_lambda_busy'))} | "
             f"{f.get('ratio_measured_over_predicted_server_free', math.nan):.2f} |"
         )
     lines += ["", "Target: measured within ±20% of predicted (ratio 0.8–1.2).", ""]

@@ -773,6 +773,17 @@ class ClusterConfig:
             the device profile when that is calibrated or read from ``profile``
             (:func:`distsgd.runtime.sim.calibrate_server`), and free when
             ``seconds_per_sample`` / ``seconds_per_batch`` are given; 0: free.
+        seconds_per_push_contended: parameter-server protocols (and compute groups) with
+            every rank on one machine (``cores`` > 0): the server's wall seconds per push
+            measured on processes while the run's other learners compute on the same cores
+            (as ``bench/dist_bench.py`` measures it: async, one learner
+            at batch 1, λ − 1 processes computing beside it). Where > 0 it replaces the
+            server's time per push, charged as measured, not stretched by the cores'
+            sharing (the wait for a core is in it), while ``seconds_per_push`` (its work
+            measured alone) still counts as the server's demand for a core in the stretch
+            of the learners' compute
+            (:func:`distsgd.runtime.cluster_model.server_push_seconds`); 0 (default): not
+            measured, ``seconds_per_push`` stretched. Never calibrated by distsgd itself.
         seconds_per_iteration: synchronous protocols (hardsync, SMA, local SGD): seconds a
             device works per iteration beyond its gradients: the protocol's update of the
             flat weights and the runtime loop's own work (the DDP wrapper, drawing the
@@ -801,6 +812,7 @@ class ClusterConfig:
     seconds_per_replica: float = -1.0
     seconds_per_push: float = -1.0
     seconds_per_iteration: float = -1.0
+    seconds_per_push_contended: float = 0.0
     profile: str = ""
     replica_ratios: list[float] = field(default_factory=list)
     speed_factors: list[float] = field(default_factory=list)
@@ -822,6 +834,17 @@ class ClusterConfig:
             v = getattr(self, key)
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
                 fail(f"cluster.{key}", v, "a number of seconds >= 0, or -1 to calibrate")
+        v = self.seconds_per_push_contended
+        if (
+            not isinstance(v, int | float)
+            or isinstance(v, bool)
+            or not (math.isfinite(v) and v >= 0)
+        ):
+            fail(
+                "cluster.seconds_per_push_contended",
+                v,
+                "a number of seconds >= 0 (0: not measured)",
+            )
         rr = self.replica_ratios
         if not isinstance(rr, list) or (
             rr
@@ -1691,7 +1714,8 @@ class RunConfig:
           network; ``summary.json`` echoes the configured profile, nothing uses it);
           ``cluster.seconds_per_replica`` and ``cluster.replica_ratios`` on the ``sim``
           runtime for protocols with one learner per device (k = 1: t(1) alone);
-          ``cluster.seconds_per_push`` for protocols without a parameter server,
+          ``cluster.seconds_per_push`` and ``seconds_per_push_contended`` for protocols
+          without a parameter server,
           ``cluster.seconds_per_iteration`` for those with one;
         * ``train.max_virtual_seconds``: on the ``dist`` runtime (no virtual clock);
         * ``dist.*``: on the ``sim`` runtime; ``dist.num_servers`` for protocols without a
@@ -1729,7 +1753,7 @@ class RunConfig:
             if not spec.replicated:
                 unread |= {"cluster.seconds_per_replica", "cluster.replica_ratios"}
             if not spec.has_server:
-                unread.add("cluster.seconds_per_push")
+                unread |= {"cluster.seconds_per_push", "cluster.seconds_per_push_contended"}
             else:
                 unread.add("cluster.seconds_per_iteration")
         return frozenset(unread)

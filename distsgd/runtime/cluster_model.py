@@ -26,6 +26,7 @@ __all__ = [
     "core_stretch",
     "device_seconds",
     "server_core_stretch",
+    "server_push_seconds",
     "replica_ratio",
     "straggler_factor",
 ]
@@ -71,6 +72,13 @@ class ClusterModel:
             process has a core of its own (a real cluster). With more busy processes than
             cores, compute and the server's work stretch (:func:`core_stretch`,
             :func:`server_core_stretch`): one machine running every rank.
+        t_server_contended: the server's wall seconds per push measured on processes
+            sharing the cores as the run's do, i.e. while the other learners compute
+            (``cluster.seconds_per_push_contended``; 0: not measured). Where set it is
+            the server's time per push as charged, not stretched again: the wait for a
+            core is already in it (:func:`server_push_seconds`); ``t_server``, the work
+            measured alone, stays the server's demand for a core in
+            :func:`server_core_stretch`.
     """
 
     t_batch: float
@@ -86,6 +94,7 @@ class ClusterModel:
     allreduce_latency_s: float | None = None
     allreduce_bandwidth_gbps: float | None = None
     t_iteration: float = 0.0
+    t_server_contended: float = 0.0
 
     @property
     def message_seconds(self) -> float:
@@ -182,17 +191,30 @@ def server_core_stretch(
     ``learners`` learner processes and one server process share ``cluster.cores`` cores.
 
     Steady state, first order: each of the ``pushers`` workers (learners, or compute
-    groups; default ``learners``) cycles in ``c = 2m + t_c + t_server`` (two messages,
-    its compute, the server's work on its push), so the server is busy a fraction
-    ``u = min(1, pushers · t_server / c)`` of the time, and on average ``learners + u``
-    processes want a core (a learner's busy fraction is counted as 1, the conservative
-    side). Returns :func:`core_stretch` of that: 1 when they fit (``cores = 0``, or
-    ``learners + u <= cores``); e.g. 2 learners + a server busy 20% of the time on 2
-    cores: 1.1.
+    groups; default ``learners``) cycles in ``c = 2m + t_c + t_s`` (two messages, its
+    compute, the server's time on its push: ``t_server_contended`` where measured, else
+    ``t_server``), so the server wants a core a fraction
+    ``u = min(1, pushers · t_server / c)`` of the time (``t_server``, its work measured
+    alone, is its demand for a core; a contended time also holds its waits for one), and
+    on average ``learners + u`` processes want a core (a learner's busy fraction is
+    counted as 1, the conservative side). Returns :func:`core_stretch` of that: 1 when
+    they fit (``cores = 0``, or ``learners + u <= cores``); e.g. 2 learners + a server
+    busy 20% of the time on 2 cores: 1.1.
     """
     if cluster.cores <= 0 or learners < 1:
         return 1.0
     n = learners if pushers is None else pushers
-    cycle = 2 * cluster.message_seconds + compute_seconds(batch_size, cluster) + cluster.t_server
+    waited = cluster.t_server_contended if cluster.t_server_contended > 0 else cluster.t_server
+    cycle = 2 * cluster.message_seconds + compute_seconds(batch_size, cluster) + waited
     u = min(1.0, n * cluster.t_server / cycle) if cycle > 0 else 0.0
     return core_stretch(learners + u, cluster.cores)
+
+
+def server_push_seconds(stretch: float, cluster: ClusterModel) -> float:
+    """The server's seconds per push as charged: ``t_server_contended`` where it was
+    measured (a wall time on processes that share the cores as the run's do: the wait for
+    a core is in it, so it is not stretched again), else ``t_server · stretch`` (its work
+    measured alone, stretched by the run's :func:`server_core_stretch` ``stretch``)."""
+    if cluster.t_server_contended > 0:
+        return cluster.t_server_contended
+    return cluster.t_server * stretch

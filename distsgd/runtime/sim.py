@@ -31,6 +31,10 @@ Timing model (all in virtual seconds):
   longer when more processes are busy than there are cores (synchronous: the devices;
   parameter server: the learners plus the server's busy fraction,
   :func:`~distsgd.runtime.cluster_model.server_core_stretch`); 0: a core per process.
+  A server time measured on processes while the other learners compute
+  (``seconds_per_push_contended``) is charged as measured instead of the stretched
+  ``seconds_per_push``: the wait for a core is in it already
+  (:func:`~distsgd.runtime.cluster_model.server_push_seconds`).
 
 Synchronous protocols advance one iteration per tick (the slowest device plus the
 all-reduce). Parameter-server protocols process one push per tick: a worker pulls,
@@ -100,6 +104,10 @@ class DeviceProfile:
             (>= 0; :func:`calibrate_server`); 0: free.
         seconds_per_iteration: a synchronous device's seconds per iteration beyond its
             gradients (>= 0; :func:`distsgd.runtime.dist.calibrate_iteration`); 0: free.
+        seconds_per_push_contended: the server's wall seconds per push measured on
+            processes while the run's other learners compute on the same cores (>= 0;
+            ``cluster.seconds_per_push_contended``); where > 0, charged per push in place
+            of the stretched ``seconds_per_push`` (not stretched again); 0: not measured.
     """
 
     seconds_per_batch: float
@@ -109,6 +117,7 @@ class DeviceProfile:
     replica_ratios: tuple[float, ...] = ()
     seconds_per_push: float = 0.0
     seconds_per_iteration: float = 0.0
+    seconds_per_push_contended: float = 0.0
 
     @functools.cached_property
     def model(self) -> cm.ClusterModel:
@@ -121,6 +130,7 @@ class DeviceProfile:
             replica_ratios=self.replica_ratios,
             t_server=self.seconds_per_push,
             t_iteration=self.seconds_per_iteration,
+            t_server_contended=self.seconds_per_push_contended,
         )
 
     def compute_seconds(self, batch_size: int) -> float:
@@ -404,24 +414,32 @@ class SimRuntime(Runtime):
             allreduce_bandwidth_gbps=cluster.allreduce_network[1],
         )
         self.message_s = self._network.message_seconds
-        self._stretch = self._core_stretch()
+        self._set_stretch()
         if self.is_async:
             self._init_async()
 
     # ---- timing ------------------------------------------------------------------------
-    def _core_stretch(self) -> float:
-        """Wall over CPU time of compute (and the server's work) when the cluster's
-        processes share ``cluster.cores`` cores (1 with ``cores = 0``)."""
-        cores = self.cluster.cores
-        if cores <= 0:
-            return 1.0
-        if not self.is_async:
-            return cm.core_stretch(self.num_learners // self.replicas_per_device, cores)
+    def _set_stretch(self) -> None:
+        """The stretch of compute when the cluster's processes share ``cluster.cores``
+        cores (wall over CPU time; 1 with ``cores = 0``) and the server's seconds per
+        push as charged (:func:`~distsgd.runtime.cluster_model.server_push_seconds`)."""
+        self._stretch = 1.0
         model = dataclasses.replace(
-            self._network, t_server=self.profile.seconds_per_push, cores=cores
+            self._network,
+            t_server=self.profile.seconds_per_push,
+            t_server_contended=self.profile.seconds_per_push_contended,
+            cores=self.cluster.cores,
         )
-        pushers = self.protocol.num_workers  # type: ignore[union-attr]
-        return cm.server_core_stretch(self.num_learners, self.batch_size, model, pushers)
+        if self.cluster.cores > 0:
+            if not self.is_async:
+                k = self.replicas_per_device
+                self._stretch = cm.core_stretch(self.num_learners // k, self.cluster.cores)
+            else:
+                pushers = self.protocol.num_workers  # type: ignore[union-attr]
+                self._stretch = cm.server_core_stretch(
+                    self.num_learners, self.batch_size, model, pushers
+                )
+        self._push_s = cm.server_push_seconds(self._stretch, model)
 
     def _jitter(self) -> float:
         s = self.cluster.jitter
@@ -472,7 +490,7 @@ class SimRuntime(Runtime):
         self.num_learners = lam
         self.replicas_per_device = replicas_per_device
         self.speeds = [1.0] * lam
-        self._stretch = self._core_stretch()
+        self._set_stretch()
 
     def allreduce_seconds(self, participants: int) -> float:
         """Ring all-reduce of P float32 values among ``participants``
@@ -586,7 +604,7 @@ class SimRuntime(Runtime):
         arrived, _, worker = self._next_push()
         # the server takes pushes in arrival order, one at a time: it is free from the
         # moment it finished the previous one (the clock's reading)
-        now = max(arrived, self.virtual_time) + self.profile.seconds_per_push * self._stretch
+        now = max(arrived, self.virtual_time) + self._push_s
         self.virtual_time = now
         members = self._members(worker)
         grad, losses = self._mean_gradient(members, self._pulled[worker], lr, proto.version)

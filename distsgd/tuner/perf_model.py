@@ -43,6 +43,7 @@ from distsgd.runtime.cluster_model import (
     device_seconds,
     replica_ratio,
     server_core_stretch,
+    server_push_seconds,
     straggler_factor,
 )
 
@@ -142,7 +143,10 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
     With ``cluster.cores`` > 0 (every process on one machine) t_c, D(k) and t_server are
     stretched by :func:`~distsgd.runtime.cluster_model.core_stretch` of the busy
     processes (synchronous: the devices; parameter server and compute groups:
-    :func:`~distsgd.runtime.cluster_model.server_core_stretch`), as the simulator does.
+    :func:`~distsgd.runtime.cluster_model.server_core_stretch`), as the simulator does;
+    a ``t_server_contended`` (measured while the other learners compute) replaces
+    t_server and is not stretched
+    (:func:`~distsgd.runtime.cluster_model.server_push_seconds`).
 
     Returns:
         seconds (> 0 whenever t_batch + b·t_sample > 0).
@@ -164,13 +168,13 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
         g = layout.num_groups
         size = lam // g
         x = server_core_stretch(lam, b, cluster, pushers=g)
-        ts = cluster.t_server * x
+        ts = server_push_seconds(x, cluster)
         cycle = 2 * m + straggler_factor(size, s) * tc * x + allreduce_seconds(size, cluster)
         cycle += ts
         return max(cycle / g, ts)
     n = layout.softsync
     x = server_core_stretch(lam, b, cluster)
-    ts = cluster.t_server * x
+    ts = server_push_seconds(x, cluster)
     cycle = 2 * m + tc * x + ts
     return max(cycle / n, (lam // n) * ts)
 

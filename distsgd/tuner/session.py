@@ -160,6 +160,7 @@ def cluster_model(cfg: RunConfig, num_parameters: int) -> pm.ClusterModel:
         t_replica=c.seconds_per_replica if c.seconds_per_replica >= 0 else None,
         replica_ratios=tuple(c.replica_ratios),
         t_server=max(c.seconds_per_push, 0.0),
+        t_server_contended=c.seconds_per_push_contended,
         t_iteration=max(c.seconds_per_iteration, 0.0),
         cores=c.cores,
         allreduce_latency_s=c.allreduce_network[0],

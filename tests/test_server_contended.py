@@ -1,0 +1,143 @@
+"""The parameter server's time per push measured while the other learners compute
+(``cluster.seconds_per_push_contended``, issue 18): a wall time with the waits for a core
+in it, charged as measured and not stretched again by the share of the cores, while the
+server's work measured alone (``seconds_per_push``) stays its demand for a core in the
+stretch of the learners' compute. Deterministic arithmetic of the simulator and the
+tuner's model; no timing."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distsgd.config import ConfigError
+from distsgd.data import load_dataset
+from distsgd.engine import build_engine, config_for_data
+from distsgd.runtime import cluster_model as cm
+from distsgd.runtime.factory import runtime_kind
+from distsgd.tuner import perf_model as pm
+from tests.conftest import FIXED_CLUSTER, small_config
+
+ALONE, CONTENDED = 3e-3, 12e-3  # the server's work alone; its time per push while others compute
+
+
+def _model(cores: int, t_server: float = ALONE, contended: float = 0.0) -> cm.ClusterModel:
+    return cm.ClusterModel(
+        FIXED_CLUSTER["seconds_per_batch"],
+        FIXED_CLUSTER["seconds_per_sample"],
+        latency_s=FIXED_CLUSTER["latency_s"],
+        bandwidth_gbps=FIXED_CLUSTER["bandwidth_gbps"],
+        num_parameters=10_000,
+        t_server=t_server,
+        t_server_contended=contended,
+        cores=cores,
+    )
+
+
+def test_a_contended_time_is_charged_as_measured():
+    m = _model(2, contended=CONTENDED)
+    assert cm.server_push_seconds(1.4, m) == CONTENDED  # not stretched again
+    assert cm.server_push_seconds(1.4, _model(2)) == pytest.approx(ALONE * 1.4)  # as before
+    assert cm.server_push_seconds(1.0, _model(0, contended=CONTENDED)) == CONTENDED
+
+
+def test_the_server_demands_a_core_for_its_work_alone():
+    """u = pushers · t_server / (2m + t_c + t_contended): the work measured alone over the
+    cycle the learner waits through; the contended time's waits are not demand."""
+    m = _model(2, contended=CONTENDED)
+    cycle = 2 * m.message_seconds + cm.compute_seconds(32, m) + CONTENDED
+    u = 2 * ALONE / cycle
+    assert u < 1
+    assert cm.server_core_stretch(2, 32, m) == pytest.approx(1 + u / 2)
+    # charging the contended time as the server's work (the earlier experiment) counts
+    # its waits as demand for a core: a larger stretch of compute, and of that time
+    doubled = _model(2, t_server=CONTENDED)
+    assert cm.server_core_stretch(2, 32, doubled) > cm.server_core_stretch(2, 32, m)
+
+
+def _seconds_per_push(cores: int, num_learners: int, **cluster: float) -> float:
+    cfg = small_config(
+        protocol={"name": "parameter_server", "mode": "async", "num_learners": num_learners},
+        cluster={"jitter": 0.0, "cores": cores, **cluster},
+        train={"max_samples": 640, "evaluate": False, "max_epochs": 0},
+    )
+    kind = runtime_kind(cfg)
+    ds = load_dataset(cfg.data, seed=0)
+    cfg, _ = kind.calibrate(config_for_data(cfg, ds), ds)
+    torch.manual_seed(0)
+    engine = build_engine(cfg)
+    rt = kind.build(cfg, engine, ds, engine.initial_weights())
+    pushes = 0
+    while rt.samples < cfg.train.max_samples:
+        rt.advance(0.05)
+        pushes += 1
+    return rt.clock_s / pushes, engine.num_parameters
+
+
+def test_the_simulator_charges_it_unstretched_and_the_tuner_agrees():
+    """One learner on one core (learner + server exceed it: compute stretches): the cycle
+    is 2m + x·t_c + t_contended exactly, x from the work alone; the tuner's model gives
+    the same figure."""
+    got, p = _seconds_per_push(1, 1, seconds_per_push=ALONE, seconds_per_push_contended=CONTENDED)
+    c = dataclasses.replace(_model(1, contended=CONTENDED), num_parameters=p)
+    x = cm.server_core_stretch(1, 32, c)
+    assert x > 1
+    expected = 2 * c.message_seconds + x * cm.compute_seconds(32, c) + CONTENDED
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert pm.seconds_per_iteration(pm.Layout("softsync", 1, 32, softsync=1), c) == (
+        pytest.approx(expected, rel=1e-9)
+    )
+    # the same figures charged the earlier way (the contended time as the server's work,
+    # stretched): slower, by the double count
+    doubled, _ = _seconds_per_push(1, 1, seconds_per_push=CONTENDED)
+    assert doubled > got * 1.05
+
+
+def test_two_learners_sharing_two_cores_are_not_charged_the_wait_twice():
+    contended, _ = _seconds_per_push(
+        2, 2, seconds_per_push=ALONE, seconds_per_push_contended=CONTENDED
+    )
+    alone, _ = _seconds_per_push(2, 2, seconds_per_push=ALONE)
+    doubled, _ = _seconds_per_push(2, 2, seconds_per_push=CONTENDED)
+    assert alone < contended < doubled
+    # without shared cores nothing stretches: the contended time is just the server's time
+    assert _seconds_per_push(0, 2, seconds_per_push=ALONE, seconds_per_push_contended=CONTENDED)[
+        0
+    ] == pytest.approx(_seconds_per_push(0, 2, seconds_per_push=CONTENDED)[0], rel=1e-12)
+
+
+def test_one_learner_on_two_cores_is_unchanged():
+    """λ = 1 (learner + server fit 2 cores): its contended time is the time alone (no
+    other learner computes), so charging it changes nothing (async λ = 1 of the bench)."""
+    got, _ = _seconds_per_push(2, 1, seconds_per_push=ALONE, seconds_per_push_contended=ALONE)
+    assert got == pytest.approx(_seconds_per_push(2, 1, seconds_per_push=ALONE)[0], rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [-1, -1e-3, float("inf"), True, "1"])
+def test_it_must_be_a_number_of_seconds(bad):
+    with pytest.raises(ConfigError, match="cluster.seconds_per_push_contended"):
+        small_config(cluster={"seconds_per_push_contended": bad})
+
+
+def test_protocols_without_a_server_do_not_read_it():
+    cfg = small_config(cluster={"seconds_per_push_contended": 1e-3})
+    assert "cluster.seconds_per_push_contended" in cfg.unread_settings()
+    ps = small_config(
+        protocol={"name": "parameter_server", "mode": "async", "num_learners": 2},
+        cluster={"seconds_per_push_contended": 1e-3},
+    )
+    assert "cluster.seconds_per_push_contended" not in ps.unread_settings()
+
+
+def test_the_bench_charges_async_rows_the_contended_time_apart():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from dist_bench import push_overrides
+
+    assert push_overrides("hardsync", ALONE, CONTENDED) == []
+    assert push_overrides("async", ALONE, None) == [f"cluster.seconds_per_push={ALONE!r}"]
+    assert push_overrides("async", ALONE, CONTENDED) == [
+        f"cluster.seconds_per_push={ALONE!r}",
+        f"cluster.seconds_per_push_contended={CONTENDED!r}",
+    ]
