@@ -25,11 +25,10 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    (``keep training`` / ``re-optimise``, from the segment's ``plateau_checks.jsonl``).
    At a due check every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first; a
    lower effective rate only from the top decade of stable rates; on hardsync one (η, μ)
-   per effective rate: :func:`steady_grid`) is probed from the segment's checkpoint, and
-   the best (:func:`pick_best`; ranked at the first rung with ``tune.steady_promote`` =
-   1) continues;
-   after ``tune.steady_rounds`` (default 2) re-optimisations one segment trains to the
-   end without checks. The checks, their decisions and the stop points are those of
+   per effective rate, a decade down at most: :func:`steady_grid`) is probed from the
+   segment's checkpoint, and the best (:func:`pick_best`; ranked at the first rung with
+   ``tune.steady_promote`` = 1) continues; after ``tune.steady_rounds`` (default 2)
+   re-optimisations one segment trains to the end without checks. The checks, their decisions and the stop points are those of
    segments of ``tune.check_epochs`` each, each a launch (issue 18): the same evaluations
    (a check scores the whole test set, as a segment's last evaluation did) and the same
    training, bit for bit (a resumed checkpoint continues exactly), without a relaunch for
@@ -192,10 +191,14 @@ def steady_grid(
     η grid is in decades: the floor keeps the run in the top two.
 
     ``one_per_rate`` (synchronous SGD, no implicit momentum): one (η, μ) per effective
-    rate, the first in the order above (the incumbent's μ, else the larger μ). SGD's noise
-    scale at steady state depends on η and μ through η / (1 − μ) only (Smith, Kindermans,
-    Ying & Le, ICLR 2018, §3), so a second probe of the same rate races noise, not a
-    choice: with ``tune.momenta = [0, 0.9]`` and μ = 0.9, (η, 0) is (η/10, 0.9)'s rate.
+    rate, the first in the order above (the incumbent's μ, else the larger μ), and no rate
+    more than a decade below the incumbent's. SGD's noise scale at steady state depends on
+    η and μ through η / (1 − μ) only (Smith, Kindermans, Ying & Le, ICLR 2018, §3), so a
+    second probe of the same rate races noise, not a choice (with ``tune.momenta = [0,
+    0.9]`` and μ = 0.9, (η, 0) is (η/10, 0.9)'s rate), and μ's grid adds rates, not
+    choices: Omnivore steps η by one decade ({η, η/10}); a step of two (η/10 at a lower μ)
+    is the short race's favourite that the floor above guards against, and the next round
+    may step again.
     """
     incumbent = effective_rate(lr, momentum)
     may_step_down = incumbent > rate_ceiling / 10 * (1 + 1e-9)  # float noise of 1 − μ
@@ -203,7 +206,11 @@ def steady_grid(
     for mu in sorted(momenta, reverse=True):
         for rate in (lr, lr / 10):
             if (rate, mu) in grid or (
-                one_per_rate and any(_same_rate((rate, mu), other) for other in grid)
+                one_per_rate
+                and (
+                    any(_same_rate((rate, mu), other) for other in grid)
+                    or effective_rate(rate, mu) < incumbent / 10 * (1 - 1e-9)
+                )
             ):
                 continue
             # the same rate by another (η, μ) is no step down, whatever 1 − μ rounds to
