@@ -14,6 +14,27 @@ FIXED_CLUSTER = {
 }
 
 
+def simulate_ticks(cfg: RunConfig, tick_s: float = 0.05) -> tuple:
+    """``cfg``'s simulated runtime built as the trainer builds it (data, device profile,
+    seeded engine), advanced in ticks of ``tick_s`` simulated seconds until
+    ``cfg.train.max_samples``; returns ``(runtime, engine, ticks)``."""
+    from distsgd.data import load_dataset
+    from distsgd.engine import build_engine, config_for_data
+    from distsgd.runtime.factory import runtime_kind
+
+    kind = runtime_kind(cfg)
+    ds = load_dataset(cfg.data, seed=0)
+    cfg, _ = kind.calibrate(config_for_data(cfg, ds), ds)
+    torch.manual_seed(0)
+    engine = build_engine(cfg)
+    rt = kind.build(cfg, engine, ds, engine.initial_weights())
+    ticks = 0
+    while rt.samples < cfg.train.max_samples:
+        rt.advance(tick_s)
+        ticks += 1
+    return rt, engine, ticks
+
+
 def small_config(**sections) -> RunConfig:
     """A fast run: synthetic data, mlp, fixed profile, one thread, no progress."""
     raw = {

@@ -3,15 +3,11 @@
 in the tuner's performance model alike (:mod:`distsgd.runtime.cluster_model`)."""
 
 import pytest
-import torch
 
 from distsgd.config import ConfigError
-from distsgd.data import load_dataset
-from distsgd.engine import build_engine, config_for_data
 from distsgd.runtime import cluster_model as cm
-from distsgd.runtime.factory import runtime_kind
 from distsgd.tuner import perf_model as pm
-from tests.conftest import FIXED_CLUSTER, small_config
+from tests.conftest import FIXED_CLUSTER, simulate_ticks, small_config
 
 
 def test_core_stretch_invariants():
@@ -56,16 +52,7 @@ def _seconds_per_push(cores: int, num_learners: int = 2, push: float = 5e-3) -> 
         cluster={"seconds_per_push": push, "jitter": 0.0, "cores": cores},
         train={"max_samples": 640, "evaluate": False, "max_epochs": 0},
     )
-    kind = runtime_kind(cfg)
-    ds = load_dataset(cfg.data, seed=0)
-    cfg, _ = kind.calibrate(config_for_data(cfg, ds), ds)
-    torch.manual_seed(0)
-    engine = build_engine(cfg)
-    rt = kind.build(cfg, engine, ds, engine.initial_weights())
-    pushes = 0
-    while rt.samples < cfg.train.max_samples:
-        rt.advance(0.05)
-        pushes += 1
+    rt, engine, pushes = simulate_ticks(cfg)
     return rt.clock_s / pushes, engine.num_parameters
 
 

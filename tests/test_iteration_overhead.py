@@ -14,10 +14,9 @@ from distsgd.data import load_dataset
 from distsgd.engine import build_engine, config_for_data
 from distsgd.runtime import dist as rdist
 from distsgd.runtime import factory, profiles
-from distsgd.runtime.factory import runtime_kind
 from distsgd.tuner import perf_model as pm
 from distsgd.tuner.session import cluster_model
-from tests.conftest import small_config
+from tests.conftest import simulate_ticks, small_config
 
 CALIBRATE = {"seconds_per_sample": -1, "seconds_per_batch": -1, "jitter": 0.0}
 SMA2 = {"name": "sma", "num_learners": 4, "batch_size": 8, "replicas_per_device": 2}
@@ -34,16 +33,7 @@ def _config(protocol: dict, per_iteration: float | None, **cluster) -> RunConfig
 
 def _simulated(cfg: RunConfig) -> tuple[float, int, torch.Tensor]:
     """Simulated seconds, ticks and final weights of ``cfg``, built as the trainer does."""
-    kind = runtime_kind(cfg)
-    ds = load_dataset(cfg.data, seed=0)
-    cfg, _ = kind.calibrate(config_for_data(cfg, ds), ds)
-    torch.manual_seed(0)
-    engine = build_engine(cfg)
-    rt = kind.build(cfg, engine, ds, engine.initial_weights())
-    ticks = 0
-    while rt.samples < cfg.train.max_samples:
-        rt.advance(0.05)
-        ticks += 1
+    rt, _, ticks = simulate_ticks(cfg)
     return rt.clock_s, ticks, rt.eval_weights()
 
 

@@ -10,15 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from distsgd.config import ConfigError
-from distsgd.data import load_dataset
-from distsgd.engine import build_engine, config_for_data
 from distsgd.runtime import cluster_model as cm
-from distsgd.runtime.factory import runtime_kind
 from distsgd.tuner import perf_model as pm
-from tests.conftest import FIXED_CLUSTER, small_config
+from tests.conftest import FIXED_CLUSTER, simulate_ticks, small_config
 
 ALONE, CONTENDED = 3e-3, 12e-3  # the server's work alone; its time per push while others compute
 
@@ -63,16 +59,7 @@ def _seconds_per_push(cores: int, num_learners: int, **cluster: float) -> float:
         cluster={"jitter": 0.0, "cores": cores, **cluster},
         train={"max_samples": 640, "evaluate": False, "max_epochs": 0},
     )
-    kind = runtime_kind(cfg)
-    ds = load_dataset(cfg.data, seed=0)
-    cfg, _ = kind.calibrate(config_for_data(cfg, ds), ds)
-    torch.manual_seed(0)
-    engine = build_engine(cfg)
-    rt = kind.build(cfg, engine, ds, engine.initial_weights())
-    pushes = 0
-    while rt.samples < cfg.train.max_samples:
-        rt.advance(0.05)
-        pushes += 1
+    rt, engine, pushes = simulate_ticks(cfg)
     return rt.clock_s / pushes, engine.num_parameters
 
 
