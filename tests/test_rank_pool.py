@@ -122,9 +122,12 @@ def test_a_dropped_pool_ends_its_ranks_and_an_interrupt_is_keyboard_interrupt(tm
 def test_tune_on_dist_starts_the_ranks_once(tmp_path, starts):
     """distsgd train --tune on real processes: every probe and segment on one pool."""
     tune = {"lrs": [0.1, 0.01], "momenta": [0.9], "probe_seconds": 0.3, "extra_probes": 0}
+    # the run's 2 epochs size its probes at the cluster model's predicted rate: a device of
+    # 2 ms a sample (not the fixed 0.1 ms) leaves the cold start room for both probes
     cfg = small_config(
         protocol=HARDSYNC,
         runtime="dist",
+        cluster={"seconds_per_sample": 2e-3},
         dist={"timeout_s": 20.0},
         train={"target": 0.0, "max_epochs": 2, "eval_every_samples": 512, "tensorboard": False},
         tune=tune,
