@@ -117,11 +117,20 @@ def _ratio(rows: list[dict], num: str, den: str, seed: int) -> tuple[float, str]
 
 
 def _median(ratios: list[tuple[float, str]]) -> str:
-    """The median of the per-seed ratios, exact when every bound lies on its side of it
-    (a "> x" at or above the median, a "< x" at or below), else marked "≈"."""
+    """The median of the per-seed ratios: exact when every bound lies strictly on its side
+    of it (a "> x" above the median, a "< x" below: the median is then a measured seed's);
+    else a bound itself when the bounds all point one way (each seed's ratio at or below
+    its figure keeps the median at or below theirs: "<" when every seed is a "<", "≤" with
+    some "="; likewise ">" / "≥"); else marked "≈"."""
     med = statistics.median(x for x, _ in ratios)
-    exact = all(m == "=" or (m == ">" and x >= med) or (m == "<" and x <= med) for x, m in ratios)
-    return f"{'' if exact else '≈ '}{med:.3f}"
+    exact = all(m == "=" or (m == ">" and x > med) or (m == "<" and x < med) for x, m in ratios)
+    marks = {m for _, m in ratios}
+    if exact:
+        return f"{med:.3f}"
+    for bound, weak in (("<", "≤"), (">", "≥")):
+        if marks <= {bound, "="}:
+            return f"{bound if marks == {bound} else weak} {med:.3f}"
+    return f"≈ {med:.3f}"
 
 
 def where_time_went(run_dir: Path) -> str:

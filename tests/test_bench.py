@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from sweep import grid_points, run_grid  # noqa: E402
+from tune_online_vs_ddp import _median  # noqa: E402
 
 
 def test_grid_points_is_the_cartesian_product():
@@ -74,3 +75,14 @@ def test_run_grid_refuses_a_cached_run_with_other_settings(tmp_path, monkeypatch
 
     with pytest.raises(RuntimeError, match="other settings"):
         run_grid([("p", ["optimizer.lr=0.2"])], [0], tmp_path, common=common)
+
+
+def test_median_of_ratios_with_bounds_says_which_side_it_is_on():
+    # "<": the denominator missed the target, the seed's ratio is below its figure
+    assert _median([(1.2, "="), (0.9, "="), (1.0, "=")]) == "1.000"
+    assert _median([(4.5, ">"), (1.2, "="), (1.3, "=")]) == "1.300"  # bound above: exact
+    # every seed a "<" bound: the median of the ratios is below the median of the figures
+    # (the bench's (c)/(b), where (b) never reached 90%; it printed "≈ 0.289")
+    assert _median([(0.315, "<"), (0.272, "<"), (0.289, "<")]) == "< 0.289"
+    assert _median([(0.3, "<"), (0.2, "="), (0.5, "=")]) == "≤ 0.300"  # the median a bound
+    assert _median([(0.3, "<"), (0.2, ">"), (0.5, "=")]) == "≈ 0.300"
