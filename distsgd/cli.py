@@ -80,7 +80,8 @@ def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
     if s.get("tuned"):
         lines.append(
             f"tuning        {_fmt_s(s['tuning_wall_s'])} wall of {_fmt_s(s['total_wall_s'])} "
-            f"({100 * (s['tuning_share'] or 0):.0f}%), {s['num_probes']} probes "
+            f"({100 * (s['tuning_share'] or 0):.0f}%), {s['num_probes']} "
+            f"probe{'' if s['num_probes'] == 1 else 's'} "
             "(decisions.jsonl, probes/)"
         )
     print("\n".join(lines + _results_lines(out_dir)))

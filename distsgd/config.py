@@ -783,7 +783,8 @@ class ClusterConfig:
             measured alone) still counts as the server's demand for a core in the stretch
             of the learners' compute
             (:func:`distsgd.runtime.cluster_model.server_push_seconds`); 0 (default): not
-            measured, ``seconds_per_push`` stretched. Never calibrated by distsgd itself.
+            measured, ``seconds_per_push`` stretched. Not charged with ``cores`` = 0 (a
+            core per process: nothing waits for one). Never calibrated by distsgd itself.
         seconds_per_iteration: synchronous protocols (hardsync, SMA, local SGD): seconds a
             device works per iteration beyond its gradients: the protocol's update of the
             flat weights and the runtime loop's own work (the DDP wrapper, drawing the

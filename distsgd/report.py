@@ -498,8 +498,26 @@ _HEADER = [
 # markdown column alignment: text left, numbers right
 _ALIGN = ["---"] * 3 + ["---:"] * 2 + ["---"] + ["---:"] * 6
 #: the simulated device's figures in a run's summary (``device_profile``) that its simulated
-#: seconds depend on (an older summary without one reads as None)
-_DEVICE_KEYS = ("seconds_per_sample", "seconds_per_batch", "seconds_per_iteration")
+#: seconds depend on (an older summary without one reads as None; a negative one, "not
+#: measured", is charged as 0), and those of the parameter server (its runs only)
+_DEVICE_KEYS = ("seconds_per_sample", "seconds_per_batch", "seconds_per_iteration", "cores")
+_SERVER_KEYS = ("seconds_per_push", "seconds_per_push_contended")
+
+
+def _charged(profile: dict[str, Any], keys: tuple[str, ...]) -> tuple[float | None, ...]:
+    values = [profile.get(k) for k in keys]
+    return tuple(None if v is None else max(float(v), 0.0) for v in values)
+
+
+def _devices_differ(runs: list[Run]) -> bool:
+    """Whether ``runs`` simulate different devices: their charged device figures differ,
+    or those of the runs with a parameter server differ among them."""
+    pairs = [(run, run.summary.get("device_profile")) for run in runs]
+    pairs = [(run, p) for run, p in pairs if isinstance(p, dict)]
+    devices = {_charged(p, _DEVICE_KEYS) for _, p in pairs}
+    # the server's figures are recorded for the runs with a parameter server only
+    servers = {_charged(p, _SERVER_KEYS) for _, p in pairs if p.get(_SERVER_KEYS[0]) is not None}
+    return len(devices) > 1 or len(servers) > 1
 
 
 def make_report(run_dirs: list[Path], out_dir: Path) -> Path:
@@ -550,19 +568,16 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> Path:
         "|" + "|".join(_ALIGN) + "|",
     ]
     lines += ["| " + " | ".join(_row(run)) + " |" for run in runs]
-    profiles = {
-        tuple(p.get(k) for k in _DEVICE_KEYS)
-        for p in (run.summary.get("device_profile") for run in runs)
-        if isinstance(p, dict)
-    }
-    if len(profiles) > 1:
+    if _devices_differ(runs):
         lines += [
             "",
             "Note: these runs simulate different device profiles (each calibrated its own, "
             "or was given one), so their simulated times are not comparable. Give every run "
             "the same "
-            + ", ".join(f"`cluster.{k}`" for k in _DEVICE_KEYS[:-1])
-            + f" and `cluster.{_DEVICE_KEYS[-1]}` (or one `cluster.profile`) to compare them.",
+            + ", ".join(f"`cluster.{k}`" for k in _DEVICE_KEYS)
+            + " (or one `cluster.profile`), and the runs with a parameter server the same "
+            + " and ".join(f"`cluster.{k}`" for k in _SERVER_KEYS)
+            + ", to compare them.",
         ]
     lines += ["", "Run directories:", ""]
     lines += [f"- {_cell(run.label)}: `{run.path}`" for run in runs]

@@ -914,6 +914,7 @@ class Trainer:
         wall = c["train_wall_s"]
         last = self.metrics.records[-1] if self.metrics.records else {}
         p = cfg.protocol
+        served = spec_for(p).has_server
         summary = {
             "name": cfg.name,
             "status": status,
@@ -969,7 +970,12 @@ class Trainer:
                 "seconds_per_sample": cfg.cluster.seconds_per_sample,
                 "seconds_per_replica": cfg.cluster.seconds_per_replica,
                 "seconds_per_iteration": cfg.cluster.seconds_per_iteration,
-                "seconds_per_push": cfg.cluster.seconds_per_push,
+                # the server's figures: runs with a parameter server only (else None)
+                "seconds_per_push": cfg.cluster.seconds_per_push if served else None,
+                "seconds_per_push_contended": (
+                    cfg.cluster.seconds_per_push_contended if served else None
+                ),
+                "cores": cfg.cluster.cores,
                 "calibrated": self.profile_calibrated,
                 "replica_ratios": cfg.cluster.replica_ratios,
             },

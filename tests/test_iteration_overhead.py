@@ -170,6 +170,27 @@ def test_a_named_profile_without_it_charges_none(tmp_path, measured, capsys):
     assert factory.device_profile(got, False).seconds_per_iteration == 0.0
     # and says so in its line, with how to measure it
     assert "no seconds_per_iteration" in capsys.readouterr().err
+    # unless the config gives it (found by a fresh-user review: two lines contradicted)
+    given = named.replace(cluster=dataclasses.replace(named.cluster, seconds_per_iteration=1e-3))
+    assert factory.calibrated_config(given, ds)[0].cluster.seconds_per_iteration == 1e-3
+    err = capsys.readouterr().err
+    assert "no seconds_per_iteration" not in err and "replaces the profile's" in err
+
+
+def test_a_named_profile_without_server_work_takes_the_configs(tmp_path):
+    # refused with "or set cluster.seconds_per_push", and then refused with it set (found
+    # by a fresh-user review); without either, still one line
+    path = tmp_path / "older.toml"
+    cfg = small_config(protocol={"name": "parameter_server", "mode": "async", "num_learners": 2})
+    ds = load_dataset(cfg.data, seed=0)
+    cfg = config_for_data(cfg, ds)
+    key = factory.profile_key(cfg, build_engine(cfg))
+    profiles.write_profile(path, profiles.DeviceProfileFile(key, 1e-3, 1e-4))
+    named = cfg.replace(cluster=dataclasses.replace(cfg.cluster, **CALIBRATE, profile=str(path)))
+    with pytest.raises(ConfigError, match="or set cluster.seconds_per_push"):
+        factory.calibrated_config(named, ds)
+    given = named.replace(cluster=dataclasses.replace(named.cluster, seconds_per_push=2e-4))
+    assert factory.calibrated_config(given, ds)[0].cluster.seconds_per_push == 2e-4
 
 
 def test_calibrate_iteration_times_the_real_iteration_and_leaves_no_process_group():

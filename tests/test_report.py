@@ -274,17 +274,32 @@ def test_report_header_says_a_tuning_runs_times_include_the_tuning(runs, tmp_pat
 
 
 def test_runs_charged_another_work_per_iteration_are_flagged_as_not_comparable(runs, tmp_path):
-    # the summary records every device figure the simulated seconds depend on (found by a
-    # fresh-user review: seconds_per_iteration was missing, and the note named two figures)
+    # the summary records every device figure the simulated seconds depend on (found by
+    # fresh-user reviews: seconds_per_iteration, the server's figures and cores were
+    # missing, and the note named two figures)
     summary = json.loads((runs["hs"] / "summary.json").read_text())
-    assert {"seconds_per_iteration", "seconds_per_push"} <= set(summary["device_profile"])
-    same = tmp_path / "same"
-    shutil.copytree(runs["hs"], same)
-    md = make_report([runs["hs"], same], tmp_path / "r1").read_text()
-    assert "different device profiles" not in md
-    other = tmp_path / "other"
-    shutil.copytree(runs["hs"], other)
-    summary["device_profile"]["seconds_per_iteration"] += 1e-3
-    (other / "summary.json").write_text(json.dumps(summary))
-    md = make_report([runs["hs"], other], tmp_path / "r2").read_text()
-    assert "different device profiles" in md and "`cluster.seconds_per_iteration`" in md
+    device = summary["device_profile"]
+    assert {"seconds_per_iteration", "seconds_per_push", "cores"} <= set(device)
+    assert device["seconds_per_push"] is None  # no server: not recorded
+    ps = json.loads((runs["ps"] / "summary.json").read_text())["device_profile"]
+    assert ps["seconds_per_push"] is not None and "seconds_per_push_contended" in ps
+
+    def report_of(edits: dict, base: str = "hs") -> str:
+        changed = json.loads((runs[base] / "summary.json").read_text())
+        changed["device_profile"].update(edits)
+        other = tmp_path / f"other{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(runs[base], other)
+        (other / "summary.json").write_text(json.dumps(changed))
+        return make_report([runs[base], other], other / "report").read_text()
+
+    note = "different device profiles"
+    assert note not in report_of({})
+    # "not measured" (-1) is charged as 0: the same device as 0 given
+    assert note not in report_of({"seconds_per_iteration": 0.0})
+    md = report_of({"seconds_per_iteration": 1e-3})
+    assert note in md and "`cluster.seconds_per_iteration`" in md
+    assert note in report_of({"cores": 2})
+    assert note in report_of({"seconds_per_push_contended": 2e-3}, base="ps")
+    # hardsync beside a parameter server: the server's figures are the server runs' own
+    md = make_report([runs["hs"], runs["ps"], runs["sma"]], tmp_path / "three").read_text()
+    assert note not in md

@@ -237,8 +237,10 @@ def test_a_budget_too_small_for_the_cold_start_has_no_steady_state_rounds(tmp_pa
     cfg = tiny_config()
     cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, probe_seconds=100.0))
     run = tmp_path / "r"
-    with pytest.warns(ConfigWarning, match="without steady-state rounds"):
+    with pytest.warns(ConfigWarning, match="without steady-state rounds") as said:
         s = OnlineTune(cfg, run, progress=False).run()
+    # the line names where its budget came from (found by a fresh-user review)
+    assert any("train.max_epochs = 3 at hardsync's predicted rate" in str(w.message) for w in said)
     assert s["num_probes"] >= 1 and s["samples"] == 3 * 1024
     assert not list(run.glob("probes/*-steady*"))
     assert not [d for d in decisions(run) if d["decision"] in ("keep training", "re-optimise")]

@@ -309,7 +309,11 @@ def _named_device(cfg: RunConfig, code: UserCode | None) -> profiles.DeviceProfi
             "calibrate on this run's config)"
         )
     _warn_other_settings(cfg, prof.key, key)
-    if spec_for(cfg.protocol).has_server and prof.seconds_per_push is None:
+    if (
+        spec_for(cfg.protocol).has_server
+        and prof.seconds_per_push is None
+        and cfg.cluster.seconds_per_push < 0
+    ):
         raise ConfigError(
             f"cluster.profile = {cfg.cluster.profile!r} is not allowed: it has no "
             "'seconds_per_push' and the protocol has a parameter server (measure it with "
@@ -317,7 +321,11 @@ def _named_device(cfg: RunConfig, code: UserCode | None) -> profiles.DeviceProfi
             "cluster.seconds_per_push)"
         )
     note = ""
-    if prof.seconds_per_iteration is None and not spec_for(cfg.protocol).has_server:
+    if (
+        prof.seconds_per_iteration is None
+        and not spec_for(cfg.protocol).has_server
+        and cfg.cluster.seconds_per_iteration < 0
+    ):
         note = (
             "; the file has no seconds_per_iteration (written by an older distsgd): no work "
             "per iteration beyond the gradient is charged (measure it again with distsgd "

@@ -438,13 +438,28 @@ class OnlineTune:
         by_samples = min(samples) * per_sample_s
         return min(budget, by_samples) if budget > 0 else by_samples
 
+    def _budget_source(self) -> str:
+        """Where :meth:`_time_budget_s` comes from, for the lines that name it."""
+        t = self.cfg.train
+        limit = "train.max_virtual_seconds" if self.simulated else "train.max_seconds"
+        if (t.max_virtual_seconds if self.simulated else t.max_seconds) == self._time_budget_s():
+            return limit
+        by_epochs = math.ceil(t.max_epochs * self.num_train) if t.max_epochs else math.inf
+        which = (
+            f"train.max_epochs = {t.max_epochs:g}"
+            if not t.max_samples or by_epochs <= t.max_samples
+            else f"train.max_samples = {t.max_samples}"
+        )
+        return f"{which} at hardsync's predicted rate on this device profile" + (
+            "" if self.simulated else f"; set {limit} for a wall budget of your own"
+        )
+
     def _log_setup(self) -> None:
         budget = self._time_budget_s()
         rule = (
             f"min(tune.probe_seconds, {PROBE_SHARE:g} · {budget:.4g} s / "
-            f"{planned_probes(self.cfg.tune):g} planned probes of full length); the budget "
-            "is the run's time limit or its sample budget's seconds at hardsync's predicted "
-            "rate, the smaller"
+            f"{planned_probes(self.cfg.tune):g} planned probes of full length); the budget: "
+            + self._budget_source()
             if budget > 0
             else "tune.probe_seconds (the run has no time budget)"
         )
@@ -480,7 +495,8 @@ class OnlineTune:
         )
         if self.max_probes:
             line = (
-                f"the budget {budget:g} s is too small for the full cold start: probes of "
+                f"the budget {budget:.4g} s ({self._budget_source()}) is too small for the "
+                "full cold start: probes of "
                 f"{self.probe_s:.4g} s (the shortest allowed: min({MIN_PROBE_FRACTION:g} · "
                 f"tune.probe_seconds, {PROBE_SHARE:g} · the budget)), at most "
                 f"{self.max_probes}; "
