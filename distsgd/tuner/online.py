@@ -451,7 +451,7 @@ class OnlineTune:
             else f"train.max_samples = {t.max_samples}"
         )
         return f"{which} at hardsync's predicted rate on this device profile" + (
-            "" if self.simulated else f"; set {limit} for a wall budget of your own"
+            "" if self.simulated else f": a prediction; a smaller {limit} takes its place"
         )
 
     def _log_setup(self) -> None:
