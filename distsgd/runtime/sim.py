@@ -31,9 +31,9 @@ Timing model (all in virtual seconds):
   longer when more processes are busy than there are cores (synchronous: the devices;
   parameter server: the learners plus the server's busy fraction,
   :func:`~distsgd.runtime.cluster_model.server_core_stretch`); 0: a core per process.
-  A server time measured on processes while the other learners compute
-  (``seconds_per_push_contended``) is charged as measured instead of the stretched
-  ``seconds_per_push``: the wait for a core is in it already
+  With shared cores (``cores`` > 0), a server time measured on processes while the
+  other learners compute (``seconds_per_push_contended``) is charged as measured instead
+  of the stretched ``seconds_per_push``: the wait for a core is in it already
   (:func:`~distsgd.runtime.cluster_model.server_push_seconds`).
 
 Synchronous protocols advance one iteration per tick (the slowest device plus the
@@ -106,8 +106,9 @@ class DeviceProfile:
             gradients (>= 0; :func:`distsgd.runtime.dist.calibrate_iteration`); 0: free.
         seconds_per_push_contended: the server's wall seconds per push measured on
             processes while the run's other learners compute on the same cores (>= 0;
-            ``cluster.seconds_per_push_contended``); where > 0, charged per push in place
-            of the stretched ``seconds_per_push`` (not stretched again); 0: not measured.
+            ``cluster.seconds_per_push_contended``); where > 0 and cores are shared,
+            charged per push in place of the stretched ``seconds_per_push`` (not
+            stretched again); 0: not measured.
     """
 
     seconds_per_batch: float
