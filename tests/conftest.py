@@ -2,6 +2,9 @@ import pytest
 import torch
 
 from distsgd.config import RunConfig
+from distsgd.data import load_dataset
+from distsgd.engine import build_engine, config_for_data
+from distsgd.runtime.factory import runtime_kind
 from distsgd.runtime.profiles import CACHE_ENV
 
 # A fixed device profile and network keep virtual time (and so the asynchronous schedule)
@@ -18,10 +21,6 @@ def simulate_ticks(cfg: RunConfig, tick_s: float = 0.05) -> tuple:
     """``cfg``'s simulated runtime built as the trainer builds it (data, device profile,
     seeded engine), advanced in ticks of ``tick_s`` simulated seconds until
     ``cfg.train.max_samples``; returns ``(runtime, engine, ticks)``."""
-    from distsgd.data import load_dataset
-    from distsgd.engine import build_engine, config_for_data
-    from distsgd.runtime.factory import runtime_kind
-
     kind = runtime_kind(cfg)
     ds = load_dataset(cfg.data, seed=0)
     cfg, _ = kind.calibrate(config_for_data(cfg, ds), ds)

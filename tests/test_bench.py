@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+from dist_bench import push_overrides  # noqa: E402
 from sweep import grid_points, run_grid  # noqa: E402
 from tune_online_vs_ddp import _median  # noqa: E402
 
@@ -86,3 +87,16 @@ def test_median_of_ratios_with_bounds_says_which_side_it_is_on():
     assert _median([(0.315, "<"), (0.272, "<"), (0.289, "<")]) == "< 0.289"
     assert _median([(0.3, "<"), (0.2, "="), (0.5, "=")]) == "≤ 0.300"  # the median a bound
     assert _median([(0.3, "<"), (0.2, ">"), (0.5, "=")]) == "≈ 0.300"
+
+
+_ALONE, _CONTENDED = 3e-3, 12e-3
+
+
+def test_the_bench_charges_async_rows_the_contended_time_apart():
+    # the server's work alone, then (async rows) its contended time, charged unstretched
+    assert push_overrides("hardsync", _ALONE, _CONTENDED) == []
+    assert push_overrides("async", _ALONE, None) == [f"cluster.seconds_per_push={_ALONE!r}"]
+    assert push_overrides("async", _ALONE, _CONTENDED) == [
+        f"cluster.seconds_per_push={_ALONE!r}",
+        f"cluster.seconds_per_push_contended={_CONTENDED!r}",
+    ]

@@ -6,8 +6,6 @@ stretch of the learners' compute. Deterministic arithmetic of the simulator and 
 tuner's model; no timing."""
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -120,15 +118,3 @@ def test_protocols_without_a_server_do_not_read_it():
         cluster={"seconds_per_push_contended": 1e-3},
     )
     assert "cluster.seconds_per_push_contended" not in ps.unread_settings()
-
-
-def test_the_bench_charges_async_rows_the_contended_time_apart():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from dist_bench import push_overrides
-
-    assert push_overrides("hardsync", ALONE, CONTENDED) == []
-    assert push_overrides("async", ALONE, None) == [f"cluster.seconds_per_push={ALONE!r}"]
-    assert push_overrides("async", ALONE, CONTENDED) == [
-        f"cluster.seconds_per_push={ALONE!r}",
-        f"cluster.seconds_per_push_contended={CONTENDED!r}",
-    ]
