@@ -773,8 +773,9 @@ class ClusterConfig:
             the device profile when that is calibrated or read from ``profile``
             (:func:`distsgd.runtime.sim.calibrate_server`), and free when
             ``seconds_per_sample`` / ``seconds_per_batch`` are given; 0: free.
-        seconds_per_push_contended: parameter-server protocols (and compute groups) with
-            every rank on one machine (``cores`` > 0): the server's wall seconds per push
+        seconds_per_push_contended: parameter-server protocols whose learners each push
+            (async, n-softsync; not compute groups of several learners) with every rank on
+            one machine (``cores`` > 0): the server's wall seconds per push
             measured on processes while the run's other learners compute on the same cores
             (as ``bench/dist_bench.py`` measures it: async, one learner
             at batch 1, λ − 1 processes computing beside it). Where > 0 it replaces the

@@ -54,9 +54,13 @@ def test_the_server_demands_a_core_for_its_work_alone():
     assert cm.server_core_stretch(2, 32, doubled) > cm.server_core_stretch(2, 32, m)
 
 
-def _seconds_per_push(cores: int, num_learners: int, **cluster: float) -> float:
+def _seconds_per_push(
+    cores: int, num_learners: int, protocol: dict | None = None, **cluster: float
+) -> tuple[float, int]:
+    """Simulated seconds per push (tick) and the model's parameter count."""
     cfg = small_config(
-        protocol={"name": "parameter_server", "mode": "async", "num_learners": num_learners},
+        protocol=protocol
+        or {"name": "parameter_server", "mode": "async", "num_learners": num_learners},
         cluster={"jitter": 0.0, "cores": cores, **cluster},
         train={"max_samples": 640, "evaluate": False, "max_epochs": 0},
     )
@@ -95,6 +99,23 @@ def test_two_learners_sharing_two_cores_are_not_charged_the_wait_twice():
     assert _seconds_per_push(0, 2, seconds_per_push=ALONE, seconds_per_push_contended=CONTENDED)[
         0
     ] == pytest.approx(_seconds_per_push(0, 2, seconds_per_push=ALONE)[0], rel=1e-12)
+
+
+def test_compute_groups_are_not_charged_a_time_measured_for_learners_pushing_alone():
+    # found by a review: it was measured with each learner pushing while the other λ − 1
+    # compute; 2 groups of 2 learners push half as often, so the model stays the stretch
+    groups = {"name": "compute_groups", "num_learners": 4, "num_groups": 2}
+    with_it, _ = _seconds_per_push(
+        2, 4, groups, seconds_per_push=ALONE, seconds_per_push_contended=CONTENDED
+    )
+    assert with_it == _seconds_per_push(2, 4, groups, seconds_per_push=ALONE)[0]
+    m = _model(2, contended=CONTENDED)
+    assert cm.server_push_seconds(1.3, m, each_learner_pushes=False) == pytest.approx(ALONE * 1.3)
+    layout = pm.Layout("compute_groups", 4, 32, num_groups=2)
+    assert pm.seconds_per_iteration(layout, m) == pm.seconds_per_iteration(layout, _model(2))
+    assert pm.seconds_per_iteration(pm.Layout("softsync", 4, 32, softsync=1), m) != (
+        pm.seconds_per_iteration(pm.Layout("softsync", 4, 32, softsync=1), _model(2))
+    )
 
 
 def test_one_learner_on_two_cores_is_unchanged():

@@ -204,19 +204,23 @@ def server_core_stretch(
     if cluster.cores <= 0 or learners < 1:
         return 1.0
     n = learners if pushers is None else pushers
-    waited = server_push_seconds(1.0, cluster)
+    waited = server_push_seconds(1.0, cluster, each_learner_pushes=n == learners)
     cycle = 2 * cluster.message_seconds + compute_seconds(batch_size, cluster) + waited
     u = min(1.0, n * cluster.t_server / cycle) if cycle > 0 else 0.0
     return core_stretch(learners + u, cluster.cores)
 
 
-def server_push_seconds(stretch: float, cluster: ClusterModel) -> float:
+def server_push_seconds(
+    stretch: float, cluster: ClusterModel, each_learner_pushes: bool = True
+) -> float:
     """The server's seconds per push as charged: ``t_server_contended`` where it was
-    measured and the run's processes share cores (``cores`` > 0: a wall time on processes
-    that share the cores as the run's do; the wait for a core is in it, so it is not
-    stretched again), else ``t_server · stretch`` (its work measured alone, stretched by
-    the run's :func:`server_core_stretch` ``stretch``; with a core per process, as on a
-    real cluster, nothing waits for one, so the contended time does not apply)."""
-    if cluster.t_server_contended > 0 and cluster.cores > 0:
+    measured and the run is the layout it was measured in: processes that share cores
+    (``cores`` > 0) and ``each_learner_pushes`` (asynchronous or n-softsync learners, each
+    waiting for its own reply while the other λ − 1 compute; a wall time with the wait for
+    a core in it, so not stretched again). Else ``t_server · stretch`` (its work measured
+    alone, stretched by the run's :func:`server_core_stretch` ``stretch``): with a core
+    per process, as on a real cluster, nothing waits for one; compute groups push less
+    often than λ learners would, with other processes computing meanwhile."""
+    if cluster.t_server_contended > 0 and cluster.cores > 0 and each_learner_pushes:
         return cluster.t_server_contended
     return cluster.t_server * stretch

@@ -431,16 +431,20 @@ class SimRuntime(Runtime):
             t_server_contended=self.profile.seconds_per_push_contended,
             cores=self.cluster.cores,
         )
+        pushers = self.num_learners
+        if self.is_async:
+            pushers = self.protocol.num_workers  # type: ignore[union-attr]
         if self.cluster.cores > 0:
             if not self.is_async:
                 k = self.replicas_per_device
                 self._stretch = cm.core_stretch(self.num_learners // k, self.cluster.cores)
             else:
-                pushers = self.protocol.num_workers  # type: ignore[union-attr]
                 self._stretch = cm.server_core_stretch(
                     self.num_learners, self.batch_size, model, pushers
                 )
-        self._push_s = cm.server_push_seconds(self._stretch, model)
+        self._push_s = cm.server_push_seconds(
+            self._stretch, model, each_learner_pushes=pushers == self.num_learners
+        )
 
     def _jitter(self) -> float:
         s = self.cluster.jitter

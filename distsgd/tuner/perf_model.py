@@ -168,7 +168,7 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
         g = layout.num_groups
         size = lam // g
         x = server_core_stretch(lam, b, cluster, pushers=g)
-        ts = server_push_seconds(x, cluster)
+        ts = server_push_seconds(x, cluster, each_learner_pushes=g == lam)
         cycle = 2 * m + straggler_factor(size, s) * tc * x + allreduce_seconds(size, cluster)
         cycle += ts
         return max(cycle / g, ts)
