@@ -193,39 +193,78 @@ def test_a_named_profile_without_server_work_takes_the_configs(tmp_path):
     assert factory.calibrated_config(given, ds)[0].cluster.seconds_per_push == 2e-4
 
 
-def test_calibrate_iteration_times_the_real_iteration_and_leaves_no_process_group():
+def _counted_steps(monkeypatch) -> list:
+    """Each call of the runtime's hardsync iteration: whether it went through a wrapper."""
+    wrapped = []
+    real = rdist.hardsync_step
+
+    def step(engine, proto, x, y, lr, module, check):
+        wrapped.append(module is not None)
+        return real(engine, proto, x, y, lr, module, check)
+
+    monkeypatch.setattr(rdist, "hardsync_step", step)
+    return wrapped
+
+
+def _fixed_times(monkeypatch, iteration: list[float], gradient: list[float]) -> list:
+    """Time the functions as calibrate_iteration gives them (each called once per round),
+    but report these seconds."""
+    calls = []
+
+    def timed(fns, repeats, device, warmup=1):
+        for _ in range(warmup + repeats):
+            for fn in fns:
+                fn()
+        calls.append(len(fns))
+        return [iteration, gradient]
+
+    monkeypatch.setattr(rdist, "time_in_turn", timed)
+    return calls
+
+
+def _iteration_seconds(repeats: int = 3) -> float:
     cfg = small_config()
     ds = load_dataset(cfg.data, seed=0)
     cfg = config_for_data(cfg, ds)
-    seconds = rdist.calibrate_iteration(cfg, ds, lambda: build_engine(cfg), repeats=3)
-    assert isinstance(seconds, float) and seconds >= 0
+    return rdist.calibrate_iteration(cfg, ds, lambda: build_engine(cfg), repeats=repeats)
+
+
+def test_calibrate_iteration_times_the_real_iteration_and_leaves_no_process_group(monkeypatch):
+    # the runtime's own iteration, through the DDP wrapper of a one-process group, timed
+    # against the bare gradient: the difference of their medians, at least 0
+    wrapped = _counted_steps(monkeypatch)
+    calls = _fixed_times(monkeypatch, [3.0, 5.0, 4.0], [1.0, 1.5, 9.0])
+    assert _iteration_seconds(repeats=3) == pytest.approx(4.0 - 1.5)
+    assert calls == [2] and wrapped == [True] * 5  # 2 warm-up rounds + 3
     assert not dist.is_initialized()
+    _fixed_times(monkeypatch, [1.0, 1.0, 1.0], [2.0, 2.0, 2.0])
+    assert _iteration_seconds() == 0.0
 
 
-def test_calibrate_iteration_inside_a_process_group_leaves_it_alone():
+def test_calibrate_iteration_inside_a_process_group_leaves_it_alone(monkeypatch):
     """A rank that calibrates keeps its group; the wrapper is then not timed."""
-    cfg = small_config()
-    ds = load_dataset(cfg.data, seed=0)
-    cfg = config_for_data(cfg, ds)
+    wrapped = _counted_steps(monkeypatch)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        seconds = rdist.calibrate_iteration(cfg, ds, lambda: build_engine(cfg), repeats=3)
-        assert seconds >= 0 and dist.is_initialized()
+        assert _iteration_seconds() >= 0 and dist.is_initialized()
     finally:
         dist.destroy_process_group()
+    assert wrapped and not any(wrapped)
 
 
 def test_calibrate_iteration_goes_on_without_a_wrapper_that_cannot_run(monkeypatch):
     """A DDP wrapper that fails (e.g. a backend without this device's collectives) is left
     out: the update and the draw are still measured."""
 
+    tried = []
+
     class Broken(torch.nn.Module):
         def forward(self, x):
+            tried.append(1)
             raise RuntimeError("no collectives here")
 
     monkeypatch.setattr(rdist, "_ddp", lambda engine: Broken())
-    cfg = small_config()
-    ds = load_dataset(cfg.data, seed=0)
-    cfg = config_for_data(cfg, ds)
-    seconds = rdist.calibrate_iteration(cfg, ds, lambda: build_engine(cfg), repeats=3)
-    assert seconds >= 0 and not dist.is_initialized()
+    wrapped = _counted_steps(monkeypatch)
+    assert _iteration_seconds() >= 0 and not dist.is_initialized()
+    # the wrapper was tried once, then every timed iteration ran without it
+    assert tried == [1] and wrapped[0] and not any(wrapped[1:]) and len(wrapped) > 1

@@ -94,6 +94,7 @@ from distsgd.protocols.sma import SMA
 from distsgd.runtime import ps
 from distsgd.runtime.base import Runtime, Tick, TrainingDiverged
 from distsgd.runtime.faults import RankFaults
+from distsgd.runtime.sim import time_in_turn
 
 __all__ = [
     "ProcessInfo",
@@ -620,15 +621,6 @@ def _solo_process_group() -> Iterator[bool]:
             dist.destroy_process_group()
 
 
-def _timed(fn: Callable[[], Any], device: torch.device) -> float:
-    """Wall seconds of ``fn()``, waiting for ``device``'s queued work."""
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
-
-
 def calibrate_iteration(
     cfg: RunConfig,
     dataset: Dataset,
@@ -676,29 +668,14 @@ def calibrate_iteration(
 
         fns = [step, lambda: plain.gradient(w, x0, y0)]
         try:
-            times = _time_in_turn(fns, repeats, plain.device)
+            times = time_in_turn(fns, repeats, plain.device, warmup=2)
         except (RuntimeError, dist.DistError):
             if ddp is None:
                 raise
             ddp = None  # the wrapper cannot run here (e.g. gloo on this device): without it
-            times = _time_in_turn(fns, repeats, plain.device)
+            times = time_in_turn(fns, repeats, plain.device, warmup=2)
         ddp = None  # freed before the group (_solo_process_group)
     return max(statistic(times[0]) - statistic(times[1]), 0.0)
-
-
-def _time_in_turn(
-    fns: list[Callable[[], Any]], repeats: int, device: torch.device, warmup: int = 2
-) -> list[list[float]]:
-    """Wall seconds of each of ``fns``, called in turn in each of ``warmup + repeats``
-    rounds (a change of the machine's load reaches all alike); the warm-up rounds are
-    dropped. Returns one list of ``repeats`` seconds per function."""
-    times: list[list[float]] = [[] for _ in fns]
-    for i in range(warmup + repeats):
-        for fn, kept in zip(fns, times, strict=True):
-            t = _timed(fn, device)
-            if i >= warmup:
-                kept.append(t)
-    return times
 
 
 def _ddp(engine: GradientEngine) -> DistributedDataParallel:

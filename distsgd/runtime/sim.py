@@ -290,16 +290,30 @@ def measure_replica_seconds(
         if k * batch_size > n:
             continue
         x, y = dataset.train.batch(torch.arange(k * batch_size).view(k, batch_size))
-        args = (w.expand(k, -1).clone(), x, y)
-        inputs[k] = args
-        engine.replica_gradients(*args)  # warm-up: one-off costs of a new shape
-    times: dict[int, list[float]] = {k: [] for k in inputs}
-    for _ in range(repeats):
-        for k, args in inputs.items():
+        inputs[k] = (w.expand(k, -1).clone(), x, y)
+    fns = [functools.partial(engine.replica_gradients, *args) for args in inputs.values()]
+    # one warm-up round: one-off costs of a new shape
+    times = time_in_turn(fns, repeats, engine.device, warmup=1)
+    return {k: statistic(t) for k, t in zip(inputs, times, strict=True)}
+
+
+def time_in_turn(
+    fns: list[Callable[[], Any]], repeats: int, device: torch.device, warmup: int = 1
+) -> list[list[float]]:
+    """Wall seconds of each of ``fns`` (waiting for ``device``'s queued work), called in
+    turn in each of ``warmup + repeats`` rounds, so that a change of the machine's load
+    during the measurement reaches all alike; the warm-up rounds are dropped. Returns one
+    list of ``repeats`` seconds per function (the calibrations' common timing loop)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(warmup + repeats):
+        for fn, kept in zip(fns, times, strict=True):
             t0 = time.perf_counter()
-            engine.replica_gradients(*args)
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistic(v) for k, v in times.items()}
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                kept.append(time.perf_counter() - t0)
+    return times
 
 
 def replica_ratios(measured: dict[int, float]) -> list[float]:
