@@ -17,19 +17,24 @@ FIXED_CLUSTER = {
 }
 
 
-def simulate_ticks(cfg: RunConfig, tick_s: float = 0.05) -> tuple:
+def simulated_runtime(cfg: RunConfig) -> tuple:
     """``cfg``'s simulated runtime built as the trainer builds it (data, device profile,
-    seeded engine), advanced in ticks of ``tick_s`` simulated seconds until
-    ``cfg.train.max_samples``; returns ``(runtime, engine, ticks)``."""
+    engine seeded with 0); returns ``(runtime, engine)``."""
     kind = runtime_kind(cfg)
     ds = load_dataset(cfg.data, seed=0)
     cfg, _ = kind.calibrate(config_for_data(cfg, ds), ds)
     torch.manual_seed(0)
     engine = build_engine(cfg)
-    rt = kind.build(cfg, engine, ds, engine.initial_weights())
+    return kind.build(cfg, engine, ds, engine.initial_weights()), engine
+
+
+def simulate_ticks(cfg: RunConfig, lr: float = 0.05) -> tuple:
+    """:func:`simulated_runtime` of ``cfg`` advanced tick by tick at learning rate ``lr``
+    until ``cfg.train.max_samples``; returns ``(runtime, engine, ticks)``."""
+    rt, engine = simulated_runtime(cfg)
     ticks = 0
     while rt.samples < cfg.train.max_samples:
-        rt.advance(tick_s)
+        rt.advance(lr)
         ticks += 1
     return rt, engine, ticks
 

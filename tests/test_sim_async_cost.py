@@ -7,13 +7,10 @@ import pytest
 import torch
 
 from distsgd.config import ConfigError
-from distsgd.data import load_dataset
-from distsgd.engine import build_engine, config_for_data
 from distsgd.layout import build_protocol
-from distsgd.runtime.factory import runtime_kind
 from distsgd.runtime.sim import calibrate_server
 from distsgd.tuner import perf_model as pm
-from tests.conftest import small_config
+from tests.conftest import simulated_runtime, small_config
 
 
 def _async(push_s: float | None, num_learners: int = 2, mode: str = "async", **train):
@@ -27,12 +24,7 @@ def _async(push_s: float | None, num_learners: int = 2, mode: str = "async", **t
 
 def _simulated(cfg):
     """``cfg``'s simulated runtime built as the trainer builds it (seed 0)."""
-    kind = runtime_kind(cfg)
-    ds = load_dataset(cfg.data, seed=0)
-    cfg, _ = kind.calibrate(config_for_data(cfg, ds), ds)
-    torch.manual_seed(0)
-    engine = build_engine(cfg)
-    return kind.build(cfg, engine, ds, engine.initial_weights())
+    return simulated_runtime(cfg)[0]
 
 
 def _simulated_seconds(cfg) -> tuple[float, int, torch.Tensor]:
