@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from distsgd.config import ClusterConfig, ConfigError, ConfigWarning, RunConfig
+from distsgd.config import ConfigError, ConfigWarning, RunConfig
 from distsgd.data import Dataset
 from distsgd.engine import GradientEngine, UserCode, build_engine
 from distsgd.layout import build_protocol, spec_for
@@ -357,42 +357,29 @@ def with_device_profile(
         ConfigError: a bad ``cluster.profile`` (see :func:`_named_device`).
     """
     c = cfg.cluster
-    needs_push = c.seconds_per_push < 0
     if not c.needs_calibration and not c.profile:
         return cfg, False  # a given device: -1 stays, the simulator charges no server work
     named = bool(c.profile)
     prof = _named_device(cfg, code) if named else _cached_device(cfg, dataset, code)
-    given = {k: getattr(c, k) for k in ("seconds_per_sample", "seconds_per_batch")}
-    cluster = dataclasses.replace(
-        c,
-        seconds_per_sample=given["seconds_per_sample"]
-        if given["seconds_per_sample"] >= 0
-        else prof.seconds_per_sample,
-        seconds_per_batch=given["seconds_per_batch"]
-        if given["seconds_per_batch"] >= 0
-        else prof.seconds_per_batch,
-    )
-    if needs_push and prof.seconds_per_push is not None:
+    # the config's own figures win (and say so); -1 takes the profile's
+    mine = {k: getattr(c, k) for k in _DEVICE_FIGURES if getattr(c, k) >= 0}
+    theirs = {k: getattr(prof, k) or 0.0 for k in _DEVICE_FIGURES if k not in mine}
+    cluster = dataclasses.replace(c, **theirs)
+    if c.seconds_per_push < 0 and prof.seconds_per_push is not None:
         cluster = dataclasses.replace(cluster, seconds_per_push=prof.seconds_per_push)
-    if c.seconds_per_iteration < 0:
-        cluster = dataclasses.replace(
-            cluster, seconds_per_iteration=prof.seconds_per_iteration or 0.0
-        )
-    _say_given(c)
+    if mine:
+        given = ", ".join(f"cluster.{k} = {v:g}" for k, v in mine.items())
+        verb = "replaces" if len(mine) == 1 else "replace"
+        print(f"distsgd: the config's {given} {verb} the profile's", file=sys.stderr)
     k = _replicas_needed(cfg)
     if k > 1 and len(prof.replica_ratios) >= 2:
         cluster = dataclasses.replace(cluster, replica_ratios=list(prof.replica_ratios))
     return cfg.replace(cluster=cluster), not named
 
 
-def _say_given(c: ClusterConfig) -> None:
-    """One stderr line naming the config's own device figures, which replace the
-    profile's (the profile line above shows the profile's)."""
-    keys = ("seconds_per_sample", "seconds_per_batch", "seconds_per_iteration")
-    given = [f"cluster.{k} = {getattr(c, k):g}" for k in keys if getattr(c, k) >= 0]
-    if given:
-        verb = "replaces" if len(given) == 1 else "replace"
-        print(f"distsgd: the config's {', '.join(given)} {verb} the profile's", file=sys.stderr)
+#: the device figures a profile gives and a config may give instead (-1: the profile's;
+#: a profile without the last one, of an older distsgd, charges 0)
+_DEVICE_FIGURES = ("seconds_per_sample", "seconds_per_batch", "seconds_per_iteration")
 
 
 def with_replica_profile(
