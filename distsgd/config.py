@@ -1841,8 +1841,8 @@ def _parse_toml_value(text: str) -> Any:
 def _override_value(item: str, text: str) -> Any:
     """The value of ``--set item`` (see :func:`apply_override`)."""
     try:
-        return _parse_toml_value(text)
-    except tomllib.TOMLDecodeError as e:
+        return _bare_or_toml(text)
+    except tomllib.TOMLDecodeError as e:  # it opens a list, table or string
         error = e
     inner = text[1:-1]
     if text.startswith("[") and text.endswith("]") and not any(c in inner for c in "[]{}"):
@@ -1855,12 +1855,9 @@ def _override_value(item: str, text: str) -> Any:
             return [_bare_or_toml(w) for w in words]
         except tomllib.TOMLDecodeError as e:
             error = e
-    if text[:1] in ("[", "{", '"', "'"):
-        raise ConfigError(
-            f"--set {item!r}: {text!r} is not a TOML value ({error}); e.g. [1, 2], "
-            '["a", "b"], "text"'
-        )
-    return text  # a bare word: a string
+    raise ConfigError(
+        f'--set {item!r}: {text!r} is not a TOML value ({error}); e.g. [1, 2], ["a", "b"], "text"'
+    )
 
 
 def _split_items(inner: str) -> list[str]:
@@ -1883,7 +1880,8 @@ def _split_items(inner: str) -> list[str]:
 
 
 def _bare_or_toml(word: str) -> Any:
-    """One item of a flat list: a TOML value, else (a bare word) the string itself."""
+    """A TOML value, else (a bare word) the string itself; raises
+    ``tomllib.TOMLDecodeError`` for text that opens a list, table or string."""
     try:
         return _parse_toml_value(word)
     except tomllib.TOMLDecodeError:
