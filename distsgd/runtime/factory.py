@@ -217,7 +217,6 @@ def _cached_device(
     k = _replicas_needed(cfg)
     added = []
     if missing_push or missing_iteration or (k > 1 and len(prof.replica_ratios) < k):
-        engine = _throwaway_engine(cfg, code)
         if missing_push:
             prof.seconds_per_push = _server_seconds(cfg, engine)
             added.append("the server's seconds per push")
