@@ -997,13 +997,14 @@ class TrainConfig:
             number of its ``metrics.jsonl`` record): the tuner's snapshots along a long run,
             from which it tries a learning-rate step.
         plateau_check_samples: every this many training samples (at each multiple of it
-            since the run's start; 0, the default: never) the run evaluates (the whole
-            test set) and stops, ``stop_reason = "steady_state"``, when its training loss
+            since the run's start; 0, the default: never) the run evaluates (the
+            ``eval_samples`` subset, as any evaluation before the last: the rule reads the
+            training loss) and stops, ``stop_reason = "steady_state"``, when its training loss
             fell by less than 10% over the last such span
             (:func:`distsgd.plateau.steady_state_due`, from the evaluations up to that
             point only); each check is one line of ``plateau_checks.jsonl`` in the run
             directory (samples, clocks, whether it was due and the two evaluations it
-            compared). ``distsgd train --tune`` sets it (one epoch) so that its winner
+            compared). ``distsgd train --tune`` sets it (``tune.check_epochs``) so that its winner
             trains in one launch until steady state.
         device: where the model, its flat weights and gradients, the protocols' state and
             the learners' batches live: ``"auto"`` (each rank's own GPU, ``cuda:<local

@@ -799,8 +799,9 @@ class Trainer:
                 check_hit = check_at is not None and rt.samples >= check_at
                 if rt.samples >= next_eval or budget_hit or time_hit or check_hit:
                     if rt.samples != last_eval_samples and self.evaluate:
-                        # a check scores the whole set, as the run's last evaluation does
-                        record = self._evaluate(final=budget_hit or time_hit or check_hit)
+                        # a steady-state check reads the training loss only: it scores
+                        # the subset, as any evaluation before the run's last one
+                        record = self._evaluate(final=budget_hit or time_hit)
                         last_eval_samples = rt.samples
                         if record is not None and metrics is not None:
                             metrics.write(record)
