@@ -50,10 +50,10 @@ RUNS = {
     "a": ["optimizer.lr=0.05", "optimizer.momentum=0.9"],
     "b": ["optimizer.lr=0.01", "optimizer.momentum=0.5"],
     # the tuner's own settings for a short job: a small cold start and steady-state grid
+    # (probe lengths: the defaults, tune.probe_seconds = 2 and tune.first_rung = 0.5)
     "c": [
         "tune.lrs=[0.1, 0.01, 0.001]",
         "tune.momenta=[0.0, 0.9]",
-        "tune.probe_seconds=4.0",
         "tune.extra_probes=1",
         "tune.batch_sizes=[32, 64]",
     ],

@@ -294,7 +294,13 @@ def test_a_second_rung_equals_a_full_length_probe_and_first_rung_1_has_none(tmp_
     cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, probe_seconds=0.02, first_rung=1.0))
     assert online.planned_probes(cfg.tune) == 3.0
     halved = dataclasses.replace(cfg.tune, first_rung=0.25, promote=2)
-    assert online.planned_probes(halved) == pytest.approx(3 * 0.25 + 2 * 0.75)
+    # 2 first rungs, at most 2 second rungs (of the grid's 2), the joint probe full length
+    assert online.planned_probes(halved) == pytest.approx(2 * 0.25 + 2 * 0.75 + 1)
+    # 3 first rungs: the promoted 2 and the next larger η than the best at g = 1
+    three = dataclasses.replace(halved, lrs=[0.1, 0.01, 0.001])
+    assert online.planned_probes(three) == pytest.approx(3 * 0.25 + 3 * 0.75 + 1)
+    one = dataclasses.replace(three, promote=1)
+    assert online.planned_probes(one) == pytest.approx(3 * 0.25 + 2 * 0.75 + 1)
     full = OnlineTune(cfg, tmp_path / "full", progress=False)
     full.run()
     names = [p.name for p in (tmp_path / "full" / "probes").iterdir()]
@@ -322,6 +328,35 @@ def test_a_second_rung_equals_a_full_length_probe_and_first_rung_1_has_none(tmp_
         assert m["from_clock_s"] == want["from_clock_s"] == 0.0
         assert m["measured_until_clock_s"] == pytest.approx(want["measured_until_clock_s"])
         assert m["score"] == pytest.approx(want["score"], rel=1e-12)
+
+
+def test_the_next_larger_lr_than_the_best_gets_a_second_rung_chance(tmp_path, monkeypatch):
+    """Short probes prefer smaller η: when a smaller η leads g = 1's first rung, the next
+    larger one that did not diverge continues to the second rung too (issue 18: η 0.1's
+    loss spike at its 21st iteration ranked it third after 1 s, and the run trained at η
+    0.01, a decade lower, to 2.4x the swept-best DDP's wall)."""
+    probe = OnlineTune.probe
+
+    def spiked(self, cand, snapshot, until_clock_s=None, kind=None):
+        r = probe(self, cand, snapshot, until_clock_s, kind)
+        if snapshot == "initial" and cand.lr == 0.1 and cand.batch_size == 32:
+            r.losses = [x + 10.0 for x in r.losses]  # its first rung ranks last
+        return r
+
+    cfg = tiny_config()
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, first_rung=0.25, promote=1))
+    OnlineTune(cfg, tmp_path / "plain", progress=False).run()
+    monkeypatch.setattr(OnlineTune, "probe", spiked)
+    OnlineTune(cfg, tmp_path / "spiked", progress=False).run()
+
+    def second(run):
+        return [d for d in decisions(run) if d["decision"].startswith("continue hardsync")]
+
+    # η 0.1 leads the first rung unspiked: one second rung (promote = 1), no extra
+    assert len(second(tmp_path / "plain")) == 1
+    got = second(tmp_path / "spiked")
+    assert len(got) == 2 and "η=0.1 " not in got[0]["decision"]
+    assert "η=0.1 " in got[1]["decision"] and "short-horizon bias" in got[1]["reason"]
 
 
 def test_check_epochs_sets_where_and_over_what_span_the_run_checks(tmp_path):

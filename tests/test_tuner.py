@@ -21,6 +21,7 @@ from distsgd.tuner.omnivore import (
     cold_start_grid,
     joint_candidates,
     nan_pruned,
+    next_larger_lr,
     pick_best,
     rank_candidates,
     worse_than_above,
@@ -95,6 +96,18 @@ def test_tie_rule_prefers_larger_lr_then_larger_momentum():
     assert (best.candidate.lr, best.candidate.momentum) == (0.1, 0.6)
     assert pick_best(rs, 0.0).candidate.lr == 0.01  # no buffer: the lowest score
     assert pick_best(rs[-1:], 0.01) is None  # all diverged
+
+
+def test_next_larger_lr_is_the_grid_neighbour_above_that_did_not_diverge():
+    at = lambda lr, b=16, mu=0.9, score=1.0, nan=False: fake_result(  # noqa: E731
+        Candidate("hardsync", 2, b, lr, mu), "s", score, diverged=nan
+    )
+    best = at(0.01, score=0.9)
+    rs = [at(1.0, nan=True), at(0.3), at(0.1, score=1.3), best, at(0.001, score=2.0)]
+    rs += [at(0.05, b=8, score=0.5), at(0.05, mu=0.6, score=0.5)]  # other batch, other μ
+    assert next_larger_lr(rs, best).candidate.lr == 0.1
+    assert next_larger_lr(rs, rs[2]).candidate.lr == 0.3  # 1.0 diverged: not a chance
+    assert next_larger_lr(rs, rs[1]) is None
 
 
 def test_score_is_the_mean_of_the_last_ten_losses():

@@ -68,6 +68,7 @@ __all__ = [
     "nan_pruned",
     "nan_applies",
     "pick_best",
+    "next_larger_lr",
     "worse_than_above",
     "joint_candidates",
     "rank_candidates",
@@ -318,6 +319,26 @@ def worse_than_above(results: list[ProbeResult], tie_buffer: float) -> bool:
     if not above:
         return False
     return results[-1].score > above[-1].score * (1 + tie_buffer)
+
+
+def next_larger_lr(results: list[ProbeResult], best: ProbeResult) -> ProbeResult | None:
+    """The probe of ``results`` at the next larger η than ``best``'s with ``best``'s
+    layout, batch and μ (the cold start's descending grid) that did not diverge; None
+    when ``best`` has the largest such η.
+
+    Short probes prefer smaller learning rates (short-horizon bias: Wu et al., "Understanding
+    Short-Horizon Bias in Stochastic Meta-Optimization", ICLR 2018): a larger η's early
+    transient (a loss spike at momentum 0.9) can rank it below a smaller one after a
+    second of training, though it trains faster over the run. ``distsgd train --tune``
+    gives it a second-rung chance (:meth:`distsgd.tuner.online.OnlineTune.cold_start`).
+    """
+    ref = best.candidate
+    larger = [
+        r
+        for r in results
+        if not r.diverged and r.candidate.lr > ref.lr and replace(r.candidate, lr=ref.lr) == ref
+    ]
+    return min(larger, key=lambda r: r.candidate.lr, default=None)
 
 
 def pick_best(results: list[ProbeResult], tie_buffer: float) -> ProbeResult | None:

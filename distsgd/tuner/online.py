@@ -8,8 +8,10 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
 1. **Cold start** from the initial model: Omnivore's grid (groups g, η, μ;
    :class:`~distsgd.tuner.omnivore.OmnivoreSearch` with its pruning and HE rule; at g = 1
    the descent through η stops once a probe scores worse than the larger η before it,
-   ``stop_descending``), then the joint search's best ``tune.extra_probes`` (protocol
-   family, batch) where the layout allows. Every probe is an ordinary run
+   ``stop_descending``) by successive halving (below), then the joint search's best
+   ``tune.extra_probes`` (protocol family, batch) where the layout allows, each for the
+   full probe length against the grid's winner (:meth:`OnlineTune.cold_start`). Every
+   probe is an ordinary run
    (``probes/NNN-…``) that ends with a full checkpoint (weights, momentum, protocol
    state, data position, clocks).
 2. **The winner continues as the run**: its probe's checkpoint is resumed
@@ -34,9 +36,9 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    continues exactly), without a relaunch for a check that keeps training. A check reads
    the training loss only: its evaluation scores the ``train.eval_samples`` subset as any
    other (it scored the whole test set, as a launched segment's last evaluation did:
-   1.1-1.5 s more per check on Fashion-MNIST). Where a time limit and a check fall on the same evaluation
-   the time limit ends the run (the segments checked there first, then trained on beyond
-   it).
+   1.1-1.5 s more per check on Fashion-MNIST). Where a time limit and a check fall on
+   the same evaluation the time limit ends the run (the segments checked there first,
+   then trained on beyond it).
 
 **Probe length rule.** With a time budget T on the runtime's clock (``train.
 max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; also the seconds
@@ -46,14 +48,18 @@ cannot use up a run limited by samples), a probe lasts
 ``min(tune.probe_seconds, PROBE_SHARE · T / n)`` with n = :func:`planned_probes` the
 cold start's planned work in probes of full length; without one, ``tune.probe_seconds``.
 **Successive halving** (Jamieson & Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR
-2018) in every probe round: each probe runs a first rung of ``tune.first_rung`` · that
-length, the ``tune.promote`` (steady state: ``tune.steady_promote``; 1: none, the best
-first rung continues as the run) best continue from their own checkpoints to the full
-length (``probes/NNN-cold2-…`` / ``NNN-steady2-…``, whose decision names the first rung in
-``continues``) and the best of those continues as the run; so n = m · r + min(promote, m)
-· (1 − r) with m = ``len(tune.lrs) + tune.extra_probes`` and r = ``tune.first_rung``
-(r = 1: no second rung, n = m). The continued chain (first rung, second rung, segment)
-trains exactly as one run would, so only the probes that did not continue are overhead.
+2018) in the cold start's Omnivore grid and every steady-state round: each probe runs a
+first rung of ``tune.first_rung`` · that length, the ``tune.promote`` (steady state:
+``tune.steady_promote``; 1: none, the best first rung continues as the run) best, and in
+the cold start the next larger η than the best at g = 1 where they leave it out (short
+probes prefer smaller η: :func:`~distsgd.tuner.omnivore.next_larger_lr`), continue from
+their own checkpoints to the full length (``probes/NNN-cold2-…`` / ``NNN-steady2-…``,
+whose decision names the first rung in ``continues``) and the best of those continues as
+the run; so n = :func:`planned_probes` = m · r + min(promote + 1, m) · (1 − r) + e with
+m = ``len(tune.lrs)``, e = ``tune.extra_probes`` (the joint probes run the full length)
+and r = ``tune.first_rung`` (r = 1: no second rung, n = m + e). The continued chain
+(first rung, second rung, segment) trains exactly as one run would, so only the probes
+that did not continue are overhead.
 **Too small a budget**: when that is below ``MIN_PROBE_FRACTION · tune.probe_seconds``,
 probes last ``MIN_PROBE_FRACTION · tune.probe_seconds`` (at most ``PROBE_SHARE · T``,
 with no second rung) and the cold start runs only as
@@ -125,6 +131,7 @@ from distsgd.tuner.omnivore import (
     ProbeResult,
     he_scales,
     joint_candidates,
+    next_larger_lr,
     pick_best,
     rank_candidates,
 )
@@ -288,12 +295,14 @@ def probe_seconds_for(
 
 
 def planned_probes(settings: TuneConfig) -> float:
-    """The cold start's planned work in probes of ``tune.probe_seconds``: n = ``len(tune.
-    lrs) + tune.extra_probes`` first-rung probes of ``tune.first_rung`` of it each, and
-    ``min(tune.promote, n)`` of them continued by the rest (n with no second rung)."""
-    n = len(settings.lrs) + settings.extra_probes
+    """The cold start's planned work in probes of ``tune.probe_seconds``: m = ``len(tune.
+    lrs)`` first-rung probes of ``tune.first_rung`` = r of it each, at most ``min(tune.
+    promote + 1, m)`` of them (the promoted and the next larger η than the best at g = 1)
+    continued by the rest, and ``tune.extra_probes`` of full length: m · r + min(promote
+    + 1, m) · (1 − r) + extra (m + extra with no second rung)."""
+    m, extra = len(settings.lrs), settings.extra_probes
     r = settings.first_rung
-    return n * r + min(settings.promote, n) * (1 - r) if r < 1 else float(n)
+    return m * r + min(settings.promote + 1, m) * (1 - r) + extra if r < 1 else float(m + extra)
 
 
 def _set_momentum(checkpoint: Path, momentum: float) -> None:
@@ -475,7 +484,9 @@ class OnlineTune:
             "setup",
             (
                 f"probes of {self.rung_s:.4g} {self.clock.name} seconds, the best "
-                f"{self.cfg.tune.promote} of the cold start continued to "
+                + ("" if self.cfg.tune.promote == 1 else f"{self.cfg.tune.promote} ")
+                + "of the cold start's grid (and the next larger η than the best at g=1) "
+                f"continued to {self.probe_s:.4g} s, the joint search's probes "
                 f"{self.probe_s:.4g} s; "
                 + (
                     "the best of a steady-state round continues as the run"
@@ -728,10 +739,14 @@ class OnlineTune:
             if r.run_dir not in kept and r.virtual_s:
                 self.overhead_clock_s += r.virtual_s[-1]
 
-    def _second_rung(self, phase: str, results: list[ProbeResult]) -> list[ProbeResult]:
+    def _second_rung(
+        self, phase: str, results: list[ProbeResult], larger: ProbeResult | None = None
+    ) -> list[ProbeResult]:
         """Successive halving's second rung: the ``tune.promote`` (cold start) or
         ``tune.steady_promote`` (steady state) best of a round's first-rung probes (lowest
-        score; ties prefer larger η, then μ) continue from their own checkpoints until
+        score; ties prefer larger η, then μ), and ``larger`` (cold start: the next larger
+        η than the best at g = 1, :func:`~distsgd.tuner.omnivore.next_larger_lr`) where
+        they leave it out, continue from their own checkpoints until
         ``probe_s`` after the round's start on the runtime's clock (each chain as long as a
         full probe, whatever its first rung overshot), scored over the chain's last
         ``tune.score_window`` losses, so their scores compare. Returns the continued probes
@@ -744,8 +759,10 @@ class OnlineTune:
         ok = [r for r in results if not math.isnan(r.score)]
         ok.sort(key=lambda r: (r.score, -r.candidate.lr, -r.candidate.momentum))
         kind = "cold2" if cold else "steady2"
+        chosen = ok[:promote]
+        extra = larger is not None and cold and all(r is not larger for r in chosen)
         out = []
-        for r in ok[:promote]:
+        for r in chosen + ([larger] if extra else []):
             round_start = self._start_of(_start_dir(r.snapshot))[0]
             cont = self.probe(r.candidate, r.run_dir, round_start + self.probe_s, kind)
             cont.earlier_losses = list(r.losses)
@@ -755,15 +772,33 @@ class OnlineTune:
                 phase,
                 f"continue {r.candidate.label()} to {self.probe_s:.4g} s: "
                 + ("NaN" if cont.diverged else f"score {cont.score:.4f}"),
-                f"successive halving: one of the {promote} best first-rung "
-                f"scores ({r.score:.4f} after {self.rung_s:.4g} {self.clock.name} s), "
-                "continued from its own checkpoint",
+                (
+                    "successive halving: "
+                    + ("the best" if promote == 1 else f"one of the {promote} best")
+                    + f" first-rung scores ({r.score:.4f} after {self.rung_s:.4g} "
+                    f"{self.clock.name} s)"
+                    if r is not larger or not extra
+                    else f"the next larger η than the best at g=1 (first rung {r.score:.4f} "
+                    f"after {self.rung_s:.4g} {self.clock.name} s): short probes prefer "
+                    "smaller η (short-horizon bias), so it gets a second-rung chance"
+                )
+                + ", continued from its own checkpoint",
                 score=None if cont.diverged else cont.score,
             )
         return out
 
     def cold_start(self) -> ProbeResult:
-        """Omnivore's cold start, then the joint search's best ``tune.extra_probes``."""
+        """Omnivore's cold start by successive halving (its first rungs, then the second
+        rung: the promoted and the next larger η than the best at g = 1), then the joint
+        search's best ``tune.extra_probes`` at the full probe length from the initial
+        model, each against the grid's winner at equal time (a joint probe wins only by
+        more than ``tune.tie_buffer``).
+
+        The joint probes are left out of the halving: from the initial model a smaller
+        batch leads a short first rung (more updates in the same time) and loses at the
+        full length (the b = 32 probe of ``bench/tune_online_vs_ddp.py`` was promoted in
+        all 18 cold starts on record and won 3), and its η comes from the grid's winner
+        after its second rung rather than from its noisier first rung."""
         search = OmnivoreSearch(
             self.probe,
             self.settings,
@@ -781,12 +816,19 @@ class OnlineTune:
                 "diverged; expected smaller learning rates"
             )
         self._warn_short_probes(search.results)
+        g1 = search.best_by_g.get(1)
+        larger = next_larger_lr(search.results, g1) if g1 is not None else None
+        second = self._second_rung("cold start", search.results, larger)
+        for g in {r.candidate.g for r in second}:  # the joint search builds on these
+            search.best_by_g[g] = (
+                pick_best([r for r in second if r.candidate.g == g], self.settings.tie_buffer)
+                or search.best_by_g[g]
+            )
+        best = pick_best(second, self.settings.tie_buffer) or best
         extra = self._joint(search, best)
         better = pick_best(extra, self.settings.tie_buffer)
         if better is not None and better.score < best.score * (1 - self.settings.tie_buffer):
             best = better
-        second = self._second_rung("cold start", search.results)
-        best = pick_best(second, self.settings.tie_buffer) or best
         results = search.results + second
         self._count_overhead(results, best)
         self.rate_ceiling = max(
@@ -796,13 +838,13 @@ class OnlineTune:
             "cold start",
             f"continue with {best.candidate.label()} as the run",
             (
-                f"lowest equal-time score of the second rung (ties within "
-                f"{100 * self.settings.tie_buffer:g}% prefer larger η, then μ)"
+                "lowest equal-time score of the second rung"
                 if second
-                else "lowest equal-time score of the cold start (ties prefer larger η, then "
-                "μ; the joint search wins only by more than the tie buffer)"
+                else "lowest equal-time score of the cold start"
             )
-            + "; its probe's whole state continues, so its samples count towards the run",
+            + f" (ties within {100 * self.settings.tie_buffer:g}% prefer larger η, then μ; "
+            "a joint probe wins only by more than that); its probe's whole state "
+            "continues, so its samples count towards the run",
             run_clock_s=0.0,
             measurements=self._measurements(results),
         )
@@ -825,7 +867,8 @@ class OnlineTune:
         self.log("cold start", "warning: probes too short to score", line)
 
     def _joint(self, search: OmnivoreSearch, best: ProbeResult) -> list[ProbeResult]:
-        """Probe the joint search's best-predicted ``tune.extra_probes`` from the start."""
+        """Probe the joint search's best-predicted ``tune.extra_probes`` from the start,
+        each for the full probe length (as long as ``best``'s chain)."""
         s = self.settings
         if s.extra_probes <= 0:
             return []
@@ -840,7 +883,7 @@ class OnlineTune:
             if self.max_probes and self.count >= self.max_probes:
                 self.log("joint", f"skip {cand.label()}", "the budget's probes are spent")
                 continue
-            r = self.probe(cand, "initial")
+            r = self.probe(cand, "initial", self.probe_s)
             search.results.append(r)
             extra.append(r)
             self.log(
