@@ -69,8 +69,10 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run_one(kind: str, seed: int, out: Path, eval_every: int, c_sets: list[str] = ()) -> dict:
-    run_dir = out / f"{kind}-s{seed}"
+def run_one(
+    kind: str, seed: int, out: Path, eval_every: int, c_sets: list[str] = (), repeat: int = 1
+) -> dict:
+    run_dir = out / (f"{kind}-s{seed}" + (f"-r{repeat}" if repeat > 1 else ""))
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [*BASE, f"train.seed={seed}", f"train.eval_every_samples={eval_every}", *RUNS[kind]]
     sets += list(c_sets) if kind == "c" else []
@@ -86,6 +88,8 @@ def run_one(kind: str, seed: int, out: Path, eval_every: int, c_sets: list[str] 
     return {
         "kind": kind,
         "seed": seed,
+        "repeat": repeat,
+        "run_dir": run_dir.name,
         "returncode": proc.returncode,
         "stderr_tail": proc.stderr[-400:] if proc.returncode else "",
         "command_wall_s": wall,
@@ -102,13 +106,24 @@ def run_one(kind: str, seed: int, out: Path, eval_every: int, c_sets: list[str] 
     }
 
 
+def _runs_of(rows: list[dict], kind: str, seed: int) -> dict | None:
+    """A seed's runs of one kind as one: the median wall over its repeats (``--repeats``),
+    reached only when every repeat reached the target; None when one is missing or
+    failed."""
+    mine = [r for r in rows if r["kind"] == kind and r["seed"] == seed]
+    if not mine or any(r["returncode"] != 0 for r in mine):
+        return None
+    wall = statistics.median(r["command_wall_s"] for r in mine)
+    return {"command_wall_s": wall, "reached": all(r["reached"] for r in mine)}
+
+
 def _ratio(rows: list[dict], num: str, den: str, seed: int) -> tuple[float, str] | None:
-    """(num / den wall, "=", "<" or ">"): "<" when den did not reach the target (its time
-    to it is more than its whole run), ">" when num did not (likewise: the ratio is more
-    than the figure); None when neither did or a run is missing or failed."""
-    n = next((r for r in rows if r["kind"] == num and r["seed"] == seed), None)
-    d = next((r for r in rows if r["kind"] == den and r["seed"] == seed), None)
-    if n is None or d is None or n["returncode"] != 0 or d["returncode"] != 0:
+    """(num / den wall, "=", "<" or ">"), each the median over its repeats: "<" when den
+    did not reach the target (its time to it is more than its whole run), ">" when num
+    did not (likewise: the ratio is more than the figure); None when neither did or a
+    run is missing or failed."""
+    n, d = _runs_of(rows, num, seed), _runs_of(rows, den, seed)
+    if n is None or d is None:
         return None
     if not n["reached"] and not d["reached"]:
         return None
@@ -131,6 +146,11 @@ def _median(ratios: list[tuple[float, str]]) -> str:
         if marks <= {bound, "="}:
             return f"{bound if marks == {bound} else weak} {med:.3f}"
     return f"≈ {med:.3f}"
+
+
+def _run_dir(row: dict) -> str:
+    """A row's run directory under --out (rows saved before --repeats: kind-sSEED)."""
+    return row.get("run_dir") or f"{row['kind']}-s{row['seed']}"
 
 
 def where_time_went(run_dir: Path) -> str:
@@ -158,29 +178,38 @@ def where_time_went(run_dir: Path) -> str:
 
 
 def write_results(
-    rows: list[dict], seeds: list[int], results: Path, loads: tuple, out: Path | None = None
+    rows: list[dict],
+    seeds: list[int],
+    results: Path,
+    loads: tuple,
+    out: Path | None = None,
+    command: str = "",
 ) -> None:
     results.mkdir(parents=True, exist_ok=True)
-    (results / "results.json").write_text(json.dumps({"rows": rows, "load": loads}, indent=1))
+    saved = {"rows": rows, "load": loads, "command": command}
+    (results / "results.json").write_text(json.dumps(saved, indent=1))
+    repeats = max((r.get("repeat", 1) for r in rows), default=1)
     lines = [
         "# distsgd train --tune vs DDP on 2 real processes: Fashion-MNIST cnn to 90%",
         "",
-        "Command: `flock /tmp/distsgd-bench.lock python bench/tune_online_vs_ddp.py "
-        f"--seeds {' '.join(map(str, seeds))}` (one run, side by side).",
+        f"Command: `{command}` (one run, side by side"
+        + (f"; each seed's runs {repeats} times, in turn" if repeats > 1 else "")
+        + ").",
         "",
-        f"Machine load (1/5/15 min) before: {loads[0]}; after: {loads[1]}. The machine "
-        "(2 cores) was shared with other engineers' work during the run.",
+        f"Machine load (1/5/15 min) before: {loads[0]}; after: {loads[1]} (2 cores).",
         "",
         "Wall seconds of each whole `distsgd train` command (process starts, data loading, "
-        "evaluations and for (c) every probe included; each stops at the target).",
+        "evaluations and for (c) every probe included; each stops at the target)"
+        + ("; a seed's ratio is that of the medians over its repeats." if repeats > 1 else "."),
         "",
         "| run | seed | reached | command wall | samples to 90% | final η, μ | tuning share |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         share = f"{100 * r['tuning_share']:.0f}%" if r.get("tuning_share") is not None else ""
+        again = f" (repeat {r['repeat']})" if r.get("repeat", 1) > 1 else ""
         lines.append(
-            f"| ({r['kind']}) {LABELS[r['kind']]} | {r['seed']} | {r['reached']} | "
+            f"| ({r['kind']}) {LABELS[r['kind']]} | {r['seed']}{again} | {r['reached']} | "
             f"{r['command_wall_s']:.1f} s | {r['samples_to_target']} | "
             f"{r['lr']}, {r['momentum']} | {share} |"
         )
@@ -201,12 +230,14 @@ def write_results(
     for r in rows:
         if r["kind"] == "c" and r["reached"]:
             lines.append(
-                f"- (c) seed {r['seed']}: {r['num_probes']} probes; tuning (setup and every "
+                f"- (c) seed {r['seed']}"
+                + (f" (repeat {r['repeat']})" if r.get("repeat", 1) > 1 else "")
+                + f": {r['num_probes']} probes; tuning (setup and every "
                 f"probe) {r['tuning_wall_s']:.1f} s of {r['command_wall_s']:.1f} s "
                 f"({100 * r['tuning_share']:.0f}% of the run's own wall)"
                 + (
-                    ": " + where_time_went(out / f"c-s{r['seed']}") + "."
-                    if out is not None and (out / f"c-s{r['seed']}" / "probes").exists()
+                    ": " + where_time_went(out / _run_dir(r)) + "."
+                    if out is not None and (out / _run_dir(r) / "probes").exists()
                     else "."
                 )
             )
@@ -224,6 +255,12 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--runs", default="acb", help="which of a, b, c to run, in order")
     ap.add_argument("--eval-every", type=int, default=15000, help="samples between evaluations")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each seed's runs this many times, in turn (a seed's ratio: of the medians)",
+    )
     ap.add_argument("--out", default="bench/out/tune_online")
     ap.add_argument("--results", default="bench/results/tune_online")
     ap.add_argument(
@@ -240,18 +277,23 @@ def main() -> int:
     if args.rewrite:
         saved = json.loads((Path(args.results) / "results.json").read_text())
         loads = tuple(saved["load"])
-        write_results(saved["rows"], args.seeds, Path(args.results), loads, Path(args.out))
+        write_results(
+            saved["rows"], args.seeds, Path(args.results), loads, Path(args.out),
+            saved.get("command", ""),
+        )  # fmt: skip
         return 0
+    command = "python3 bench/tune_online_vs_ddp.py " + " ".join(sys.argv[1:])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     before, rows = _load(), []
     for seed in args.seeds:
-        for kind in args.runs:
-            rows.append(run_one(kind, seed, out, args.eval_every, args.c_set))
-            print(json.dumps({k: rows[-1][k] for k in ("kind", "seed", "reached",
-                  "command_wall_s", "tuning_share")}), flush=True)  # fmt: skip
-            write_results(rows, args.seeds, Path(args.results), (before, _load()), out)
-    write_results(rows, args.seeds, Path(args.results), (before, _load()), out)
+        for repeat in range(1, args.repeats + 1):
+            for kind in args.runs:
+                rows.append(run_one(kind, seed, out, args.eval_every, args.c_set, repeat))
+                print(json.dumps({k: rows[-1][k] for k in ("kind", "seed", "repeat",
+                      "reached", "command_wall_s", "tuning_share")}), flush=True)  # fmt: skip
+                write_results(rows, args.seeds, Path(args.results), (before, _load()), out, command)
+    write_results(rows, args.seeds, Path(args.results), (before, _load()), out, command)
     return 0
 
 

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from dist_bench import push_overrides  # noqa: E402
 from sweep import grid_points, run_grid  # noqa: E402
-from tune_online_vs_ddp import _median  # noqa: E402
+from tune_online_vs_ddp import _median, _ratio  # noqa: E402
 
 
 def test_grid_points_is_the_cartesian_product():
@@ -87,6 +87,21 @@ def test_median_of_ratios_with_bounds_says_which_side_it_is_on():
     assert _median([(0.315, "<"), (0.272, "<"), (0.289, "<")]) == "< 0.289"
     assert _median([(0.3, "<"), (0.2, "="), (0.5, "=")]) == "≤ 0.300"  # the median a bound
     assert _median([(0.3, "<"), (0.2, ">"), (0.5, "=")]) == "≈ 0.300"
+
+
+def test_a_seeds_ratio_over_repeats_is_that_of_the_medians():
+    def row(kind, wall, reached=True, repeat=1, rc=0):
+        return {"kind": kind, "seed": 1, "repeat": repeat, "command_wall_s": wall,
+                "reached": reached, "returncode": rc}  # fmt: skip
+
+    rows = [row("a", 40.0), row("c", 50.0), row("a", 44.0, repeat=2), row("c", 42.0, repeat=2)]
+    rows += [row("a", 48.0, repeat=3), row("c", 46.0, repeat=3)]
+    assert _ratio(rows, "c", "a", 1) == (46.0 / 44.0, "=")
+    assert _ratio(rows[:2], "c", "a", 1) == (50.0 / 40.0, "=")  # one run each
+    # a repeat that missed the target makes the kind's time a bound; a failed run: none
+    missed = rows + [row("a", 60.0, reached=False, repeat=4)]
+    assert _ratio(missed, "c", "a", 1)[1] == "<"
+    assert _ratio(rows + [row("c", 1.0, repeat=4, rc=1)], "c", "a", 1) is None
 
 
 _ALONE, _CONTENDED = 3e-3, 12e-3
