@@ -621,20 +621,27 @@ def test_resume_of_a_run_killed_mid_segment_gives_the_same_decisions(tmp_path, m
     )
 
 
-def test_a_plain_run_with_plateau_checks_resumes_without_repeating_them(tmp_path):
-    # train.plateau_check_samples on its own: killed after its first check, resumed from
-    # a checkpoint before it, the run makes each check once, as without the kill,
-    # and stops at the second (its loss flattens in epoch 2 at η 0.1)
-    cfg = small_config(
+def plateau_config(**train):
+    """A plain run with a steady-state check every 1024 samples; at η 0.1 its loss
+    flattens in epoch 2, so the second check is due."""
+    return small_config(
         optimizer={"lr": 0.1, "momentum": 0.9},
         train={
             "target": 0.0,
             "max_epochs": 6,
             "eval_every_samples": 256,
             "plateau_check_samples": 1024,
-            "checkpoint_every_evals": 3,  # the last one before the kill: at 512 samples
+            **train,
         },
     )
+
+
+def test_a_plain_run_with_plateau_checks_resumes_without_repeating_them(tmp_path):
+    # train.plateau_check_samples on its own: killed after its first check, resumed from
+    # a checkpoint before it, the run makes each check once, as without the kill,
+    # and stops at the second
+    # the last checkpoint before the kill: at 512 samples
+    cfg = plateau_config(checkpoint_every_evals=3)
     whole = Trainer(cfg, tmp_path / "whole", progress=False).run()
 
     def kill(tick, trainer):
@@ -672,16 +679,7 @@ def test_a_steady_state_check_scores_the_evaluation_subset(tmp_path):
     """A check reads the training loss only, so its evaluation scores the subset as any
     other before the run's end (it scored the whole test set: on Fashion-MNIST 1.1-1.5 s
     more per check than the 2,000-sample subset, about 5 s of a --tune run's wall)."""
-    cfg = small_config(
-        optimizer={"lr": 0.1, "momentum": 0.9},
-        train={
-            "target": 0.0,
-            "max_epochs": 6,
-            "eval_every_samples": 256,
-            "eval_samples": 64,
-            "plateau_check_samples": 1024,
-        },
-    )
+    cfg = plateau_config(eval_samples=64)
     s = Trainer(cfg, tmp_path / "run", progress=False).run()
     assert s["stop_reason"] == "steady_state" and s["samples"] == 2048
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
