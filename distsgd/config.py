@@ -1452,7 +1452,8 @@ class TuneConfig:
         promote: ``--tune`` only: probes of the cold start's first rung that continue to
             the second; the next larger η than the best at g = 1 (that did not diverge)
             continues too where they leave it out (short probes prefer smaller η). The
-            joint search's probes are not in the halving: they run the full length.
+            joint search's probes are not in the halving: they run the full length, and
+            one that leads continues to twice it, as the grid's winner does.
         steady_promote: ``--tune`` only: probes of a steady-state round's first rung that
             continue to the second (1: the best first rung continues as the run, no
             second rung). From a trained model the rungs agree: in the 6 steady-state

@@ -110,6 +110,24 @@ def test_next_larger_lr_is_the_grid_neighbour_above_that_did_not_diverge():
     assert next_larger_lr(rs, rs[1]) is None
 
 
+def test_a_loss_that_blows_up_without_nan_marks_the_probe_diverged():
+    c = Candidate("hardsync", 2, 16, 10.0, 0.9)
+    up = ProbeResult(c, "s", losses=[2.3] + [30.0] * 10)  # 13x its first loss
+    assert up.mark_exploded() and up.diverged and math.isnan(up.score)
+    assert "rose from 2.3" in up.notes[0]
+    assert ProbeResult(c, "s", losses=[2.3, float("inf")]).mark_exploded()
+    flat = ProbeResult(c, "s", losses=[2.3] + [20.0] * 10)  # 8.7x: not blown up
+    assert not flat.mark_exploded() and not math.isnan(flat.score)
+    # from a well-trained snapshot: 0.001 -> 0.02 is 20x its own first loss, but far
+    # below the initial model's loss (the reference --tune gives)
+    tiny = [0.001] + [0.02] * 10
+    assert not ProbeResult(c, "s", losses=list(tiny)).mark_exploded(reference=2.3)
+    assert ProbeResult(c, "s", losses=list(tiny)).mark_exploded()
+    # a second rung counts its chain: the first rung's first loss is the chain's
+    chained = ProbeResult(c, "s", losses=[25.0] * 10, earlier_losses=[2.3, 3.0])
+    assert chained.mark_exploded()
+
+
 def test_score_is_the_mean_of_the_last_ten_losses():
     r = fake_result(Candidate("hardsync", 1, 8, 0.1, 0.9), "s", 0.25)
     assert r.score == pytest.approx(0.25)

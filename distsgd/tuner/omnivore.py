@@ -68,6 +68,7 @@ __all__ = [
     "nan_pruned",
     "nan_applies",
     "pick_best",
+    "EXPLODED_FACTOR",
     "next_larger_lr",
     "worse_than_above",
     "joint_candidates",
@@ -138,7 +139,7 @@ class ProbeResult:
         virtual_s: seconds on the runtime's clock after each tick, ``[T]`` (simulated
             seconds on ``sim``, wall seconds on real processes).
         losses: mean training loss of each tick, ``[T]`` (nats).
-        diverged: a loss became NaN/inf.
+        diverged: a loss became NaN/inf, or blew up (:meth:`mark_exploded`).
         wall_s: wall seconds the probe took (training and evaluation).
         evals: the probe's evaluation records (``samples``, ``eval_metric``,
             ``train_loss``, …).
@@ -177,6 +178,30 @@ class ProbeResult:
             return math.nan
         s = sum(tail) / len(tail)
         return s if math.isfinite(s) else math.nan
+
+    def mark_exploded(self, reference: float | None = None) -> bool:
+        """Mark the probe diverged when its loss blew up without becoming NaN: the mean of
+        its chain's last ``score_window`` losses (``earlier_losses`` first) is infinite
+        or more than :data:`EXPLODED_FACTOR` times ``reference`` (nats; default the
+        chain's first loss, the loss at the snapshot it started from; ``distsgd train
+        --tune`` gives the initial model's, so that a probe from a well-trained snapshot
+        is not judged against its tiny loss). Such a probe is pruned as a NaN is (issue
+        18, found by a user's review: η = 10 scored 1.6e26 after its first rung and counted
+        as stable, so it won a cold start of η ∈ {10, 5} and set the rate ceiling of the
+        steady state). Returns whether the probe is diverged now."""
+        chain = self.earlier_losses + self.losses
+        if self.diverged or not chain:
+            return self.diverged
+        tail = chain[-self.score_window :]
+        mean = sum(tail) / len(tail)
+        first = chain[0] if reference is None else reference
+        if math.isinf(mean) or (first > 0 and mean > EXPLODED_FACTOR * first):
+            self.diverged = True
+            self.notes.append(
+                f"diverged: its loss rose from {first:.4g} to a mean of {mean:.4g} over its "
+                f"last {len(tail)} iterations (more than {EXPLODED_FACTOR:g}x)"
+            )
+        return self.diverged
 
     @property
     def seconds_per_iteration(self) -> float:
@@ -319,6 +344,11 @@ def worse_than_above(results: list[ProbeResult], tie_buffer: float) -> bool:
     if not above:
         return False
     return results[-1].score > above[-1].score * (1 + tie_buffer)
+
+
+#: a probe whose loss rose to more than this many times its first loss diverged
+#: (:meth:`ProbeResult.mark_exploded`): an exploding loss grows by orders of magnitude
+EXPLODED_FACTOR = 10.0
 
 
 def next_larger_lr(results: list[ProbeResult], best: ProbeResult) -> ProbeResult | None:

@@ -10,7 +10,8 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    the descent through η stops once a probe scores worse than the larger η before it,
    ``stop_descending``) by successive halving (below), then the joint search's best
    ``tune.extra_probes`` (protocol family, batch) where the layout allows, each for the
-   full probe length against the grid's winner (:meth:`OnlineTune.cold_start`). Every
+   full probe length against the grid's winner, a leader confirmed at twice it
+   (:meth:`OnlineTune.cold_start`). Every
    probe is an ordinary run
    (``probes/NNN-…``) that ends with a full checkpoint (weights, momentum, protocol
    state, data position, clocks).
@@ -55,9 +56,13 @@ the cold start the next larger η than the best at g = 1 where they leave it out
 probes prefer smaller η: :func:`~distsgd.tuner.omnivore.next_larger_lr`), continue from
 their own checkpoints to the full length (``probes/NNN-cold2-…`` / ``NNN-steady2-…``,
 whose decision names the first rung in ``continues``) and the best of those continues as
-the run; so n = :func:`planned_probes` = m · r + min(promote + 1, m) · (1 − r) + e with
-m = ``len(tune.lrs)``, e = ``tune.extra_probes`` (the joint probes run the full length)
-and r = ``tune.first_rung`` (r = 1: no second rung, n = m + e). The continued chain
+the run. A joint probe (full length, after the grid's halving) that beats the grid's
+winner by more than ``tune.tie_buffer`` is confirmed: both continue to twice the length
+(``NNN-cold3-…``; short probes favour a smaller batch) and the better there continues. So
+n = :func:`planned_probes` = m · r + min(promote + 1, m) · (1 − r) + e with m =
+``len(tune.lrs)``, e = ``tune.extra_probes`` and r = ``tune.first_rung`` (r = 1: no
+second rung and no confirmation, n = m + e); it leaves out the grids of g ≥ 2 and a
+confirmation, so the cold start can take more than ``PROBE_SHARE · T``. The continued chain
 (first rung, second rung, segment) trains exactly as one run would, so only the probes
 that did not continue are overhead.
 **Too small a budget**: when that is below ``MIN_PROBE_FRACTION · tune.probe_seconds``,
@@ -298,8 +303,12 @@ def planned_probes(settings: TuneConfig) -> float:
     """The cold start's planned work in probes of ``tune.probe_seconds``: m = ``len(tune.
     lrs)`` first-rung probes of ``tune.first_rung`` = r of it each, at most ``min(tune.
     promote + 1, m)`` of them (the promoted and the next larger η than the best at g = 1)
-    continued by the rest, and ``tune.extra_probes`` of full length: m · r + min(promote
-    + 1, m) · (1 − r) + extra (m + extra with no second rung)."""
+    continued by the rest, and ``tune.extra_probes`` = e of full length: m · r +
+    min(promote + 1, m) · (1 − r) + e (m + e with no second rung). It leaves out the
+    grids of g ≥ 2 (compute groups, where the layout has a parameter server) and a
+    confirmation (up to 2 more, where a joint probe leads), so the cold start can take
+    more than ``PROBE_SHARE`` of the budget; counting them would shorten every probe of a
+    run limited by its budget for work that most runs do not do."""
     m, extra = len(settings.lrs), settings.extra_probes
     r = settings.first_rung
     return m * r + min(settings.promote + 1, m) * (1 - r) + extra if r < 1 else float(m + extra)
@@ -381,6 +390,7 @@ class OnlineTune:
         self.segments = 0
         self.overhead_clock_s = 0.0  # clock seconds of probes that did not continue
         self._first_rung: dict[str, ProbeResult] = {}  # a second-rung probe's first rung
+        self._loss0: float | None = None  # the initial model's first training loss
         self.segment_wall_s = 0.0
         self._offset_s = 0.0
 
@@ -487,7 +497,8 @@ class OnlineTune:
                 + ("" if self.cfg.tune.promote == 1 else f"{self.cfg.tune.promote} ")
                 + "of the cold start's grid (and the next larger η than the best at g=1) "
                 f"continued to {self.probe_s:.4g} s, the joint search's probes "
-                f"{self.probe_s:.4g} s; "
+                f"{self.probe_s:.4g} s (one that leads, and the grid's winner, continue to "
+                f"{2 * self.probe_s:.4g} s); "
                 + (
                     "the best of a steady-state round continues as the run"
                     if self.cfg.tune.steady_promote == 1
@@ -595,6 +606,9 @@ class OnlineTune:
             result.losses.append(rec["loss"])
             result.iterations.append(rec["iterations"] - iters0)
             result.virtual_s.append(clock - clock0)
+        if start is None and result.losses and self._loss0 is None:
+            self._loss0 = result.losses[0]  # the initial model's loss: the scale of "blew up"
+        result.mark_exploded(self._loss0)
         return result
 
     def _run_probe(self, cfg: RunConfig, run_dir: Path, start: Path | None) -> None:
@@ -706,12 +720,20 @@ class OnlineTune:
         )
 
     # ---- decisions -------------------------------------------------------------------
+    def _chain(self, r: ProbeResult) -> list[ProbeResult]:
+        """``r`` and the probes it continues (a second or third rung's), latest first."""
+        out = [r]
+        while out[-1].run_dir in self._first_rung:
+            out.append(self._first_rung[out[-1].run_dir])
+        return out
+
     def _measurements(self, results: list[ProbeResult]) -> list[dict[str, Any]]:
         """Each probe's score and clock span; ``from_clock_s`` is the decision point it
-        started from (a second-rung probe's: its first rung's start)."""
+        started from (a later rung's: its chain's first rung's start)."""
         out = []
         for r in results:
             parent = self._first_rung.get(r.run_dir)
+            root = self._chain(r)[-1]
             start_s = self._start_of(_start_dir(r.snapshot))[0]
             rec = {
                 "label": r.candidate.label(),
@@ -719,9 +741,7 @@ class OnlineTune:
                 "seconds_per_iteration": None
                 if math.isnan(r.seconds_per_iteration)
                 else r.seconds_per_iteration,
-                "from_clock_s": self._start_of(_start_dir(parent.snapshot))[0]
-                if parent is not None
-                else start_s,
+                "from_clock_s": self._start_of(_start_dir(root.snapshot))[0],
                 "measured_until_clock_s": (r.virtual_s[-1] if r.virtual_s else 0.0) + start_s,
                 "probe": Path(r.run_dir).name,
             }
@@ -731,10 +751,9 @@ class OnlineTune:
         return out
 
     def _count_overhead(self, results: list[ProbeResult], winner: ProbeResult) -> None:
-        """Clock seconds of the probes that did not continue as the run (the winner and,
-        for a second-rung winner, its first rung) count as tuning overhead."""
-        parent = self._first_rung.get(winner.run_dir)
-        kept = {winner.run_dir} | ({parent.run_dir} if parent is not None else set())
+        """Clock seconds of the probes that did not continue as the run (the winner and
+        the probes its chain continues) count as tuning overhead."""
+        kept = {r.run_dir for r in self._chain(winner)}
         for r in results:
             if r.run_dir not in kept and r.virtual_s:
                 self.overhead_clock_s += r.virtual_s[-1]
@@ -764,9 +783,7 @@ class OnlineTune:
         out = []
         for r in chosen + ([larger] if extra else []):
             round_start = self._start_of(_start_dir(r.snapshot))[0]
-            cont = self.probe(r.candidate, r.run_dir, round_start + self.probe_s, kind)
-            cont.earlier_losses = list(r.losses)
-            self._first_rung[cont.run_dir] = r
+            cont = self._continue(r, round_start + self.probe_s, kind)
             out.append(cont)
             self.log(
                 phase,
@@ -787,12 +804,51 @@ class OnlineTune:
             )
         return out
 
+    def _continue(self, r: ProbeResult, until_clock_s: float, kind: str) -> ProbeResult:
+        """``r``'s probe continued from its own checkpoint until ``until_clock_s``, scored
+        over its chain's last ``tune.score_window`` losses."""
+        cont = self.probe(r.candidate, r.run_dir, until_clock_s, kind)
+        cont.earlier_losses = list(r.earlier_losses) + list(r.losses)
+        cont.mark_exploded(self._loss0)  # over the whole chain
+        self._first_rung[cont.run_dir] = r
+        return cont
+
+    def _confirm(self, grid: ProbeResult, joint: ProbeResult) -> list[ProbeResult]:
+        """A joint probe that beat the grid's winner at the full probe length: both
+        continue from their own checkpoints to twice that length (``probes/NNN-cold3-…``),
+        scored over their chains' last losses; returns (the joint's, the grid's).
+
+        From the initial model a smaller batch leads short probes (more updates in the
+        same time) and the run then pays its lower samples per second: on
+        ``bench/tune_online_vs_ddp.py`` a b = 32 joint probe beat the b = 64 grid winner
+        at 2 s in 6 of 12 cold starts and those runs took 1.18x DDP's wall on average
+        (1.03x for the other 6), while at 4 s it had won 3 of 18. The grid's chain
+        continues as the run if it wins, so the confirmation costs only the loser's
+        extra length."""
+        until = 2 * self.probe_s
+        out = []
+        for r in (joint, grid):
+            cont = self._continue(r, until, "cold3")
+            out.append(cont)
+            self.log(
+                "cold start",
+                f"continue {r.candidate.label()} to {until:.4g} s: "
+                + ("NaN" if cont.diverged else f"score {cont.score:.4f}"),
+                f"confirmation: the joint probe led at {self.probe_s:.4g} "
+                f"{self.clock.name} s ({joint.score:.4f} against {grid.score:.4f}); short "
+                "probes favour a smaller batch, so it and the grid's winner continue to "
+                "twice that length from their own checkpoints",
+                score=None if cont.diverged else cont.score,
+            )
+        return out
+
     def cold_start(self) -> ProbeResult:
         """Omnivore's cold start by successive halving (its first rungs, then the second
         rung: the promoted and the next larger η than the best at g = 1), then the joint
         search's best ``tune.extra_probes`` at the full probe length from the initial
         model, each against the grid's winner at equal time (a joint probe wins only by
-        more than ``tune.tie_buffer``).
+        more than ``tune.tie_buffer``, and with halving only if it still does at twice
+        the length: :meth:`_confirm`).
 
         The joint probes are left out of the halving: from the initial model a smaller
         batch leads a short first rung (more updates in the same time) and loses at the
@@ -827,9 +883,16 @@ class OnlineTune:
         best = pick_best(second, self.settings.tie_buffer) or best
         extra = self._joint(search, best)
         better = pick_best(extra, self.settings.tie_buffer)
-        if better is not None and better.score < best.score * (1 - self.settings.tie_buffer):
-            best = better
-        results = search.results + second
+        third: list[ProbeResult] = []
+        tie = self.settings.tie_buffer
+        if better is not None and better.score < best.score * (1 - tie):
+            if second and not self.max_probes:  # halving: confirm at twice the length
+                third = self._confirm(best, better)
+                joint, grid = third
+                best = joint if joint.score < grid.score * (1 - tie) else grid
+            else:
+                best = better
+        results = search.results + second + third
         self._count_overhead(results, best)
         self.rate_ceiling = max(
             effective_rate(r.candidate.lr, r.candidate.momentum) for r in results if not r.diverged
@@ -838,7 +901,9 @@ class OnlineTune:
             "cold start",
             f"continue with {best.candidate.label()} as the run",
             (
-                "lowest equal-time score of the second rung"
+                "lowest equal-time score at twice the probe length"
+                if third
+                else "lowest equal-time score of the second rung"
                 if second
                 else "lowest equal-time score of the cold start"
             )
