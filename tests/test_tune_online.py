@@ -174,6 +174,9 @@ def test_resume_of_a_run_killed_mid_probe_gives_the_same_decisions(tmp_path, mon
     monkeypatch.setattr(online, "Trainer", Trainer)
     s = train_tuned(None, killed, resume=True)
     assert decisions(killed) == decisions(whole)
+    # a resume of the run that ended: nothing runs, its summary (walls included) stays
+    assert train_tuned(None, killed, resume=True) == s
+    assert json.loads((killed / "summary.json").read_text()) == s
     assert s["samples"] == json.loads((whole / "summary.json").read_text())["samples"]
     assert torch.equal(
         load_checked(killed / "checkpoint.pt")["protocol"]["weights"],
@@ -711,6 +714,9 @@ def test_resume_of_a_run_killed_mid_segment_gives_the_same_decisions(tmp_path, m
     monkeypatch.setattr(online, "Trainer", Trainer)
     s = train_tuned(None, killed, resume=True)
     assert decisions(killed) == decisions(whole)
+    # a resume of the run that ended: nothing runs, its summary (walls included) stays
+    assert train_tuned(None, killed, resume=True) == s
+    assert json.loads((killed / "summary.json").read_text()) == s
     assert s["samples"] == json.loads((whole / "summary.json").read_text())["samples"]
     assert torch.equal(
         load_checked(killed / "checkpoint.pt")["protocol"]["weights"],

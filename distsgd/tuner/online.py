@@ -1150,7 +1150,8 @@ def train_tuned(
     """``distsgd train CONFIG --tune`` (:class:`OnlineTune`); returns the run's summary.
 
     ``resume``: continue the tuning run in ``out_dir`` (its base config is the one saved
-    there; ``config`` is ignored then except for being None-safe).
+    there; ``config`` is ignored then except for being None-safe); of a run that ended
+    (its ``summary.json`` written), its summary unchanged.
 
     Raises:
         ConfigError: see :class:`OnlineTune`; no ``config`` without ``resume``; ``resume``
@@ -1159,6 +1160,9 @@ def train_tuned(
     if resume:
         if not is_tuning_run(out_dir):
             raise ConfigError(f"cannot resume: {out_dir} does not hold a run of --tune")
+        done = Path(out_dir) / "summary.json"  # written when the run ended
+        if done.exists():  # nothing to resume: its summary as it is (a user's review: a
+            return json.loads(done.read_text())  # resume added its setup to the walls)
         config = RunConfig.from_toml(Path(out_dir) / STATE_FILE)
     elif config is None:
         raise ConfigError("distsgd train --tune needs a config (or resume=RUN_DIR)")
