@@ -345,24 +345,31 @@ def test_the_next_larger_lr_than_the_best_gets_a_second_rung_chance(tmp_path, mo
     loss spike at its 21st iteration ranked it third after 1 s, and the run trained at η
     0.01, a decade lower, to 2.4x the swept-best DDP's wall)."""
     probe = OnlineTune.probe
+    shift = {}
 
-    def spiked(self, cand, snapshot, until_clock_s=None, kind=None):
+    def shifted(self, cand, snapshot, until_clock_s=None, kind=None):
+        # η 0.1's first rung (at the run's b, 32) moved to lead (-10) or to rank last (+10)
         r = probe(self, cand, snapshot, until_clock_s, kind)
         if snapshot == "initial" and cand.lr == 0.1 and cand.batch_size == 32:
-            r.losses = [x + 10.0 for x in r.losses]  # its first rung ranks last
+            r.losses = [x + shift["by"] for x in r.losses]
         return r
 
+    monkeypatch.setattr(OnlineTune, "probe", shifted)
     cfg = tiny_config()
     cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, first_rung=0.25, promote=1))
-    OnlineTune(cfg, tmp_path / "plain", progress=False).run()
-    monkeypatch.setattr(OnlineTune, "probe", spiked)
-    OnlineTune(cfg, tmp_path / "spiked", progress=False).run()
+    for name, by in (("leads", -10.0), ("spiked", 10.0)):
+        shift["by"] = by
+        OnlineTune(cfg, tmp_path / name, progress=False).run()
 
-    def second(run):
-        return [d for d in decisions(run) if d["decision"].startswith("continue hardsync")]
+    def second(run):  # the second rung's decisions (not a joint probe's confirmation)
+        return [
+            d
+            for d in decisions(run)
+            if d["decision"].startswith("continue hardsync") and "confirmation" not in d["reason"]
+        ]
 
-    # η 0.1 leads the first rung unspiked: one second rung (promote = 1), no extra
-    assert len(second(tmp_path / "plain")) == 1
+    # η 0.1 leads its first rung: one second rung (promote = 1), no extra
+    assert [("η=0.1 " in d["decision"]) for d in second(tmp_path / "leads")] == [True]
     got = second(tmp_path / "spiked")
     assert len(got) == 2 and "η=0.1 " not in got[0]["decision"]
     assert "η=0.1 " in got[1]["decision"] and "short-horizon bias" in got[1]["reason"]
