@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from tqdm import tqdm
+
 from distsgd import api
 from distsgd.config import ConfigWarning, check_local_processes
 from distsgd.launch import is_process_loss, under_launcher
@@ -225,11 +227,12 @@ def _tune_kept(out: Path) -> str:
 
 def _one_line_config_warning(show: Any) -> Any:
     """A ``warnings.showwarning`` printing a :class:`ConfigWarning` as one line
-    ``distsgd: warning: ...`` on stderr, and any other warning as ``show`` does."""
+    ``distsgd: warning: ...`` on stderr (above a progress bar of this process, which is
+    drawn again below it: ``tqdm.write``), and any other warning as ``show`` does."""
 
     def showwarning(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
         if issubclass(category, ConfigWarning):
-            print(f"distsgd: warning: {message}", file=sys.stderr)
+            tqdm.write(f"distsgd: warning: {message}", file=sys.stderr)
         else:
             show(message, category, filename, lineno, file, line)
 
@@ -330,9 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tune",
         action="store_true",
         help="tune while training: Omnivore's cold start (η, μ, groups; family and batch "
-        "where the layout allows) from the initial model, the winning probe continues as "
-        "the run, re-optimised when the training loss flattens ([tune] settings; "
-        "decisions.jsonl, probes/)",
+        "where the layout allows) from the initial model by successive halving (first "
+        "rungs of tune.first_rung × tune.probe_seconds, the best continue to the full "
+        "length), the winning probe continues as the run, re-optimised when the training "
+        "loss flattens (a check every tune.check_epochs); the time to the target counts "
+        "every probe ([tune] settings; decisions.jsonl, probes/; README: 'Tuning inside "
+        "the run')",
     )
     t.add_argument(
         "--quiet",

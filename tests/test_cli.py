@@ -4,9 +4,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+from tqdm import tqdm
+
+from distsgd.cli import _one_line_config_warning
+from distsgd.config import ConfigWarning
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -119,3 +124,14 @@ def test_usage_errors_are_one_line(args):
     r = run_cli(*args)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr
+
+
+def test_a_config_warning_prints_on_its_own_line_above_a_progress_bar(capsys):
+    """A fresh-user review: ``--tune``'s warnings were printed on its progress bar's line."""
+    show = _one_line_config_warning(warnings.showwarning)
+    with tqdm(total=10, file=sys.stderr, bar_format="{n}/{total} tune") as bar:
+        bar.update(3)
+        show(ConfigWarning("probes too short"), ConfigWarning, "x.py", 1)
+    err = capsys.readouterr().err
+    before, _, after = err.partition("distsgd: warning: probes too short\n")
+    assert before.rstrip(" ").endswith(("\r", "\n")) and "3/10 tune" in after
