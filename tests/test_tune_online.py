@@ -16,13 +16,14 @@ import torch
 
 from distsgd.cli import main
 from distsgd.config import ConfigError, ConfigWarning, RunConfig
-from distsgd.metrics import load_checked, read_metrics, write_json
+from distsgd.data import LearnerStream, ShardedSampler
+from distsgd.metrics import load_checked, read_metrics, save_checked, write_json
 from distsgd.plateau import next_check
 from distsgd.rundir import RunDirClaim
 from distsgd.trainer import Trainer
 from distsgd.tuner import online
 from distsgd.tuner import perf_model as pm
-from distsgd.tuner.omnivore import Candidate, ProbeResult
+from distsgd.tuner.omnivore import Candidate, ProbeResult, pair_scores
 from distsgd.tuner.online import (
     OnlineTune,
     effective_rate,
@@ -140,6 +141,18 @@ def test_winning_probe_continues_bit_identically_and_report_reads_the_run(tmp_pa
                 assert m["virtual_s"] <= d["run_clock_s"]
             checked += 1
     assert checked >= 7  # 3 cold-start probes, 2 evaluations, 4 steady-state probes
+    # each check's decision says which condition held, with the fall it measured
+    checks = [d for d in decisions(run) if d["decision"] in ("keep training", "re-optimise")]
+    assert [d["decision"] for d in checks] == ["keep training", "re-optimise"]
+    for d in checks:
+        used = d["measurements"]
+        if len(used) < 2:
+            assert d["reason"].startswith("fewer than two evaluations")
+            continue
+        then, now = (m["train_loss"] for m in used)
+        fell = 100 * (then - now) / then
+        assert d["reason"].startswith(f"training loss fell by {fell:.3g}% ")
+        assert ("less than" in d["reason"]) == (d["decision"] == "re-optimise") == (fell < 10)
     assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
 
 
@@ -231,9 +244,11 @@ def test_a_budget_too_small_says_so_and_trains_with_the_best_probe(tmp_path):
     # 0.2 · 0.1 s for 3 planned probes is below ¼ of tune.probe_seconds (0.05 s): one
     # probe of 0.0125 s fits, and the run trains with it
     assert online.probe_seconds_for(0.05, 0.1, 3) == (0.0125, 1)
-    with pytest.warns(ConfigWarning, match="too small for the full cold start"):
+    with pytest.warns(ConfigWarning, match="too small for the full cold start") as said:
         s = OnlineTune(tiny_config(max_virtual_seconds=0.1), tmp_path / "r", progress=False).run()
     assert s["num_probes"] == 1 and s["samples"] > 0
+    # one probe ranks nothing: no warning that short probes rank by noise (a user's review)
+    assert not [w for w in said if "tune.score_window" in str(w.message)]
     assert s["stop_reason"] == "max_virtual_seconds"
     first = json.loads((tmp_path / "r" / "decisions.jsonl").read_text().splitlines()[1])
     assert first["decision"] == "budget too small: fewer probes"
@@ -330,7 +345,7 @@ def test_a_second_rung_equals_a_full_length_probe_and_first_rung_1_has_none(tmp_
     cold = next(
         d for d in decisions(tmp_path / "half") if d["decision"].startswith("continue with")
     )
-    chained = [m for m in cold["measurements"] if "continues" in m]
+    chained = [m for m in cold["measurements"] if "-cold2-" in m["probe"]]
     assert len(chained) == 2
     for m in chained:
         want = by_label[m["label"]]
@@ -388,7 +403,7 @@ def test_a_joint_probe_that_leads_is_confirmed_at_twice_the_length(
     def scored(self, cand, snapshot, until_clock_s=None, kind=None):
         r = probe(self, cand, snapshot, until_clock_s, kind)
         if cand.batch_size == 16:  # the joint probe (the run's b is 32)
-            low = snapshot == "initial" or joint_holds
+            low = kind == "joint" or joint_holds
             r.losses = [0.0 if low else 100.0] * len(r.losses)
         return r
 
@@ -417,11 +432,86 @@ def test_a_joint_probe_that_leads_is_confirmed_at_twice_the_length(
     while m is not None:
         kept.add(m["probe"])
         m = by_name.get(m.get("continues"))
-    assert len(kept) == (2 if joint_holds else 3)
+    # joint: its confirmation, the joint probe and the grid winner's first rung it
+    # continued (a batch change); grid: the confirmation, the second and the first rung
+    assert len(kept) == 3
+    assert ("-joint-" in by_name[winner["continues"]]["probe"]) == joint_holds
     lost = [m for m in won["measurements"] if m["probe"] not in kept]
     assert s["tuning_virtual_s"] == pytest.approx(
         sum(m["measured_until_clock_s"] - _rung_start(m, by_name) for m in lost)
     )
+
+
+def test_a_joint_probe_continues_the_grid_winners_first_rung_with_its_batch(tmp_path):
+    """A hardsync joint probe that differs from the grid's winner only in batch and η
+    continues the winner's first rung (its batch changed there) to the clock at which the
+    winner's chain ends, on the next samples of the epoch: the two compare from a common
+    snapshot and the first rung is not trained again (issue 18: a joint probe from the
+    initial model cost 2 of the bench's 5 cold-start training seconds)."""
+    run = tmp_path / "r"
+    cfg = tiny_config()
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, steady_rounds=0))
+    OnlineTune(cfg, run, progress=False).run()
+    cold = next(d for d in decisions(run) if d["decision"].startswith("continue with"))
+    by_name = {m["probe"]: m for m in cold["measurements"]}
+    joint = next(m for m in cold["measurements"] if "-joint-" in m["probe"])
+    root = by_name[joint["continues"]]
+    assert "-cold-" in root["probe"] and "b=32" in root["label"] and "b=16" in joint["label"]
+    assert root["from_clock_s"] == joint["from_clock_s"] == 0.0
+    # the grid's winner: the second rung that continued the same first rung; both end at
+    # the full probe length, within an iteration of each other
+    grid = next(m for m in cold["measurements"] if m.get("continues") == root["probe"] and (
+        "-cold2-" in m["probe"]))  # fmt: skip
+    step = max(grid["seconds_per_iteration"], joint["seconds_per_iteration"])
+    assert abs(joint["measured_until_clock_s"] - grid["measured_until_clock_s"]) < step
+    assert joint["measured_until_clock_s"] > root["measured_until_clock_s"]
+    # the data: the first tick after the branch is one b = 16 step past the first rung's
+    # samples, and the stream's position is the run's samples at b = 16 (1024 samples an
+    # epoch: no sample skipped or drawn twice)
+    probes = run / "probes"
+    root_samples = json.loads((probes / root["probe"] / "summary.json").read_text())["samples"]
+    ticks = (probes / joint["probe"] / "ticks.jsonl").read_text().splitlines()
+    assert json.loads(ticks[0])["samples"] == root_samples + 16
+    samples = json.loads((probes / joint["probe"] / "summary.json").read_text())["samples"]
+    (stream,) = load_checked(probes / joint["probe"] / "checkpoint.pt")["runtime"]["streams"]
+    assert (stream["epoch"] * 64 + stream["step"]) * 16 == samples
+
+
+@pytest.mark.parametrize(
+    "old, new, steps",
+    [(64, 32, 6), (32, 64, 7), (32, 64, 8), (16, 48, 5), (32, 48, 14)],
+    ids=["halved", "doubled odd", "doubled even", "not a divisor", "past the epoch"],
+)
+def test_a_batch_change_continues_at_the_same_sample_of_the_epoch(tmp_path, old, new, steps):
+    """:func:`online._set_batch`: every learner's next minibatch at the new batch starts at
+    the first step boundary at or after the samples drawn (none drawn twice, less than a
+    step skipped; the next epoch's first step where none is left in this one)."""
+    n, lam = 1000, 2
+    before = ShardedSampler(n, lam, old, seed=3)
+    streams = [LearnerStream(before, learner) for learner in range(lam)]
+    drawn = set()
+    for _ in range(steps):
+        for st in streams:
+            drawn.update(st.next_indices().tolist())
+    path = tmp_path / "checkpoint.pt"
+    save_checked({"runtime": {"ranks": [{"streams": [st.state_dict()]} for st in streams]}}, path)
+    online._set_batch(path, old, new, lam, n)
+    after = ShardedSampler(n, lam, new, seed=3)
+    offset = steps * lam * old
+    for learner, rank in enumerate(load_checked(path)["runtime"]["ranks"]):
+        st = LearnerStream(after, learner)
+        st.load_state_dict(rank["streams"][0])
+        start = st.step * lam * new
+        if st.epoch == 1:  # nothing of the epoch left at the new batch
+            assert st.step == 0 and offset + lam * new > after.samples_per_epoch
+            continue
+        assert st.epoch == 0 and offset <= start < offset + lam * new
+        rest = after.permutation(0)[start : after.samples_per_epoch]
+        assert not drawn & set(rest.tolist())
+    # the same batch: the file is left as it is
+    mtime = path.stat().st_mtime_ns
+    online._set_batch(path, new, new, lam, n)
+    assert path.stat().st_mtime_ns == mtime
 
 
 def _rung_start(m, by_name):
@@ -482,7 +572,7 @@ def test_check_epochs_sets_where_and_over_what_span_the_run_checks(tmp_path):
     for c in checks:  # each the rule over 512 samples, from the records up to its point
         assert steady_state_due(records, c["samples"], 512) == (c["due"], c["used"])
     due = [d for d in decisions(run) if d["decision"] == "re-optimise"]
-    assert due and "over the last 0.5 epoch" in due[0]["reason"]
+    assert due and "10% over 0.5 epoch" in due[0]["reason"]
     assert due[0]["measurements"][-1]["samples"] == checks[-1]["samples"]
 
 
@@ -541,6 +631,52 @@ def test_a_steady_state_round_that_promotes_one_continues_its_best_first_rung(tm
     both = dataclasses.replace(halved, steady_promote=2)
     OnlineTune(cfg.replace(tune=both), two, progress=False).run()
     assert len([p for p in (two / "probes").iterdir() if "steady2" in p.name]) == 2
+    # both ways a round's probes are scored paired: the mean loss over the iterations
+    # every probe (every chain) of the round trained, read back from their ticks
+    for run, rung in ((one, "-steady-"), (two, "-steady2-")):
+        won = next(d for d in decisions(run) if d["decision"].startswith("continue with hardsync")
+                   and d["phase"] == "steady state")  # fmt: skip
+        by_name = {m["probe"]: m for m in won["measurements"]}
+        probed = [m for m in won["measurements"] if rung in m["probe"]]
+        assert len(probed) == 2
+        chains = [_chain_losses(run, by_name, m) for m in probed]
+        span = min(len(c) for c in chains)
+        for m, chain in zip(probed, chains, strict=True):
+            assert m["paired_iterations"] == span > 0
+            assert m["score"] == pytest.approx(sum(chain[:span]) / span, rel=1e-12)
+
+
+def _chain_losses(run, by_name, m):
+    """A probe's training losses from its ticks, those of the probes it continues first."""
+    parent = by_name.get(m.get("continues"))
+    ticks = (run / "probes" / m["probe"] / "ticks.jsonl").read_text().splitlines()
+    earlier = _chain_losses(run, by_name, parent) if parent else []
+    return earlier + [json.loads(t)["loss"] for t in ticks]
+
+
+def test_pair_scores_compares_a_round_on_the_iterations_all_of_it_trained():
+    """The steady state's probes share a snapshot and a layout (the same minibatches):
+    each is scored over the first iterations they all trained, not over its own last
+    ``score_window`` (issue 18: that window kept η on a b = 32 run twice, which then
+    trained 300,032 samples to 90% against 105,024 where it stepped)."""
+    base = Candidate("hardsync", 2, 32, 0.05, 0.9)
+    keep = ProbeResult(base, "s", losses=[0.3, 0.3, 0.3, 0.2, 0.2], score_window=2)
+    step = ProbeResult(dataclasses.replace(base, lr=0.005), "s", losses=[0.25, 0.25, 0.25, 0.3])
+    step.score_window = 2
+    assert keep.score < step.score  # own last two: keep η
+    assert pair_scores([keep, step]) == 4
+    assert step.score == pytest.approx(0.2625) and keep.score == pytest.approx(0.275)
+    # a second rung pairs over its chain (the first rung's losses first)
+    cont = ProbeResult(base, "s", losses=[0.1], earlier_losses=[0.5, 0.5])
+    other = ProbeResult(dataclasses.replace(base, lr=0.005), "s", losses=[0.4, 0.4, 0.4])
+    assert pair_scores([cont, other]) == 3
+    assert cont.score == pytest.approx(1.1 / 3)
+    # diverged probes are left out; other layouts are not paired
+    nan = ProbeResult(base, "s", losses=[9.0], diverged=True)
+    assert pair_scores([keep, step, nan]) == 4 and nan.paired_span == 0
+    other_b = ProbeResult(dataclasses.replace(base, batch_size=16), "s", losses=[0.1])
+    fresh = ProbeResult(base, "s", losses=[0.3, 0.2])
+    assert pair_scores([fresh, other_b]) == 0 and fresh.paired_span == 0
 
 
 def test_a_winner_a_decade_below_the_highest_stable_rate_trains_without_rounds(

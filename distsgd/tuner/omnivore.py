@@ -68,6 +68,7 @@ __all__ = [
     "nan_pruned",
     "nan_applies",
     "pick_best",
+    "pair_scores",
     "EXPLODED_FACTOR",
     "next_larger_lr",
     "worse_than_above",
@@ -151,6 +152,9 @@ class ProbeResult:
         earlier_losses: for a probe that continues another from its checkpoint
             (successive halving's second rung), that probe's losses, which :attr:`score`
             counts before this probe's own: the score of the whole span.
+        paired_span: when > 0, :attr:`score` is the mean of the chain's first
+            ``paired_span`` losses instead (:func:`pair_scores`: every probe of a round
+            from one snapshot with one layout trained them, on the same minibatches).
     """
 
     candidate: Candidate
@@ -167,13 +171,16 @@ class ProbeResult:
     samples: int = 0
     notes: list[str] = field(default_factory=list)
     earlier_losses: list[float] = field(default_factory=list)
+    paired_span: int = 0
 
     @property
     def score(self) -> float:
         """Mean of the last ``score_window`` training losses (``earlier_losses``, those of
         the probe this one continues, first: a second rung that trained no iteration of
-        its own scores its chain); NaN if diverged or empty."""
-        tail = (self.earlier_losses + self.losses)[-self.score_window :]
+        its own scores its chain), or of the chain's first ``paired_span`` where that is
+        set; NaN if diverged or empty."""
+        chain = self.earlier_losses + self.losses
+        tail = chain[: self.paired_span] if self.paired_span else chain[-self.score_window :]
         if self.diverged or not tail:
             return math.nan
         s = sum(tail) / len(tail)
@@ -369,6 +376,25 @@ def next_larger_lr(results: list[ProbeResult], best: ProbeResult) -> ProbeResult
         if not r.diverged and r.candidate.lr > ref.lr and replace(r.candidate, lr=ref.lr) == ref
     ]
     return min(larger, key=lambda r: r.candidate.lr, default=None)
+
+
+def pair_scores(results: list[ProbeResult]) -> int:
+    """Score the probes of one round from one snapshot, all of one layout (they differ in
+    η and μ only), on the iterations every one of them trained: each probe's
+    :attr:`ProbeResult.paired_span` is set to the fewest losses among their chains
+    (diverged ones left out). From one data position with one batch they draw the same
+    minibatches in the same order, so the mean over those iterations compares them on
+    the same data (common random numbers) and at the same iteration count, whatever the
+    wall clock did; each probe's own last ``score_window`` losses fall on different
+    minibatches and carry their difficulty as noise. Returns the span (0: not paired,
+    the layouts differ or no probe trained)."""
+    ok = [r for r in results if not r.diverged and (r.earlier_losses or r.losses)]
+    if not ok or len({r.candidate.layout() for r in ok}) > 1:
+        return 0
+    span = min(len(r.earlier_losses) + len(r.losses) for r in ok)
+    for r in ok:
+        r.paired_span = span
+    return span
 
 
 def pick_best(results: list[ProbeResult], tie_buffer: float) -> ProbeResult | None:

@@ -9,8 +9,10 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    :class:`~distsgd.tuner.omnivore.OmnivoreSearch` with its pruning and HE rule; at g = 1
    the descent through η stops once a probe scores worse than the larger η before it,
    ``stop_descending``) by successive halving (below), then the joint search's best
-   ``tune.extra_probes`` (protocol family, batch) where the layout allows, each for the
-   full probe length against the grid's winner, a leader confirmed at twice it
+   ``tune.extra_probes`` (protocol family, batch) where the layout allows, each to the
+   full probe length against the grid's winner (a hardsync one that differs from it only
+   in batch and η continues its first rung, ``probes/NNN-joint-…``:
+   :meth:`OnlineTune._branch_point`), a leader confirmed at twice it
    (:meth:`OnlineTune.cold_start`). Every
    probe is an ordinary run
    (``probes/NNN-…``) that ends with a full checkpoint (weights, momentum, protocol
@@ -30,7 +32,16 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    lower effective rate only from the top decade of stable rates; on hardsync one (η, μ)
    per effective rate, a decade down at most: :func:`steady_grid`) is probed from the
    segment's checkpoint, and the best (:func:`pick_best`; ranked at the first rung with
-   ``tune.steady_promote`` = 1) continues; after ``tune.steady_rounds`` (default 2)
+   ``tune.steady_promote`` = 1) continues. A round's probes share the snapshot and the
+   layout, so they draw the same minibatches in the same order: each is scored by its
+   mean training loss over the iterations all of them trained
+   (:func:`~distsgd.tuner.omnivore.pair_scores`, a paired comparison), not its own last
+   ``tune.score_window`` (in the 38 rounds of ``bench/tune_online_vs_ddp.py`` on record
+   that window kept the incumbent's η 5 times, the paired mean stepped to η/10 in every
+   one; a b = 32 run that kept η 0.05 in both its rounds trained to 300,032 samples,
+   runs of its seed that stepped at the first to 105,024; a departure from SPEC §3's
+   last-10 score, which the cold start keeps: at a due check the loss is flat by the
+   rule's premise, so the span's mean estimates the same level with less noise); after ``tune.steady_rounds`` (default 2)
    re-optimisations one segment trains to the end without checks. The checks, their
    decisions and the stop points are those of segments of ``tune.check_epochs`` each,
    each a launch (issue 18), and the same training, bit for bit (a resumed checkpoint
@@ -61,7 +72,8 @@ winner by more than ``tune.tie_buffer`` is confirmed: both continue to twice the
 (``NNN-cold3-…``; short probes favour a smaller batch) and the better there continues. So
 n = :func:`planned_probes` = m · r + min(promote + 1, m) · (1 − r) + e with m =
 ``len(tune.lrs)``, e = ``tune.extra_probes`` and r = ``tune.first_rung`` (r = 1: no
-second rung and no confirmation, n = m + e); it leaves out the grids of g ≥ 2 and a
+second rung and no confirmation, n = m + e; a joint probe that continues the winner's
+first rung costs 1 − r of its 1); it leaves out the grids of g ≥ 2 and a
 confirmation, so the cold start can take more than ``PROBE_SHARE · T``. The continued chain
 (first rung, second rung, segment) trains exactly as one run would, so only the probes
 that did not continue are overhead.
@@ -137,6 +149,7 @@ from distsgd.tuner.omnivore import (
     he_scales,
     joint_candidates,
     next_larger_lr,
+    pair_scores,
     pick_best,
     rank_candidates,
 )
@@ -304,7 +317,8 @@ def planned_probes(settings: TuneConfig) -> float:
     lrs)`` first-rung probes of ``tune.first_rung`` = r of it each, at most ``min(tune.
     promote + 1, m)`` of them (the promoted and the next larger η than the best at g = 1)
     continued by the rest, and ``tune.extra_probes`` = e of full length: m · r +
-    min(promote + 1, m) · (1 − r) + e (m + e with no second rung). It leaves out the
+    min(promote + 1, m) · (1 − r) + e (m + e with no second rung; e counts a joint probe
+    that continues the winner's first rung, 1 − r, as a whole one). It leaves out the
     grids of g ≥ 2 (compute groups, where the layout has a parameter server) and a
     confirmation (up to 2 more, where a joint probe leads), so the cold start can take
     more than ``PROBE_SHARE`` of the budget; counting them would shorten every probe of a
@@ -339,6 +353,39 @@ def _set_momentum(checkpoint: Path, momentum: float) -> None:
 
     if visit(state):
         save_checked(state, checkpoint)
+
+
+def _set_batch(checkpoint: Path, old: int, new: int, num_learners: int, num_train: int) -> None:
+    """Make ``checkpoint`` (written with ``old`` samples per learner) continue with
+    ``new``: every learner stream's position (``{"epoch", "step"}`` in a ``streams`` list,
+    :class:`~distsgd.data.LearnerStream`) becomes the first step of the new batch at or
+    after the same sample offset of its epoch's permutation (step ``s`` starts at offset
+    ``s · λ · b``, :class:`~distsgd.data.ShardedSampler`), the next epoch's first where
+    none is left in this one. So no sample of the epoch is drawn twice; where ``new``
+    does not divide the offset, up to ``λ · new − 1`` samples of it are skipped. Only for
+    a synchronous state (hardsync's keeps no per-batch state besides the positions)."""
+    if old == new:
+        return
+    state = load_checkpoint_file(checkpoint, "resume")
+    steps_per_epoch = num_train // (num_learners * new)
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "streams" and isinstance(value, list):
+                    for pos in value:
+                        step = -(-int(pos["step"]) * old // new)  # ceil
+                        if step >= steps_per_epoch:
+                            pos["epoch"], step = int(pos["epoch"]) + 1, 0
+                        pos["step"] = step
+                else:
+                    visit(value)
+        elif isinstance(node, list | tuple):
+            for value in node:
+                visit(value)
+
+    visit(state)
+    save_checked(state, checkpoint)
 
 
 def _start_dir(snapshot: str) -> Path | None:
@@ -571,7 +618,8 @@ class OnlineTune:
         """One probe of ``cand`` from ``snapshot`` until the runtime's clock reads
         ``until_clock_s`` (default: a first rung's length from the snapshot's clock):
         ``snapshot`` is ``initial`` (the seeded initial model) or a run directory (a
-        segment's, or a first-rung probe's that continues), whose checkpoint it resumes.
+        segment's, or a first-rung probe's that continues), whose checkpoint it resumes
+        with ``cand``'s μ and batch (:func:`_set_momentum`, :func:`_set_batch`).
         ``kind`` names it (``cold``, ``steady``, …; default from the snapshot). Reads a
         completed probe back instead of running it again (resume)."""
         start = _start_dir(snapshot)
@@ -618,6 +666,9 @@ class OnlineTune:
                 if (start / name).exists():
                     shutil.copy2(start / name, run_dir / name)
             _set_momentum(run_dir / "checkpoint.pt", cfg.optimizer.momentum)
+            p = cfg.protocol
+            was = int(_summary(start).get("batch_size") or p.batch_size)
+            _set_batch(run_dir / "checkpoint.pt", was, p.batch_size, p.num_learners, self.num_train)
         try:
             if self.simulated:
                 trainer = Trainer(cfg, run_dir, progress=False, evaluate=False, code=self.code)
@@ -696,16 +747,27 @@ class OnlineTune:
         segment: ``run_clock_s`` the run's clock there, its two evaluations; the line is
         written when the segment returns (its ``t_wall_s``)."""
         due = bool(check["due"])
+        span = f"{self.cfg.tune.check_epochs:g} epoch"
+        used = check["used"]
+        losses = [r.get("train_loss") for r in used]
+        if len(used) < 2:
+            why = f"fewer than two evaluations {span} apart: no comparison yet"
+        elif not all(isinstance(x, int | float) and math.isfinite(x) for x in losses) or (
+            losses[0] <= 0
+        ):
+            why = f"training loss {losses[0]} then {losses[1]}: not comparable"
+        else:
+            fell = 100 * (losses[0] - losses[1]) / losses[0]
+            why = (
+                f"training loss fell by {fell:.3g}% ({losses[0]:.4g} at "
+                f"{used[0]['samples']} samples to {losses[1]:.4g} at {used[1]['samples']}): "
+                + ("less than" if due else "at least")
+                + f" the rule's {100 * FLAT_GAIN:g}% over {span}"
+            )
         self.log(
             "steady state",
             "re-optimise" if due and rounds < self.steady_rounds else "keep training",
-            (
-                f"training loss fell by less than {100 * FLAT_GAIN:g}% over the last "
-                f"{self.cfg.tune.check_epochs:g} epoch"
-                if due
-                else f"training loss still falls by {100 * FLAT_GAIN:g}% or more per "
-                f"{self.cfg.tune.check_epochs:g} epoch (or too few evaluations)"
-            )
+            why
             + (
                 f"; the run re-optimised {rounds} times already (tune.steady_rounds = "
                 f"{self.cfg.tune.steady_rounds})"
@@ -745,6 +807,8 @@ class OnlineTune:
                 "measured_until_clock_s": (r.virtual_s[-1] if r.virtual_s else 0.0) + start_s,
                 "probe": Path(r.run_dir).name,
             }
+            if r.paired_span:
+                rec["paired_iterations"] = r.paired_span
             if parent is not None:
                 rec["continues"] = Path(parent.run_dir).name
             out.append(rec)
@@ -768,7 +832,9 @@ class OnlineTune:
         they leave it out, continue from their own checkpoints until
         ``probe_s`` after the round's start on the runtime's clock (each chain as long as a
         full probe, whatever its first rung overshot), scored over the chain's last
-        ``tune.score_window`` losses, so their scores compare. Returns the continued probes
+        ``tune.score_window`` losses (steady state: over the iterations every chain of
+        the round trained, :func:`~distsgd.tuner.omnivore.pair_scores`), so their scores
+        compare. Returns the continued probes
         ([] with no second rung; also for a steady state that promotes one: the best first
         rung then continues as the run)."""
         cold = phase == "cold start"
@@ -780,11 +846,14 @@ class OnlineTune:
         kind = "cold2" if cold else "steady2"
         chosen = ok[:promote]
         extra = larger is not None and cold and all(r is not larger for r in chosen)
+        firsts = chosen + ([larger] if extra else [])
         out = []
-        for r in chosen + ([larger] if extra else []):
+        for r in firsts:
             round_start = self._start_of(_start_dir(r.snapshot))[0]
-            cont = self._continue(r, round_start + self.probe_s, kind)
-            out.append(cont)
+            out.append(self._continue(r, round_start + self.probe_s, kind))
+        if not cold:
+            pair_scores(out)  # one snapshot, one layout: the same minibatches
+        for r, cont in zip(firsts, out, strict=True):
             self.log(
                 phase,
                 f"continue {r.candidate.label()} to {self.probe_s:.4g} s: "
@@ -845,8 +914,9 @@ class OnlineTune:
     def cold_start(self) -> ProbeResult:
         """Omnivore's cold start by successive halving (its first rungs, then the second
         rung: the promoted and the next larger η than the best at g = 1), then the joint
-        search's best ``tune.extra_probes`` at the full probe length from the initial
-        model, each against the grid's winner at equal time (a joint probe wins only by
+        search's best ``tune.extra_probes`` to the full probe length (from the grid
+        winner's first rung where :meth:`_branch_point` allows, else from the initial
+        model), each against the grid's winner at equal time (a joint probe wins only by
         more than ``tune.tie_buffer``, and with halving only if it still does at twice
         the length: :meth:`_confirm`).
 
@@ -917,10 +987,11 @@ class OnlineTune:
 
     def _warn_short_probes(self, results: list[ProbeResult]) -> None:
         """A warning (and a decision) when the cold start's probes trained fewer iterations
-        than ``tune.score_window``: their scores then average fewer minibatch losses."""
+        than ``tune.score_window``: their scores then average fewer minibatch losses (none
+        with fewer than two such probes: nothing is ranked)."""
         window = self.settings.score_window
         counts = [len(r.losses) for r in results if not r.diverged]
-        if not counts or min(counts) >= window:
+        if len(counts) < 2 or min(counts) >= window:
             return
         line = (
             f"probes of {self.rung_s:.4g} {self.clock.name} s trained as few as "
@@ -932,8 +1003,10 @@ class OnlineTune:
         self.log("cold start", "warning: probes too short to score", line)
 
     def _joint(self, search: OmnivoreSearch, best: ProbeResult) -> list[ProbeResult]:
-        """Probe the joint search's best-predicted ``tune.extra_probes`` from the start,
-        each for the full probe length (as long as ``best``'s chain)."""
+        """Probe the joint search's best-predicted ``tune.extra_probes`` to the full probe
+        length (the clock at which ``best``'s chain ends): from the first rung of that
+        chain where :meth:`_branch_point` allows (its ``continues``), else from the
+        initial model."""
         s = self.settings
         if s.extra_probes <= 0:
             return []
@@ -948,16 +1021,49 @@ class OnlineTune:
             if self.max_probes and self.count >= self.max_probes:
                 self.log("joint", f"skip {cand.label()}", "the budget's probes are spent")
                 continue
-            r = self.probe(cand, "initial", self.probe_s)
+            root = self._branch_point(best, cand)
+            if root is None:
+                r = self.probe(cand, "initial", self.probe_s)
+            else:  # from the grid winner's first rung, to the same clock as its chain
+                r = self.probe(cand, root.run_dir, self.probe_s, "joint")
+                r.earlier_losses = list(root.earlier_losses) + list(root.losses)
+                r.mark_exploded(self._loss0)  # over the whole chain
+                self._first_rung[r.run_dir] = root
             search.results.append(r)
             extra.append(r)
             self.log(
                 "joint",
                 f"probed {cand.label()}: " + ("NaN" if r.diverged else f"score {r.score:.4f}"),
-                f"equal-time score against {best.score:.4f} for {ref.label()}",
+                f"equal-time score against {best.score:.4f} for {ref.label()}"
+                + (
+                    ""
+                    if root is None
+                    else f", from {Path(root.run_dir).name} after its {self.rung_s:.4g} "
+                    f"{self.clock.name} s (its batch changed there)"
+                ),
                 score=None if r.diverged else r.score,
             )
         return extra
+
+    def _branch_point(self, best: ProbeResult, cand: Candidate) -> ProbeResult | None:
+        """The first rung a joint probe of ``cand`` continues from: the grid winner's
+        (``best``, a second rung of successive halving), where ``cand`` is hardsync and
+        differs from it only in the batch and η (a batch change continues a hardsync
+        state: :func:`_set_batch`). None: ``cand`` starts from the initial model.
+
+        From a common snapshot the two compare at the same clock as from the start, and
+        the first rung's seconds are not trained again (on ``bench/tune_online_vs_ddp.py``
+        a joint probe from the initial model cost 2 of the cold start's 5 training s);
+        a smaller batch's lead over the first seconds from the initial model (more
+        updates) is also left out of the comparison."""
+        if best.run_dir not in self._first_rung:
+            return None  # no halving: best is a full-length first rung
+        root = self._chain(best)[-1]
+        ref = root.candidate
+        same = dataclasses.replace(cand, batch_size=ref.batch_size, lr=ref.lr) == ref
+        if not same or ref.family != "hardsync" or root.snapshot != "initial" or root.diverged:
+            return None
+        return root
 
     def _steady_grid(self, current: Candidate) -> list[tuple[float, float]]:
         # hardsync only: compute groups add asynchrony's implicit momentum (SPEC.md §3),
@@ -983,6 +1089,14 @@ class OnlineTune:
             "them), and tune.momenta holds no higher one",
         )
 
+    def _paired(self, span: int) -> str:
+        return (
+            f"mean training loss over the first {span} iterations, which every probe of the "
+            "round trained on the same minibatches (paired: common random numbers)"
+            if span
+            else f"mean of the last {self.settings.score_window} training losses"
+        )
+
     def steady_state(self, current: Candidate, seg: Path) -> tuple[Candidate, ProbeResult] | None:
         """Probe :func:`steady_grid` (the incumbent, then μ ∈ ``tune.momenta`` × {η, η/10}
         where the rate may step down) from the segment's checkpoint; returns the winner and
@@ -992,12 +1106,14 @@ class OnlineTune:
             self.probe(dataclasses.replace(current, lr=lr, momentum=mu), str(seg))
             for lr, mu in grid
         ]
+        span = pair_scores(results)
         for r in results:
             self.log(
                 "steady state",
                 f"probe {r.candidate.label()}: "
                 + ("NaN" if r.diverged else f"score {r.score:.4f}"),
-                f"from {seg.name} after {self.rung_s:.4g} {self.clock.name} s",
+                f"from {seg.name} after {self.rung_s:.4g} {self.clock.name} s; "
+                + self._paired(span),
                 score=None if r.diverged else r.score,
             )
         second = self._second_rung("steady state", results)
