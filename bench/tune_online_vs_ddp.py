@@ -158,7 +158,8 @@ def where_time_went(run_dir: Path) -> str:
     training segments, and how much of the probes' wall was their training."""
     parts = {"cold": [0, 0.0, 0.0], "steady": [0, 0.0, 0.0]}
     for probe in sorted((run_dir / "probes").glob("*")):
-        kind = "cold" if "-cold" in probe.name else "steady"  # cold2: a second rung
+        # cold2 / cold3: later rungs; joint: a batch probe from a cold first rung
+        kind = "steady" if "-steady" in probe.name else "cold"
         resumed = "-cold-" not in probe.name  # continues a snapshot's counters
         note = json.loads((probe / "online_probe.json").read_text())
         ticks = [json.loads(x) for x in (probe / "ticks.jsonl").read_text().splitlines()]

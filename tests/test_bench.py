@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from dist_bench import push_overrides  # noqa: E402
 from sweep import grid_points, run_grid  # noqa: E402
-from tune_online_vs_ddp import _median, _ratio  # noqa: E402
+from tune_online_vs_ddp import _median, _ratio, where_time_went  # noqa: E402
 
 
 def test_grid_points_is_the_cartesian_product():
@@ -102,6 +102,22 @@ def test_a_seeds_ratio_over_repeats_is_that_of_the_medians():
     missed = rows + [row("a", 60.0, reached=False, repeat=4)]
     assert _ratio(missed, "c", "a", 1)[1] == "<"
     assert _ratio(rows + [row("c", 1.0, repeat=4, rc=1)], "c", "a", 1) is None
+
+
+def test_where_time_went_counts_joint_and_later_rungs_in_the_cold_start(tmp_path):
+    """A joint probe continues a cold first rung (``NNN-joint-…``): cold start, not steady
+    state (the summary lines of three bench runs had it as a third steady-state probe)."""
+    names = ["001-cold-x", "002-cold2-x", "003-joint-y", "004-cold3-y", "005-steady-x"]
+    for i, name in enumerate(names):
+        d = tmp_path / "probes" / name
+        d.mkdir(parents=True)
+        (d / "online_probe.json").write_text(json.dumps({"wall_s": 1.5}))
+        start = 0.0 if "-cold-" in name else 10.0 * i  # a continuation's counters go on
+        ticks = [{"train_wall_s": start + 0.25}, {"train_wall_s": start + 1.25}]
+        (d / "ticks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ticks))
+    line = where_time_went(tmp_path)
+    assert line.startswith("cold start 4 probes 6.0 s wall (4.2 s of it training)")
+    assert "steady state 1 probes 1.5 s (1.0 s training)" in line
 
 
 _ALONE, _CONTENDED = 3e-3, 12e-3
