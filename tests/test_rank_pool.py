@@ -120,8 +120,16 @@ def test_a_dropped_pool_ends_its_ranks_and_an_interrupt_is_keyboard_interrupt(tm
 
 
 def test_tune_on_dist_starts_the_ranks_once(tmp_path, starts):
-    """distsgd train --tune on real processes: every probe and segment on one pool."""
-    tune = {"lrs": [0.1, 0.01], "momenta": [0.9], "probe_seconds": 0.3, "extra_probes": 0}
+    """distsgd train --tune on real processes: every probe and segment on one pool; the
+    joint search's b = 8 probe continues the grid winner's b = 16 first rung (its batch
+    changed there) on the next samples of every rank's stream."""
+    tune = {
+        "lrs": [0.1, 0.01],
+        "momenta": [0.9],
+        "probe_seconds": 0.3,
+        "extra_probes": 1,
+        "batch_sizes": [8],
+    }
     # the run's 2 epochs size its probes at the cluster model's predicted rate: a device of
     # 2 ms a sample (not the fixed 0.1 ms) leaves the cold start room for both probes
     cfg = small_config(
@@ -137,3 +145,9 @@ def test_tune_on_dist_starts_the_ranks_once(tmp_path, starts):
     assert summary["status"] == "completed"
     assert len(starts) == 1
     assert (tmp_path / "run" / "model.pt").exists()
+    (joint,) = (tmp_path / "run" / "probes").glob("*-joint-*b=8*")
+    samples = json.loads((joint / "summary.json").read_text())["samples"]
+    ranks = torch.load(joint / "checkpoint.pt", weights_only=True)["runtime"]["ranks"]
+    for rank in ranks:  # 1024 samples an epoch: 64 steps of 2 × 8
+        (pos,) = rank["streams"]
+        assert (pos["epoch"] * 64 + pos["step"]) * 16 == samples
