@@ -343,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--quiet",
         action="store_true",
-        help="no progress bar and no auto-tuner decision lines (they stay in autotune.json)",
+        help="no progress bar and no decision lines (the auto-tuner's stay in autotune.json, "
+        "--tune's in decisions.jsonl)",
     )
     t.set_defaults(func=_cmd_train)
     r = sub.add_parser(

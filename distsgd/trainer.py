@@ -787,13 +787,13 @@ class Trainer:
         try:
             while True:
                 budget_hit = budget is not None and rt.samples >= budget
-                time_hit = t.max_seconds > 0 and c["train_wall_s"] >= t.max_seconds
                 simulated_s = self._simulated_s()
-                time_hit = time_hit or (
+                virtual_hit = (
                     t.max_virtual_seconds > 0
                     and simulated_s is not None
                     and simulated_s >= t.max_virtual_seconds
                 )
+                time_hit = virtual_hit or (t.max_seconds > 0 and c["train_wall_s"] >= t.max_seconds)
                 if t.max_seconds > 0 or t.max_virtual_seconds > 0:  # every rank decides alike
                     time_hit = rt.any_rank(time_hit)
                 check_hit = check_at is not None and rt.samples >= check_at
@@ -817,12 +817,8 @@ class Trainer:
                         c["stop_reason"] = "target"
                     elif budget_hit:
                         c["stop_reason"] = "max_epochs/max_samples"
-                    elif time_hit:
-                        c["stop_reason"] = (
-                            "max_seconds"
-                            if t.max_seconds > 0 and c["train_wall_s"] >= t.max_seconds
-                            else "max_virtual_seconds"
-                        )
+                    elif time_hit:  # on dist another rank's wall may have reached it
+                        c["stop_reason"] = "max_virtual_seconds" if virtual_hit else "max_seconds"
                     elif check_hit:
                         if self._plateau_check(metrics):
                             c["stop_reason"] = "steady_state"

@@ -11,7 +11,7 @@ import torch
 import distsgd
 from distsgd.config import ConfigError, resolved_device_setting
 from distsgd.metrics import read_metrics
-from distsgd.runtime.sim import TrainingDiverged
+from distsgd.runtime.sim import SimRuntime, TrainingDiverged
 from distsgd.trainer import Trainer
 from tests.conftest import small_config
 
@@ -318,3 +318,14 @@ def test_resuming_a_run_from_before_memory_format_keeps_it_contiguous(tmp_path):
     lines = [x for x in path.read_text().splitlines() if not x.startswith("memory_format")]
     path.write_text("\n".join(lines) + "\n")
     assert distsgd.api.resume_config(tmp_path / "run").train.memory_format == "contiguous"
+
+
+def test_a_time_limit_another_rank_reached_is_named_max_seconds(tmp_path, monkeypatch):
+    """A user's review: a --tune run on dist with train.max_seconds ended with
+    stop_reason "max_virtual_seconds". On dist every rank decides the limit together
+    (``any_rank``), and the writer's own wall can be short of it when another rank's is
+    not; the reason named the other limit then. Here every rank but the writer is past it."""
+    monkeypatch.setattr(SimRuntime, "any_rank", lambda self, flag: True)
+    cfg = small_config(train={"max_seconds": 1e9})
+    s = Trainer(cfg, tmp_path / "r", progress=False).run()
+    assert s["stop_reason"] == "max_seconds"

@@ -151,7 +151,8 @@ def test_winning_probe_continues_bit_identically_and_report_reads_the_run(tmp_pa
             continue
         then, now = (m["train_loss"] for m in used)
         fell = 100 * (then - now) / then
-        assert d["reason"].startswith(f"training loss fell by {fell:.3g}% ")
+        way = "fell" if fell >= 0 else "rose"
+        assert d["reason"].startswith(f"training loss {way} by {abs(fell):.3g}% ")
         assert ("less than" in d["reason"]) == (d["decision"] == "re-optimise") == (fell < 10)
     assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
 
@@ -547,7 +548,7 @@ def test_a_probe_whose_loss_blows_up_without_nan_diverged(tmp_path, monkeypatch,
     assert any(x["decision"] == "probe hardsync λ=1 b=32 η=0.1 μ=0.9: NaN" for x in d)
     won = next(x for x in d if x["decision"].startswith("continue with"))
     assert "η=0.1 " not in won["decision"] and s["lr"] != 0.1
-    assert tune.rate_ceiling < effective_rate(0.1, 0.9)
+    assert tune.rate_ceiling_per_sample * 32 < effective_rate(0.1, 0.9)
     # every cold-start probe blown up: the documented refusal, one line, exit 2
     _exploding(monkeypatch, {0.1, 0.01})
     cfg = tmp_path / "c.toml"
@@ -679,6 +680,48 @@ def test_pair_scores_compares_a_round_on_the_iterations_all_of_it_trained():
     assert pair_scores([fresh, other_b]) == 0 and fresh.paired_span == 0
 
 
+def test_a_losing_larger_batch_probe_leaves_the_steady_state_its_rounds(tmp_path, monkeypatch):
+    """A user's review: the joint search's b = 100 probe (η scaled 12.5x with the batch)
+    lost, yet its rate became the ceiling against which the b = 8 winner's rate was "a
+    decade below", and the run trained to the end without checks. Rates compare per
+    sample of an iteration now; a batch beyond the training set is skipped."""
+    probe = OnlineTune.probe
+
+    def losing(self, cand, snapshot, until_clock_s=None, kind=None):
+        r = probe(self, cand, snapshot, until_clock_s, kind)
+        if cand.batch_size == 320:  # loses, but stable (not 10x the initial loss)
+            r.losses = [5.0] * len(r.losses)
+        return r
+
+    monkeypatch.setattr(OnlineTune, "probe", losing)
+    cfg = tiny_config()
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, batch_sizes=[320, 2048], extra_probes=2))
+    run = tmp_path / "r"
+    tune = OnlineTune(cfg, run, progress=False)
+    s = tune.run()
+    assert list(run.glob("probes/*-joint-*b=320*")) and s["batch_size"] == 32
+    assert list(run.glob("probes/*-steady-*"))  # the winner's round was not taken away
+    assert tune._rate_ceiling(Candidate("hardsync", 1, 32, 0.1, 0.9)) == pytest.approx(
+        effective_rate(0.1, 0.9)
+    )
+    # λ·b = 2048 > 1024 training samples: left out with a decision, not a failed run
+    (skip,) = [d for d in decisions(run) if d["decision"].startswith("skip ")]
+    assert "b=2048" in skip["decision"] and "training set's 1024" in skip["reason"]
+
+
+def test_the_last_round_says_the_run_trains_on_without_checks(tmp_path):
+    """A user's review: once tune.steady_rounds were used up the run trained on without
+    checks and no decision said so."""
+    cfg = tiny_config()
+    run = tmp_path / "r"
+    cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, steady_rounds=1))
+    OnlineTune(cfg, run, progress=False).run()
+    steady = [d for d in decisions(run) if d["phase"] == "steady state"]
+    assert steady[-1]["decision"].endswith("to the end without checks")
+    assert steady[-1]["reason"] == "the run re-optimised 1 times (tune.steady_rounds = 1)"
+    assert len(list(run.glob("probes/*-steady-*"))) >= 1
+
+
 def test_a_winner_a_decade_below_the_highest_stable_rate_trains_without_rounds(
     tmp_path, monkeypatch
 ):
@@ -688,7 +731,7 @@ def test_a_winner_a_decade_below_the_highest_stable_rate_trains_without_rounds(
 
     def high_ceiling(self):
         best = cold_start(self)
-        self.rate_ceiling *= 100
+        self.rate_ceiling_per_sample *= 100
         return best
 
     monkeypatch.setattr(OnlineTune, "cold_start", high_ceiling)

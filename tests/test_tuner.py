@@ -391,7 +391,7 @@ def test_tune_end_to_end_writes_a_plan_that_train_accepts(tmp_path, capsys):
             "probe_seconds": 0.03,
             "lrs": [0.1, 0.01],
             "momenta": [0.0, 0.9],
-            "batch_sizes": [16],
+            "batch_sizes": [16, 1024],
             "extra_probes": 1,
         },
     )
@@ -403,6 +403,14 @@ def test_tune_end_to_end_writes_a_plan_that_train_accepts(tmp_path, capsys):
         assert (out / f).exists(), f
     decisions = [json.loads(x) for x in (out / "decisions.jsonl").read_text().splitlines()]
     assert all(d["reason"] for d in decisions)
+    # b = 1024 on 2 learners needs 2048 of the 1024 training samples: skipped, said so (a
+    # user's review: the run refused it mid-search and the tune ended with that error)
+    skip = [d for d in decisions if d["decision"].startswith("skip ") and "b=1024" in d["decision"]]
+    assert len(skip) == 1 and "training set's 1024" in skip[0]["reason"]
+    only = base.replace(tune=replace(base.tune, families=["hardsync"], max_groups=1))
+    cfg.write_text(only.to_toml())  # the joint search's one candidate is b = 1024
+    argv = ["tune", str(cfg), "--budget", "40s", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "t2")]) == 0
     assert any(d["phase"] == "cold start" for d in decisions)
     state = json.loads((out / "tune.json").read_text())
     assert state["probes"] and state["clock"] == "simulated"

@@ -73,6 +73,7 @@ __all__ = [
     "next_larger_lr",
     "worse_than_above",
     "joint_candidates",
+    "skip_unfit",
     "rank_candidates",
     "he_scales",
 ]
@@ -667,6 +668,23 @@ class OmnivoreSearch:
                 f"ties within {100 * s.tie_buffer:g}% prefer larger η, then μ",
             )
             return best.candidate
+
+
+def skip_unfit(cands: list[Candidate], num_train: int, log: DecisionLog) -> list[Candidate]:
+    """``cands`` whose iteration fits in ``num_train`` training samples: λ·b samples (λ the
+    candidate's learners, for SMA devices × k), which a run refuses above the training
+    set's size; the others are left out with one ``joint`` decision (a user's review: a
+    ``tune.batch_sizes`` entry of 2000 with λ = 2 on 3000 samples ended ``--tune`` with
+    that error mid-search, and ``--resume`` replayed it)."""
+    too_big = [c for c in cands if c.num_learners * c.batch_size > num_train]
+    if too_big:
+        log(
+            "joint",
+            f"skip {', '.join(c.label() for c in too_big)}",
+            f"λ·b samples per iteration above the training set's {num_train}: a run refuses "
+            "that (tune.batch_sizes, or the replicas per device of SMA)",
+        )
+    return [c for c in cands if c not in too_big]
 
 
 def joint_candidates(

@@ -152,6 +152,7 @@ from distsgd.tuner.omnivore import (
     pair_scores,
     pick_best,
     rank_candidates,
+    skip_unfit,
 )
 from distsgd.tuner.probes import (
     RunClock,
@@ -386,6 +387,11 @@ def _set_batch(checkpoint: Path, old: int, new: int, num_learners: int, num_trai
 
     visit(state)
     save_checked(state, checkpoint)
+
+
+def _batch(cand: Candidate) -> int:
+    """Samples of one of ``cand``'s iterations over all its learners: λ·b."""
+    return cand.num_learners * cand.batch_size
 
 
 def _start_dir(snapshot: str) -> Path | None:
@@ -759,7 +765,8 @@ class OnlineTune:
         else:
             fell = 100 * (losses[0] - losses[1]) / losses[0]
             why = (
-                f"training loss fell by {fell:.3g}% ({losses[0]:.4g} at "
+                f"training loss {'fell' if fell >= 0 else 'rose'} by {abs(fell):.3g}% "
+                f"({losses[0]:.4g} at "
                 f"{used[0]['samples']} samples to {losses[1]:.4g} at {used[1]['samples']}): "
                 + ("less than" if due else "at least")
                 + f" the rule's {100 * FLAT_GAIN:g}% over {span}"
@@ -964,8 +971,13 @@ class OnlineTune:
                 best = better
         results = search.results + second + third
         self._count_overhead(results, best)
-        self.rate_ceiling = max(
-            effective_rate(r.candidate.lr, r.candidate.momentum) for r in results if not r.diverged
+        # per sample of an iteration: rates of probes at other batches compare (a user's
+        # review: a losing b = 100 joint probe at η scaled 12.5x set a ceiling that took
+        # the b = 8 run's steady-state rounds away)
+        self.rate_ceiling_per_sample = max(
+            effective_rate(r.candidate.lr, r.candidate.momentum) / _batch(r.candidate)
+            for r in results
+            if not r.diverged
         )
         self.log(
             "cold start",
@@ -1013,9 +1025,8 @@ class OnlineTune:
         ref = best.candidate
         noise = s.noise_scale or float(ref.layout().num_learners * ref.batch_size)
         scales = he_scales(search.results, self.cluster) if not self.simulated else None
-        ranked = rank_candidates(
-            joint_candidates(search, ref, s), ref, 1.0, self.cluster, noise, he_scale=scales
-        )
+        cands = skip_unfit(joint_candidates(search, ref, s), self.num_train, self.log)
+        ranked = rank_candidates(cands, ref, 1.0, self.cluster, noise, he_scale=scales)
         extra = []
         for _, cand in ranked[: s.extra_probes]:
             if self.max_probes and self.count >= self.max_probes:
@@ -1065,6 +1076,13 @@ class OnlineTune:
             return None
         return root
 
+    def _rate_ceiling(self, current: Candidate) -> float:
+        """The highest effective rate η/(1 − μ) the cold start probed without diverging,
+        at ``current``'s batch: each probe's rate per sample of its iteration (λ·b; SGD's
+        noise scale is η/(1 − μ) over the batch, Smith et al., ICLR 2018) times
+        ``current``'s λ·b."""
+        return self.rate_ceiling_per_sample * _batch(current)
+
     def _steady_grid(self, current: Candidate) -> list[tuple[float, float]]:
         # hardsync only: compute groups add asynchrony's implicit momentum (SPEC.md §3),
         # so one explicit η / (1 − μ) is not one rate there
@@ -1072,7 +1090,7 @@ class OnlineTune:
             current.lr,
             current.momentum,
             self.settings.momenta,
-            self.rate_ceiling,
+            self._rate_ceiling(current),
             one_per_rate=current.family == "hardsync",
         )
 
@@ -1084,7 +1102,8 @@ class OnlineTune:
             f"train {current.label()} to the end without checks",
             f"its effective rate η/(1 − μ) = {effective_rate(current.lr, current.momentum):.4g}"
             f" is a decade or more below the highest the cold start probed without "
-            f"diverging ({self.rate_ceiling:.4g}): a steady-state round would only probe "
+            f"diverging ({self._rate_ceiling(current):.4g} at its batch): a steady-state "
+            "round would only probe "
             "lower rates, which stall a run short of its target (its short probes prefer "
             "them), and tune.momenta holds no higher one",
         )
@@ -1179,6 +1198,13 @@ class OnlineTune:
                 if more and len(self._steady_grid(cand)) == 1:
                     self._no_round_left(cand)
                     more = False
+                elif not more and rounds:
+                    self.log(
+                        "steady state",
+                        f"train {cand.label()} to the end without checks",
+                        f"the run re-optimised {rounds} times (tune.steady_rounds = "
+                        f"{self.steady_rounds})",
+                    )
                 seg, ends = self._segment(cand, start, every if more else 0)
                 for check in self._checks(seg):
                     self._log_check(check, rounds)

@@ -70,6 +70,7 @@ from distsgd.tuner.omnivore import (
     joint_candidates,
     pick_best,
     rank_candidates,
+    skip_unfit,
 )
 from distsgd.tuner.plan import (
     PLAN_EVAL_EVERY,
@@ -170,10 +171,11 @@ def cluster_model(cfg: RunConfig, num_parameters: int) -> pm.ClusterModel:
 
 def _fixed_profile(
     cfg: RunConfig, num_processes: int = 1
-) -> tuple[RunConfig, torch.Tensor, int, dict[str, float]]:
+) -> tuple[RunConfig, torch.Tensor, int, dict[str, float], int]:
     """Calibrate once (if needed) and make the seeded initial weights ``[P]``; also time
     loading the data (``build_s``) and one evaluation on the test set (``eval_s``), wall
-    seconds, for the budget (:mod:`distsgd.tuner.budget`). The device is timed with the
+    seconds, for the budget (:mod:`distsgd.tuner.budget`). Returns (config, initial
+    weights, P, timings, training samples). The device is timed with the
     torch threads of one of ``num_processes`` processes sharing this machine
     (``train.num_threads`` if set)."""
     torch.set_num_threads(
@@ -195,7 +197,7 @@ def _fixed_profile(
     t0 = time.perf_counter()
     engine.evaluation_sums(initial, ds.test, cfg.train.eval_batch_size, 0, n)
     timings = {"build_s": build_s, "eval_s": (time.perf_counter() - t0) * ds.num_test / n}
-    return cfg, initial, engine.num_parameters, timings
+    return cfg, initial, engine.num_parameters, timings, ds.num_train
 
 
 def _or_messages(value: float | None) -> float:
@@ -282,6 +284,7 @@ class TuneSetup:
         timings: wall seconds of a run's build (``build_s``) and of one evaluation
             (``eval_s``), measured in the setup.
         costs: the budget's decisions, started when the setup started.
+        num_train: training samples (a candidate's λ·b must not exceed them).
     """
 
     config: RunConfig
@@ -295,6 +298,7 @@ class TuneSetup:
     initial: torch.Tensor
     timings: dict[str, float]
     costs: TuneBudget
+    num_train: int
 
 
 def _fix_setup(config: RunConfig, out: Path) -> TuneSetup:
@@ -302,7 +306,7 @@ def _fix_setup(config: RunConfig, out: Path) -> TuneSetup:
     t0 = time.perf_counter()
     settings = config.tune
     num_processes, lam, ps_lam = tune_layout(config)
-    cfg, initial, num_params, timings = _fixed_profile(config, num_processes)
+    cfg, initial, num_params, timings, num_train = _fixed_profile(config, num_processes)
     network = None
     if cfg.runtime == "dist":
         cfg, network = _measured_network(cfg, num_params, timings)
@@ -324,8 +328,9 @@ def _fix_setup(config: RunConfig, out: Path) -> TuneSetup:
             f"{costs.first_probe_s:.1f} s wall; a shorter tune.probe_seconds costs less)"
         )
     return TuneSetup(
-        config, cfg, out, num_processes, lam, ps_lam, network, cluster, initial, timings, costs
-    )
+        config, cfg, out, num_processes, lam, ps_lam, network, cluster, initial, timings, costs,
+        num_train,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -600,7 +605,7 @@ class TuneSession:
         st.noise_scale = s.noise_scale or float(pm.samples_per_iteration(ref.layout()))
         if s.extra_probes <= 0:
             return
-        cands = joint_candidates(self.search, ref, s)
+        cands = skip_unfit(joint_candidates(self.search, ref, s), self.fixed.num_train, self.log)
         scales = he_scales(self.search.results, cluster) if not self.prober.simulated else None
         st.ranked = rank_candidates(cands, ref, 1.0, cluster, st.noise_scale, he_scale=scales)
         ref_time = pm.seconds_per_iteration(ref.layout(), cluster)
