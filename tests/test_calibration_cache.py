@@ -158,6 +158,10 @@ def test_large_spread_warns_in_one_line(cache, monkeypatch):
     assert cfg.cluster.seconds_per_sample == 1e-4  # the median
     (w,) = got
     assert "differ by 200%" in str(w.message) and "\n" not in str(w.message)
+    # a later run that reuses the cached profile measures nothing and warns again
+    monkeypatch.setattr(factory, "calibrate", lambda *a, **k: pytest.fail("measured again"))
+    with pytest.warns(profiles.ProfileSpreadWarning, match="differ by 200%"):
+        assert _calibrated(small_config(cluster=CALIBRATE)).cluster.seconds_per_sample == 1e-4
     fits = iter([DeviceProfile(0.0, 1e-4), DeviceProfile(0.0, 1.1e-4), DeviceProfile(0.0, 1e-4)])
     monkeypatch.setattr(factory, "calibrate", lambda *a, **k: next(fits))
     with warnings.catch_warnings():
