@@ -1072,6 +1072,9 @@ def test_probes_shorter_than_the_score_window_warn_and_a_second_rung_scores_its_
     cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, probe_seconds=1e-9))
     with pytest.warns(ConfigWarning, match="too short to score|fewer than tune.score_window"):
         OnlineTune(cfg, tmp_path / "r", progress=False).run()
+    # the steady state's rounds too (a user's review: paired over 6 iterations, unsaid)
+    short = [d["phase"] for d in decisions(tmp_path / "r") if "too short" in d["decision"]]
+    assert short[0] == "cold start" and "steady state" in short
     # a second rung that trained nothing of its own (its first rung overshot the probe's
     # end) scores the chain, not NaN
     rung = ProbeResult(Candidate("hardsync", 2, 16, 0.1, 0.9), "x", earlier_losses=[1.0, 3.0])

@@ -997,10 +997,10 @@ class OnlineTune:
         )
         return best
 
-    def _warn_short_probes(self, results: list[ProbeResult]) -> None:
-        """A warning (and a decision) when the cold start's probes trained fewer iterations
-        than ``tune.score_window``: their scores then average fewer minibatch losses (none
-        with fewer than two such probes: nothing is ranked)."""
+    def _warn_short_probes(self, results: list[ProbeResult], phase: str = "cold start") -> None:
+        """A warning (and a decision) when a round's probes trained fewer iterations than
+        ``tune.score_window``: their scores then average fewer minibatch losses (none with
+        fewer than two such probes: nothing is ranked)."""
         window = self.settings.score_window
         counts = [len(r.losses) for r in results if not r.diverged]
         if len(counts) < 2 or min(counts) >= window:
@@ -1012,7 +1012,7 @@ class OnlineTune:
             "raise tune.probe_seconds (or tune.first_rung) or the time budget"
         )
         warnings.warn(line, ConfigWarning, stacklevel=2)
-        self.log("cold start", "warning: probes too short to score", line)
+        self.log(phase, "warning: probes too short to score", line)
 
     def _joint(self, search: OmnivoreSearch, best: ProbeResult) -> list[ProbeResult]:
         """Probe the joint search's best-predicted ``tune.extra_probes`` to the full probe
@@ -1126,6 +1126,7 @@ class OnlineTune:
             for lr, mu in grid
         ]
         span = pair_scores(results)
+        self._warn_short_probes(results, "steady state")
         for r in results:
             self.log(
                 "steady state",
