@@ -232,13 +232,62 @@ def test_tune_with_resume_is_refused(tmp_path, capsys):
     assert "--tune" in capsys.readouterr().err
 
 
-def test_a_run_directory_that_holds_a_run_is_refused(tmp_path):
+def test_a_run_directory_that_holds_a_run_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / "summary.json").write_text("{}")
     with pytest.raises(ValueError, match="already holds a run"):
         OnlineTune(tiny_config(), run, progress=False).run()
     shutil.rmtree(run)
+    # a second review: --tune wrote into distsgd tune's directory (its decisions.jsonl
+    # replaced), and distsgd tune beside a training run's checkpoint
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tiny_config().to_toml())
+    offline = tmp_path / "offline"
+    offline.mkdir()
+    (offline / "tune.json").write_text("{}")
+    assert main(["train", str(cfg), "--tune", "--out", str(offline), "--quiet"]) == 2
+    assert "already holds a run (tune.json)" in capsys.readouterr().err
+    assert (offline / "tune.json").read_text() == "{}" and len(list(offline.iterdir())) == 1
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "checkpoint.pt").write_text("")
+    assert main(["tune", str(cfg), "--out", str(trained), "--quiet"]) == 2
+    assert "already holds a training run" in capsys.readouterr().err
+
+
+def test_a_batch_beyond_the_training_set_is_refused_before_anything_is_written(
+    tmp_path, capsys, monkeypatch
+):
+    """A second review: the run's own λ·b above the training set failed after measuring
+    the device and left a directory that --resume replayed the error from."""
+    measured = []
+    monkeypatch.setattr(online, "with_device_profile", lambda *a, **k: measured.append(1))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tiny_config().replace(protocol=dataclasses.replace(
+        tiny_config().protocol, batch_size=2048)).to_toml())  # fmt: skip
+    out = tmp_path / "r"
+    assert main(["train", str(cfg), "--tune", "--out", str(out), "--quiet"]) == 2
+    assert "needs 2048 samples per iteration but the training set has 1024" in (
+        capsys.readouterr().err
+    )
+    assert not measured and (not out.exists() or not list(out.iterdir()))
+
+
+def test_tune_measures_the_device_at_the_threads_a_run_of_its_config_uses(tmp_path, monkeypatch):
+    """A second review: --tune measured (and cached) the device profile at torch's current
+    thread count, not train.num_threads, so it simulated another device than a plain run
+    of the same config."""
+    threads = []
+
+    def profile(cfg, ds, code=None):
+        threads.append(torch.get_num_threads())
+        return cfg, False
+
+    monkeypatch.setattr(online, "with_device_profile", profile)
+    torch.set_num_threads(2)
+    OnlineTune(tiny_config(num_threads=1), tmp_path / "r", progress=False)._setup(False)
+    assert threads == [1]
 
 
 def test_a_budget_too_small_says_so_and_trains_with_the_best_probe(tmp_path):
@@ -548,7 +597,7 @@ def test_a_probe_whose_loss_blows_up_without_nan_diverged(tmp_path, monkeypatch,
     assert any(x["decision"] == "probe hardsync λ=1 b=32 η=0.1 μ=0.9: NaN" for x in d)
     won = next(x for x in d if x["decision"].startswith("continue with"))
     assert "η=0.1 " not in won["decision"] and s["lr"] != 0.1
-    assert tune.rate_ceiling_per_sample * 32 < effective_rate(0.1, 0.9)
+    assert tune._rate_ceiling(Candidate("hardsync", 1, 32, 0.01, 0.9)) < effective_rate(0.1, 0.9)
     # every cold-start probe blown up: the documented refusal, one line, exit 2
     _exploding(monkeypatch, {0.1, 0.01})
     cfg = tmp_path / "c.toml"
@@ -709,6 +758,34 @@ def test_a_losing_larger_batch_probe_leaves_the_steady_state_its_rounds(tmp_path
     assert "b=2048" in skip["decision"] and "training set's 1024" in skip["reason"]
 
 
+def test_a_losing_smaller_batch_rate_leaves_a_larger_batch_winner_its_rounds(tmp_path, monkeypatch):
+    """The mirror case, from a second review: η 0.1 at the run's b = 32 loses (stable), the
+    joint b = 320 probe (η 0.01 scaled to 0.1) wins; scaled per sample, η 0.1 at b = 32
+    made a ceiling of 10 at b = 320, "a decade above" the winner's 1.0, and the run trained
+    without checks. The ceiling is that of the winner's own layout."""
+    probe = OnlineTune.probe
+
+    def scored(self, cand, snapshot, until_clock_s=None, kind=None):
+        r = probe(self, cand, snapshot, until_clock_s, kind)
+        if cand.batch_size == 320:
+            r.losses = [0.01] * len(r.losses)
+        elif cand.lr == 0.1:  # loses, but stable (not 10x the initial loss)
+            r.losses = [5.0] * len(r.losses)
+        return r
+
+    monkeypatch.setattr(OnlineTune, "probe", scored)
+    cfg = tiny_config()
+    run = tmp_path / "r"
+    tune = OnlineTune(
+        cfg.replace(tune=dataclasses.replace(cfg.tune, batch_sizes=[320])), run, progress=False
+    )
+    s = tune.run()
+    assert s["batch_size"] == 320
+    winner = Candidate("hardsync", 1, 320, 0.1, 0.9)
+    assert tune._rate_ceiling(winner) == pytest.approx(effective_rate(0.1, 0.9))
+    assert not [d for d in decisions(run) if "a decade or more below" in d["reason"]]
+
+
 def test_the_last_round_says_the_run_trains_on_without_checks(tmp_path):
     """A user's review: once tune.steady_rounds were used up the run trained on without
     checks and no decision said so."""
@@ -731,7 +808,7 @@ def test_a_winner_a_decade_below_the_highest_stable_rate_trains_without_rounds(
 
     def high_ceiling(self):
         best = cold_start(self)
-        self.rate_ceiling_per_sample *= 100
+        self.rate_ceilings = {k: 100 * v for k, v in self.rate_ceilings.items()}
         return best
 
     monkeypatch.setattr(OnlineTune, "cold_start", high_ceiling)

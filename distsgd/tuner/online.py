@@ -115,6 +115,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import time
 import warnings
@@ -187,6 +188,8 @@ CLOCK_FILE = "tune_clock.json"  # the run's wall clock when a session of it ende
 # another protocol would be replaced silently, so it is refused
 TUNED_PROTOCOLS = ("hardsync", "compute_groups", "parameter_server", "sma")
 _START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
+# what a directory holds once any run wrote to it (--tune's, a plain run's, distsgd tune's)
+_HELD = (STATE_FILE, "summary.json", "checkpoint.pt", "decisions.jsonl", "tune.json", "probes")
 _FINAL_FILES = ("config.toml", "model.pt", "model.pt.sha256", "checkpoint.pt", "staleness.json")
 
 
@@ -389,11 +392,6 @@ def _set_batch(checkpoint: Path, old: int, new: int, num_learners: int, num_trai
     save_checked(state, checkpoint)
 
 
-def _batch(cand: Candidate) -> int:
-    """Samples of one of ``cand``'s iterations over all its learners: λ·b."""
-    return cand.num_learners * cand.batch_size
-
-
 def _start_dir(snapshot: str) -> Path | None:
     """The run directory a probe started from (None: the initial model)."""
     return None if snapshot == "initial" else Path(snapshot)
@@ -463,15 +461,29 @@ class OnlineTune:
         weights' size and the training set's size; write the state file."""
         if resume and not is_tuning_run(self.out):
             raise ConfigError(f"cannot resume: {self.out} does not hold a run of --tune")
-        if not resume and any((self.out / f).exists() for f in (STATE_FILE, "summary.json")):
+        held = [f for f in _HELD if (self.out / f).exists()]
+        if not resume and held:
             raise ConfigError(
-                f"output directory {str(self.out)!r} already holds a run; choose another "
-                "output directory (--out) or continue it with --resume"
+                f"output directory {str(self.out)!r} already holds a run ({held[0]}); choose "
+                "another output directory (--out)"
+                + (" or continue it with --resume" if is_tuning_run(self.out) else "")
             )
         cfg = self.config
+        # the device profile is measured (and cached) at the threads a probe trains with,
+        # as a plain run or distsgd tune of this config would (a user's review: --tune
+        # measured at torch's current count and simulated another device)
+        torch.set_num_threads(
+            cfg.train.num_threads or max(1, (os.cpu_count() or 1) // max(self.num_processes, 1))
+        )
         torch.manual_seed(cfg.train.seed)
         ds = load_dataset(cfg.data, seed=cfg.train.seed, factory=getattr(self.code, "data", None))
         cfg = config_for_data(cfg, ds, self.code)
+        if ds.num_train < cfg.protocol.global_batch:  # before anything is measured or written
+            raise ConfigError(
+                f"protocol.batch_size = {cfg.protocol.batch_size} with protocol.num_learners = "
+                f"{cfg.protocol.num_learners} needs {cfg.protocol.global_batch} samples per "
+                f"iteration but the training set has {ds.num_train}"
+            )
         cfg, _ = with_device_profile(cfg, ds, self.code)
         self.num_train = ds.num_train
         self.num_parameters = build_engine(cfg, self.code).num_parameters
@@ -946,7 +958,8 @@ class OnlineTune:
         if best is None:
             raise ConfigError(
                 f"tune.lrs = {self.settings.lrs!r} is not allowed: every cold-start probe "
-                "diverged; expected smaller learning rates"
+                "diverged; expected smaller learning rates (in a new --out: this run "
+                "directory holds only the diverged probes)"
             )
         self._warn_short_probes(search.results)
         g1 = search.best_by_g.get(1)
@@ -971,14 +984,17 @@ class OnlineTune:
                 best = better
         results = search.results + second + third
         self._count_overhead(results, best)
-        # per sample of an iteration: rates of probes at other batches compare (a user's
-        # review: a losing b = 100 joint probe at η scaled 12.5x set a ceiling that took
-        # the b = 8 run's steady-state rounds away)
-        self.rate_ceiling_per_sample = max(
-            effective_rate(r.candidate.lr, r.candidate.momentum) / _batch(r.candidate)
-            for r in results
-            if not r.diverged
-        )
+        # per layout: a rate at another batch is not one at this batch (users' reviews: a
+        # losing b = 100 joint probe at η scaled 12.5x took the b = 8 run's steady-state
+        # rounds away, and, compared per sample, a losing b = 8 probe those of a b = 64 run)
+        self.rate_ceilings: dict[Any, float] = {}
+        for r in results:
+            if not r.diverged:
+                key, rate = (
+                    r.candidate.layout(),
+                    effective_rate(r.candidate.lr, r.candidate.momentum),
+                )
+                self.rate_ceilings[key] = max(rate, self.rate_ceilings.get(key, rate))
         self.log(
             "cold start",
             f"continue with {best.candidate.label()} as the run",
@@ -1077,11 +1093,12 @@ class OnlineTune:
         return root
 
     def _rate_ceiling(self, current: Candidate) -> float:
-        """The highest effective rate η/(1 − μ) the cold start probed without diverging,
-        at ``current``'s batch: each probe's rate per sample of its iteration (λ·b; SGD's
-        noise scale is η/(1 − μ) over the batch, Smith et al., ICLR 2018) times
-        ``current``'s λ·b."""
-        return self.rate_ceiling_per_sample * _batch(current)
+        """The highest effective rate η/(1 − μ) the cold start probed without diverging in
+        ``current``'s layout (family, λ, b, g; at least ``current``'s own): rates at
+        another batch do not compare (SGD's noise scale is η/(1 − μ) over the batch, Smith
+        et al., ICLR 2018, and the linear scaling that relates them is a rule of thumb)."""
+        own = effective_rate(current.lr, current.momentum)
+        return max(own, self.rate_ceilings.get(current.layout(), own))
 
     def _steady_grid(self, current: Candidate) -> list[tuple[float, float]]:
         # hardsync only: compute groups add asynchrony's implicit momentum (SPEC.md §3),

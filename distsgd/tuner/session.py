@@ -510,6 +510,10 @@ class TuneSession:
             raise ConfigError(
                 f"output directory {str(out)!r} already holds a tune; choose another --out"
             )
+        if (out / "summary.json").exists() or (out / "checkpoint.pt").exists():
+            raise ConfigError(  # a user's review: the tune wrote beside a run's checkpoint
+                f"output directory {str(out)!r} already holds a training run; choose another --out"
+            )
         fixed = _fix_setup(config, out)
         if check is not None:
             check(fixed)
