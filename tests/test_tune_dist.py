@@ -232,7 +232,8 @@ def test_tune_refuses_more_processes_than_cores_and_families_it_cannot_probe(
     out = tmp_path / "t"
     argv = ["tune", str(cfg), "--runtime", "dist", "--out", str(out), "--quiet"]
     err = _one_line_exit_2(capsys, [*argv, "--num-processes", "99"])
-    assert "dist.num_processes = 99 is not allowed for distsgd tune: expected at most 2" in err
+    assert "dist.num_processes = 99 is not allowed for tuning (distsgd tune, train --tune)" in err
+    assert "expected at most 2" in err
     assert not out.exists()  # refused before anything was written
     # 0 (and no flag) means what the base protocol needs: 2 learners of hardsync
     zero = RunConfig.from_toml(cfg, ["runtime=dist", "dist.num_processes=0"])
@@ -242,7 +243,7 @@ def test_tune_refuses_more_processes_than_cores_and_families_it_cannot_probe(
     ps = ["--set", "protocol.name=parameter_server", "--set", "protocol.num_learners=4"]
     err = _one_line_exit_2(capsys, [*argv, *ps])
     assert "dist.num_processes = 0 (what parameter_server with protocol.num_learners = 4" in err
-    assert "needs: 5) is not allowed for distsgd tune: expected at most 2" in err
+    assert "needs: 5) is not allowed for tuning (distsgd tune, train --tune): expected" in err
     assert not out.exists()
     # 2 processes leave one learner beside the server: no n-softsync to probe
     err = _one_line_exit_2(

@@ -120,9 +120,9 @@ def tune_layout(config: RunConfig) -> tuple[int, int, int]:
                 f"{num_processes})"
             )
             raise ConfigError(
-                f"{setting} is not allowed for distsgd tune: expected at most {cores} "
-                "processes (the CPU cores of this machine); set --num-processes or "
-                "protocol.num_learners"
+                f"{setting} is not allowed for tuning (distsgd tune, train --tune): expected "
+                f"at most {cores} processes (the CPU cores of this machine); set "
+                "--num-processes or protocol.num_learners"
             )
         lam, ps_lam = num_processes, num_processes - config.dist.num_servers
     s = config.tune
