@@ -987,7 +987,7 @@ class OnlineTune:
         # per layout: a rate at another batch is not one at this batch (users' reviews: a
         # losing b = 100 joint probe at η scaled 12.5x took the b = 8 run's steady-state
         # rounds away, and, compared per sample, a losing b = 8 probe those of a b = 64 run)
-        self.rate_ceilings: dict[Any, float] = {}
+        self.rate_ceilings: dict[pm.Layout, float] = {}
         for r in results:
             if not r.diverged:
                 key, rate = (
