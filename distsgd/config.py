@@ -331,6 +331,16 @@ class ProtocolConfig:
         """Samples consumed per synchronous iteration: λ·b."""
         return self.num_learners * self.batch_size
 
+    def check_fits(self, num_train: int) -> None:
+        """Raise :class:`ConfigError` unless one iteration's λ·b samples fit in the
+        ``num_train`` training samples."""
+        if num_train < self.global_batch:
+            raise ConfigError(
+                f"protocol.batch_size = {self.batch_size} with protocol.num_learners = "
+                f"{self.num_learners} needs {self.global_batch} samples per iteration but "
+                f"the training set has {num_train}"
+            )
+
 
 def _one_line(error: BaseException) -> str:
     """``"Type: message"`` of ``error`` on one line (at most 200 characters)."""

@@ -232,12 +232,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.dataset = load_dataset(cfg.data, seed=cfg.train.seed, factory=self.code.data)
         self.cfg = cfg = config_for_data(cfg, self.dataset, self.code)
-        if self.dataset.num_train < cfg.protocol.global_batch:
-            raise ConfigError(
-                f"protocol.batch_size = {cfg.protocol.batch_size} with protocol.num_learners = "
-                f"{cfg.protocol.num_learners} needs {cfg.protocol.global_batch} samples per "
-                f"iteration but the training set has {self.dataset.num_train}"
-            )
+        cfg.protocol.check_fits(self.dataset.num_train)
         return cfg
 
     def _build(self) -> None:

@@ -115,7 +115,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import time
 import warnings
@@ -162,7 +161,7 @@ from distsgd.tuner.probes import (
     check_runtime,
     safe_name,
 )
-from distsgd.tuner.session import cluster_model, tune_layout
+from distsgd.tuner.session import cluster_model, tune_layout, tuning_threads
 from distsgd.tuner.tune import check_tunable
 
 __all__ = [
@@ -472,18 +471,11 @@ class OnlineTune:
         # the device profile is measured (and cached) at the threads a probe trains with,
         # as a plain run or distsgd tune of this config would (a user's review: --tune
         # measured at torch's current count and simulated another device)
-        torch.set_num_threads(
-            cfg.train.num_threads or max(1, (os.cpu_count() or 1) // max(self.num_processes, 1))
-        )
+        torch.set_num_threads(tuning_threads(cfg, self.num_processes))
         torch.manual_seed(cfg.train.seed)
         ds = load_dataset(cfg.data, seed=cfg.train.seed, factory=getattr(self.code, "data", None))
         cfg = config_for_data(cfg, ds, self.code)
-        if ds.num_train < cfg.protocol.global_batch:  # before anything is measured or written
-            raise ConfigError(
-                f"protocol.batch_size = {cfg.protocol.batch_size} with protocol.num_learners = "
-                f"{cfg.protocol.num_learners} needs {cfg.protocol.global_batch} samples per "
-                f"iteration but the training set has {ds.num_train}"
-            )
+        cfg.protocol.check_fits(ds.num_train)  # before anything is measured or written
         cfg, _ = with_device_profile(cfg, ds, self.code)
         self.num_train = ds.num_train
         self.num_parameters = build_engine(cfg, self.code).num_parameters
@@ -892,10 +884,13 @@ class OnlineTune:
             )
         return out
 
-    def _continue(self, r: ProbeResult, until_clock_s: float, kind: str) -> ProbeResult:
-        """``r``'s probe continued from its own checkpoint until ``until_clock_s``, scored
-        over its chain's last ``tune.score_window`` losses."""
-        cont = self.probe(r.candidate, r.run_dir, until_clock_s, kind)
+    def _continue(
+        self, r: ProbeResult, until_clock_s: float, kind: str, cand: Candidate | None = None
+    ) -> ProbeResult:
+        """``r``'s probe continued from its own checkpoint until ``until_clock_s`` (with
+        ``cand``, default ``r``'s candidate), scored over its chain's last
+        ``tune.score_window`` losses."""
+        cont = self.probe(cand or r.candidate, r.run_dir, until_clock_s, kind)
         cont.earlier_losses = list(r.earlier_losses) + list(r.losses)
         cont.mark_exploded(self._loss0)  # over the whole chain
         self._first_rung[cont.run_dir] = r
@@ -988,13 +983,9 @@ class OnlineTune:
         # losing b = 100 joint probe at η scaled 12.5x took the b = 8 run's steady-state
         # rounds away, and, compared per sample, a losing b = 8 probe those of a b = 64 run)
         self.rate_ceilings: dict[pm.Layout, float] = {}
-        for r in results:
-            if not r.diverged:
-                key, rate = (
-                    r.candidate.layout(),
-                    effective_rate(r.candidate.lr, r.candidate.momentum),
-                )
-                self.rate_ceilings[key] = max(rate, self.rate_ceilings.get(key, rate))
+        for r in (r for r in results if not r.diverged):
+            key, rate = r.candidate.layout(), effective_rate(r.candidate.lr, r.candidate.momentum)
+            self.rate_ceilings[key] = max(rate, self.rate_ceilings.get(key, 0.0))
         self.log(
             "cold start",
             f"continue with {best.candidate.label()} as the run",
@@ -1052,10 +1043,7 @@ class OnlineTune:
             if root is None:
                 r = self.probe(cand, "initial", self.probe_s)
             else:  # from the grid winner's first rung, to the same clock as its chain
-                r = self.probe(cand, root.run_dir, self.probe_s, "joint")
-                r.earlier_losses = list(root.earlier_losses) + list(root.losses)
-                r.mark_exploded(self._loss0)  # over the whole chain
-                self._first_rung[r.run_dir] = root
+                r = self._continue(root, self.probe_s, "joint", cand)
             search.results.append(r)
             extra.append(r)
             self.log(

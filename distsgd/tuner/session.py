@@ -83,7 +83,14 @@ from distsgd.tuner.probes import LongRun, Prober, check_optimizer_searchable, ch
 from distsgd.tuner.report import clean_state, write_report, write_tune_json
 from distsgd.tuner.step_search import choose_step, truncate_run, usable_step_points
 
-__all__ = ["TuneSession", "TuneSetup", "TuneState", "tune_layout", "cluster_model"]
+__all__ = [
+    "TuneSession",
+    "TuneSetup",
+    "TuneState",
+    "tune_layout",
+    "cluster_model",
+    "tuning_threads",
+]
 
 _LONG_RUN = "long_run"  # the snapshot of the first long run's final model
 _SECOND_LONG_RUN = "long_run_2"  # the snapshot of the second long run's final model
@@ -169,6 +176,13 @@ def cluster_model(cfg: RunConfig, num_parameters: int) -> pm.ClusterModel:
     )
 
 
+def tuning_threads(cfg: RunConfig, num_processes: int) -> int:
+    """Torch threads of one of ``num_processes`` processes sharing this machine
+    (``train.num_threads`` if set): those a tuning probe trains with, and so those its
+    device profile is measured (and cached) at."""
+    return cfg.train.num_threads or max(1, (os.cpu_count() or 1) // max(num_processes, 1))
+
+
 def _fixed_profile(
     cfg: RunConfig, num_processes: int = 1
 ) -> tuple[RunConfig, torch.Tensor, int, dict[str, float], int]:
@@ -178,9 +192,7 @@ def _fixed_profile(
     weights, P, timings, training samples). The device is timed with the
     torch threads of one of ``num_processes`` processes sharing this machine
     (``train.num_threads`` if set)."""
-    torch.set_num_threads(
-        cfg.train.num_threads or max(1, (os.cpu_count() or 1) // max(num_processes, 1))
-    )
+    torch.set_num_threads(tuning_threads(cfg, num_processes))
     torch.manual_seed(cfg.train.seed)
     t0 = time.perf_counter()
     ds = load_dataset(cfg.data, seed=cfg.train.seed)
