@@ -508,6 +508,9 @@ def test_a_joint_probe_continues_the_grid_winners_first_rung_with_its_batch(tmp_
     root = by_name[joint["continues"]]
     assert "-cold-" in root["probe"] and "b=32" in root["label"] and "b=16" in joint["label"]
     assert root["from_clock_s"] == joint["from_clock_s"] == 0.0
+    line = next(d for d in decisions(run) if d["phase"] == "joint")  # as the grid's lines
+    assert line["snapshot"] == f"probes/{root['probe']}"
+    assert line["seconds_per_iteration"] == joint["seconds_per_iteration"]
     # the grid's winner: the second rung that continued the same first rung; both end at
     # the full probe length, within an iteration of each other
     grid = next(m for m in cold["measurements"] if m.get("continues") == root["probe"] and (
@@ -622,7 +625,9 @@ def test_check_epochs_sets_where_and_over_what_span_the_run_checks(tmp_path):
     for c in checks:  # each the rule over 512 samples, from the records up to its point
         assert steady_state_due(records, c["samples"], 512) == (c["due"], c["used"])
     due = [d for d in decisions(run) if d["decision"] == "re-optimise"]
-    assert due and "10% over 0.5 epoch" in due[0]["reason"]
+    assert due and "10% between evaluations at least 0.5 epoch apart" in due[0]["reason"]
+    used = [m["samples"] for m in due[0]["measurements"]]  # the span actually compared
+    assert f"over {(used[1] - used[0]) / 1024:.3g} epoch (" in due[0]["reason"]
     assert due[0]["measurements"][-1]["samples"] == checks[-1]["samples"]
 
 
@@ -831,7 +836,9 @@ def test_steady_rounds_0_trains_the_cold_start_winner_to_the_end(tmp_path):
     assert not list(run.glob("probes/*-steady*"))  # the tiny run re-optimises once by default
     assert [p.name[:3] for p in (run / "train").iterdir()] == ["01-"]
     assert s["samples"] == 3 * 1024 and s["stop_reason"] == "max_epochs/max_samples"
-    assert not [d for d in decisions(run) if d["phase"] == "steady state"]
+    steady = [d for d in decisions(run) if d["phase"] == "steady state"]
+    assert len(steady) == 1 and steady[0]["decision"].endswith("to the end without checks")
+    assert steady[0]["reason"] == "tune.steady_rounds = 0: no steady-state re-optimisation"
 
 
 class PerEpochSegments(OnlineTune):

@@ -768,12 +768,13 @@ class OnlineTune:
             why = f"training loss {losses[0]} then {losses[1]}: not comparable"
         else:
             fell = 100 * (losses[0] - losses[1]) / losses[0]
+            apart = (used[1]["samples"] - used[0]["samples"]) / self.num_train
             why = (
                 f"training loss {'fell' if fell >= 0 else 'rose'} by {abs(fell):.3g}% "
-                f"({losses[0]:.4g} at "
+                f"over {apart:.3g} epoch ({losses[0]:.4g} at "
                 f"{used[0]['samples']} samples to {losses[1]:.4g} at {used[1]['samples']}): "
                 + ("less than" if due else "at least")
-                + f" the rule's {100 * FLAT_GAIN:g}% over {span}"
+                + f" the rule's {100 * FLAT_GAIN:g}% between evaluations at least {span} apart"
             )
         self.log(
             "steady state",
@@ -1055,8 +1056,17 @@ class OnlineTune:
                     if root is None
                     else f", from {Path(root.run_dir).name} after its {self.rung_s:.4g} "
                     f"{self.clock.name} s (its batch changed there)"
+                )
+                + (
+                    ""
+                    if math.isnan(r.seconds_per_iteration)
+                    else f"; {r.seconds_per_iteration * 1e3:.3f} ms per iteration"
                 ),
                 score=None if r.diverged else r.score,
+                snapshot="initial" if root is None else f"probes/{Path(root.run_dir).name}",
+                seconds_per_iteration=None
+                if math.isnan(r.seconds_per_iteration)
+                else r.seconds_per_iteration,
             )
         return extra
 
@@ -1204,12 +1214,17 @@ class OnlineTune:
                 if more and len(self._steady_grid(cand)) == 1:
                     self._no_round_left(cand)
                     more = False
-                elif not more and rounds:
+                elif not more:
                     self.log(
                         "steady state",
                         f"train {cand.label()} to the end without checks",
                         f"the run re-optimised {rounds} times (tune.steady_rounds = "
-                        f"{self.steady_rounds})",
+                        f"{self.steady_rounds})"
+                        if rounds
+                        else "the budget is too small for steady-state rounds after the cold "
+                        "start (the shortest probes were needed)"
+                        if self.max_probes
+                        else "tune.steady_rounds = 0: no steady-state re-optimisation",
                     )
                 seg, ends = self._segment(cand, start, every if more else 0)
                 for check in self._checks(seg):
