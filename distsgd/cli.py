@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from distsgd import api
 from distsgd.config import ConfigWarning, check_local_processes
-from distsgd.launch import is_process_loss, under_launcher
+from distsgd.launch import is_process_loss, rank_sigterm, under_launcher
 from distsgd.report import make_report
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.tuner import tune as tuning
@@ -150,6 +150,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         _check_num_processes(args.num_processes, cfg.runtime)
         if cfg.runtime == "dist" and not under_launcher():  # before the layout is announced
             check_local_processes(cfg)
+            if args.tune:  # and the tuner's own limit on processes: one line, nothing else
+                tuning.tune_layout(cfg)
         if cfg.layout_changes and os.environ.get("RANK", "0") == "0":  # once under torchrun
             print(
                 f"dist: fitted the layout to {cfg.dist.num_processes} processes: "
@@ -424,8 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # SIGTERM (a scheduler stopping the job) ends the run like Ctrl-C: summary written,
-    # last checkpoint kept.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # last checkpoint kept (a rank under torchrun: also ends by a deadline, rank_sigterm).
+    signal.signal(signal.SIGTERM, rank_sigterm if under_launcher() else _raise_keyboard_interrupt)
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_config_warning(warnings.showwarning)

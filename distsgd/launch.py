@@ -72,7 +72,9 @@ a trusted network only.
 launcher, or torchrun's agent) dies (``prctl(PR_SET_PDEATHSIG)`` on Linux) and a watchdog
 thread checks the parent pid every second (other systems); SIGTERM ends a rank as Ctrl-C
 does (rank 0 writes an "interrupted" summary), and a rank still running ``dist.timeout_s +
-5`` seconds after its parent died ends itself (:func:`distsgd.runtime.dist.end_with_parent`).
+5`` seconds after its SIGTERM ends by SIGALRM, which the kernel carries out without the
+interpreter, so a teardown stuck holding the GIL cannot keep it (:func:`rank_sigterm`,
+:func:`distsgd.runtime.dist.arm_exit_deadline`).
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ __all__ = [
     "RankPool",
     "exit_worker",
     "is_process_loss",
+    "rank_sigterm",
     "run",
     "run_worker",
     "under_launcher",
@@ -340,7 +343,7 @@ def _launch_local(
         finally:
             # SIGTERM to every rank still running (rank 0 then writes its summary), SIGKILL
             # to any still there 5 s later
-            ctx.close(timeout=5)
+            _close_ranks(ctx)
         codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
         errors = watch.errors()
     del store  # the ranks have ended
@@ -522,12 +525,25 @@ class RankPool:
         """SIGTERM to every rank still running, SIGKILL 5 s later; remove the files."""
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
-            ctx.close(timeout=5)
+            _close_ranks(ctx)
         self._store = None
         self._started_with = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def _close_ranks(ctx: Any) -> None:
+    """SIGTERM to every rank of ``ctx`` still running, SIGKILL 5 s later (torch's
+    ``PContext.close``), without torch's warning line per rank ("Sending process N closing
+    signal SIGTERM"): distsgd says in its own line why the run ended."""
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        ctx.close(timeout=5)
+    finally:
+        log.setLevel(level)
 
 
 def _kill_hung(
@@ -678,6 +694,14 @@ def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: lis
     )
 
 
+def rank_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM's handler in a rank: it ends as Ctrl-C does (``KeyboardInterrupt``; rank 0
+    writes an "interrupted" summary), and at the latest ``dist.timeout_s + 5`` seconds
+    later whatever its teardown does (:func:`distsgd.runtime.dist.arm_exit_deadline`)."""
+    rdist.arm_exit_deadline()
+    raise KeyboardInterrupt
+
+
 def run_worker(
     config_toml: str,
     out_dir: str,
@@ -694,10 +718,7 @@ def run_worker(
     this rank's part of the run is finished (its outcome written).
     """
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, rank_sigterm)
     rank = os.environ.get("RANK", "?")
 
     def report(kind: str, e: BaseException, status: int) -> int:

@@ -325,6 +325,74 @@ def test_ranks_end_when_their_launcher_is_killed(tmp_path):
     assert not summary.exists() or json.loads(summary.read_text())["status"] != "completed"
 
 
+_TEARDOWN_HOLDS_THE_GIL = """
+import ctypes, sys, time
+from distsgd import launch
+from distsgd.runtime import dist as rdist
+
+class Trainer:  # a run whose teardown never returns and holds the GIL, as a gloo process
+    def __init__(self, *args, **kwargs):  # group's destructor did, joining gloo's thread
+        pass
+
+    def run(self, resume):
+        try:
+            print("ready", flush=True)
+            while True:
+                time.sleep(0.02)
+        finally:
+            ctypes.PyDLL(None).pause()  # a C call that keeps the GIL (PyDLL) and waits
+
+launch.Trainer = Trainer
+launch.RunConfig.from_dict = staticmethod(lambda d: None)
+rdist.end_with_parent(float(sys.argv[1]))  # the run's grace: dist.timeout_s + 5
+sys.exit(launch.run_worker("", "", resume=False, progress=False))
+"""
+
+
+def test_a_rank_whose_teardown_hangs_holding_the_gil_ends_by_its_deadline():
+    """Found by a fresh-user review: after kill -9 of the launcher one rank in four hung
+    for good (SIGTERM did nothing): its teardown held the GIL in a gloo destructor, and the
+    watchdog thread's os._exit waited for the GIL too. SIGTERM's handler now arms SIGALRM,
+    whose default action the kernel carries out: the rank ends its grace after SIGTERM."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TEARDOWN_HOLDS_THE_GIL, "2"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=GENEROUS_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == -signal.SIGALRM
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_dist_run_says_so_in_one_line(tmp_path):
+    """Ctrl-C of the launcher: the run is interrupted, the checkpoint kept, and stderr
+    is distsgd's one line (a fresh-user review: torch's launcher added a warning line per
+    rank, "Sending process N closing signal SIGTERM")."""
+    out = tmp_path / "run"
+    cfg_path = tmp_path / "run.toml"
+    cfg_path.write_text(config(HARDSYNC2, max_epochs=1000).to_toml())
+    proc = _cli(cfg_path, out)
+    try:
+        _rank_pids(proc, 2)
+        _wait_for_evaluations(out, 1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=GENEROUS_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert err.strip().startswith("distsgd: interrupted") and len(err.strip().splitlines()) == 1, (
+        err
+    )
+    assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
+
+
 # ---- 14: the server killed before it could write its summary -------------------------------
 @pytest.mark.slow
 def test_killed_server_gets_a_failed_summary_that_report_reads(tmp_path, monkeypatch):

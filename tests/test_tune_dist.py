@@ -235,6 +235,14 @@ def test_tune_refuses_more_processes_than_cores_and_families_it_cannot_probe(
     assert "dist.num_processes = 99 is not allowed for tuning (distsgd tune, train --tune)" in err
     assert "expected at most 2" in err
     assert not out.exists()  # refused before anything was written
+    # train --tune: the refusal alone, not after the line announcing the fitted layout
+    # (a fresh-user review: "dist: fitted the layout to 3 processes: ..." came first)
+    err = _one_line_exit_2(
+        capsys, ["train", str(cfg), "--tune", "--runtime", "dist", "--num-processes", "3",
+                 "--out", str(out), "--quiet"],
+    )  # fmt: skip
+    assert err.startswith("distsgd: error: dist.num_processes = 3 is not allowed for tuning")
+    assert not out.exists()
     # 0 (and no flag) means what the base protocol needs: 2 learners of hardsync
     zero = RunConfig.from_toml(cfg, ["runtime=dist", "dist.num_processes=0"])
     assert tune_layout(zero) == (2, 2, 1)

@@ -101,6 +101,7 @@ __all__ = [
     "PeerLost",
     "Heartbeats",
     "end_with_parent",
+    "arm_exit_deadline",
     "check_same_config",
     "process_info",
     "init_process_group",
@@ -277,16 +278,44 @@ class Heartbeats:
             self._thread.join(self.timeout_s)
 
 
+_exit_grace_s = 65.0  # a rank's grace after SIGTERM (end_with_parent sets its run's)
+
+
+def arm_exit_deadline(grace_s: float | None = None) -> None:
+    """End this process ``grace_s`` seconds from now (default: the grace
+    :func:`end_with_parent` set, ``dist.timeout_s + 5``) unless it has ended by then.
+
+    SIGALRM, whose default action (terminate) the kernel carries out without the
+    interpreter: a teardown that holds the GIL and never returns cannot block it (found
+    by a fresh-user review: after ``kill -9`` of the launcher one rank in four hung for
+    good, its main thread in a gloo process group's destructor joining gloo's thread,
+    which waited for the GIL; the watchdog thread's ``os._exit`` waited for it too, and
+    SIGTERM's handler could not run). Armed once; no effect on systems without SIGALRM
+    or where SIGALRM has a handler of its own.
+    """
+    global _exit_armed
+    alarm = getattr(signal, "SIGALRM", None)
+    if _exit_armed or alarm is None or signal.getsignal(alarm) not in (signal.SIG_DFL, None):
+        return
+    _exit_armed = True
+    signal.alarm(max(1, math.ceil(_exit_grace_s if grace_s is None else grace_s)))
+
+
+_exit_armed = False
+
+
 def end_with_parent(grace_s: float) -> None:
     """End this rank when its parent (distsgd's launcher, torchrun's agent) dies.
 
     On Linux the kernel sends SIGTERM at the parent's death (``prctl(PR_SET_PDEATHSIG)``
     through ctypes); a daemon thread also checks the parent pid every second and, once it
-    changed, sends SIGTERM itself (other systems) and ends the process with status 1 if it
-    still runs ``grace_s`` seconds later. SIGTERM ends a rank as Ctrl-C does (rank 0
-    writes an "interrupted" summary).
+    changed, sends SIGTERM itself (other systems). SIGTERM ends a rank as Ctrl-C does
+    (rank 0 writes an "interrupted" summary); its handler arms :func:`arm_exit_deadline`,
+    so a rank still running ``grace_s`` seconds later ends (SIGALRM), as it does with the
+    watchdog thread's deadline.
     """
-    global _watching_parent
+    global _watching_parent, _exit_grace_s
+    _exit_grace_s = grace_s
     if _watching_parent:  # a pooled rank: once for all its runs
         return
     _watching_parent = True
@@ -306,6 +335,7 @@ def end_with_parent(grace_s: float) -> None:
             "died; stopping",
             file=sys.stderr,
         )
+        arm_exit_deadline(grace_s)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
         os._exit(1)
