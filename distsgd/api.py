@@ -62,7 +62,7 @@ from distsgd.runtime import profiles
 from distsgd.runtime.factory import measure_device, warn_spread
 from distsgd.runtime.faults import RankFaults
 from distsgd.trainer import Trainer
-from distsgd.tuner.online import is_tuning_run, train_tuned
+from distsgd.tuner.online import enclosing_tuning_run, is_tuning_run, train_tuned
 
 __all__ = [
     "RESUMABLE_SETTINGS",
@@ -258,6 +258,13 @@ def run(
             "data, loss or metric: they cannot reach other processes; give import paths"
         )
     check_device(cfg)  # before anything is written or any rank starts
+    inside = enclosing_tuning_run(out)
+    if inside is not None:  # its probes and segments are the tuning run's to write
+        raise ConfigError(
+            f"{'--resume' if resume else '--out'} {str(out)!r} is not allowed: it is inside "
+            f"the run of --tune {str(inside)!r} (its probes and segments); "
+            + (f"resume that run (--resume {inside})" if resume else "choose another --out")
+        )
     if tune:
         if launch.under_launcher():
             raise ConfigError(

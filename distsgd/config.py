@@ -464,9 +464,7 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         check_float("optimizer.lr", self.lr, 0.0, min_inclusive=False)
-        check_float("optimizer.momentum", self.momentum, 0.0, 1.0)
-        if self.momentum >= 1.0:
-            fail("optimizer.momentum", self.momentum, "a number in [0, 1)")
+        check_float("optimizer.momentum", self.momentum, 0.0, 1.0, max_inclusive=False)
         check_float("optimizer.weight_decay", self.weight_decay, 0.0)
         if not isinstance(self.nesterov, bool):
             fail("optimizer.nesterov", self.nesterov, "true or false")
@@ -1430,9 +1428,11 @@ class TuneConfig:
             larger η, then larger μ (Omnivore: 1% in steady state).
         he_gain: more groups are accepted only if seconds per iteration improve by at
             least this fraction (Omnivore: 10%).
-        families: protocol families of the joint search beyond Omnivore's groups:
-            ``hardsync``, ``compute_groups``, ``softsync`` (n-softsync, parameter server),
-            ``sma`` (k replicas per device).
+        families: protocol families the tuner may probe: ``hardsync``,
+            ``compute_groups``, ``softsync`` (n-softsync, parameter server), ``sma`` (k
+            replicas per device). Without ``compute_groups`` Omnivore's grid probes g = 1
+            only; its g = 1 (hardsync at the run's batch) is always probed, as the
+            search's reference, and may win; the joint search probes the listed families.
         batch_sizes: per-learner batch sizes of the joint search.
         extra_probes: unprobed configurations of the joint search probed, best predicted
             first (0: Omnivore's search only).

@@ -511,8 +511,10 @@ def _charged(profile: dict[str, Any], keys: tuple[str, ...]) -> tuple[float | No
 
 def _devices_differ(runs: list[Run]) -> bool:
     """Whether ``runs`` simulate different devices: their charged device figures differ,
-    or those of the runs with a parameter server differ among them."""
-    pairs = [(run, run.summary.get("device_profile")) for run in runs]
+    or those of the runs with a parameter server differ among them (runs on real
+    processes simulate nothing: left out)."""
+    simulated = [run for run in runs if run.summary.get("runtime", "sim") == "sim"]
+    pairs = [(run, run.summary.get("device_profile")) for run in simulated]
     pairs = [(run, p) for run, p in pairs if isinstance(p, dict)]
     devices = {_charged(p, _DEVICE_KEYS) for _, p in pairs}
     # the server's figures are recorded for the runs with a parameter server only

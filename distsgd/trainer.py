@@ -533,15 +533,11 @@ class Trainer:
         """
         check_out_dir_writable(self.out_dir)
         if any((self.out_dir / f).exists() for f in _RUN_FILES):
-            hint = (
-                "continue it with --resume"
-                if (self.out_dir / "checkpoint.pt").exists()
-                else "it has no checkpoint to resume from; delete it to start again"
-            )
-            raise ConfigError(
-                f"output directory {str(self.out_dir)!r} already holds a run; choose another "
-                f"output directory (--out) or {hint}"
-            )
+            if (self.out_dir / "checkpoint.pt").exists():
+                how = "choose another output directory (--out) or continue it with --resume"
+            else:  # nothing to resume: only another directory
+                how = "it has no checkpoint to resume from; choose another output directory (--out)"
+            raise ConfigError(f"output directory {str(self.out_dir)!r} already holds a run; {how}")
 
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Train to the stop rule; returns the summary (also written to summary.json).

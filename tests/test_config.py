@@ -102,6 +102,13 @@ def test_bad_values_name_the_setting_and_value(override, fragment):
     assert "\n" not in msg
 
 
+@pytest.mark.parametrize("value", ["1.0", "-0.1"])
+def test_momentum_out_of_range_says_the_same_range_either_side(value):
+    # a fresh-user review: 1.0 said [0, 1) and -0.1 said [0.0, 1.0] (which allows 1)
+    with pytest.raises(ConfigError, match=r"expected a number in \[0\.0, 1\.0\)$"):
+        RunConfig.from_toml(None, [f"optimizer.momentum={value}"])
+
+
 def test_softsync_must_divide_num_learners():
     with pytest.raises(ConfigError, match="protocol.softsync = 3"):
         RunConfig.from_dict(

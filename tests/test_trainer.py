@@ -229,6 +229,21 @@ def test_out_dir_with_a_run_is_not_overwritten(tmp_path):
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
 
 
+def test_out_dir_with_run_files_but_no_checkpoint_says_so_in_one_sentence(tmp_path):
+    # a fresh-user review: "...choose another output directory (--out) or it has no
+    # checkpoint to resume from; delete it to start again" (two sentences run together,
+    # and advice to delete what may be the user's own files)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text("x\n")
+    with pytest.raises(ConfigError) as e:
+        distsgd.train(small_config(train={"max_epochs": 1}), out_dir=tmp_path / "r")
+    assert str(e.value).endswith(
+        "already holds a run; it has no checkpoint to resume from; choose another output "
+        "directory (--out)"
+    )
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == "x\n"
+
+
 def test_divergence_stops_with_step_learner_and_lr_and_keeps_checkpoint(tmp_path):
     cfg = small_config(
         protocol={"name": "parameter_server", "num_learners": 2, "mode": "async"},

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tqdm import tqdm
 
 from distsgd.cli import main
 from distsgd.config import ConfigError, ConfigWarning, RunConfig
@@ -290,7 +291,20 @@ def test_tune_measures_the_device_at_the_threads_a_run_of_its_config_uses(tmp_pa
     assert threads == [1]
 
 
-def test_a_budget_too_small_says_so_and_trains_with_the_best_probe(tmp_path):
+class _EchoingTqdm:
+    """online's tqdm, silent, its ``write`` (decision lines) into ``shown``."""
+
+    def __init__(self, shown):
+        self.shown = shown
+
+    def __call__(self, *args, **kwargs):
+        return tqdm(disable=True)
+
+    def write(self, text):
+        self.shown.append(text)
+
+
+def test_a_budget_too_small_says_so_and_trains_with_the_best_probe(tmp_path, monkeypatch):
     # 0.2 · 0.1 s for 3 planned probes is below ¼ of tune.probe_seconds (0.05 s): one
     # probe of 0.0125 s fits, and the run trains with it
     assert online.probe_seconds_for(0.05, 0.1, 3) == (0.0125, 1)
@@ -302,6 +316,13 @@ def test_a_budget_too_small_says_so_and_trains_with_the_best_probe(tmp_path):
     assert s["stop_reason"] == "max_virtual_seconds"
     first = json.loads((tmp_path / "r" / "decisions.jsonl").read_text().splitlines()[1])
     assert first["decision"] == "budget too small: fewer probes"
+    # on screen once: the warning, not also its decision line (a fresh-user review)
+    shown: list[str] = []
+    tune = OnlineTune(tiny_config(max_virtual_seconds=0.1), tmp_path / "q", progress=True)
+    monkeypatch.setattr(online, "tqdm", _EchoingTqdm(shown))
+    with pytest.warns(ConfigWarning, match="too small for the full cold start"):
+        tune.run()
+    assert shown and not [x for x in shown if "too small for the full cold start" in x]
 
 
 def test_a_budget_too_small_for_the_cold_start_has_no_steady_state_rounds(tmp_path):
@@ -1105,6 +1126,29 @@ def test_a_running_tune_holds_its_run_directory_against_a_second_writer(tmp_path
     finally:
         holder.release()
     assert sorted(p.name for p in run.iterdir()) == [online.STATE_FILE]  # nothing written
+
+
+def test_runs_into_or_resumed_from_inside_a_tuning_run_are_refused(tmp_path, capsys):
+    # a fresh-user review: --out RUN/probes wrote a whole run into the tuning run's probes
+    # folder, and --resume RUN/probes/001-… rewrote a probe's files as a plain run
+    run = tmp_path / "run"
+    probe = run / "probes" / "001-cold-x"
+    probe.mkdir(parents=True)
+    (run / online.STATE_FILE).write_text(tiny_config().to_toml())
+    (probe / "config.toml").write_text(tiny_config().to_toml())
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tiny_config().to_toml())
+    for argv, says in [
+        (["train", str(cfg), "--out", str(run / "probes"), "--quiet"], "choose another --out"),
+        (["train", str(cfg), "--tune", "--out", str(probe / "x"), "--quiet"], "another --out"),
+        (["train", "--resume", str(probe), "--quiet"], f"resume that run (--resume {run})"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "is inside the run of --tune" in err, err
+        assert says in err
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing written
 
 
 def test_tune_into_an_out_that_is_a_file_is_one_line_exit_2(tmp_path, capsys):

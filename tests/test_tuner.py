@@ -75,6 +75,16 @@ def test_cold_start_grid_follows_omnivore():
     assert "μ > μ*_prev" in pruned[0][1] and "both lower" in pruned[1][1]
 
 
+def test_families_without_compute_groups_limit_the_grid_to_one_group():
+    # a fresh-user review: tune.families = [hardsync] ended as compute_groups (g = 2)
+    probe = FakeProbe(lambda c, snap: 1.0 / c.g)  # more groups would win
+    assert make_search(probe).group_counts() == [1, 2, 4, 8]
+    search = make_search(probe, families=["hardsync", "sma"])
+    assert search.group_counts() == [1]
+    best = search.cold_start()
+    assert {g for g, *_ in probe.calls} == {1} and best.candidate.family == "hardsync"
+
+
 def test_nan_pruning_covers_everything_at_or_above():
     pts = [(0.01, 0.6)]
     assert nan_pruned(0.01, 0.6, pts) == (0.01, 0.6)
@@ -553,8 +563,13 @@ def test_prediction_says_why_when_the_target_loss_is_not_positive():
     )
     pred = predict_plan([seg], target=0.999)
     assert not pred["target_loss"] > 0
-    assert "too far from the target" in pred["reason"]
+    assert "too far from the target" in pred["reason"] and "larger --budget" in pred["reason"]
     assert math.isnan(pred["predicted_s"])
+    # a fresh-user review: a long run that reached the target was told it "ended too far
+    # from the target" and to give a larger budget
+    pred = predict_plan([seg], target=0.999, reached=True)
+    assert math.isnan(pred["predicted_s"]) and "not linear" in pred["reason"]
+    assert "too far" not in pred["reason"] and "--budget" not in pred["reason"]
 
 
 def test_plan_step_factor_is_rounded_and_probe_dirs_are_ascii():

@@ -269,7 +269,12 @@ class DecisionLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
 
-    def __call__(self, phase: str, decision: str, reason: str, **data: Any) -> None:
+    def __call__(
+        self, phase: str, decision: str, reason: str, *, echo: bool = True, **data: Any
+    ) -> None:
+        """Record one decision (``data``: further fields of its line); ``echo`` False:
+        written to the file only (its text reaches the user otherwise, e.g. as a
+        warning)."""
         entry = {
             "t_wall_s": round(self._clock(), 3),
             "phase": phase,
@@ -281,7 +286,7 @@ class DecisionLog:
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(entry, default=str, ensure_ascii=False) + "\n")
-        if self.echo is not None:
+        if self.echo is not None and echo:
             self.echo(f"[{phase}] {decision} — {reason}")
 
 
@@ -457,9 +462,12 @@ class OmnivoreSearch:
 
     def group_counts(self) -> list[int]:
         """g = 1, 2, 4, … (g > 1 dividing the parameter-server layouts' λ), up to
-        ``max_groups`` (0: λ)."""
+        ``max_groups`` (0: λ); g = 1 only where ``tune.families`` leaves out
+        ``compute_groups`` (g = 1, hardsync, is always probed: the search's reference)."""
         lam = self.ps_learners
         top = self.settings.max_groups or lam
+        if "compute_groups" not in self.settings.families:
+            top = 1
         gs, g = [1], 2
         while g <= min(top, lam):
             if lam % g == 0:

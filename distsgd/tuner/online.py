@@ -290,6 +290,15 @@ def is_tuning_run(run_dir: str | Path) -> bool:
     return (Path(run_dir) / STATE_FILE).exists()
 
 
+def enclosing_tuning_run(path: str | Path) -> Path | None:
+    """The run of ``distsgd train --tune`` whose directory holds ``path`` (a probe's or a
+    segment's run directory in it, or any folder below it); None when none does."""
+    for parent in Path(path).resolve().parents:
+        if is_tuning_run(parent):
+            return parent
+    return None
+
+
 def probe_seconds_for(
     settings_probe_s: float, budget_s: float, planned: float
 ) -> tuple[float, int]:
@@ -584,7 +593,8 @@ class OnlineTune:
                 "the run trains with the best of them to the end, without steady-state "
                 "rounds"
             )
-            self.log("setup", "budget too small: fewer probes", line, run_clock_s=0.0)
+            # one line on screen: the warning's (the decision is in decisions.jsonl)
+            self.log("setup", "budget too small: fewer probes", line, echo=False, run_clock_s=0.0)
             warnings.warn(line, ConfigWarning, stacklevel=3)
 
     # ---- probes ----------------------------------------------------------------------
@@ -1020,7 +1030,7 @@ class OnlineTune:
             "raise tune.probe_seconds (or tune.first_rung) or the time budget"
         )
         warnings.warn(line, ConfigWarning, stacklevel=2)
-        self.log(phase, "warning: probes too short to score", line)
+        self.log(phase, "warning: probes too short to score", line, echo=False)
 
     def _joint(self, search: OmnivoreSearch, best: ProbeResult) -> list[ProbeResult]:
         """Probe the joint search's best-predicted ``tune.extra_probes`` to the full probe

@@ -58,7 +58,9 @@ def _fitted_curves(long_runs: list[ProbeResult]) -> list[pm.LossCurve | None]:
     return curves
 
 
-def predict_plan(long_runs: list[ProbeResult], target: float) -> dict[str, Any]:
+def predict_plan(
+    long_runs: list[ProbeResult], target: float, reached: bool = False
+) -> dict[str, Any]:
     """Predicted time to accuracy of the plan from scratch: HE · SE.
 
     ``long_runs`` are the long runs in order (the first from the initial weights, each
@@ -74,7 +76,9 @@ def predict_plan(long_runs: list[ProbeResult], target: float) -> dict[str, Any]:
     No prediction (with its ``reason``) when the long runs made fewer than 4 evaluations,
     when the target maps to a loss <= 0, when the curve levels off above the target loss,
     or when the prediction exceeds 10× the seconds the long runs measured (extrapolated
-    that far the fit says little; the figure is kept as ``extrapolated_s``).
+    that far the fit says little; the figure is kept as ``extrapolated_s``). The
+    ``reason`` advises a larger budget unless ``reached`` (the long runs reached the
+    target, so their time to it is measured and a longer run would not help the fit).
 
     Returns:
         dict with ``seconds_per_iteration``, ``iterations_to_target``, ``target_loss``,
@@ -82,6 +86,7 @@ def predict_plan(long_runs: list[ProbeResult], target: float) -> dict[str, Any]:
         ``segments`` (the number of long runs; ``tune.json``'s key); values are NaN/inf
         when the data do not determine them.
     """
+    advice = "" if reached else " (give a larger --budget)"
     iters = sum(r.iterations[-1] for r in long_runs if r.iterations)
     secs = sum(r.virtual_s[-1] for r in long_runs if r.virtual_s)
     he = secs / iters if iters else math.nan
@@ -111,7 +116,7 @@ def predict_plan(long_runs: list[ProbeResult], target: float) -> dict[str, Any]:
     if len(pts) < _MIN_EVALS:
         out["reason"] = (
             f"the long run(s) made {len(pts)} evaluation(s), fewer than {_MIN_EVALS}: too few "
-            "to map the target accuracy to a training loss (give a larger --budget)"
+            "to map the target accuracy to a training loss" + advice
         )
         return out
     try:
@@ -123,8 +128,12 @@ def predict_plan(long_runs: list[ProbeResult], target: float) -> dict[str, Any]:
         out.update(
             target_loss=target_loss,
             reason=f"the evaluation points map the target accuracy to a training loss of "
-            f"{target_loss:.4f} <= 0: the long run ended too far from the target to "
-            "extrapolate (give a larger --budget)",
+            f"{target_loss:.4f} <= 0: "
+            + (
+                "accuracy is not linear in the training loss over these evaluations"
+                if reached
+                else "the long run ended too far from the target to extrapolate" + advice
+            ),
         )
         return out
     before = sum(r.iterations[-1] for r in long_runs[:-1] if r.iterations)
@@ -132,7 +141,7 @@ def predict_plan(long_runs: list[ProbeResult], target: float) -> dict[str, Any]:
     if not math.isfinite(se):
         out["reason"] = (
             f"the fitted loss curve levels off at {last.L_inf:.4f}, above the target loss "
-            f"{target_loss:.4f} (give a larger --budget)"
+            f"{target_loss:.4f}{advice}"
         )
     predicted = pm.time_to_accuracy(he, se)
     if math.isfinite(predicted) and predicted > _MAX_EXTRAPOLATION * secs:
@@ -142,7 +151,7 @@ def predict_plan(long_runs: list[ProbeResult], target: float) -> dict[str, Any]:
             extrapolated_s=predicted,
             reason=f"the fitted curve reaches the target loss {target_loss:.4f} after "
             f"{predicted:.4g} s, more than {_MAX_EXTRAPOLATION:g}× the {secs:.4g} s the long "
-            "run(s) measured: too far to extrapolate (give a larger --budget)",
+            "run(s) measured: too far to extrapolate" + advice,
         )
         return out
     out.update(

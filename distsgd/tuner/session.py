@@ -917,7 +917,9 @@ class TuneSession:
         steady = st.switch if st.step_at is not None else None
         st.plan = plan_config(self.cfg, chosen, steady, step_epoch, self.log)
         (self.out / "plan.toml").write_text(st.plan.to_toml(applicable_only=True))
-        prediction = predict_plan(st.plan_runs, self.cfg.train.target)
+        prediction = predict_plan(
+            st.plan_runs, self.cfg.train.target, reached=st.tuner_measured_s is not None
+        )
         prediction["tuner_measured_s"] = st.tuner_measured_s
         st.prediction = prediction
         if math.isfinite(prediction["predicted_s"]):
@@ -933,7 +935,13 @@ class TuneSession:
             self.log(
                 "plan",
                 f"plan {st.plan.name}: no prediction of the time to accuracy",
-                prediction.get("reason", "too few training losses or evaluations to fit"),
+                prediction.get("reason", "too few training losses or evaluations to fit")
+                + (
+                    f"; the long run(s) reached the target in {st.tuner_measured_s:.4g} "
+                    f"{self.clock.name} s (measured)"
+                    if st.tuner_measured_s is not None
+                    else ""
+                ),
             )
         se = prediction["iterations_to_target"]
         if math.isfinite(se) and self.prober.simulated:  # larger simulated clusters
