@@ -57,12 +57,12 @@ from distsgd.metrics import (
     save_checked,
 )
 from distsgd.models import model_from_config
-from distsgd.rundir import RunDirClaim
+from distsgd.rundir import RunDirClaim, enclosing_tuner_dir
 from distsgd.runtime import profiles
 from distsgd.runtime.factory import measure_device, warn_spread
 from distsgd.runtime.faults import RankFaults
 from distsgd.trainer import Trainer
-from distsgd.tuner.online import enclosing_tuning_run, is_tuning_run, train_tuned
+from distsgd.tuner.online import is_tuning_run, train_tuned
 
 __all__ = [
     "RESUMABLE_SETTINGS",
@@ -258,12 +258,17 @@ def run(
             "data, loss or metric: they cannot reach other processes; give import paths"
         )
     check_device(cfg)  # before anything is written or any rank starts
-    inside = enclosing_tuning_run(out)
-    if inside is not None:  # its probes and segments are the tuning run's to write
+    inside = enclosing_tuner_dir(out)
+    if inside is not None:  # its probes and segments are the tuner's to write
+        kind = "the run of --tune" if is_tuning_run(inside) else "the tune"
         raise ConfigError(
             f"{'--resume' if resume else '--out'} {str(out)!r} is not allowed: it is inside "
-            f"the run of --tune {str(inside)!r} (its probes and segments); "
-            + (f"resume that run (--resume {inside})" if resume else "choose another --out")
+            f"{kind} {str(inside)!r} (its probes and segments); "
+            + (
+                f"resume that run (--resume {inside})"
+                if resume and is_tuning_run(inside)
+                else "choose another --out"
+            )
         )
     if tune:
         if launch.under_launcher():

@@ -694,11 +694,20 @@ def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: lis
     )
 
 
+_terminating = False  # a rank's SIGTERM came: later ones do not interrupt its teardown
+
+
 def rank_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM's handler in a rank: it ends as Ctrl-C does (``KeyboardInterrupt``; rank 0
     writes an "interrupted" summary), and at the latest ``dist.timeout_s + 5`` seconds
-    later whatever its teardown does (:func:`distsgd.runtime.dist.arm_exit_deadline`)."""
+    later whatever its teardown does (:func:`distsgd.runtime.dist.arm_exit_deadline`).
+    Only the first SIGTERM interrupts: a second (the launcher's and the kernel's at the
+    launcher's death) interrupted rank 0 writing its summary, which was then missing."""
+    global _terminating
     rdist.arm_exit_deadline()
+    if _terminating:
+        return
+    _terminating = True
     raise KeyboardInterrupt
 
 

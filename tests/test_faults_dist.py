@@ -393,6 +393,54 @@ def test_ctrl_c_of_a_dist_run_says_so_in_one_line(tmp_path):
     assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
 
 
+_SECOND_SIGTERM_IN_TEARDOWN = """
+import os, signal, sys, time
+from pathlib import Path
+from distsgd import launch
+
+class Trainer:  # rank 0 writing its "interrupted" summary when a second SIGTERM comes
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def run(self, resume):
+        try:
+            print("ready", flush=True)
+            while True:
+                time.sleep(0.02)
+        except KeyboardInterrupt:
+            os.kill(os.getpid(), signal.SIGTERM)  # the kernel's, after the launcher's
+            time.sleep(0.2)
+            Path(sys.argv[1]).write_text("interrupted")
+            raise
+
+launch.Trainer = Trainer
+launch.RunConfig.from_dict = staticmethod(lambda d: None)
+sys.exit(launch.run_worker("", "", resume=False, progress=False))
+"""
+
+
+def test_a_second_sigterm_does_not_interrupt_a_ranks_summary(tmp_path):
+    """Found by a fresh-user review: after kill -9 of the launcher, a rank got SIGTERM
+    from the kernel (parent death) and again from its watchdog thread; the second one
+    interrupted rank 0 writing its summary (1 run in 12 had none). Only the first
+    SIGTERM interrupts now."""
+    summary = tmp_path / "summary"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SECOND_SIGTERM_IN_TEARDOWN, str(summary)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=GENEROUS_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 130 and summary.read_text() == "interrupted"
+
+
 # ---- 14: the server killed before it could write its summary -------------------------------
 @pytest.mark.slow
 def test_killed_server_gets_a_failed_summary_that_report_reads(tmp_path, monkeypatch):

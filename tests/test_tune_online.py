@@ -24,7 +24,7 @@ from distsgd.rundir import RunDirClaim
 from distsgd.trainer import Trainer
 from distsgd.tuner import online
 from distsgd.tuner import perf_model as pm
-from distsgd.tuner.omnivore import Candidate, ProbeResult, pair_scores
+from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult, pair_scores
 from distsgd.tuner.online import (
     OnlineTune,
     effective_rate,
@@ -154,7 +154,9 @@ def test_winning_probe_continues_bit_identically_and_report_reads_the_run(tmp_pa
         fell = 100 * (then - now) / then
         way = "fell" if fell >= 0 else "rose"
         assert d["reason"].startswith(f"training loss {way} by {abs(fell):.3g}% ")
-        assert ("less than" in d["reason"]) == (d["decision"] == "re-optimise") == (fell < 10)
+        said = "at least" if fell >= 10 else "less than" if fell >= 0 else "not"
+        assert f"): {said} the rule's 10% fall" in d["reason"]
+        assert (d["decision"] == "re-optimise") == (fell < 10)
     assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
 
 
@@ -646,10 +648,31 @@ def test_check_epochs_sets_where_and_over_what_span_the_run_checks(tmp_path):
     for c in checks:  # each the rule over 512 samples, from the records up to its point
         assert steady_state_due(records, c["samples"], 512) == (c["due"], c["used"])
     due = [d for d in decisions(run) if d["decision"] == "re-optimise"]
-    assert due and "10% between evaluations at least 0.5 epoch apart" in due[0]["reason"]
+    assert due and "10% fall between evaluations at least 0.5 epoch apart" in due[0]["reason"]
     used = [m["samples"] for m in due[0]["measurements"]]  # the span actually compared
     assert f"over {(used[1] - used[0]) / 1024:.3g} epoch (" in due[0]["reason"]
     assert due[0]["measurements"][-1]["samples"] == checks[-1]["samples"]
+
+
+@pytest.mark.parametrize(
+    "then, now, says",
+    [
+        (1.0, 0.85, "fell by 15% over 0.5 epoch (1 at 0 samples to 0.85 at 512): at least"),
+        (1.0, 0.95, "fell by 5% over 0.5 epoch (1 at 0 samples to 0.95 at 512): less than"),
+        (1.0, 1.1, "rose by 10% over 0.5 epoch (1 at 0 samples to 1.1 at 512): not"),
+    ],
+)
+def test_a_check_line_says_what_it_compared_and_reads_right_for_a_rise(tmp_path, then, now, says):
+    # a fresh-user review: "rose by 11% …: less than the rule's 10%" read as a contradiction
+    tune = OnlineTune(tiny_config(), tmp_path / "r", progress=False)
+    tune._setup(resume=False)
+    tune.log = DecisionLog()
+    used = [{"samples": 0, "train_loss": then}, {"samples": 512, "train_loss": now}]
+    due = (then - now) / then < 0.1
+    tune._log_check({"due": due, "used": used}, rounds=0)
+    (line,) = [d for d in tune.log.entries if d["phase"] == "steady state"]
+    assert line["reason"].startswith("training loss " + says)
+    assert line["reason"].endswith("the rule's 10% fall between evaluations at least 1 epoch apart")
 
 
 def test_steady_grid_steps_down_only_from_the_top_decade_of_rates():
@@ -1131,24 +1154,31 @@ def test_a_running_tune_holds_its_run_directory_against_a_second_writer(tmp_path
 def test_runs_into_or_resumed_from_inside_a_tuning_run_are_refused(tmp_path, capsys):
     # a fresh-user review: --out RUN/probes wrote a whole run into the tuning run's probes
     # folder, and --resume RUN/probes/001-… rewrote a probe's files as a plain run
-    run = tmp_path / "run"
-    probe = run / "probes" / "001-cold-x"
-    probe.mkdir(parents=True)
+    # (and likewise distsgd tune's directories, and distsgd tune --out inside either)
+    run, tune = tmp_path / "run", tmp_path / "tune"
+    probe, tune_probe = run / "probes" / "001-cold-x", tune / "probes" / "001-probe-x"
+    for d in (probe, tune_probe):
+        d.mkdir(parents=True)
+        (d / "config.toml").write_text(tiny_config().to_toml())
+        (d.parent.parent / "decisions.jsonl").write_text("")
     (run / online.STATE_FILE).write_text(tiny_config().to_toml())
-    (probe / "config.toml").write_text(tiny_config().to_toml())
-    before = sorted(p.relative_to(run) for p in run.rglob("*"))
     cfg = tmp_path / "c.toml"
     cfg.write_text(tiny_config().to_toml())
-    for argv, says in [
-        (["train", str(cfg), "--out", str(run / "probes"), "--quiet"], "choose another --out"),
-        (["train", str(cfg), "--tune", "--out", str(probe / "x"), "--quiet"], "another --out"),
-        (["train", "--resume", str(probe), "--quiet"], f"resume that run (--resume {run})"),
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for argv, inside, says in [
+        (["train", str(cfg), "--out", str(run / "probes")], "the run of --tune", "another --out"),
+        (["train", str(cfg), "--tune", "--out", str(probe / "x")], "the run of --tune", "--out"),
+        (["train", "--resume", str(probe)], "the run of --tune", f"(--resume {run})"),
+        (["train", "--resume", str(tune_probe)], "the tune", "choose another --out"),
+        (["train", str(cfg), "--out", str(tune / "probes" / "y")], "the tune", "another --out"),
+        (["tune", str(cfg), "--out", str(run / "probes" / "t")], "the tuner's", "another --out"),
+        (["tune", str(cfg), "--out", str(tune / "probes" / "t")], "the tuner's", "another --out"),
     ]:
-        assert main(argv) == 2
+        assert main([*argv, "--quiet"]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "is inside the run of --tune" in err, err
+        assert len(err.splitlines()) == 1 and f"is inside {inside}" in err, err
         assert says in err
-    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing written
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 def test_tune_into_an_out_that_is_a_file_is_one_line_exit_2(tmp_path, capsys):

@@ -417,6 +417,9 @@ def test_tune_end_to_end_writes_a_plan_that_train_accepts(tmp_path, capsys):
     # user's review: the run refused it mid-search and the tune ended with that error)
     skip = [d for d in decisions if d["decision"].startswith("skip ") and "b=1024" in d["decision"]]
     assert len(skip) == 1 and "training set's 1024" in skip[0]["reason"]
+    # a joint probe's line carries its start and speed, as the grid's do (a user's review)
+    joint = [d for d in decisions if d["phase"] == "joint" and d["decision"].startswith("probed")]
+    assert joint and all(d["snapshot"] == "initial" and d["seconds_per_iteration"] for d in joint)
     only = base.replace(tune=replace(base.tune, families=["hardsync"], max_groups=1))
     cfg.write_text(only.to_toml())  # the joint search's one candidate is b = 1024
     argv = ["tune", str(cfg), "--budget", "40s", "--quiet"]

@@ -315,15 +315,16 @@ def end_with_parent(grace_s: float) -> None:
     watchdog thread's deadline.
     """
     global _watching_parent, _exit_grace_s
-    _exit_grace_s = grace_s
+    _exit_grace_s = grace_s  # a pooled rank: each run's own
     if _watching_parent:  # a pooled rank: once for all its runs
         return
     _watching_parent = True
     parent = os.getppid()
+    kernel_signals = False
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            kernel_signals = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
         except (OSError, AttributeError):
             pass
 
@@ -335,9 +336,10 @@ def end_with_parent(grace_s: float) -> None:
             "died; stopping",
             file=sys.stderr,
         )
-        arm_exit_deadline(grace_s)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
+        arm_exit_deadline()
+        if not kernel_signals:  # else the kernel sent SIGTERM already: one is enough (a
+            os.kill(os.getpid(), signal.SIGTERM)  # second interrupted rank 0's summary)
+        time.sleep(_exit_grace_s)
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()

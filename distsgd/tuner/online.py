@@ -290,15 +290,6 @@ def is_tuning_run(run_dir: str | Path) -> bool:
     return (Path(run_dir) / STATE_FILE).exists()
 
 
-def enclosing_tuning_run(path: str | Path) -> Path | None:
-    """The run of ``distsgd train --tune`` whose directory holds ``path`` (a probe's or a
-    segment's run directory in it, or any folder below it); None when none does."""
-    for parent in Path(path).resolve().parents:
-        if is_tuning_run(parent):
-            return parent
-    return None
-
-
 def probe_seconds_for(
     settings_probe_s: float, budget_s: float, planned: float
 ) -> tuple[float, int]:
@@ -783,8 +774,9 @@ class OnlineTune:
                 f"training loss {'fell' if fell >= 0 else 'rose'} by {abs(fell):.3g}% "
                 f"over {apart:.3g} epoch ({losses[0]:.4g} at "
                 f"{used[0]['samples']} samples to {losses[1]:.4g} at {used[1]['samples']}): "
-                + ("less than" if due else "at least")
-                + f" the rule's {100 * FLAT_GAIN:g}% between evaluations at least {span} apart"
+                + ("at least" if not due else "less than" if fell >= 0 else "not")
+                + f" the rule's {100 * FLAT_GAIN:g}% fall between evaluations at least {span} "
+                "apart"
             )
         self.log(
             "steady state",

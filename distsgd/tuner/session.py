@@ -57,6 +57,7 @@ from tqdm import tqdm
 from distsgd.config import TUNE_STEADY_SHARE, ConfigError, RunConfig, TuneConfig, required_processes
 from distsgd.data import load_dataset
 from distsgd.engine import build_engine, config_for_data
+from distsgd.rundir import enclosing_tuner_dir
 from distsgd.runtime.factory import with_device_profile
 from distsgd.runtime.netcal import NetworkProfile, calibrate_network
 from distsgd.tuner import perf_model as pm
@@ -526,6 +527,12 @@ class TuneSession:
             raise ConfigError(  # a user's review: the tune wrote beside a run's checkpoint
                 f"output directory {str(out)!r} already holds a training run; choose another --out"
             )
+        inside = enclosing_tuner_dir(out)
+        if inside is not None:  # a fresh-user review: a tune wrote into another's probes/
+            raise ConfigError(
+                f"--out {str(out)!r} is not allowed: it is inside the tuner's directory "
+                f"{str(inside)!r} (its probes and segments); choose another --out"
+            )
         fixed = _fix_setup(config, out)
         if check is not None:
             check(fixed)
@@ -678,8 +685,17 @@ class TuneSession:
             self.log(
                 "joint",
                 f"probed {cand.label()}: " + ("NaN" if r.diverged else f"score {r.score:.4f}"),
-                f"equal-time score against {chosen.score:.4f} for {ref.label()}",
+                f"equal-time score against {chosen.score:.4f} for {ref.label()}"
+                + (
+                    ""
+                    if math.isnan(r.seconds_per_iteration)
+                    else f"; {r.seconds_per_iteration * 1e3:.3f} ms per iteration"
+                ),
                 score=None if r.diverged else r.score,
+                snapshot=r.snapshot,
+                seconds_per_iteration=None
+                if math.isnan(r.seconds_per_iteration)
+                else r.seconds_per_iteration,
             )
         return extra
 

@@ -111,6 +111,7 @@ def tune(
         session.plan()
         saved = session.report()
     finally:
+        session.bar.close()  # also when interrupted: the caller's line is not drawn over
         session.prober.close()  # the ranks every dist probe ran on
     if verify:
         saved = verify_plan(session.out, progress=progress)
