@@ -325,28 +325,56 @@ def test_ranks_end_when_their_launcher_is_killed(tmp_path):
     assert not summary.exists() or json.loads(summary.read_text())["status"] != "completed"
 
 
-_TEARDOWN_HOLDS_THE_GIL = """
-import ctypes, sys, time
+def _sigterm_when_ready(script: str, *args: str) -> int:
+    """Run ``script`` (a rank's ``run_worker`` with a stand-in trainer) in a process,
+    SIGTERM it once it prints "ready", and return its exit status."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=GENEROUS_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+_STANDIN_RANK = """
+import ctypes, os, signal, sys, time
+from pathlib import Path
 from distsgd import launch
 from distsgd.runtime import dist as rdist
 
-class Trainer:  # a run whose teardown never returns and holds the GIL, as a gloo process
-    def __init__(self, *args, **kwargs):  # group's destructor did, joining gloo's thread
-        pass
+def run_rank(on_interrupt):
+    class Trainer:  # a rank's run: "ready", then trains until interrupted
+        def __init__(self, *args, **kwargs):
+            pass
 
-    def run(self, resume):
-        try:
-            print("ready", flush=True)
-            while True:
-                time.sleep(0.02)
-        finally:
-            ctypes.PyDLL(None).pause()  # a C call that keeps the GIL (PyDLL) and waits
+        def run(self, resume):
+            try:
+                print("ready", flush=True)
+                while True:
+                    time.sleep(0.02)
+            except KeyboardInterrupt:
+                on_interrupt()
+                raise
 
-launch.Trainer = Trainer
-launch.RunConfig.from_dict = staticmethod(lambda d: None)
-rdist.end_with_parent(float(sys.argv[1]))  # the run's grace: dist.timeout_s + 5
-sys.exit(launch.run_worker("", "", resume=False, progress=False))
+    launch.Trainer = Trainer
+    launch.RunConfig.from_dict = staticmethod(lambda d: None)
+    sys.exit(launch.run_worker("", "", resume=False, progress=False))
 """
+
+# a teardown that never returns and holds the GIL, as a gloo process group's destructor
+# did, joining gloo's thread: a C call that keeps the GIL (PyDLL) and waits
+_TEARDOWN_HOLDS_THE_GIL = (
+    _STANDIN_RANK
+    + """
+rdist.end_with_parent(float(sys.argv[1]))  # the run's grace: dist.timeout_s + 5
+run_rank(lambda: ctypes.PyDLL(None).pause())
+"""
+)
 
 
 def test_a_rank_whose_teardown_hangs_holding_the_gil_ends_by_its_deadline():
@@ -354,18 +382,7 @@ def test_a_rank_whose_teardown_hangs_holding_the_gil_ends_by_its_deadline():
     for good (SIGTERM did nothing): its teardown held the GIL in a gloo destructor, and the
     watchdog thread's os._exit waited for the GIL too. SIGTERM's handler now arms SIGALRM,
     whose default action the kernel carries out: the rank ends its grace after SIGTERM."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _TEARDOWN_HOLDS_THE_GIL, "2"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=GENEROUS_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert code == -signal.SIGALRM
+    assert _sigterm_when_ready(_TEARDOWN_HOLDS_THE_GIL, "2") == -signal.SIGALRM
 
 
 @pytest.mark.slow
@@ -393,30 +410,19 @@ def test_ctrl_c_of_a_dist_run_says_so_in_one_line(tmp_path):
     assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
 
 
-_SECOND_SIGTERM_IN_TEARDOWN = """
-import os, signal, sys, time
-from pathlib import Path
-from distsgd import launch
+# rank 0 writing its "interrupted" summary when a second SIGTERM comes (the kernel's,
+# after the launcher's)
+_SECOND_SIGTERM_IN_TEARDOWN = (
+    _STANDIN_RANK
+    + """
+def write_summary():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    Path(sys.argv[1]).write_text("interrupted")
 
-class Trainer:  # rank 0 writing its "interrupted" summary when a second SIGTERM comes
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def run(self, resume):
-        try:
-            print("ready", flush=True)
-            while True:
-                time.sleep(0.02)
-        except KeyboardInterrupt:
-            os.kill(os.getpid(), signal.SIGTERM)  # the kernel's, after the launcher's
-            time.sleep(0.2)
-            Path(sys.argv[1]).write_text("interrupted")
-            raise
-
-launch.Trainer = Trainer
-launch.RunConfig.from_dict = staticmethod(lambda d: None)
-sys.exit(launch.run_worker("", "", resume=False, progress=False))
+run_rank(write_summary)
 """
+)
 
 
 def test_a_second_sigterm_does_not_interrupt_a_ranks_summary(tmp_path):
@@ -425,20 +431,8 @@ def test_a_second_sigterm_does_not_interrupt_a_ranks_summary(tmp_path):
     interrupted rank 0 writing its summary (1 run in 12 had none). Only the first
     SIGTERM interrupts now."""
     summary = tmp_path / "summary"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SECOND_SIGTERM_IN_TEARDOWN, str(summary)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=GENEROUS_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert code == 130 and summary.read_text() == "interrupted"
+    assert _sigterm_when_ready(_SECOND_SIGTERM_IN_TEARDOWN, str(summary)) == 130
+    assert summary.read_text() == "interrupted"
 
 
 # ---- 14: the server killed before it could write its summary -------------------------------
