@@ -3,8 +3,8 @@
 :func:`check_out_dir_writable` refuses a run directory that cannot be one before anything
 starts; :class:`RunDirClaim` is the run's exclusive claim on it (an OS lock on
 ``<out_dir>/run.lock`` naming its holder), so two runs never write one directory;
-:func:`enclosing_tuner_dir` finds a tuner's directory above a path (its probes and
-segments are the tuner's to write).
+:func:`enclosing_tuner_dir` finds the tuner's directory whose probes or segments folder
+holds a path (they are the tuner's to write).
 """
 
 from __future__ import annotations
@@ -19,18 +19,29 @@ from typing import Any
 
 from distsgd.config import ConfigError
 
-__all__ = ["RUN_LOCK", "TUNER_MARK", "RunDirClaim", "check_out_dir_writable", "enclosing_tuner_dir"]
+__all__ = [
+    "RUN_LOCK",
+    "TUNER_FOLDERS",
+    "TUNER_MARK",
+    "RunDirClaim",
+    "check_out_dir_writable",
+    "enclosing_tuner_dir",
+]
 
 RUN_LOCK = "run.lock"
 TUNER_MARK = "decisions.jsonl"  # what a tuner's directory holds (distsgd tune, train --tune)
 
 
+TUNER_FOLDERS = ("probes", "train")  # a tuner's probes, and the segments of --tune
+
+
 def enclosing_tuner_dir(path: str | Path) -> Path | None:
     """The directory of ``distsgd tune`` or ``distsgd train --tune`` (it holds
-    ``decisions.jsonl``) above ``path`` at any depth, e.g. that of a probe's run directory
-    in its ``probes/``; None when there is none."""
-    for parent in Path(path).resolve().parents:
-        if (parent / TUNER_MARK).is_file():
+    ``decisions.jsonl``) whose ``probes/`` or ``train/`` folder holds ``path`` at any
+    depth (e.g. a probe's run directory); None when there is none."""
+    full = Path(path).resolve()
+    for parent in full.parents:
+        if full.relative_to(parent).parts[0] in TUNER_FOLDERS and (parent / TUNER_MARK).is_file():
             return parent
     return None
 

@@ -1179,6 +1179,9 @@ def test_runs_into_or_resumed_from_inside_a_tuning_run_are_refused(tmp_path, cap
         assert len(err.splitlines()) == 1 and f"is inside {inside}" in err, err
         assert says in err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    # a decisions.jsonl of the user's own above an ordinary run directory is no tuner's
+    (tmp_path / "decisions.jsonl").write_text("")
+    assert main(["train", str(cfg), "--out", str(tmp_path / "mine" / "r"), "--quiet"]) == 0
 
 
 def test_tune_into_an_out_that_is_a_file_is_one_line_exit_2(tmp_path, capsys):
