@@ -279,6 +279,7 @@ class Heartbeats:
 
 
 _exit_grace_s = 65.0  # a rank's grace after SIGTERM (end_with_parent sets its run's)
+_exit_armed = False
 
 
 def arm_exit_deadline(grace_s: float | None = None) -> None:
@@ -299,9 +300,6 @@ def arm_exit_deadline(grace_s: float | None = None) -> None:
         return
     _exit_armed = True
     signal.alarm(max(1, math.ceil(_exit_grace_s if grace_s is None else grace_s)))
-
-
-_exit_armed = False
 
 
 def end_with_parent(grace_s: float) -> None:

@@ -218,6 +218,11 @@ class ProbeResult:
             return math.nan
         return self.virtual_s[-1] / self.iterations[-1]
 
+    def speed_note(self) -> str:
+        """``"; X ms per iteration"`` for a decision's reason ("" without data)."""
+        he = self.seconds_per_iteration
+        return "" if math.isnan(he) else f"; {he * 1e3:.3f} ms per iteration"
+
     def to_json(self) -> dict[str, Any]:
         return {
             "candidate": asdict(self.candidate),

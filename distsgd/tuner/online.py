@@ -1059,16 +1059,10 @@ class OnlineTune:
                     else f", from {Path(root.run_dir).name} after its {self.rung_s:.4g} "
                     f"{self.clock.name} s (its batch changed there)"
                 )
-                + (
-                    ""
-                    if math.isnan(r.seconds_per_iteration)
-                    else f"; {r.seconds_per_iteration * 1e3:.3f} ms per iteration"
-                ),
+                + r.speed_note(),
                 score=None if r.diverged else r.score,
                 snapshot="initial" if root is None else f"probes/{Path(root.run_dir).name}",
-                seconds_per_iteration=None
-                if math.isnan(r.seconds_per_iteration)
-                else r.seconds_per_iteration,
+                seconds_per_iteration=r.to_json()["seconds_per_iteration"],
             )
         return extra
 

@@ -685,17 +685,10 @@ class TuneSession:
             self.log(
                 "joint",
                 f"probed {cand.label()}: " + ("NaN" if r.diverged else f"score {r.score:.4f}"),
-                f"equal-time score against {chosen.score:.4f} for {ref.label()}"
-                + (
-                    ""
-                    if math.isnan(r.seconds_per_iteration)
-                    else f"; {r.seconds_per_iteration * 1e3:.3f} ms per iteration"
-                ),
+                f"equal-time score against {chosen.score:.4f} for {ref.label()}" + r.speed_note(),
                 score=None if r.diverged else r.score,
                 snapshot=r.snapshot,
-                seconds_per_iteration=None
-                if math.isnan(r.seconds_per_iteration)
-                else r.seconds_per_iteration,
+                seconds_per_iteration=r.to_json()["seconds_per_iteration"],
             )
         return extra
 
