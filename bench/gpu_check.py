@@ -84,6 +84,7 @@ class Sizes:
 
     equivalence_steps: int
     bf16_samples: int
+    bf16_limit_points: float  # |bf16-mixed - fp32| accuracy allowed, in points
     batches: tuple[int, ...]
     replicas: tuple[int, ...]
     timed_iterations: int
@@ -104,6 +105,7 @@ class Sizes:
 FULL = Sizes(
     equivalence_steps=20,
     bf16_samples=60_000,
+    bf16_limit_points=1.0,
     batches=(8, 32, 128, 512),
     replicas=(1, 2, 4, 8, 16, 32, 64),
     timed_iterations=20,
@@ -123,6 +125,9 @@ FULL = Sizes(
 SMOKE = Sizes(
     equivalence_steps=2,
     bf16_samples=128,
+    # 4 of the 64 evaluation samples: after 128 samples both models are near chance, and
+    # bf16 kernels round differently between CPUs (one sample is 1.56 points here)
+    bf16_limit_points=100 * 4 / 64,
     batches=(8, 32),
     replicas=(1, 2, 4),
     timed_iterations=2,
@@ -304,7 +309,7 @@ def equivalence(args, sizes, data, ds, device, tmp: Path) -> list[dict[str, Any]
             f"bf16-mixed vs fp32 accuracy after {sizes.bf16_samples} samples "
             f"({100 * accuracy['bf16-mixed']:.2f}% vs {100 * accuracy['fp32']:.2f}%), points"
         )
-        rows.append(row(label, gap, 1.0))
+        rows.append(row(label, gap, sizes.bf16_limit_points))
     else:
         rows.append({"check": "bf16-mixed vs fp32", "value": "–", "limit": "–", "ok": None})
     for protocol in PROTOCOLS[:: 2 if args.smoke else 1]:
