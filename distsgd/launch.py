@@ -95,6 +95,7 @@ from distsgd.runtime.launch import (
     rank_sigterm,
     start_ranks,
 )
+from distsgd.runtime.ps import LearnerLost, ServerLost
 from distsgd.trainer import Trainer
 
 __all__ = [
@@ -121,10 +122,7 @@ class DistRunFailed(RuntimeError):
 def is_process_loss(e: BaseException) -> bool:
     """True for the errors that mean a process of the run was lost (any rank)."""
 
-    return isinstance(e, DistRunFailed | PeerLost) or type(e).__name__ in (
-        "ServerLost",
-        "LearnerLost",
-    )
+    return isinstance(e, DistRunFailed | PeerLost | ServerLost | LearnerLost)
 
 
 def under_launcher() -> bool:
@@ -166,12 +164,43 @@ def run(
 
     out = Path(out_dir)
     if under_launcher():
-        rank = int(os.environ["RANK"])
-        trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults)
-        return trainer.run(resume=resume)
+        return _run_rank(cfg, out, resume=resume, progress=progress, faults=faults)
     if not resume:
         Trainer(cfg, out)._check_out_dir()  # fail before starting any process
     return _launch_local(cfg, out, resume=resume, progress=progress, faults=faults)
+
+
+def _run_rank(
+    cfg: RunConfig, out: Path, *, resume: bool, progress: bool, faults: RankFaults | None
+) -> dict[str, Any]:
+    """This process's rank under torchrun: train; on rank 0, a failed run's
+    ``summary.json`` names the ranks it lost (``lost_ranks``), as distsgd's own launcher
+    names them."""
+    rank = int(os.environ["RANK"])
+    trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults)
+    try:
+        return trainer.run(resume=resume)
+    except RuntimeError as e:
+        lost = lost_ranks(e)
+        summary_path = out / "summary.json"
+        if rank == 0 and lost and summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            if summary.get("status") == "failed":
+                write_json(summary_path, {**summary, "lost_ranks": lost})
+        raise
+
+
+def lost_ranks(e: BaseException) -> list[int]:
+    """The ranks a process-loss error names as lost (``[]`` for any other error):
+    :class:`~distsgd.runtime.launch.PeerLost`'s silent ranks, ``ServerLost``'s server,
+    ``LearnerLost``'s learners."""
+    if isinstance(e, PeerLost):
+        return sorted(e.silent_ranks)
+    if isinstance(e, ServerLost):
+        return [e.rank]
+    if isinstance(e, LearnerLost):
+        return sorted(e.ranks)
+    return []
 
 
 class _Jobs:

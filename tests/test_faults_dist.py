@@ -26,6 +26,8 @@ from distsgd.api import train
 from distsgd.config import ConfigError
 from distsgd.launch import DistRunFailed
 from distsgd.runtime.faults import RankFaults
+from distsgd.runtime.launch import PeerLost
+from distsgd.runtime.ps import LearnerLost, ServerLost
 from distsgd.runtime.rendezvous import rendezvous_store
 from tests.conftest import small_config
 
@@ -511,6 +513,42 @@ def test_exit_while_the_heartbeat_is_in_a_store_call_is_not_an_abort(how):
     )
     assert done.returncode == 0, done.stderr
     assert "terminate called" not in done.stderr
+
+
+# ---- lost_ranks under torchrun ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "error, lost",
+    [
+        (PeerLost("lost contact with another rank; rank 1 stopped making progress", [1]), [1]),
+        (ServerLost(0, "parameter server rank 0 lost"), [0]),
+        (LearnerLost([2, 3], "compute group [2, 3] failed in all-reduce"), [2, 3]),
+    ],
+)
+def test_rank_0_under_torchrun_names_the_lost_ranks_in_its_failed_summary(
+    tmp_path, monkeypatch, error, lost
+):
+    """Under torchrun no distsgd launcher fills lost_ranks: rank 0 names the ranks its
+    error names in the failed summary it wrote (before, lost_ranks was null)."""
+    from distsgd import launch
+    from distsgd.metrics import write_json
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    class Trainer:  # rank 0's run: writes its failed summary, then raises the loss
+        def __init__(self, cfg, out, **kwargs):
+            self.out = out
+
+        def run(self, resume):
+            write_json(self.out / "summary.json", {"status": "failed", "error": str(error)})
+            raise error
+
+    monkeypatch.setattr(launch, "Trainer", Trainer)
+    with pytest.raises(type(error)):
+        launch.run(config(HARDSYNC2), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["lost_ranks"] == lost
 
 
 # ---- a stopped rank of every role ends (kill -STOP) --------------------------------------------
