@@ -22,33 +22,34 @@ and named; what that means for the run is the launcher's policy
 heartbeat yet, or has left its run on purpose, is not judged by it.
 
 **Bounds for a stopped rank** (``kill -STOP``; T = ``dist.timeout_s``; seconds from the
-stop, on one machine under distsgd's launchers):
+stop, one machine, distsgd's launchers). The stopped rank itself is killed by T + 2 in
+every role (T without a heartbeat, plus the heartbeat interval and the watch's poll);
+then:
 
-==========================================  =============================================  ============
-rank stopped                                what happens                                   bound (s)
-==========================================  =============================================  ============
-learner of async / n-softsync parameter      the server drops it after T of silence; the   killed by T + 2;
-server, or a compute group's leader          launcher kills it after T without heartbeat;  run goes on
-                                             the others train on to the stop rule
-compute group member (not the leader)        the group's all-reduce times out (T): the     killed by T + 2;
-                                             group is lost, the server goes on; the        run goes on
-                                             launcher kills it after T
-server rank (coordinator or shard), or a     learners wait for the server's heartbeat T,    all ended by
-learner of parameter server mode hardsync    then end (``ServerLost``); the launcher       2T + 11, in
-                                             kills the server after T; the run fails       practice T + 5
-                                             naming it, ``summary.json`` written by the
-                                             launcher
-hardsync / plain learner, SMA or local SGD   peers time out in the collective (T) and      all ended by
-device, a rank of the drop-in's              name it; the launcher kills it after T; the   2T + 11, in
-synchronous protocols                        run fails naming it                           practice T + 5
-==========================================  =============================================  ============
+=============================  ====================================================  =======
+rank stopped                   what happens                                          ended
+=============================  ====================================================  =======
+async / n-softsync learner     the server drops it after T of silence and serves     run
+                               the others to the stop rule                           goes on
+compute group leader           as a learner: the server drops the group; its         run
+                               members see the leader's connections close            goes on
+compute group member           the group's all-reduce times out (T): the group is    run
+                               lost, the server goes on with the others              goes on
+server (coordinator, shard)    the learners wait for its heartbeat T, then end       2T + 12
+                               (``ServerLost``); the run fails naming it
+hardsync-mode PS learner       the server's wait times out (T): ``LearnerLost``      2T + 12
+                               ends the run, naming it
+hardsync / SMA / local SGD     its peers time out in the collective (T) and name     2T + 12
+                               it; the run fails naming it
+drop-in rank                   as the same role above                                as above
+=============================  ====================================================  =======
 
-"Killed by T + 2": the heartbeat interval (at most 1 s) and the watch's poll. "All ended
-by 2T + 11": a rank whose loss ends the run starts the launcher's grace of T + 5 s for the
-other ranks, which then get SIGTERM and 5 s later SIGKILL; the others see the killed
-rank's connections close and end within seconds. Where the launcher itself dies, every
-rank ends by itself (:func:`end_with_parent`): SIGTERM from the kernel, and ``T + 5``
-seconds later SIGALRM.
+"2T + 12": the loss of a rank the run cannot do without starts the launcher's grace of
+T + 5 s for the others, after which SIGTERM and, 5 s later, SIGKILL end them; the others
+usually end sooner, on the killed rank's closed connections or their own timeout. The
+failed run's ``summary.json`` names the stopped rank in ``lost_ranks`` (written by the
+launcher where rank 0 could not). Where the launcher itself dies, every rank ends by
+itself (:func:`end_with_parent`): SIGTERM from the kernel, and T + 5 s later SIGALRM.
 
 **End.** A rank ends with ``os._exit`` once its outcome is written (:func:`exit_worker`),
 so no C++ destructor of a torch.distributed thread runs at interpreter shutdown, where one
