@@ -1,57 +1,42 @@
-"""Starting the ``dist`` runtime's processes: on this machine, or as one rank under torchrun.
+"""Training on the ``dist`` runtime's processes: on this machine, or as one rank under
+torchrun.
 
-**One machine.** :func:`run` starts the ranks with torch's own launch machinery,
-:func:`torch.distributed.elastic.multiprocessing.start_processes` (the process layer of
-torchrun's elastic agent: spawning, environment, logs, terminating the process groups),
-with the rendezvous on loopback (``dist.master_addr``, default 127.0.0.1, and a free port
-unless ``dist.master_port`` is set) through a c10d TCPStore hosted by the launching
-process, as torchrun's agent hosts it. The launcher binds the store's listening socket
-itself, on ``dist.master_addr`` only (torch's TCPStore would listen on every interface),
-and hands it to the store: a one-machine run on loopback cannot be reached from the
-network, and a port in use is one line naming ``dist.master_port``. Each rank runs
-``python -m distsgd.worker`` and sets its torch threads to its share of the cores
-(``train.num_threads`` overrides).
+**One machine.** :func:`run` starts the ranks (:mod:`distsgd.runtime.launch`: torch's
+process layer, the rendezvous store hosted here on ``dist.master_addr`` only, a free port
+unless ``dist.master_port`` is set) and hands them the run; :class:`RankPool` keeps the
+ranks for run after run. Both give a rank its runs the same way, its one entry path: run
+files ``run<N>.json`` (config, directory, resume and progress flags, injected faults) in
+a folder named by ``$DISTSGD_JOBS_DIR``, taken in order by :func:`main` (``python -m
+distsgd.worker``); a rank ends after a run marked ``last`` (:func:`run`'s), after a run
+that does not end well, or when the pool asks it to stop. Each rank sets its torch
+threads to its share of the cores (``train.num_threads`` overrides).
 
 **Why not the elastic agent itself.** torchrun's agent (``elastic_launch``) tears down
 every worker as soon as one fails; with ``max_restarts = 0`` the run is over. That is
-right for the synchronous protocols (hardsync, SMA, local SGD, the parameter server's
-hardsync mode) but wrong for the asynchronous ones, which must lose a learner and go on
-(Rudra's server keeps serving the others). So this module uses the agent's process layer
-and applies its own failure policy, the only part it decides:
+right for the synchronous protocols but wrong for the asynchronous ones, which must lose
+a learner and go on (Rudra's server keeps serving the others). So the launcher uses the
+agent's process layer and applies its own failure policy:
 
 * a learner rank of ``parameter_server`` (modes ``softsync`` / ``async``) or
-  ``compute_groups`` dies: it is reported on stderr and the others go on; the server
-  logs the loss and the run completes (the loss is listed in ``summary.json`` under
+  ``compute_groups`` is lost (it dies, or stops making progress and is killed,
+  :class:`~distsgd.runtime.launch.RankWatch`): it is reported on stderr and the others go
+  on; the server logs the loss and the run completes (listed in ``summary.json`` under
   ``events``);
-* any other rank dies (a learner of a synchronous protocol, a server rank): the other
-  ranks notice it themselves (a c10d error or ``dist.timeout_s`` of silence) and stop;
-  whatever is still running ``dist.timeout_s + 5`` seconds later is terminated
-  (SIGTERM, then SIGKILL). :class:`DistRunFailed` names the lost rank; the last
-  checkpoint is kept, and ``--resume`` continues from it;
-* a rank hangs (stopped, e.g. ``kill -STOP``, or stuck): its peers time out after
-  ``dist.timeout_s`` and name the ranks whose heartbeat stopped
-  (:class:`distsgd.runtime.dist.Heartbeats`); once every other rank has ended, the
-  launcher kills the named ones at once (SIGKILL) and :class:`DistRunFailed` names them
-  as hung.
+* any other rank is lost: the other ranks notice it themselves (a c10d error or
+  ``dist.timeout_s`` of silence) and stop; whatever is still running ``dist.timeout_s +
+  5`` seconds later is terminated (SIGTERM, then SIGKILL). :class:`DistRunFailed` names
+  the lost rank; the last checkpoint is kept, and ``--resume`` continues from it;
+* a rank that stops making progress (``kill -STOP``, stuck holding the GIL) is killed by
+  SIGKILL once its heartbeat has not moved for ``dist.timeout_s`` and named as such; the
+  bound for every role is the table of :mod:`distsgd.runtime.launch`.
 
 When rank 0 cannot write the failed run's ``summary.json`` (it was killed, or hung), the
 launcher writes it (``status = "failed"``, ``lost_ranks``, the samples of the last
-evaluation in ``metrics.jsonl``), so that ``distsgd report`` reads the run.
+evaluation in ``metrics.jsonl``), so that ``distsgd report`` reads the run. In every
+case :func:`run` returns only after every process it started has ended.
 
-In every case :func:`run` returns only after every process it started has ended.
-
-**Ranks kept for many runs.** :class:`RankPool` starts the ranks once and trains run
-after run on them (``distsgd train --tune``'s probes and segments): each run is what
-:func:`run` trains, with the same failure policy, in a fresh process group whose store
-keys are its own; a run that fails ends the ranks, and the next starts fresh ones.
-
-**Ending a rank.** A rank ends with ``os._exit`` once its outcome is known and written
-(:func:`exit_worker`: the process group is already destroyed, the streams are flushed),
-so no C++ static destructor or thread of torch.distributed (gloo, the store client) runs
-at interpreter shutdown, where one destroyed while still joinable aborts the process
-(``terminate called without an active exception``, SIGABRT). A rank also reports that it
-has finished (its outcome file holds ``"kind": "done"``) before it ends, so a rank that
-dies by a signal after that point is reported as such and does not fail a run that it had
+A rank reports that it has finished (its outcome file holds ``"kind": "done"``) before
+it ends, so a rank that dies by a signal after that point does not fail a run that it had
 completed.
 
 **Several machines.** Start the same entry point on every machine under torchrun::
@@ -68,33 +53,26 @@ run exposes on the network: torchrun's rendezvous store on ``--master-addr:--mas
 connections between the ranks, on the address each node resolves for itself. Run it on
 a trusted network only.
 
-**A launcher that dies.** Every rank asks the kernel for SIGTERM when its parent (this
-launcher, or torchrun's agent) dies (``prctl(PR_SET_PDEATHSIG)`` on Linux) and a watchdog
-thread checks the parent pid every second (other systems); SIGTERM ends a rank as Ctrl-C
-does (rank 0 writes an "interrupted" summary), and a rank still running ``dist.timeout_s +
-5`` seconds after its SIGTERM ends by SIGALRM, which the kernel carries out without the
-interpreter, so a teardown stuck holding the GIL cannot keep it (:func:`rank_sigterm`,
-:func:`distsgd.runtime.dist.arm_exit_deadline`).
+**A launcher that dies.** Every rank ends when its parent dies
+(:func:`~distsgd.runtime.launch.end_with_parent`): SIGTERM ends a rank as Ctrl-C does
+(rank 0 writes an "interrupted" summary), and a rank still running ``dist.timeout_s + 5``
+seconds later ends by SIGALRM (:func:`~distsgd.runtime.launch.arm_exit_deadline`).
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import logging
 import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 import tomllib
-import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from distsgd.config import METRICS, ConfigError, RunConfig, required_processes
@@ -102,11 +80,22 @@ from distsgd.data import keep_loaded
 from distsgd.layout import spec_for
 from distsgd.metrics import read_metrics, write_json
 from distsgd.objectives import reached as target_reached
-from distsgd.runtime import dist as rdist
 from distsgd.runtime.base import TrainingDiverged
-from distsgd.runtime.dist import PeerLost
 from distsgd.runtime.faults import RankFaults, describe_exit
-from distsgd.runtime.rendezvous import rendezvous_store
+from distsgd.runtime.launch import (
+    ENV_JOBS,
+    ENV_RUN,
+    PeerLost,
+    Ranks,
+    RankWatch,
+    close_ranks,
+    end_with_parent,
+    exit_worker,
+    namespace,
+    rank_sigterm,
+    start_ranks,
+)
+from distsgd.runtime.ps import LearnerLost, ServerLost
 from distsgd.trainer import Trainer
 
 __all__ = [
@@ -114,15 +103,14 @@ __all__ = [
     "RankPool",
     "exit_worker",
     "is_process_loss",
+    "main",
     "rank_sigterm",
     "run",
     "run_worker",
     "under_launcher",
 ]
 
-ENV_ERROR_FILE = "DISTSGD_DIST_ERROR_FILE"
-ENV_POOL_DIR = "DISTSGD_POOL_DIR"  # a pooled rank's folder of run files (RankPool)
-POOL_STOP = "stop"  # the file in that folder that ends the pooled ranks
+POOL_STOP = "stop"  # the file in the jobs folder that ends the ranks waiting for a run
 _POLL_S = 0.1
 _POOL_POLL_S = 0.02  # a pooled run's end: a short run's wall is not padded by the poll
 
@@ -134,10 +122,7 @@ class DistRunFailed(RuntimeError):
 def is_process_loss(e: BaseException) -> bool:
     """True for the errors that mean a process of the run was lost (any rank)."""
 
-    return isinstance(e, DistRunFailed | PeerLost) or type(e).__name__ in (
-        "ServerLost",
-        "LearnerLost",
-    )
+    return isinstance(e, DistRunFailed | PeerLost | ServerLost | LearnerLost)
 
 
 def under_launcher() -> bool:
@@ -179,90 +164,139 @@ def run(
 
     out = Path(out_dir)
     if under_launcher():
-        rank = int(os.environ["RANK"])
-        trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults)
-        return trainer.run(resume=resume)
+        return _run_rank(cfg, out, resume=resume, progress=progress, faults=faults)
     if not resume:
         Trainer(cfg, out)._check_out_dir()  # fail before starting any process
     return _launch_local(cfg, out, resume=resume, progress=progress, faults=faults)
 
 
-def _rank_envs(
-    n: int, addr: str, port: int, extra: Callable[[int], dict[str, str]]
-) -> dict[int, dict[str, str]]:
-    """The environment of each of ``n`` ranks on this machine (``extra``: per rank)."""
-    package_root = str(Path(__file__).resolve().parents[1])  # the folder holding distsgd/
-    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    return {
-        r: {
-            "MASTER_ADDR": addr,
-            "MASTER_PORT": str(port),
-            "RANK": str(r),
-            "WORLD_SIZE": str(n),
-            "LOCAL_RANK": str(r),
-            "LOCAL_WORLD_SIZE": str(n),
-            "PYTHONPATH": pythonpath,
-            "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank a client of the store
-            **extra(r),
-        }
-        for r in range(n)
-    }
+def _run_rank(
+    cfg: RunConfig, out: Path, *, resume: bool, progress: bool, faults: RankFaults | None
+) -> dict[str, Any]:
+    """This process's rank under torchrun: train; on rank 0, a failed run's
+    ``summary.json`` names the ranks it lost (``lost_ranks``), as distsgd's own launcher
+    names them."""
+    rank = int(os.environ["RANK"])
+    trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults)
+    try:
+        return trainer.run(resume=resume)
+    except RuntimeError as e:
+        lost = lost_ranks(e)
+        summary_path = out / "summary.json"
+        if rank == 0 and lost and summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            if summary.get("status") == "failed":
+                write_json(summary_path, {**summary, "lost_ranks": lost})
+        raise
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+def lost_ranks(e: BaseException) -> list[int]:
+    """The ranks a process-loss error names as lost (``[]`` for any other error):
+    :class:`~distsgd.runtime.launch.PeerLost`'s silent ranks, ``ServerLost``'s server,
+    ``LearnerLost``'s learners."""
+    if isinstance(e, PeerLost):
+        return sorted(e.silent_ranks)
+    if isinstance(e, ServerLost):
+        return [e.rank]
+    if isinstance(e, LearnerLost):
+        return sorted(e.ranks)
+    return []
 
 
-def _start(n: int, envs: dict[int, dict[str, str]], tmp: str) -> Any:
-    """Start ``python -m distsgd.worker`` as ``n`` ranks (torch's process layer).
+class _Jobs:
+    """A folder of run files for ranks (module docstring): ``run<N>.json``, each written
+    whole, and ``run<N>-rank<r>.json``, rank r's outcome of run N."""
 
-    torch's ``start_processes`` leaves handlers behind that turn SIGINT and SIGTERM into
-    its ``SignalException`` for the rest of this process's life; they are replaced by
-    ones that raise ``KeyboardInterrupt``, which the CLI and the callers handle (a Ctrl-C
-    between two runs of a :class:`RankPool`, or while it closes, is an interrupt too)."""
-    ctx = start_processes(
-        name="distsgd",
-        entrypoint=sys.executable,
-        args={r: ("-m", "distsgd.worker") for r in range(n)},
-        envs=envs,
-        logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
-        start_method="spawn",
-    )
-    if threading.current_thread() is threading.main_thread():  # where torch set its own
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _interrupt)
-    return ctx
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.number = folder, 0
+
+    def submit(
+        self,
+        cfg: RunConfig,
+        out: Path,
+        *,
+        resume: bool,
+        progress: bool,
+        faults: RankFaults | None,
+        last: bool,
+    ) -> Callable[[int], Path]:
+        """Hand the next run to the ranks; returns where rank r reports its outcome."""
+        self.number += 1
+        job = {"config": cfg.to_toml(), "out": str(out.resolve()), "resume": resume}
+        job |= {"progress": progress, "last": last}
+        job["faults"] = faults.to_json() if faults is not None else ""
+        part = self.folder / f"run{self.number}.json.part"
+        part.write_text(json.dumps(job))
+        part.rename(self.folder / f"run{self.number}.json")
+        return lambda r, number=self.number: self.folder / f"run{number}-rank{r}.json"
+
+    def prefix(self) -> str:
+        """The store namespace of the last run submitted (the ranks' :data:`ENV_RUN`)."""
+        return namespace(run=str(self.number))
+
+    def stop(self) -> None:
+        """Ask the ranks waiting for a run to end."""
+        (self.folder / POOL_STOP).touch()
+
+
+def _start(ranks: Ranks, jobs: _Jobs) -> Ranks:
+    """Start ``python -m distsgd.worker`` as every rank of ``ranks``, taking its runs
+    from ``jobs``."""
+    return start_ranks(ranks, ("-m", "distsgd.worker"), lambda r: {ENV_JOBS: str(jobs.folder)})
 
 
 class _Watch:
     """The launcher's failure policy over one run's ranks (module docstring): polls the
     processes every ``poll_s`` until every rank has ended or, with ``run_done`` (pooled
-    ranks, which outlive a run; polled every ``_POOL_POLL_S``: a probe's end is noticed
-    sooner), until it says the run is done; a fatal loss ends the
+    ranks, which outlive a run), until it says the run is done; a fatal loss ends the
     watch ``dist.timeout_s + 5`` seconds later at the latest. ``outcome(r)`` is rank r's
-    outcome file for this run."""
+    outcome file for this run; ``prefix`` its store namespace (heartbeats)."""
 
     def __init__(
-        self, ctx: Any, cfg: RunConfig, outcome: Callable[[int], Path], poll_s: float = _POLL_S
+        self,
+        ranks: Ranks,
+        cfg: RunConfig,
+        outcome: Callable[[int], Path],
+        prefix: str,
+        poll_s: float = _POLL_S,
     ) -> None:
-        self.ctx, self.cfg, self.outcome, self.poll_s = ctx, cfg, outcome, poll_s
+        self.ranks, self.cfg, self.outcome, self.poll_s = ranks, cfg, outcome, poll_s
+        self.beats = RankWatch(ranks, prefix, self._announce_hung)
         self.codes: dict[int, int | None] = {}
         self.lost: dict[int, int] = {}
         self.after_done: dict[int, int] = {}  # ended with an error after reporting "done"
-        self.hung: set[int] = set()  # named silent by their peers, killed here
         self.fatal_since: float | None = None
+        self.grace_s = cfg.dist.timeout_s + 5
+
+    @property
+    def hung(self) -> set[int]:
+        """The ranks killed for silence (no heartbeat for their ``timeout_s``)."""
+        return set(self.beats.hung)
+
+    def _announce_hung(self, r: int, line: str) -> None:
+        goes_on = _tolerates_loss(self.cfg, r) and self.fatal_since is None
+        print(
+            f"distsgd: {line}" + ("; the server goes on without it" if goes_on else ""),
+            file=sys.stderr,
+        )
+
+    def _lose(self, r: int, code: int) -> None:
+        self.lost[r] = code
+        if not _tolerates_loss(self.cfg, r) and self.fatal_since is None:
+            self.fatal_since = time.monotonic()
 
     def poll(self) -> None:
         cfg = self.cfg
-        self.codes = {r: h.proc.poll() for r, h in self.ctx.subprocess_handlers.items()}
+        self.codes = self.beats.poll()
         for r, code in self.codes.items():
             if code in (None, 0) or r in self.lost or r in self.after_done:
                 continue
-            if r in self.hung:
-                self.lost[r] = code  # killed here (_kill_hung), already reported
+            if r in self.beats.hung:
+                self._lose(r, code)  # killed here, already reported
                 continue
-            pid = self.ctx.subprocess_handlers[r].proc.pid
-            if _finished(self.outcome(r)):
+            pid = self.ranks.pid(r)
+            report = _read(self.outcome(r))
+            if report.get("kind") == "done":
                 # its part of the run was done: the run is not affected
                 self.after_done[r] = code
                 print(
@@ -271,12 +305,12 @@ class _Watch:
                     file=sys.stderr,
                 )
                 continue
-            self.lost[r] = code
-            if not _tolerates_loss(cfg, r) and self.fatal_since is None:
-                self.fatal_since = time.monotonic()
+            self._lose(r, code)
+            # a rank that lost a peer itself says so on its own line
+            goes_on = self.fatal_since is None and report.get("kind") != "lost"
             print(
                 f"distsgd: rank {r} ({_role(cfg, r)}, pid {pid}) {describe_exit(code)}"
-                + ("; the server goes on without it" if self.fatal_since is None else ""),
+                + ("; the server goes on without it" if goes_on else ""),
                 file=sys.stderr,
             )
 
@@ -289,10 +323,7 @@ class _Watch:
                 if run_done is not None and run_done():
                     return
                 if self.fatal_since is not None:
-                    _kill_hung(self.ctx, self.codes, self.outcome, self.hung)
-                    if time.monotonic() - self.fatal_since > self.cfg.dist.timeout_s + 5:
-                        running = {r for r, c in self.codes.items() if c is None}
-                        self.hung.update(running & _named_silent(self.codes, self.outcome))
+                    if time.monotonic() - self.fatal_since > self.grace_s:
                         return
                 time.sleep(self.poll_s)
         except SignalException:
@@ -301,52 +332,30 @@ class _Watch:
             raise KeyboardInterrupt from None
 
     def errors(self) -> dict[int, dict[str, Any]]:
-        out = {}
-        for r in self.ctx.subprocess_handlers:
-            f = self.outcome(r)
-            if f.exists():
-                out[r] = json.loads(f.read_text())
-        return out
+        found = {r: _read(self.outcome(r)) for r in self.codes}
+        return {r: e for r, e in found.items() if e}
 
 
 def _launch_local(
     cfg: RunConfig, out: Path, *, resume: bool, progress: bool, faults: RankFaults | None
 ) -> dict[str, Any]:
-
     n, _ = required_processes(cfg.protocol, cfg.dist)
-    addr = cfg.dist.master_addr
-    # The rendezvous store is hosted here, as torchrun's agent hosts it, so that a free
-    # port (master_port = 0) is bound once and no rank can lose it to another program.
-    store = rendezvous_store(addr, cfg.dist.master_port, world_size=n, timeout_s=cfg.dist.timeout_s)
+    d = cfg.dist
     with tempfile.TemporaryDirectory(prefix="distsgd-launch-") as tmp:
-
-        def outcome(r: int) -> Path:
-            return Path(tmp) / f"rank{r}.json"
-
-        envs = _rank_envs(
-            n,
-            addr,
-            store.port,
-            lambda r: {
-                rdist.ENV_CONFIG: cfg.to_toml(),
-                rdist.ENV_OUT: str(out.resolve()),
-                rdist.ENV_RESUME: "1" if resume else "0",
-                rdist.ENV_PROGRESS: "1" if progress and r == 0 else "0",
-                rdist.ENV_FAULTS: faults.to_json() if faults is not None else "",
-                ENV_ERROR_FILE: str(outcome(r)),
-            },
-        )
-        ctx = _start(n, envs, tmp)
-        watch = _Watch(ctx, cfg, outcome)
+        # The rendezvous store is hosted here, as torchrun's agent hosts it, so that a free
+        # port (master_port = 0) is bound once and no rank can lose it to another program.
+        ranks = Ranks.rendezvous(n, d.master_addr, d.master_port, d.timeout_s, f"{tmp}/logs")
+        jobs = _Jobs(Path(tmp))
+        outcome = jobs.submit(cfg, out, resume=resume, progress=progress, faults=faults, last=True)
+        watch = _Watch(_start(ranks, jobs), cfg, outcome, jobs.prefix())
         try:
             watch.until_done()
         finally:
             # SIGTERM to every rank still running (rank 0 then writes its summary), SIGKILL
             # to any still there 5 s later
-            _close_ranks(ctx)
-        codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
+            close_ranks(ranks)
+        codes = ranks.codes()
         errors = watch.errors()
-    del store  # the ranks have ended
     return _outcome(cfg, out, codes, watch.lost, errors, hung=watch.hung)
 
 
@@ -358,16 +367,15 @@ class RankPool:
     4–6 s a launch on 2 cores).
 
     Each run is :func:`run`'s, rank for rank: every rank joins a fresh process group (its
-    store keys under ``run<N>/``, :func:`distsgd.runtime.dist.store_namespace`), trains
+    store keys under ``run<N>/``, :func:`distsgd.runtime.launch.store_namespace`), trains
     ``cfg`` with :class:`~distsgd.trainer.Trainer` and reports its outcome; the same
     failure policy applies. A run that fails in any way (a rank lost, diverged, a user
     error, an interrupt) ends the pool's processes at once (SIGTERM, then SIGKILL 5 s
     later), as :func:`run` ends its own, and the next run starts fresh ones; so does a
     run whose ``dist.master_addr`` / ``master_port`` / ``timeout_s`` differ from those the
     ranks were started with. Under torchrun (this process is one rank) it is :func:`run`.
-    A pooled rank ends itself ``65`` s after its launcher died (:func:`run`'s ranks:
-    ``dist.timeout_s + 5``), and once the pool's folder is gone (a pool dropped without
-    :meth:`close`).
+    A pooled rank ends itself ``65`` s after its launcher died (in a run: ``dist.timeout_s
+    + 5``), and once the pool's folder is gone (a pool dropped without :meth:`close`).
 
     Args:
         num_processes: the ranks every run must need (``required_processes``).
@@ -379,11 +387,15 @@ class RankPool:
 
     def __init__(self, num_processes: int) -> None:
         self.num_processes = num_processes
-        self._ctx: Any = None
+        self._ranks: Ranks | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        self._store: Any = None
+        self._jobs: _Jobs | None = None
         self._started_with: tuple[str, int, float] | None = None
-        self._runs = 0
+
+    @property
+    def _ctx(self) -> Any:
+        """torch's process context of the ranks (None when none run)."""
+        return self._ranks.context if self._ranks is not None else None
 
     def __enter__(self) -> RankPool:
         return self
@@ -392,32 +404,29 @@ class RankPool:
         self.close()
 
     def __del__(self) -> None:  # a pool dropped without close(): end its ranks
-        if getattr(self, "_ctx", None) is not None:
+        if getattr(self, "_ranks", None) is not None:
             try:
                 self._terminate()
             except Exception:  # noqa: BLE001 - at interpreter shutdown; the ranks end alone
                 pass
 
-    def _ensure(self, cfg: RunConfig) -> None:
-        """Start the ranks unless they run already, with ``cfg``'s rendezvous settings."""
+    def _ensure(self, cfg: RunConfig) -> tuple[Ranks, _Jobs]:
+        """The ranks, started unless they run already with ``cfg``'s rendezvous settings."""
         d = cfg.dist
         wanted = (d.master_addr, d.master_port, d.timeout_s)
-        alive = self._ctx is not None and all(
-            h.proc.poll() is None for h in self._ctx.subprocess_handlers.values()
-        )
-        if alive and wanted == self._started_with:
-            return
+        if self._ranks is not None and self._jobs is not None:
+            if self._ranks.alive() and wanted == self._started_with:
+                return self._ranks, self._jobs
         self.close()
-        n = self.num_processes
-        self._runs = 0  # fresh ranks count their runs from 1
         self._tmp = tempfile.TemporaryDirectory(prefix="distsgd-pool-")
         tmp = self._tmp.name
-        self._store = rendezvous_store(
-            d.master_addr, d.master_port, world_size=n, timeout_s=d.timeout_s
+        ranks = Ranks.rendezvous(
+            self.num_processes, d.master_addr, d.master_port, d.timeout_s, f"{tmp}/logs"
         )
-        envs = _rank_envs(n, d.master_addr, self._store.port, lambda r: {ENV_POOL_DIR: tmp})
-        self._ctx = _start(n, envs, tmp)
+        self._jobs = _Jobs(Path(tmp))  # fresh ranks count their runs from 1
+        self._ranks = _start(ranks, self._jobs)
         self._started_with = wanted
+        return self._ranks, self._jobs
 
     def run(
         self,
@@ -440,10 +449,9 @@ class RankPool:
             raise ValueError("RankFaults.abort_at_exit is not injected into pooled ranks")
         if not resume:
             Trainer(cfg, out)._check_out_dir()  # fail before any rank starts the run
-        self._ensure(cfg)
-        outcome = self._submit(cfg, out, resume, progress, faults)
-        ctx = self._ctx
-        watch = _Watch(ctx, cfg, outcome, poll_s=_POOL_POLL_S)
+        ranks, jobs = self._ensure(cfg)
+        outcome = jobs.submit(cfg, out, resume=resume, progress=progress, faults=faults, last=False)
+        watch = _Watch(ranks, cfg, outcome, jobs.prefix(), poll_s=_POOL_POLL_S)
         late: list[int] = []
         try:
             watch.until_done(self._run_done(watch, outcome, cfg.dist.timeout_s + 5, late))
@@ -460,27 +468,7 @@ class RankPool:
         errors = watch.errors()
         if watch.lost or late or any(e["kind"] != "done" for e in errors.values()):
             self._terminate()  # a failed run ends the pool's ranks, as run() ends its own
-        codes = {r: h.proc.poll() for r, h in ctx.subprocess_handlers.items()}
-        return _outcome(cfg, out, codes, watch.lost, errors, hung=watch.hung)
-
-    def _submit(
-        self, cfg: RunConfig, out: Path, resume: bool, progress: bool, faults: RankFaults | None
-    ) -> Callable[[int], Path]:
-        """Hand the run to the ranks (``run<N>.json``, written whole); returns where rank
-        r reports its outcome."""
-        assert self._tmp is not None
-        self._runs += 1
-        tmp, number = Path(self._tmp.name), self._runs
-        job = {"config": cfg.to_toml(), "out": str(out.resolve()), "resume": resume}
-        job |= {"progress": progress, "faults": faults.to_json() if faults is not None else ""}
-        part = tmp / f"run{number}.json.part"
-        part.write_text(json.dumps(job))
-        part.rename(tmp / f"run{number}.json")
-
-        def outcome(r: int) -> Path:
-            return tmp / f"run{number}-rank{r}.json"
-
-        return outcome
+        return _outcome(cfg, out, ranks.codes(), watch.lost, errors, hung=watch.hung)
 
     def _run_done(
         self, watch: _Watch, outcome: Callable[[int], Path], grace_s: float, late: list[int]
@@ -509,13 +497,13 @@ class RankPool:
         """End the ranks and remove the pool's files: ranks waiting for a run are asked to
         stop (up to 5 s); any still running then get SIGTERM, and SIGKILL 5 s later. A
         Ctrl-C meanwhile skips the wait and is raised once the ranks are ended."""
-        if self._ctx is not None:
-            assert self._tmp is not None
-            (Path(self._tmp.name) / POOL_STOP).touch()
+        if self._ranks is not None and self._jobs is not None:
+            self._jobs.stop()
             end = time.monotonic() + 5
-            handlers = self._ctx.subprocess_handlers.values()
             try:
-                while time.monotonic() < end and any(h.proc.poll() is None for h in handlers):
+                while time.monotonic() < end and any(
+                    c is None for c in self._ranks.codes().values()
+                ):
                     time.sleep(_POLL_S)
             finally:
                 self._terminate()
@@ -523,72 +511,28 @@ class RankPool:
 
     def _terminate(self) -> None:
         """SIGTERM to every rank still running, SIGKILL 5 s later; remove the files."""
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            _close_ranks(ctx)
-        self._store = None
+        if self._ranks is not None:
+            ranks, self._ranks = self._ranks, None
+            close_ranks(ranks)
+        self._jobs = None
         self._started_with = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
 
 
-def _close_ranks(ctx: Any) -> None:
-    """SIGTERM to every rank of ``ctx`` still running, SIGKILL 5 s later (torch's
-    ``PContext.close``), without torch's warning line per rank ("Sending process N closing
-    signal SIGTERM"): distsgd says in its own line why the run ended."""
-    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    level = log.level
-    log.setLevel(logging.ERROR)
+def _read(path: Path) -> dict[str, Any]:
+    """A rank's outcome file (``{}`` where it has none, or none readable yet)."""
     try:
-        ctx.close(timeout=5)
-    finally:
-        log.setLevel(level)
-
-
-def _kill_hung(
-    ctx: Any, codes: dict[int, int | None], outcome: Callable[[int], Path], hung: set[int]
-) -> None:
-    """SIGKILL the ranks still running that every other rank has left, if the ranks that
-    stopped on a lost peer named them as silent (no heartbeat): they hang (stopped or
-    stuck), and waiting for them would only delay the end of the run."""
-    running = {r for r, c in codes.items() if c is None}
-    if not running or not running <= _named_silent(codes, outcome):
-        return
-    for r in sorted(running - hung):
-        hung.add(r)
-        pid = ctx.subprocess_handlers[r].proc.pid
-        print(
-            f"distsgd: rank {r} (pid {pid}) stopped making progress (no heartbeat); killing it",
-            file=sys.stderr,
-        )
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _named_silent(codes: dict[int, int | None], outcome: Callable[[int], Path]) -> set[int]:
-    """The ranks that the ended ranks' outcome files name as silent (no heartbeat when
-    they lost contact)."""
-    named: set[int] = set()
-    for r, code in codes.items():
-        if code is None:
-            continue
-        try:
-            found = json.loads(outcome(r).read_text())
-            named.update(int(x) for x in found.get("silent_ranks", []))
-        except (OSError, ValueError, TypeError, AttributeError):
-            continue
-    return named
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _finished(path: Path) -> bool:
     """Whether a rank's outcome file says it finished its part of the run."""
-    try:
-        return json.loads(path.read_text()).get("kind") == "done"
-    except (OSError, ValueError):
-        return False
+    return _read(path).get("kind") == "done"
 
 
 def _outcome(
@@ -611,8 +555,7 @@ def _outcome(
     if not fatal and rank0_done and summary_path.exists():
         return json.loads(summary_path.read_text())
     # the lost ranks are those that ended without reporting a lost peer themselves
-    # (killed, or failed on their own), and those that hung: named silent by the others
-    # (hung: named silent by the others, killed here)
+    # (killed, or failed on their own), and those killed for silence (no heartbeat)
     silent = set(hung) - {r for r in errors if errors[r].get("kind") in ("lost", "done")}
     causes = sorted({r for r in fatal if errors.get(r, {}).get("kind") != "lost"} | silent)
     causes = causes or fatal
@@ -642,11 +585,13 @@ def _outcome(
             summary["lost_ranks"] = causes
             write_json(summary_path, summary)
     elif out.is_dir():  # rank 0 could not write it (killed, hung): the report needs one
-        _write_failed_summary(cfg, out, message, causes)
+        _write_failed_summary(cfg, out, message, causes, num_processes=len(codes))
     raise DistRunFailed(message)
 
 
-def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: list[int]) -> None:
+def _write_failed_summary(
+    cfg: RunConfig, out: Path, error: str, lost_ranks: list[int], *, num_processes: int
+) -> None:
     """``summary.json`` of a run whose rank 0 could not write it (and an empty
     ``metrics.jsonl`` if it had none): what the config and the evaluations written so far
     say; training counters only rank 0 knew are left out."""
@@ -686,29 +631,12 @@ def _write_failed_summary(cfg: RunConfig, out: Path, error: str, lost_ranks: lis
             "final_metric": last.get("eval_metric"),
             "reached": best is not None and target_reached(best, t.target, direction),
             "samples": last.get("samples", 0),
-            "num_processes": required_processes(cfg.protocol, cfg.dist)[0],
+            "num_processes": num_processes,
             "error": error,
             "lost_ranks": lost_ranks,
             "written_by": "launcher",
         },
     )
-
-
-_terminating = False  # a rank's SIGTERM came: later ones do not interrupt its teardown
-
-
-def rank_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM's handler in a rank: it ends as Ctrl-C does (``KeyboardInterrupt``; rank 0
-    writes an "interrupted" summary), and at the latest ``dist.timeout_s + 5`` seconds
-    later whatever its teardown does (:func:`distsgd.runtime.dist.arm_exit_deadline`).
-    Only the first SIGTERM interrupts: a second (the launcher's and the kernel's at the
-    launcher's death) interrupted rank 0 writing its summary, which was then missing."""
-    global _terminating
-    rdist.arm_exit_deadline()
-    if _terminating:
-        return
-    _terminating = True
-    raise KeyboardInterrupt
 
 
 def run_worker(
@@ -718,13 +646,14 @@ def run_worker(
     resume: bool,
     progress: bool,
     faults: RankFaults | None = None,
+    outcome: Path | None = None,
 ) -> int:
-    """One rank started by :func:`run`: train, and report how it ended.
+    """One rank's run: train, and report how it ended.
 
     Returns the exit status: 0 done, 1 diverged or another error, 2 a user error, 3 a
     peer lost, 130 stopped by SIGTERM. The message of a failure also goes to the file
-    ``$DISTSGD_DIST_ERROR_FILE`` for the launcher, and so does ``{"kind": "done"}`` once
-    this rank's part of the run is finished (its outcome written).
+    ``outcome`` for the launcher, and so does ``{"kind": "done"}`` once this rank's part
+    of the run is finished (its outcome written).
     """
 
     signal.signal(signal.SIGTERM, rank_sigterm)
@@ -732,21 +661,19 @@ def run_worker(
 
     def report(kind: str, e: BaseException, status: int) -> int:
         print(f"distsgd[rank {rank}]: {kind}: {e}", file=sys.stderr)
-        path = os.environ.get(ENV_ERROR_FILE)
-        if path:
-            outcome = {"kind": kind, "message": str(e)}
+        if outcome is not None:
+            found = {"kind": kind, "message": str(e)}
             silent = getattr(e, "silent_ranks", None)
             if silent:  # peers whose heartbeat had stopped when this rank lost contact
-                outcome["silent_ranks"] = list(silent)
-            Path(path).write_text(json.dumps(outcome))
+                found["silent_ranks"] = list(silent)
+            outcome.write_text(json.dumps(found))
         return status
 
     try:
-        cfg = RunConfig.from_dict(_toml(config_toml))
+        cfg = RunConfig.from_dict(tomllib.loads(config_toml))
         Trainer(cfg, out_dir, progress=progress, faults=faults).run(resume=resume)
-        path = os.environ.get(ENV_ERROR_FILE)
-        if path:
-            Path(path).write_text(json.dumps({"kind": "done", "message": ""}))
+        if outcome is not None:
+            outcome.write_text(json.dumps({"kind": "done", "message": ""}))
         return 0
     except TrainingDiverged as e:
         return report("diverged", e, 1)
@@ -760,98 +687,54 @@ def run_worker(
         raise
 
 
-def exit_worker(main: Callable[[], int], *, abort: bool = False) -> NoReturn:
-    """End a rank process with ``main()``'s exit status without interpreter shutdown.
-
-    Runs ``main`` (an uncaught exception prints its traceback, status 1), flushes stdout
-    and stderr and calls ``os._exit``: the run's outcome is already written and the
-    process group destroyed (:meth:`Trainer.run`), and skipping the shutdown keeps C++
-    destructors of torch.distributed threads from aborting the process (module
-    docstring). ``abort`` (a fault injected by tests,
-    :attr:`~distsgd.runtime.faults.RankFaults.abort_at_exit`) ends it by ``os.abort()``
-    here instead (SIGABRT after finishing, as that shutdown abort would).
-    """
-    try:
-        code = main()
-    except SystemExit as e:  # as the interpreter: None is 0, a message is printed and 1
-        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-        if not isinstance(e.code, int | None):
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - report any failure as status 1, as Python does
-        traceback.print_exc()
-        code = 1
-    logging.shutdown()  # flush log handlers: os._exit skips atexit
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    if abort:
-        os.abort()
-    os._exit(code)
+_abort_at_exit = False  # the last run's RankFaults.abort_at_exit named this rank
 
 
-def _toml(text: str) -> dict[str, Any]:
-    return tomllib.loads(text)
+def aborts_at_exit() -> bool:
+    """Whether this rank ends by SIGABRT (a fault injected by tests, its last run's)."""
+    return _abort_at_exit
 
 
-def rank_faults() -> RankFaults:
-    """The faults :func:`run` was given for its ranks (its channel to them)."""
-    return RankFaults.from_json(os.environ.get(rdist.ENV_FAULTS, ""))
-
-
-def pooled_ranks_main(pool_dir: Path) -> int:
-    """A rank of a :class:`RankPool`: train each run the pool writes (``run<N>.json``:
-    config, directory, resume and progress flags, faults) as :func:`run_worker`, in
-    order, until the pool asks it to stop or its folder is gone (status 0), or a run does
-    not end well (that run's status)."""
+def main() -> int:
+    """A rank's work (``python -m distsgd.worker``, started by :func:`run` or a
+    :class:`RankPool`): train each run of the jobs folder ``$DISTSGD_JOBS_DIR`` (its
+    ``run<N>.json``, module docstring) as :func:`run_worker`, in order, until a run marked
+    ``last`` ends or one does not end well (that run's status), the pool asks it to stop
+    or its folder is gone (status 0)."""
+    global _abort_at_exit
+    jobs = Path(os.environ[ENV_JOBS])
     rank = os.environ.get("RANK", "?")
-    # armed once for all runs (a run's own dist.timeout_s + 5 is not known yet)
-    rdist.end_with_parent(65.0)
+    # armed once for all runs (a run's own dist.timeout_s + 5 is set when it joins)
+    end_with_parent(65.0)
     number = 0
     try:
-        with keep_loaded():  # a built-in data set is read once for all the pool's runs
+        with keep_loaded():  # a built-in data set is read once for all the rank's runs
             while True:
                 # what the rank holds between runs (modules, caches) is moved out of the
                 # collector's reach, so the full collection that frees a run's DDP wrapper
-                # (SyncDistRuntime.close) scans that run's objects only (0.18 s a run -> ~0);
-                # the last run's garbage is collected first (a scan of its objects only), so
-                # none of it is frozen for good
+                # (SyncDistRuntime.close) scans that run's objects only; the last run's
+                # garbage is collected first, so none of it is frozen for good
                 gc.collect()
                 gc.freeze()
                 number += 1
-                path = pool_dir / f"run{number}.json"
+                path = jobs / f"run{number}.json"
                 while not path.exists():
-                    if (pool_dir / POOL_STOP).exists() or not pool_dir.is_dir():
+                    if (jobs / POOL_STOP).exists() or not jobs.is_dir():
                         return 0  # asked to stop, or the pool was dropped without close()
                     time.sleep(0.02)
                 job = json.loads(path.read_text())
-                os.environ[rdist.ENV_POOL_RUN] = str(number)
-                os.environ[ENV_ERROR_FILE] = str(pool_dir / f"run{number}-rank{rank}.json")
+                faults = RankFaults.from_json(job["faults"])
+                _abort_at_exit = str(faults.abort_at_exit) == rank
+                os.environ[ENV_RUN] = str(number)
                 code = run_worker(
                     job["config"],
                     job["out"],
                     resume=job["resume"],
                     progress=job["progress"] and rank == "0",
-                    faults=RankFaults.from_json(job["faults"]),
+                    faults=faults,
+                    outcome=jobs / f"run{number}-rank{rank}.json",
                 )
-                if code != 0:
+                if code != 0 or job["last"]:
                     return code
     except KeyboardInterrupt:
         return 130
-
-
-def main() -> int:
-    """A rank's work (``python -m distsgd.worker``, started by :func:`run`): the run's
-    config, directory, resume flag and injected faults come from the environment the
-    launcher set for it (a :class:`RankPool`'s ranks: from its run files)."""
-    pool = os.environ.get(ENV_POOL_DIR)
-    if pool:
-        return pooled_ranks_main(Path(pool))
-    return run_worker(
-        os.environ[rdist.ENV_CONFIG],
-        os.environ[rdist.ENV_OUT],
-        resume=os.environ.get(rdist.ENV_RESUME) == "1",
-        progress=os.environ.get(rdist.ENV_PROGRESS) == "1",
-        faults=rank_faults(),
-    )

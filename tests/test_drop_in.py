@@ -327,14 +327,14 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _train(model, opt, loader, sampler, epochs, kill_at=None):
+def _train(model, opt, loader, sampler, epochs, kill_at=None, sig=signal.SIGKILL):
     step = 0
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
             step += 1
             if kill_at is not None and step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), sig)
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -488,7 +488,12 @@ def _scenario_ps(spec: dict, record: dict) -> None:
         torch.optim.SGD(model.parameters(), lr=PS_LR, momentum=0.9), model, ctx
     )
     kill_at = spec.get("kill", {}).get(ctx.rank)
-    record["steps"] = _train(model, opt, loader, sampler, spec["epochs"], kill_at)
+    stop_at = spec.get("stop", {}).get(ctx.rank)  # SIGSTOP: stays, its heartbeat stops
+    if stop_at is not None:
+        kill_at, sig = stop_at, signal.SIGSTOP
+    else:
+        sig = signal.SIGKILL
+    record["steps"] = _train(model, opt, loader, sampler, spec["epochs"], kill_at, sig)
     ctx.close()
 
 
@@ -858,6 +863,34 @@ def test_async_run_goes_on_without_a_killed_learner(tmp_path):
     result = records[0]["result"]
     assert result["lost_ranks"] == [2]
     assert result["num_pushes"] == 2 * 1024 // 32 + 4  # learner 2 pushed 4 times
+
+
+@pytest.mark.slow
+def test_a_stopped_learner_is_killed_and_the_async_run_goes_on(tmp_path):
+    """``python -m distsgd.torch.launch --nproc-per-node 3``: learner rank 2 stops itself
+    (SIGSTOP) at its 5th step; the launcher kills it once its heartbeat has been still
+    for timeout_s and names it, the server drops it and serves learner 1 to the end, exit
+    status 0 (before, the launcher waited for the stopped rank for good)."""
+    root = Path(__file__).resolve().parents[1]
+    spec = {"scenario": "ps", "mode": "async", "epochs": 2, "out_dir": str(tmp_path / "ps")}
+    spec.update(stop={2: 5}, timeout_s=3.0, input_shape=_input_shape(), records=str(tmp_path))
+    torch.save(spec, tmp_path / "spec.pt")
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import sys\nfrom tests.test_drop_in import _launched\n_launched(sys.argv[1])\n"
+    )
+    cmd = [sys.executable, "-m", "distsgd.torch.launch", "--nproc-per-node", "3"]
+    cmd += [str(script), str(tmp_path / "spec.pt")]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOIN_S)
+    assert done.returncode == 0, done.stderr
+    assert "rank 2 (pid" in done.stderr and "killing it" in done.stderr, done.stderr
+    assert not (tmp_path / "2.pt").exists()  # killed
+    records = {r: torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in (0, 1)}
+    for rec in records.values():
+        assert "crash" not in rec, rec["crash"]
+    assert records[1]["steps"] == 2 * 1024 // 32
+    assert records[0]["result"]["lost_ranks"] == [2]
 
 
 def _launched(spec_path: str) -> None:

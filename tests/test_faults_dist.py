@@ -26,6 +26,8 @@ from distsgd.api import train
 from distsgd.config import ConfigError
 from distsgd.launch import DistRunFailed
 from distsgd.runtime.faults import RankFaults
+from distsgd.runtime.launch import PeerLost
+from distsgd.runtime.ps import LearnerLost, ServerLost
 from distsgd.runtime.rendezvous import rendezvous_store
 from tests.conftest import small_config
 
@@ -511,3 +513,130 @@ def test_exit_while_the_heartbeat_is_in_a_store_call_is_not_an_abort(how):
     )
     assert done.returncode == 0, done.stderr
     assert "terminate called" not in done.stderr
+
+
+# ---- lost_ranks under torchrun ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "error, lost",
+    [
+        (PeerLost("lost contact with another rank; rank 1 stopped making progress", [1]), [1]),
+        (ServerLost(0, "parameter server rank 0 lost"), [0]),
+        (LearnerLost([2, 3], "compute group [2, 3] failed in all-reduce"), [2, 3]),
+    ],
+)
+def test_rank_0_under_torchrun_names_the_lost_ranks_in_its_failed_summary(
+    tmp_path, monkeypatch, error, lost
+):
+    """Under torchrun no distsgd launcher fills lost_ranks: rank 0 names the ranks its
+    error names in the failed summary it wrote (before, lost_ranks was null)."""
+    from distsgd import launch
+    from distsgd.metrics import write_json
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    class Trainer:  # rank 0's run: writes its failed summary, then raises the loss
+        def __init__(self, cfg, out, **kwargs):
+            self.out = out
+
+        def run(self, resume):
+            write_json(self.out / "summary.json", {"status": "failed", "error": str(error)})
+            raise error
+
+    monkeypatch.setattr(launch, "Trainer", Trainer)
+    with pytest.raises(type(error)):
+        launch.run(config(HARDSYNC2), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["lost_ranks"] == lost
+
+
+# ---- a stopped rank of every role ends (kill -STOP) --------------------------------------------
+_TRAIN_WITH_FAULTS = """
+import json, sys
+from distsgd.api import train
+from distsgd.config import RunConfig
+from distsgd.runtime.faults import RankFaults
+
+cfg = RunConfig.from_toml(sys.argv[1])
+faults = RankFaults(pid_dir=sys.argv[3], stop_at_step=json.loads(sys.argv[4]))
+try:
+    train(cfg, out_dir=sys.argv[2], faults=faults)
+except RuntimeError as e:
+    print(f"failed: {e}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def _train_stopping(tmp_path: Path, cfg, stop_at_step: dict[int, int]) -> tuple[int, str, dict]:
+    """Train ``cfg`` in a child process whose ranks SIGSTOP themselves at
+    ``stop_at_step`` (RankFaults); returns (its exit status, its stderr, {rank: pid}).
+    Fails if it has not ended within GENEROUS_S; every rank it started is killed after."""
+    cfg_path, pids = tmp_path / "run.toml", tmp_path / "pids"
+    cfg_path.write_text(cfg.to_toml())
+    steps = json.dumps({str(r): n for r, n in stop_at_step.items()})
+    argv = [sys.executable, "-c", _TRAIN_WITH_FAULTS, str(cfg_path), str(tmp_path / "run")]
+    proc = subprocess.Popen(
+        [*argv, str(pids), steps], cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, err = proc.communicate(timeout=GENEROUS_S)
+    finally:
+        ranks = {int(f.stem[4:]): int(f.read_text()) for f in pids.glob("rank*.pid")}
+        stopped = [r for r, p in ranks.items() if _running(p)]
+        for p in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert stopped == [], f"ranks {stopped} were still running after the launcher ended"
+    return proc.returncode, err, ranks
+
+
+@pytest.mark.slow
+def test_a_stopped_async_learner_is_killed_and_the_others_complete_the_run(tmp_path):
+    """Async parameter server on 3 processes, learner rank 2 stopped (SIGSTOP) at its 3rd
+    gradient: the launcher kills it once its heartbeat has been still for dist.timeout_s
+    and names it; the server and learner 1 complete the run (before, the launcher waited
+    for the stopped rank for good, holding run.lock, and printed nothing more)."""
+    code, err, _ = _train_stopping(tmp_path, config(ASYNC, timeout_s=3), {2: 3})
+    assert code == 0, err
+    assert "rank 2 (pid" in err and "stopped making progress (no heartbeat); killing it" in err
+    assert "the server goes on without it" in err
+    out = tmp_path / "run"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["samples"] >= 1024  # one epoch
+    assert not (out / "run.lock").exists()
+
+
+@pytest.mark.slow
+def test_a_stopped_server_is_killed_and_named_and_the_run_ends(tmp_path):
+    """Async parameter server on 3 processes, the server (rank 0) stopped at its 5th push:
+    the learners give up on it after dist.timeout_s; the launcher kills it, names it as
+    the cause (not "the server goes on without it"), writes the failed summary rank 0
+    could not, and releases the run directory (before, nothing ended)."""
+    code, err, _ = _train_stopping(tmp_path, config(ASYNC, timeout_s=3), {0: 5})
+    assert code == 1, err
+    assert "rank 0 (pid" in err and "killing it" in err
+    assert "goes on without it" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("failed: rank 0 (server) stopped making progress"), last
+    out = tmp_path / "run"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["lost_ranks"] == [0]
+    assert summary["written_by"] == "launcher"
+    assert not (out / "run.lock").exists()
+
+
+@pytest.mark.slow
+def test_a_stopped_compute_group_member_is_killed_and_the_other_group_completes(tmp_path):
+    """Compute groups (λ = 4, g = 2: ranks 1-2 and 3-4) on 5 processes, member rank 4
+    stopped at its 3rd gradient: its group's all-reduce times out and the group is lost,
+    the launcher kills rank 4, and the server completes the run with the other group."""
+    groups = {"name": "compute_groups", "num_learners": 4, "num_groups": 2, "batch_size": 16}
+    code, err, _ = _train_stopping(tmp_path, config(groups, timeout_s=3), {4: 3})
+    assert code == 0, err
+    assert "rank 4 (pid" in err and "killing it" in err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed"

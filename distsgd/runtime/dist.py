@@ -56,10 +56,7 @@ RankFaults`); nothing is read from the environment for them.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import gc
 import inspect
@@ -67,7 +64,6 @@ import math
 import os
 import queue
 import re
-import signal
 import statistics
 import sys
 import threading
@@ -94,6 +90,14 @@ from distsgd.protocols.sma import SMA
 from distsgd.runtime import ps
 from distsgd.runtime.base import Runtime, Tick, TrainingDiverged
 from distsgd.runtime.faults import RankFaults
+from distsgd.runtime.launch import (
+    ENV_RUN,
+    Heartbeats,
+    PeerLost,
+    arm_exit_deadline,
+    end_with_parent,
+    store_namespace,
+)
 from distsgd.runtime.sim import time_in_turn
 
 __all__ = [
@@ -113,234 +117,6 @@ __all__ = [
     "SyncDistRuntime",
     "PSDistRuntime",
 ]
-
-ENV_CONFIG = "DISTSGD_DIST_CONFIG"
-ENV_OUT = "DISTSGD_DIST_OUT"
-ENV_RESUME = "DISTSGD_DIST_RESUME"
-ENV_PROGRESS = "DISTSGD_DIST_PROGRESS"
-ENV_FAULTS = "DISTSGD_DIST_FAULTS"  # the launcher's channel for RankFaults (tests)
-# set by a pooled rank (distsgd.launch.RankPool) for each run it trains: the number of the
-# run, so that its store keys (process group, heartbeats) are apart from the runs before
-ENV_POOL_RUN = "DISTSGD_POOL_RUN"
-
-
-def store_namespace() -> str:
-    """The prefix of this run's keys in the rendezvous store: ``distsgd/<restart>/``
-    (torchrun's ``TORCHELASTIC_RESTART_COUNT``, 0 under distsgd's launcher), and
-    ``run<N>/`` below it for the N-th run of pooled ranks (:data:`ENV_POOL_RUN`)."""
-    prefix = f"distsgd/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    run = os.environ.get(ENV_POOL_RUN)
-    return prefix + (f"run{run}/" if run else "")
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_watching_parent = False
-
-
-class PeerLost(RuntimeError):
-    """A peer process died or stayed silent longer than ``dist.timeout_s``.
-
-    Attributes:
-        silent_ranks: the ranks whose heartbeat had stopped when this rank lost contact
-            (hung or dead; :class:`Heartbeats`), ``[]`` when every peer was alive or
-            nobody could tell.
-    """
-
-    def __init__(self, message: str, silent_ranks: list[int] | None = None) -> None:
-        super().__init__(message)
-        self.silent_ranks = list(silent_ranks or [])
-
-
-class Heartbeats:
-    """Per-rank liveness through the run's rendezvous store (the c10d TCPStore at
-    ``MASTER_ADDR:MASTER_PORT``, hosted by the launcher or torchrun's agent).
-
-    A daemon thread adds 1 to this rank's counter every ``interval_s`` seconds
-    (``min(1, timeout_s / 10)``). It goes on while the rank computes, evaluates or waits
-    in a collective (torch and gloo release the GIL), and stops when the process is
-    stopped (SIGSTOP), dies, or hangs holding the GIL. So when a collective times out,
-    the ranks whose counter does not move for a few intervals are the ones that stopped
-    making progress (:meth:`silent_ranks`), and a rank waiting for another rank's long
-    solo work (rank 0 evaluating) waits as long as that rank beats (:meth:`wait_for`),
-    not ``timeout_s``.
-
-    Keys: ``<namespace>beat/<rank>``, ``…/left/<rank>`` (the rank ended its part on
-    purpose), ``…/<name>`` of :meth:`post`; ``<namespace>`` is :func:`store_namespace`
-    (``distsgd/<restart>/``, with ``run<N>/`` for pooled ranks).
-
-    Raises:
-        PeerLost: from :meth:`wait_for`, the awaited rank's heartbeat stopped for
-            ``timeout_s``.
-    """
-
-    def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
-        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.interval_s = min(1.0, timeout_s / 10)
-        self._prefix = store_namespace()
-        self._store = self._client()  # the main thread's
-        self._seen: dict[int, tuple[int, float]] = {}  # rank: (count, when it moved)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
-        self._thread.start()
-        # A daemon thread still inside a store call when the interpreter exits aborts the
-        # process ("terminate called without an active exception", SIGABRT: its return
-        # to Python unwinds through pybind11's noexcept GIL guard): stop it before then.
-        atexit.register(self._stop_beating)
-
-    def _client(self) -> dist.TCPStore:
-        return dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timedelta(seconds=self.timeout_s),
-        )
-
-    def _beat(self) -> None:
-        try:
-            store = self._client()
-            key = f"{self._prefix}beat/{self.rank}"
-            while not self._stop.is_set():
-                store.add(key, 1)
-                self._stop.wait(self.interval_s)
-        except (RuntimeError, dist.DistError):  # the store is gone: the run is over
-            return
-
-    def _count(self, rank: int) -> int:
-        return int(self._store.add(f"{self._prefix}beat/{rank}", 0))
-
-    def silent_ranks(self) -> list[int]:
-        """The other ranks whose heartbeat does not move for ``max(2, 3 · interval_s)``
-        seconds and which did not leave on purpose (blocks that long)."""
-        try:
-            before = {r: self._count(r) for r in range(self.world_size) if r != self.rank}
-            time.sleep(max(2.0, 3 * self.interval_s))
-            left = {r for r in before if self._store.check([f"{self._prefix}left/{r}"])}
-            return [r for r in before if r not in left and self._count(r) == before[r]]
-        except (RuntimeError, dist.DistError):
-            return []
-
-    def silence_s(self, rank: int) -> float:
-        """Seconds since this rank saw ``rank``'s heartbeat move (0.0 at the first look;
-        infinite when the store is gone). One store round trip."""
-        try:
-            count = self._count(rank)
-        except (RuntimeError, dist.DistError):
-            return math.inf
-        now = time.monotonic()
-        seen = self._seen.get(rank)
-        if seen is None or seen[0] != count:
-            self._seen[rank] = (count, now)
-            return 0.0
-        return now - seen[1]
-
-    def post(self, name: str) -> None:
-        """Mark ``name`` as done (for the ranks in :meth:`wait_for`)."""
-        self._store.set(self._prefix + name, "1")
-
-    def wait_for(self, name: str, rank: int) -> None:
-        """Wait until ``rank`` has :meth:`post`-ed ``name``, for as long as it beats.
-
-        Raises:
-            PeerLost: ``rank``'s heartbeat did not move for ``timeout_s`` seconds.
-        """
-        key = self._prefix + name
-        try:
-            count, since = self._count(rank), time.monotonic()
-            while not self._store.check([key]):
-                time.sleep(self.interval_s)
-                now = self._count(rank)
-                if now != count:
-                    count, since = now, time.monotonic()
-                elif time.monotonic() - since > self.timeout_s:
-                    raise PeerLost(
-                        f"rank {rank} stopped making progress (no heartbeat for "
-                        f"{self.timeout_s:g} s)",
-                        [rank],
-                    )
-        except (RuntimeError, dist.DistError) as e:
-            if isinstance(e, PeerLost):
-                raise
-            raise PeerLost(f"lost the run's store while waiting for rank {rank} ({e})") from e
-
-    def close(self) -> None:
-        """Say that this rank leaves on purpose, and stop beating (the beat thread is
-        joined: at most one store round trip, bounded by ``timeout_s``)."""
-        try:
-            self._store.set(f"{self._prefix}left/{self.rank}", "1")
-        except (RuntimeError, dist.DistError):
-            pass
-        self._stop_beating()
-        atexit.unregister(self._stop_beating)
-
-    def _stop_beating(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(self.timeout_s)
-
-
-_exit_grace_s = 65.0  # a rank's grace after SIGTERM (end_with_parent sets its run's)
-_exit_armed = False
-
-
-def arm_exit_deadline(grace_s: float | None = None) -> None:
-    """End this process ``grace_s`` seconds from now (default: the grace
-    :func:`end_with_parent` set, ``dist.timeout_s + 5``) unless it has ended by then.
-
-    SIGALRM, whose default action (terminate) the kernel carries out without the
-    interpreter: a teardown that holds the GIL and never returns cannot block it (found
-    by a fresh-user review: after ``kill -9`` of the launcher one rank in four hung for
-    good, its main thread in a gloo process group's destructor joining gloo's thread,
-    which waited for the GIL; the watchdog thread's ``os._exit`` waited for it too, and
-    SIGTERM's handler could not run). Armed once; no effect on systems without SIGALRM
-    or where SIGALRM has a handler of its own.
-    """
-    global _exit_armed
-    alarm = getattr(signal, "SIGALRM", None)
-    if _exit_armed or alarm is None or signal.getsignal(alarm) not in (signal.SIG_DFL, None):
-        return
-    _exit_armed = True
-    signal.alarm(max(1, math.ceil(_exit_grace_s if grace_s is None else grace_s)))
-
-
-def end_with_parent(grace_s: float) -> None:
-    """End this rank when its parent (distsgd's launcher, torchrun's agent) dies.
-
-    On Linux the kernel sends SIGTERM at the parent's death (``prctl(PR_SET_PDEATHSIG)``
-    through ctypes); a daemon thread also checks the parent pid every second and, once it
-    changed, sends SIGTERM itself (other systems). SIGTERM ends a rank as Ctrl-C does
-    (rank 0 writes an "interrupted" summary); its handler arms :func:`arm_exit_deadline`,
-    so a rank still running ``grace_s`` seconds later ends (SIGALRM), as it does with the
-    watchdog thread's deadline.
-    """
-    global _watching_parent, _exit_grace_s
-    _exit_grace_s = grace_s  # a pooled rank: each run's own
-    if _watching_parent:  # a pooled rank: once for all its runs
-        return
-    _watching_parent = True
-    parent = os.getppid()
-    kernel_signals = False
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            kernel_signals = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        print(
-            f"distsgd[rank {os.environ.get('RANK', '?')}]: the launcher (pid {parent}) "
-            "died; stopping",
-            file=sys.stderr,
-        )
-        arm_exit_deadline()
-        if not kernel_signals:  # else the kernel sent SIGTERM already: one is enough (a
-            os.kill(os.getpid(), signal.SIGTERM)  # second interrupted rank 0's summary)
-        time.sleep(_exit_grace_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
 
 
 def _flat_settings(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -477,7 +253,7 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
     if not dist.is_initialized():
         end_with_parent(cfg.dist.timeout_s + 5)
         timeout = timedelta(seconds=cfg.dist.timeout_s)
-        # pooled ranks join a fresh process group for each run, its keys apart
+        # distsgd's ranks join a fresh process group for each run, its keys apart
         store = (
             dist.PrefixStore(
                 store_namespace() + "pg",
@@ -488,7 +264,7 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
                     timeout=timeout,
                 ),
             )
-            if os.environ.get(ENV_POOL_RUN)
+            if os.environ.get(ENV_RUN)
             else None
         )
         dist.init_process_group(

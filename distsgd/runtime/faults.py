@@ -27,6 +27,8 @@ class RankFaults:
         kill_at_step: ``{rank: n}``: that rank sends itself SIGKILL when it is about to do
             its n-th step (an iteration, a push handled by the coordinating server or a
             gradient computed by a learner).
+        stop_at_step: ``{rank: n}``: that rank sends itself SIGSTOP there instead (as
+            ``kill -STOP``: the process stays, its heartbeat stops).
         seconds: ``{rank: (a, p)}``: on the synchronous runtime that rank counts
             ``a · k^p`` seconds for each iteration at k replicas instead of its measured
             wall seconds (so that ranks' own measurements would lead the replicas
@@ -37,6 +39,7 @@ class RankFaults:
 
     pid_dir: str = ""
     kill_at_step: dict[int, int] = field(default_factory=dict)
+    stop_at_step: dict[int, int] = field(default_factory=dict)
     seconds: dict[int, tuple[float, float]] = field(default_factory=dict)
     abort_at_exit: int | None = None
 
@@ -46,6 +49,7 @@ class RankFaults:
             {
                 "pid_dir": self.pid_dir,
                 "kill_at_step": self.kill_at_step,
+                "stop_at_step": self.stop_at_step,
                 "seconds": {r: list(v) for r, v in self.seconds.items()},
                 "abort_at_exit": self.abort_at_exit,
             }
@@ -60,6 +64,7 @@ class RankFaults:
         return cls(
             pid_dir=d["pid_dir"],
             kill_at_step={int(r): int(n) for r, n in d["kill_at_step"].items()},
+            stop_at_step={int(r): int(n) for r, n in d["stop_at_step"].items()},
             seconds={int(r): (float(a), float(p)) for r, (a, p) in d["seconds"].items()},
             abort_at_exit=d["abort_at_exit"],
         )
@@ -71,10 +76,13 @@ class RankFaults:
             (Path(self.pid_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))
 
     def step(self, rank: int, steps: int) -> None:
-        """Before ``rank``'s ``steps``-th step: SIGKILL itself if asked to."""
-        at = self.kill_at_step.get(rank)
-        if at is not None and steps >= at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        """Before ``rank``'s ``steps``-th step: SIGKILL or SIGSTOP itself if asked to."""
+        for at, sig in (
+            (self.kill_at_step.get(rank), signal.SIGKILL),
+            (self.stop_at_step.get(rank), signal.SIGSTOP),
+        ):
+            if at is not None and steps >= at:
+                os.kill(os.getpid(), sig)
 
     def iteration_seconds(self, rank: int, replicas: int, measured_s: float) -> float:
         """The seconds ``rank`` counts for an iteration at k = ``replicas``."""

@@ -4,11 +4,10 @@ all-or-nothing failure policy, for runs that must survive a lost learner.
     python -m distsgd.torch.launch --nproc-per-node 3 examples/own_loop/train.py --protocol async
 
 starts ``--nproc-per-node`` copies of the script with torchrun's environment (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``),
-through torch's own process layer
-(:func:`torch.distributed.elastic.multiprocessing.start_processes`, as torchrun's agent),
-with the rendezvous store hosted here (:func:`distsgd.runtime.rendezvous.rendezvous_store`,
-on ``--master-addr`` only).
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)
+and watches them, as ``distsgd train --runtime dist`` does
+(:mod:`distsgd.runtime.launch`: torch's process layer, the rendezvous store hosted here
+on ``--master-addr`` only, heartbeats).
 
 **Why not torchrun.** torchrun's agent stops every worker of its node as soon as one
 fails: ``SubprocessContext._poll`` (``torch/distributed/elastic/multiprocessing/api.py``)
@@ -24,10 +23,12 @@ without ``exit_barrier_timeout``, and no option or environment variable sets it.
 **Policy here.** A rank that ends with a non-zero status is reported on stderr and the
 others go on: under ``parameter_server`` (async, n-softsync) and ``compute_groups`` the
 server serves the other learners to the end; under the synchronous protocols the other
-ranks stop themselves within ``timeout_s`` with ``PeerLost`` naming it. The launcher's
-exit status is the first non-zero exit status of a rank that ended on its own (a rank
-killed by a signal is only reported), else 0. Ctrl-C stops every rank (SIGTERM, then
-SIGKILL 5 s later).
+ranks stop themselves within ``timeout_s`` with ``PeerLost`` naming it. A rank whose
+heartbeat (``distsgd.torch.init``'s) stops for longer than its ``timeout_s`` is killed
+(SIGKILL) and reported (:class:`~distsgd.runtime.launch.RankWatch`; the bounds are
+those of :mod:`distsgd.runtime.launch`). The launcher's exit status is the first
+non-zero exit status of a rank that ended on its own (a rank killed by a signal is only
+reported), else 0. Ctrl-C stops every rank (SIGTERM, then SIGKILL 5 s later).
 """
 
 from __future__ import annotations
@@ -39,16 +40,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from distsgd.runtime.faults import describe_exit
-from distsgd.runtime.rendezvous import rendezvous_store
+from distsgd.runtime.launch import Ranks, RankWatch, close_ranks, namespace, start_ranks
 
 __all__ = ["launch", "main"]
 
 POLL_S = 0.1  # how often the ranks' exit statuses are read
 STORE_TIMEOUT_S = 300.0  # the ranks' rendezvous on the store (torchrun's default is 900)
+PROG = "distsgd.torch.launch"
 
 
 def launch(
@@ -79,47 +80,36 @@ def launch(
         raise ValueError(f"--nproc-per-node = {nproc_per_node} is not allowed: expected >= 1")
     if not Path(script).is_file():
         raise ValueError(f"script = {script!r} is not allowed: expected a Python file")
-    n = nproc_per_node
-    store = rendezvous_store(master_addr, master_port, world_size=n, timeout_s=STORE_TIMEOUT_S)
-    common = {
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(store.port),
-        "WORLD_SIZE": str(n),
-        "LOCAL_WORLD_SIZE": str(n),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank a client of `store`
-    }
-    envs = {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)}
     with tempfile.TemporaryDirectory(prefix="distsgd-torch-launch-") as tmp:
-        ctx = start_processes(
-            name="distsgd.torch",
-            entrypoint=sys.executable,
-            args={r: ("-u", script, *script_args) for r in range(n)},
-            envs=envs,
-            logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
+        ranks = Ranks.rendezvous(
+            nproc_per_node, master_addr, master_port, STORE_TIMEOUT_S, f"{tmp}/logs"
         )
+        start_ranks(ranks, ("-u", script, *script_args), lambda r: {})
         try:
-            codes = _wait(ctx)
+            codes = _wait(RankWatch(ranks, namespace(), _announce))
         except SignalException:
             raise KeyboardInterrupt from None
         finally:
-            ctx.close(timeout=5)
-    del store  # every rank has ended
+            close_ranks(ranks)
     own = [c for c in codes.values() if c > 0]
     return own[0] if own else 0
 
 
-def _wait(ctx: object) -> dict[int, int]:
+def _announce(rank: int, line: str) -> None:
+    print(f"{PROG}: {line}; the other ranks go on", file=sys.stderr, flush=True)
+
+
+def _wait(watch: RankWatch) -> dict[int, int]:
     """Poll the ranks until all have ended; report each that ends with a non-zero
     status once. Returns ``{rank: exit status}`` (negative: killed by that signal)."""
-    handlers = ctx.subprocess_handlers  # type: ignore[attr-defined]
-    reported: set[int] = set()
+    reported: set[int] = set(watch.hung)
     while True:
-        codes = {r: h.proc.poll() for r, h in handlers.items()}
+        codes = watch.poll()
         for r, code in codes.items():
-            if code not in (None, 0) and r not in reported:
+            if code not in (None, 0) and r not in reported and r not in watch.hung:
                 reported.add(r)
                 print(
-                    f"distsgd.torch.launch: rank {r} (pid {handlers[r].proc.pid}) "
+                    f"{PROG}: rank {r} (pid {watch.ranks.pid(r)}) "
                     f"{describe_exit(code)}; the other ranks go on",
                     file=sys.stderr,
                     flush=True,
@@ -132,7 +122,7 @@ def _wait(ctx: object) -> dict[int, int]:
 def main(argv: list[str] | None = None) -> int:
     """The command line (see the module); returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m distsgd.torch.launch",
+        prog=f"python -m {PROG}",
         description="torchrun's one-machine launch; a lost rank does not stop the others",
     )
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True)
@@ -150,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             master_port=args.master_port,
         )
     except ValueError as e:
-        print(f"distsgd.torch.launch: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
