@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import distsgd
+import distsgd.torch as dsgd
 from distsgd.config import ClusterConfig, DataConfig
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
@@ -189,6 +191,25 @@ def test_dist_all_reduce_sums_rows_and_divides_a_mean_by_every_rank_rows(solo_gr
     mean = all_reduce(AllReduce(rows, lambda t: t, mean=True), 1)
     assert torch.equal(mean, torch.tensor([2.0, 4.0]))
     assert torch.equal(rows, torch.tensor([[1.0, 2.0], [3.0, 6.0]]))  # payload untouched
+
+
+@pytest.mark.parametrize("protocol", ["sma", "local_sgd"])
+def test_drop_in_protocol_starts_from_the_weights_rank_0_broadcast(protocol, monkeypatch):
+    """The protocol object (SMA's z, local SGD's replica) is built after every rank took
+    rank 0's parameters, so all ranks hold the same central model."""
+
+    def rank0_weights(self):  # a world of one: stands for another rank's weights
+        for p in self.params:
+            p.data.fill_(0.5)
+
+    monkeypatch.setattr(dsgd.DistributedOptimizer, "broadcast_from_rank0", rank0_weights)
+    model = nn.Linear(3, 2)
+    ctx = dsgd.init(protocol, average_every=2)
+    try:
+        opt = dsgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, ctx)
+        assert torch.equal(opt.eval_weights(), torch.full((8,), 0.5))
+    finally:
+        ctx.close()
 
 
 def test_package_names_load_on_first_use():

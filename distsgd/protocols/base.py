@@ -208,6 +208,14 @@ class AsynchronousProtocol(ABC):
 
     num_workers: int
     num_learners: int
+    barrier: bool = False
+    """True: a worker that pushed pulls again only once the update is applied (hardsync
+    through the server; :meth:`can_pull`)."""
+
+    def members(self, worker: int) -> list[int]:
+        """The learners whose mean gradient ``worker`` pushes (a compute group's members;
+        by default the worker alone)."""
+        return [worker]
 
     @property
     @abstractmethod

@@ -109,6 +109,7 @@ __all__ = [
     "check_same_config",
     "process_info",
     "init_process_group",
+    "collective",
     "collective_backend",
     "build_runtime",
     "calibrate_iteration",
@@ -526,6 +527,17 @@ def _collective_error(e: Exception, heartbeats: Heartbeats | None = None) -> Pee
     return PeerLost(f"lost contact with another rank ({text}){hung}", silent)
 
 
+def collective(
+    heartbeats: Heartbeats | None, fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(*args, **kwargs)``, a c10d call, with its failure raised as :class:`PeerLost`
+    naming the ranks whose ``heartbeats`` stopped (:func:`_collective_error`)."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, dist.DistError) as e:
+        raise _collective_error(e, heartbeats) from e
+
+
 class _DistBase(Runtime):
     """What every dist runtime shares: rank, writer role, timing and the test hooks."""
 
@@ -572,11 +584,11 @@ class _DistBase(Runtime):
     def share_with_all(self, obj: Any) -> Any:
         """Collective over every rank of the run: ``obj`` of rank 0."""
         box = [obj]
-        try:
-            dist.broadcast_object_list(box, src=0)
-        except (RuntimeError, dist.DistError) as e:
-            raise _collective_error(e, self.heartbeats) from e
+        self._collective(dist.broadcast_object_list, box, src=0)
         return box[0]
+
+    def _collective(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return collective(self.heartbeats, fn, *args, **kwargs)
 
     def close(self) -> None:
         """Leave the process group (and stop this rank's heartbeat). What holds the group
@@ -922,16 +934,7 @@ class SyncDistRuntime(_DistBase):
         self._collective(dist.all_reduce, sums, op=dist.ReduceOp.SUM)
         self.engine.load_batch_statistics(sums)
 
-    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (RuntimeError, dist.DistError) as e:
-            raise _collective_error(e, self.heartbeats) from e
-
-    def share(self, obj: Any) -> Any:
-        box = [obj]
-        self._collective(dist.broadcast_object_list, box, src=0)
-        return box[0]
+    share = _DistBase.share_with_all  # every rank runs the training loop
 
     def any_rank(self, flag: bool) -> bool:
         t = torch.tensor([1.0 if flag else 0.0])

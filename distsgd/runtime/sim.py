@@ -567,8 +567,7 @@ class SimRuntime(Runtime):
 
     # ---- asynchronous (parameter server) ------------------------------------------------
     def _members(self, worker: int) -> list[int]:
-        members = getattr(self.protocol, "members", None)
-        return list(members(worker)) if members is not None else [worker]
+        return self.protocol.members(worker)  # type: ignore[union-attr]
 
     def _init_async(self) -> None:
         proto = self.protocol

@@ -17,7 +17,7 @@ from distsgd.config import ConfigError, OptimizerConfig
 from distsgd.layout import spec_for
 from distsgd.protocols.base import AllReduce, SynchronousProtocol
 from distsgd.runtime import ps
-from distsgd.runtime.dist import _collective_error, all_reduce, device_protocol
+from distsgd.runtime.dist import all_reduce, collective, device_protocol
 from distsgd.torch.context import Context, _parameters
 from distsgd.torch.flat import flatten, flatten_grads, write_back
 
@@ -165,10 +165,7 @@ class DistributedOptimizer:
     # ---- helpers shared by the rules ----------------------------------------------------
     def collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args)`` with a lost peer as ``PeerLost`` naming the silent rank."""
-        try:
-            return fn(*args, **kwargs)
-        except (RuntimeError, dist.DistError) as e:
-            raise _collective_error(e, self.ctx.heartbeats) from e
+        return collective(self.ctx.heartbeats, fn, *args, **kwargs)
 
     def average(self, vector: Tensor) -> Tensor:
         """Collective: ``vector`` averaged over the ranks, in place."""
@@ -223,7 +220,6 @@ class _AllReduce(_Rule):
 
     def __init__(self, owner: DistributedOptimizer) -> None:
         super().__init__(owner)
-        owner.broadcast_from_rank0()
         self.buckets = _GradientBuckets(owner)
 
     def step(self, loss: float) -> None:
@@ -396,7 +392,6 @@ class _Exchanging(_Rule):
 
     def __init__(self, owner: DistributedOptimizer, protocol: SynchronousProtocol) -> None:
         super().__init__(owner)
-        owner.broadcast_from_rank0()
         self.protocol = protocol
 
     def step(self, loss: float) -> None:
@@ -524,6 +519,7 @@ def _rule_for(owner: DistributedOptimizer) -> _Rule:
     ctx = owner.ctx
     if spec_for(ctx.config.protocol).has_server:
         return _Pusher(owner)
+    owner.broadcast_from_rank0()  # every rank's protocol starts from rank 0's weights
     sgd = OptimizerConfig(momentum=0.0, weight_decay=0.0, nesterov=False)
     cfg = ctx.config.replace(optimizer=sgd)  # the user's optimizer makes the local step
     protocol = device_protocol(cfg, 1, flatten(owner.params))
