@@ -13,8 +13,25 @@ and one trains the user's own module and data and returns the trained model with
     result.model, result.summary["final_metric"]
 """
 
-from distsgd.api import FitResult, export_model, fit, train
-from distsgd.config import ConfigError, RunConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from distsgd.api import FitResult, export_model, fit, train
+    from distsgd.config import ConfigError, RunConfig
 
 __version__ = "0.1.0"
 __all__ = ["train", "fit", "FitResult", "export_model", "RunConfig", "ConfigError", "__version__"]
+
+_LAZY = {"train": "api", "fit": "api", "FitResult": "api", "export_model": "api"}
+_LAZY.update(RunConfig="config", ConfigError="config")
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported on first use (PEP 562): importing a subpackage
+    (``distsgd.protocols``, ``distsgd.torch``) loads no trainer, launcher or tuner."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'distsgd' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"distsgd.{_LAZY[name]}"), name)

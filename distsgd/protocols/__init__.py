@@ -29,7 +29,7 @@ They know nothing of the config: :func:`distsgd.layout.build_protocol` makes the
 from __future__ import annotations
 
 from ._util import SERVER_OPTIMIZERS, STALENESS_LR, OptimizerFactory
-from .base import AsynchronousProtocol, SynchronousProtocol, Update, make_sgd
+from .base import AllReduce, AsynchronousProtocol, SynchronousProtocol, Update, make_sgd
 from .compute_groups import ComputeGroups
 from .hardsync import HardSync
 from .local_sgd import LocalSGD
@@ -37,6 +37,7 @@ from .parameter_server import ParameterServer
 from .sma import SMA
 
 __all__ = [
+    "AllReduce",
     "SERVER_OPTIMIZERS",
     "STALENESS_LR",
     "OptimizerFactory",

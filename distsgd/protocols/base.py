@@ -10,7 +10,11 @@ Two families:
 
 * :class:`SynchronousProtocol` — lock-step: every iteration each learner computes one
   gradient on ``learner_weights(l)`` and the runtime calls ``step(grads, lr)`` once with all
-  of them (hardsync, SMA, local SGD, plain).
+  of them (hardsync, SMA, local SGD, plain). What the learners exchange is stated apart
+  from how it travels (DESIGN.md, "Communication once"): :meth:`SynchronousProtocol.
+  exchange_step` does the local work and names the :class:`AllReduce` the iteration
+  needs; each runtime carries it out in its own way (in one process, over c10d, in the
+  drop-in).
 * :class:`AsynchronousProtocol` — a parameter server: learners ``pull``, compute, ``push``
   at their own pace (Rudra's n-softsync / async / hardsync, Omnivore's compute groups).
 """
@@ -18,13 +22,14 @@ Two families:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["SynchronousProtocol", "AsynchronousProtocol", "Update", "make_sgd"]
+__all__ = ["AllReduce", "SynchronousProtocol", "AsynchronousProtocol", "Update", "make_sgd"]
 
 
 def make_sgd(
@@ -40,14 +45,51 @@ def make_sgd(
     )
 
 
+@dataclass(frozen=True)
+class AllReduce:
+    """One all-reduce a synchronous protocol asks of its runtime, and what to do with the
+    result (sans-IO: the protocol names the tensor, the runtime moves it).
+
+    The run's total is taken over the rows of every process's payload: their sum, or with
+    ``mean`` their sum divided by the number of rows of all processes. A protocol object
+    that holds every learner of the run (one process) reduces its rows alone:
+    :meth:`reduce_here`.
+
+    Attributes:
+        payload: shape ``[R, P]``: one row per learner or device the protocol object holds
+            (may be a view of its state: a runtime reads it, never writes it).
+        apply: the protocol's rule for the run's total, shape ``[P]``; its return value
+            is handed back to the runtime's caller (e.g. an evaluation model).
+        mean: False: the total is the sum of the rows; True: their mean.
+    """
+
+    payload: Tensor
+    apply: Callable[[Tensor], Any]
+    mean: bool = False
+
+    def reduce_here(self) -> Tensor:
+        """The total of this process's rows alone, shape ``[P]`` (a new tensor)."""
+        return self.payload.mean(0) if self.mean else self.payload.sum(0)
+
+
 class SynchronousProtocol(ABC):
     """Lock-step protocol over ``num_learners`` learners.
 
     Each iteration the runtime computes, for every learner ``l``, the mean-loss gradient of
-    its minibatch at ``learner_weights(l)`` and calls :meth:`step` once.
+    its minibatch at ``learner_weights(l)`` and calls :meth:`exchange_step`, then carries
+    out the :class:`AllReduce` it returns over every process of the run (:meth:`step` is
+    both in one process).
+
+    Learners that all compute on one weight vector (``shares_weights``) exchange the mean
+    of their gradients before the update: a runtime may compute that mean by its own path
+    (one forward/backward over the learners' concatenated minibatches; DDP's all-reduce of
+    gradient buckets during backward) and hand it to :meth:`apply_mean_gradient`.
     """
 
     num_learners: int
+    shares_weights: ClassVar[bool] = False
+    """True: every learner computes on ``learner_weights(0)`` and the iteration's exchange
+    is the mean gradient (:meth:`apply_mean_gradient`)."""
 
     @abstractmethod
     def learner_weights(self, learner: int) -> Tensor:
@@ -56,15 +98,60 @@ class SynchronousProtocol(ABC):
         May be a view of internal state: callers must not modify it.
         """
 
+    @property
+    def replicas(self) -> Tensor:
+        """Every learner's weights, shape ``[num_learners, P]`` (a view where the protocol
+        holds them as one stack: do not modify)."""
+        return torch.stack([self.learner_weights(j) for j in range(self.num_learners)])
+
     @abstractmethod
+    def exchange_step(self, grads: Tensor, lr: float) -> AllReduce | None:
+        """The local part of one iteration, and the all-reduce it needs.
+
+        Args:
+            grads: shape ``[num_learners, P]``; row l is learner l's gradient at
+                ``learner_weights(l)``.
+            lr: base learning rate for this iteration (from the schedule).
+
+        Returns:
+            The :class:`AllReduce` whose total completes the iteration (its ``apply``
+            must run before the next call), or None when the iteration exchanges nothing.
+        """
+
     def step(self, grads: Tensor, lr: float) -> None:
-        """Apply one iteration.
+        """Apply one iteration in one process: :meth:`exchange_step`, its all-reduce over
+        this object's rows (:meth:`AllReduce.reduce_here`) and its rule.
 
         Args:
             grads: shape ``[num_learners, P]``; row l is learner l's gradient at
                 ``learner_weights(l)``.
             lr: base learning rate for this iteration (from the schedule).
         """
+        exchange = self.exchange_step(grads, lr)
+        if exchange is not None:
+            exchange.apply(exchange.reduce_here())
+
+    def apply_mean_gradient(self, grad: Tensor, lr: float) -> None:
+        """Apply the learners' mean gradient ``[P]``, reduced by the runtime (protocols
+        with ``shares_weights`` only).
+
+        Raises:
+            NotImplementedError: the learners do not share one weight vector.
+        """
+        raise NotImplementedError(f"{type(self).__name__} learners do not share weights")
+
+    def begin_iteration(self, lr: float) -> bool:
+        """Prepare the learners for an iteration at rate ``lr``; True when their weights
+        were reset to ``learner_weights`` and a local optimizer outside the protocol (the
+        drop-in's) must clear its state too. :meth:`exchange_step` calls it first; the
+        default resets nothing."""
+        return False
+
+    def eval_exchange(self) -> AllReduce | None:
+        """The all-reduce that gives the evaluation model when this object holds only some
+        of the run's learners (its ``apply`` returns the model ``[P]``), or None when
+        :meth:`eval_weights` is the run's model on every process."""
+        return None
 
     @abstractmethod
     def eval_weights(self) -> Tensor:
@@ -121,6 +208,14 @@ class AsynchronousProtocol(ABC):
 
     num_workers: int
     num_learners: int
+    barrier: bool = False
+    """True: a worker that pushed pulls again only once the update is applied (hardsync
+    through the server; :meth:`can_pull`)."""
+
+    def members(self, worker: int) -> list[int]:
+        """The learners whose mean gradient ``worker`` pushes (a compute group's members;
+        by default the worker alone)."""
+        return [worker]
 
     @property
     @abstractmethod

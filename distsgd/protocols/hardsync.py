@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import Tensor
@@ -44,7 +45,7 @@ from ._util import (
     optimizer_state,
     optimizer_step,
 )
-from .base import SynchronousProtocol
+from .base import AllReduce, SynchronousProtocol
 
 __all__ = ["HardSync"]
 
@@ -66,6 +67,8 @@ class HardSync(SynchronousProtocol):
     Raises:
         ValueError: an argument outside the allowed values (the message names it).
     """
+
+    shares_weights = True
 
     def __init__(
         self,
@@ -101,8 +104,9 @@ class HardSync(SynchronousProtocol):
         check_index("learner", learner, self.num_learners)
         return self._w
 
-    def step(self, grads: Tensor, lr: float) -> None:
-        """Apply ``w ← opt(w, grads.mean(0), lr)`` with the protocol's optimizer.
+    def exchange_step(self, grads: Tensor, lr: float) -> AllReduce:
+        """The mean of ``grads`` over every learner of the run, applied by
+        :meth:`apply_mean_gradient` (:meth:`step`: ``w ← opt(w, grads.mean(0), lr)``).
 
         Args:
             grads: shape ``[num_learners, P]``, same dtype and device as the weights; row l
@@ -110,10 +114,11 @@ class HardSync(SynchronousProtocol):
             lr: learning rate α0 >= 0.
 
         Raises:
-            ValueError: wrong shape, dtype or device of ``grads``, or a bad ``lr``.
+            ValueError: wrong shape, dtype or device of ``grads`` (a bad ``lr`` from the
+                all-reduce's ``apply``).
         """
         check_vector("grads", grads, self._w.expand(self.num_learners, -1))
-        self.apply_mean_gradient(grads.mean(0), lr)
+        return AllReduce(grads, functools.partial(self.apply_mean_gradient, lr=lr), mean=True)
 
     def apply_mean_gradient(self, grad: Tensor, lr: float) -> None:
         """Apply ``w ← opt(w, grad, lr)`` with the learners' mean gradient already reduced

@@ -53,7 +53,7 @@ from ._util import (
     optimizer_step,
     regroup_replicas,
 )
-from .base import SynchronousProtocol
+from .base import AllReduce, SynchronousProtocol
 
 __all__ = ["LocalSGD"]
 
@@ -124,8 +124,9 @@ class LocalSGD(SynchronousProtocol):
         check_index("learner", learner, self.num_learners)
         return self._replicas[learner]
 
-    def step(self, grads: Tensor, lr: float) -> None:
-        """Step every replica on its own gradient; average them every H-th iteration.
+    def exchange_step(self, grads: Tensor, lr: float) -> AllReduce | None:
+        """:meth:`local_step`; at the end of an averaging period the mean of every replica
+        of the run, applied by :meth:`apply_average` (None between averagings).
 
         Args:
             grads: shape ``[num_learners, P]``; row l is replica l's gradient.
@@ -134,14 +135,15 @@ class LocalSGD(SynchronousProtocol):
         Raises:
             ValueError: bad ``grads`` (shape, dtype, device) or ``lr``.
         """
-        if self.local_step(grads, lr):
-            self.apply_average(self._replicas.mean(0))
+        if not self.local_step(grads, lr):
+            return None
+        return AllReduce(self._replicas, self.apply_average, mean=True)
 
     def local_step(self, grads: Tensor, lr: float) -> bool:
         """Step every replica on its own gradient, without averaging.
 
-        A runtime whose replicas live on several processes calls this, and when it returns
-        True all-reduces the replicas' mean and hands it to :meth:`apply_average`.
+        :meth:`exchange_step` calls this and, when it returns True, names the all-reduce
+        of the replicas' mean that :meth:`apply_average` takes.
 
         Args:
             grads: shape ``[num_learners, P]``; row l is replica l's gradient.
@@ -168,6 +170,13 @@ class LocalSGD(SynchronousProtocol):
         """
         check_vector("mean", mean, self._replicas[0])
         self._replicas.copy_(mean.expand_as(self._replicas))
+
+    def eval_exchange(self) -> AllReduce | None:
+        """Between averagings, the mean of every replica of the run (the evaluation model
+        ``[P]`` when the replicas sit on several processes); None right after one."""
+        if self._iteration % self.average_every == 0:
+            return None
+        return AllReduce(self._replicas, _identity, mean=True)
 
     def eval_weights(self) -> Tensor:
         """The mean of the replicas, shape ``[P]`` (a copy of replica 0 when they are equal
@@ -246,3 +255,7 @@ class LocalSGD(SynchronousProtocol):
         load_vector("replicas", state["replicas"], self._replicas)
         self._iteration = int(state["iteration"])
         load_optimizer(self._opt, state["optimizer"])
+
+
+def _identity(total: Tensor) -> Tensor:
+    return total

@@ -18,9 +18,9 @@ The local optimizer may be any coordinate-wise torch.optim optimizer: the rule n
 that each replica's update comes from its own gradient history. Hierarchically (Crossbow's multi-GPU synchronisation), the λ replicas sit on λ/k devices of
 k consecutive replicas; each device sums its own corrections, the per-device sums are
 all-reduced, and every device applies the same z update. :meth:`SMA.step` is exactly
-:meth:`SMA.local_step` followed by :meth:`SMA.apply_central` of the summed device sums,
-so a distributed runtime runs ``local_step`` on its own replicas, all-reduces the sums
-and calls ``apply_central``. ``alpha`` is literal here: 0 means no correction (the
+:meth:`SMA.local_step` followed by :meth:`SMA.apply_central` of the summed device sums
+(:meth:`SMA.exchange_step` names that all-reduce), so a distributed runtime runs
+``local_step`` on its own replicas, all-reduces the sums and calls ``apply_central``. ``alpha`` is literal here: 0 means no correction (the
 config's "0 means 1/λ" is mapped by :func:`distsgd.layout.sma_alpha`).
 
 Example (two replicas, α = 1/2, μ_z = 0: z becomes the mean of the pre-update replicas)::
@@ -62,7 +62,7 @@ from ._util import (
     optimizer_step,
     regroup_replicas,
 )
-from .base import SynchronousProtocol
+from .base import AllReduce, SynchronousProtocol
 
 __all__ = ["SMA"]
 
@@ -178,9 +178,7 @@ class SMA(SynchronousProtocol):
         check_vector("grads", grads, self._replicas)
         if self._pending_central:
             raise RuntimeError("local_step called twice without apply_central in between")
-        if lr < self._last_lr:
-            self._replicas.copy_(self._z.expand_as(self._replicas))
-            self._opt.state.clear()
+        self.begin_iteration(lr)
         r, k = self._replicas, self.replicas_per_device
         if self.weight_decay == 0 and self._make_optimizer is None:
             # The SGD direction does not depend on w_j, so the correction can come first,
@@ -220,8 +218,19 @@ class SMA(SynchronousProtocol):
         self._pending_central = False
         self._iteration += 1
 
-    def step(self, grads: Tensor, lr: float) -> None:
-        """One iteration: ``apply_central(local_step(grads, lr).sum(0))``.
+    def begin_iteration(self, lr: float) -> bool:
+        """Crossbow's reset: when ``lr`` is lower than the previous iteration's, every
+        replica becomes z and its optimizer state is cleared (True); else nothing (False).
+        Resetting twice before one :meth:`local_step` changes nothing more."""
+        if lr >= self._last_lr:
+            return False
+        self._replicas.copy_(self._z.expand_as(self._replicas))
+        self._opt.state.clear()
+        return True
+
+    def exchange_step(self, grads: Tensor, lr: float) -> AllReduce:
+        """:meth:`local_step`, then the sum of the per-device corrections over every
+        device of the run, applied by :meth:`apply_central`.
 
         Args:
             grads: shape ``[num_learners, P]``.
@@ -231,7 +240,7 @@ class SMA(SynchronousProtocol):
             ValueError: bad ``grads`` or ``lr``.
             RuntimeError: called between ``local_step`` and ``apply_central``.
         """
-        self.apply_central(self.local_step(grads, lr).sum(0))
+        return AllReduce(self.local_step(grads, lr), self.apply_central)
 
     def set_replicas_per_device(self, replicas_per_device: int, alpha: float | None = None) -> None:
         """Change k, the replicas on each device, at a synchronisation point.

@@ -22,19 +22,46 @@ Runtimes are built by :func:`distsgd.runtime.factory.runtime_kind`.
 from __future__ import annotations
 
 import abc
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
-from distsgd.data import Split
+from distsgd.data import Dataset, LearnerStream, Split
 from distsgd.engine import GradientEngine
 
-__all__ = ["Runtime", "Tick", "TrainingDiverged"]
+__all__ = [
+    "Runtime",
+    "Tick",
+    "TrainingDiverged",
+    "check_losses",
+    "draw_minibatches",
+    "time_in_turn",
+]
 
 
 class TrainingDiverged(RuntimeError):
     """A learner's training loss became NaN or infinite."""
+
+
+def check_losses(
+    learners: list[int], losses: list[float], lr: float, samples: int, step: int | None = None
+) -> None:
+    """Raise :class:`TrainingDiverged` naming the first of ``learners`` whose loss is NaN
+    or infinite, with the base rate ``lr``, the ``samples`` drawn and the ``step`` (None:
+    not named)."""
+    at = "" if step is None else f" at step {step}"
+    for learner, loss in zip(learners, losses, strict=True):
+        if not math.isfinite(loss):
+            raise TrainingDiverged(
+                f"training loss became {loss}{at} (sample {samples}) on learner {learner} "
+                f"with base learning rate {lr:g}; lower optimizer.lr or add a warm-up "
+                "(schedule.warmup_epochs), or check train.loss and the data"
+            )
 
 
 @dataclass
@@ -152,3 +179,29 @@ class Runtime(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - a runtime in one process holds nothing
         """Release what the runtime holds (the process group)."""
+
+
+def time_in_turn(
+    fns: list[Callable[[], Any]], repeats: int, device: torch.device, warmup: int = 1
+) -> list[list[float]]:
+    """Wall seconds of each of ``fns`` (waiting for ``device``'s queued work), called in
+    turn in each of ``warmup + repeats`` rounds, so that a change of the machine's load
+    during the measurement reaches all alike; the warm-up rounds are dropped. Returns one
+    list of ``repeats`` seconds per function (the calibrations' common timing loop)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(warmup + repeats):
+        for fn, kept in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                kept.append(time.perf_counter() - t0)
+    return times
+
+
+def draw_minibatches(streams: list[LearnerStream], dataset: Dataset) -> tuple[Tensor, Tensor]:
+    """The next minibatch of each of a rank's learner ``streams``: inputs ``[k, b, ...]``
+    and targets ``[k, b, ...]`` (what one synchronous iteration of the rank draws)."""
+    idx = torch.stack([s.next_indices() for s in streams])  # [k, b]
+    return dataset.train.batch(idx)

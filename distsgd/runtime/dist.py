@@ -3,17 +3,18 @@
 The same protocol objects as the simulated cluster run here (DESIGN.md, Runtimes); only
 the transport differs. Rank layout and rules (SPEC.md §1–§5):
 
-* ``hardsync`` / ``plain`` — one learner per rank; the model is wrapped in
+* synchronous protocols (:class:`~distsgd.protocols.SynchronousProtocol`) run in lock
+  step and carry out the all-reduce each iteration names
+  (:meth:`~distsgd.protocols.SynchronousProtocol.exchange_step`, :func:`all_reduce`);
+  this module knows no protocol class. Where the learners share weights (hardsync,
+  plain: one learner per rank) the model is wrapped in
   :class:`torch.nn.parallel.DistributedDataParallel`, whose backward all-reduces (mean)
   the gradient into the engine's flat gradient buffer, and every rank applies it with its
-  own copy of :class:`~distsgd.protocols.HardSync` (torch.optim.SGD: same momentum,
-  weight decay, Nesterov and learning-rate schedule as the simulator).
-* ``sma`` / ``local_sgd`` — one rank per device holding its k replicas in a process-local
-  protocol object (``num_learners = k``). SMA is hierarchical (Crossbow §4): each rank
-  sums its replicas' corrections (:meth:`SMA.local_step`), the per-device sums are
-  all-reduced, and every rank applies the same central update
-  (:meth:`SMA.apply_central`). Local SGD all-reduces the sum of the replicas every H
-  iterations (:meth:`LocalSGD.local_step` / :meth:`LocalSGD.apply_average`). With
+  own copy of the protocol (:func:`hardsync_step`). Replicated protocols (SMA, local SGD)
+  run one rank per device holding its k replicas in a process-local protocol object
+  (``num_learners = k``, :func:`device_protocol`): SMA all-reduces the per-device sums of
+  its corrections every iteration (Crossbow §4), local SGD the sum of the replicas every
+  H iterations. With
   ``replicas_per_device = "auto"`` every rank feeds the auto-tuner the same measurement
   (:meth:`SyncDistRuntime.max_over_ranks` of the interval's wall seconds) and so takes
   the same decision, applied at the same synchronisation point
@@ -60,7 +61,6 @@ import contextlib
 import dataclasses
 import gc
 import inspect
-import math
 import os
 import queue
 import re
@@ -83,12 +83,16 @@ from distsgd.config import ConfigError, RunConfig, required_processes, resolve_d
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.layout import build_protocol, sma_alpha, spec_for
-from distsgd.protocols.base import AsynchronousProtocol
-from distsgd.protocols.hardsync import HardSync
-from distsgd.protocols.local_sgd import LocalSGD
-from distsgd.protocols.sma import SMA
+from distsgd.protocols.base import AllReduce, AsynchronousProtocol, SynchronousProtocol
 from distsgd.runtime import ps
-from distsgd.runtime.base import Runtime, Tick, TrainingDiverged
+from distsgd.runtime.base import (
+    Runtime,
+    Tick,
+    TrainingDiverged,
+    check_losses,
+    draw_minibatches,
+    time_in_turn,
+)
 from distsgd.runtime.faults import RankFaults
 from distsgd.runtime.launch import (
     ENV_RUN,
@@ -98,7 +102,6 @@ from distsgd.runtime.launch import (
     end_with_parent,
     store_namespace,
 )
-from distsgd.runtime.sim import time_in_turn
 
 __all__ = [
     "ProcessInfo",
@@ -109,9 +112,12 @@ __all__ = [
     "check_same_config",
     "process_info",
     "init_process_group",
+    "collective",
     "collective_backend",
     "build_runtime",
     "calibrate_iteration",
+    "all_reduce",
+    "device_protocol",
     "draw_minibatches",
     "hardsync_step",
     "SyncDistRuntime",
@@ -280,16 +286,6 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
     return backend
 
 
-def _check_losses(losses: list[float], learners: list[int], lr: float, samples: int) -> None:
-    for learner, loss in zip(learners, losses, strict=True):
-        if not math.isfinite(loss):
-            raise TrainingDiverged(
-                f"training loss became {loss} (sample {samples}) on learner {learner} with "
-                f"base learning rate {lr:g}; lower optimizer.lr or add a warm-up "
-                "(schedule.warmup_epochs), or check train.loss and the data"
-            )
-
-
 def _collective_error(e: Exception, heartbeats: Heartbeats | None = None) -> PeerLost:
     """A c10d failure as :class:`PeerLost`, with gloo's source location and advice cut;
     with ``heartbeats``, naming the ranks that stopped making progress (blocks a few
@@ -304,6 +300,17 @@ def _collective_error(e: Exception, heartbeats: Heartbeats | None = None) -> Pee
         else ""
     )
     return PeerLost(f"lost contact with another rank ({text}){hung}", silent)
+
+
+def collective(
+    heartbeats: Heartbeats | None, fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(*args, **kwargs)``, a c10d call, with its failure raised as :class:`PeerLost`
+    naming the ranks whose ``heartbeats`` stopped (:func:`_collective_error`)."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, dist.DistError) as e:
+        raise _collective_error(e, heartbeats) from e
 
 
 class _DistBase(Runtime):
@@ -352,11 +359,11 @@ class _DistBase(Runtime):
     def share_with_all(self, obj: Any) -> Any:
         """Collective over every rank of the run: ``obj`` of rank 0."""
         box = [obj]
-        try:
-            dist.broadcast_object_list(box, src=0)
-        except (RuntimeError, dist.DistError) as e:
-            raise _collective_error(e, self.heartbeats) from e
+        self._collective(dist.broadcast_object_list, box, src=0)
         return box[0]
+
+    def _collective(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return collective(self.heartbeats, fn, *args, **kwargs)
 
     def close(self) -> None:
         """Leave the process group (and stop this rank's heartbeat). What holds the group
@@ -381,26 +388,20 @@ def ddp_no_forward_buffer_sync(ddp_init: Callable[..., Any]) -> dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
-def draw_minibatches(streams: list[LearnerStream], dataset: Dataset) -> tuple[Tensor, Tensor]:
-    """The next minibatch of each of a rank's learner ``streams``: inputs ``[k, b, ...]``
-    and targets ``[k, b, ...]`` (what one synchronous iteration of the rank draws)."""
-    idx = torch.stack([s.next_indices() for s in streams])  # [k, b]
-    return dataset.train.batch(idx)
-
-
 def hardsync_step(
     engine: GradientEngine,
-    proto: HardSync,
+    proto: SynchronousProtocol,
     x: Tensor,
     y: Tensor,
     lr: float,
     module: torch.nn.Module | None,
     check: Callable[[list[float]], None],
 ) -> list[float]:
-    """One hardsync learner's iteration on its minibatch ``x`` ``[b, ...]``, ``y``: the
-    gradient through ``module`` (the DDP wrapper, whose backward all-reduces it; None:
-    the bare model), ``check`` of its losses, then the protocol's update of the flat
-    weights. Returns the losses."""
+    """One iteration of a learner of a protocol whose learners share weights
+    (``proto.shares_weights``: hardsync, plain) on its minibatch ``x`` ``[b, ...]``,
+    ``y``: the gradient through ``module`` (the DDP wrapper, whose backward all-reduces
+    it; None: the bare model), ``check`` of its losses, then the protocol's update of the
+    flat weights. Returns the losses."""
     grad, losses = engine.gradient(proto.learner_weights(0), x, y, module=module)
     check(losses)
     proto.apply_mean_gradient(grad, lr)
@@ -460,7 +461,7 @@ def calibrate_iteration(
     )
     plain, stepped = make_engine(), make_engine()
     proto = build_protocol(solo, stepped.initial_weights())
-    assert isinstance(proto, HardSync)
+    assert isinstance(proto, SynchronousProtocol) and proto.shares_weights
     stream = LearnerStream(ShardedSampler(dataset.num_train, 1, p.batch_size, 0), 0)
     x0, y0 = dataset.train.batch(torch.arange(min(p.batch_size, dataset.num_train)))
     w = plain.initial_weights()
@@ -495,6 +496,35 @@ def _ddp(engine: GradientEngine) -> DistributedDataParallel:
     )
 
 
+def device_protocol(cfg: RunConfig, replicas: int, initial: Tensor) -> SynchronousProtocol:
+    """The synchronous protocol object of one device (a rank of the dist runtime, a
+    drop-in process) holding ``replicas`` of ``cfg``'s learners, starting from ``initial``
+    ``[P]``; SMA's α = 0 still means 1 / (all learners of all devices) (SPEC §4), not
+    1 / ``replicas``."""
+    p = cfg.protocol
+    local = cfg.replace(
+        protocol=dataclasses.replace(
+            p, num_learners=replicas, alpha=sma_alpha(p.alpha, p.num_learners)
+        ),
+        dist=dataclasses.replace(cfg.dist, num_processes=0),
+    )
+    protocol = build_protocol(local, initial)
+    assert isinstance(protocol, SynchronousProtocol)
+    return protocol
+
+
+def all_reduce(exchange: AllReduce, world_size: int, group: Any = None) -> Tensor:
+    """Collective: ``exchange``'s total over the ranks of ``group`` (None: all), each
+    holding as many rows: this rank's rows summed, one c10d all-reduce (sum), divided by
+    the rows of all ranks for a mean. Returns a new tensor ``[P]`` on the payload's
+    device."""
+    total = exchange.payload.sum(0)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    if exchange.mean:
+        total.div_(exchange.payload.shape[0] * world_size)
+    return total
+
+
 class SyncDistRuntime(_DistBase):
     """hardsync / plain (DDP), SMA and local SGD on real processes; surface of SimRuntime.
 
@@ -517,19 +547,15 @@ class SyncDistRuntime(_DistBase):
         super().__init__(cfg, engine, dataset, faults)
         p = cfg.protocol
         self.num_learners = p.num_learners
-        if spec_for(p).replicated:
-            self.k = p.initial_replicas_per_device  # "auto" starts at k = 1
-            local = cfg.replace(  # this rank's k replicas, as one device
-                # α = 0 means 1 / (all learners of all devices), SPEC §4, not 1 / k local
-                protocol=dataclasses.replace(
-                    p, num_learners=self.k, alpha=sma_alpha(p.alpha, p.num_learners)
-                ),
-                dist=dataclasses.replace(cfg.dist, num_processes=0),
-            )
-            self.protocol = build_protocol(local, initial)
-        else:
-            self.k = 1
-            self.protocol = build_protocol(cfg, initial)
+        self.replicated = spec_for(p).replicated
+        self.k = p.initial_replicas_per_device if self.replicated else 1  # "auto": k = 1
+        proto = (
+            device_protocol(cfg, self.k, initial)
+            if self.replicated
+            else build_protocol(cfg, initial)
+        )
+        assert isinstance(proto, SynchronousProtocol)
+        self.protocol = proto
         self.learners = [self.rank * self.k + j for j in range(self.k)]
         self.replicas_per_device = self.k
         self.sampler = ShardedSampler(
@@ -538,7 +564,7 @@ class SyncDistRuntime(_DistBase):
         self.streams = [LearnerStream(self.sampler, lrn) for lrn in self.learners]
         self._solo_evals = 0  # evaluations rank 0 ran alone (BatchNorm)
         self.ddp: torch.nn.Module | None = None
-        if isinstance(self.protocol, HardSync):
+        if self.protocol.shares_weights:
             # no buffer broadcast: training forwards normalise with their batch's
             # statistics, and evaluation recomputes the running ones (evaluate)
             self.ddp = _ddp(engine)
@@ -560,7 +586,7 @@ class SyncDistRuntime(_DistBase):
             ValueError: k < 1.
             RuntimeError: the protocol holds no replicas (hardsync, plain).
         """
-        if not isinstance(self.protocol, SMA | LocalSGD):
+        if not self.replicated:
             raise RuntimeError(
                 "replicas per device can change only for protocols 'sma' and 'local_sgd'"
             )
@@ -595,7 +621,7 @@ class SyncDistRuntime(_DistBase):
         proto = self.protocol
         x, y = self._minibatches()
         try:
-            if isinstance(proto, HardSync):
+            if proto.shares_weights:  # DDP's backward all-reduces the mean gradient
                 losses = hardsync_step(
                     self.engine,
                     proto,
@@ -603,20 +629,14 @@ class SyncDistRuntime(_DistBase):
                     y[0],
                     lr,
                     self.ddp,
-                    lambda losses: _check_losses(losses, self.learners, lr, self.samples),
+                    lambda losses: check_losses(self.learners, losses, lr, self.samples),
                 )
             else:
-                assert isinstance(proto, SMA | LocalSGD)
                 grads, losses = self.engine.replica_gradients(proto.replicas.clone(), x, y)
-                _check_losses(losses, self.learners, lr, self.samples)
-                if isinstance(proto, SMA):
-                    corr = proto.local_step(grads, lr)[0]
-                    dist.all_reduce(corr, op=dist.ReduceOp.SUM)
-                    proto.apply_central(corr)
-                elif proto.local_step(grads, lr):
-                    total = proto.replicas.sum(0)
-                    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-                    proto.apply_average(total.div_(self.num_learners))
+                check_losses(self.learners, losses, lr, self.samples)
+                exchange = proto.exchange_step(grads, lr)
+                if exchange is not None:
+                    exchange.apply(all_reduce(exchange, self.world_size))
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, TrainingDiverged):
                 raise
@@ -631,12 +651,10 @@ class SyncDistRuntime(_DistBase):
     def eval_weights(self) -> Tensor:
         """The model to evaluate, shape ``[P]`` (collective for local SGD between
         averagings: the mean of all ranks' replicas)."""
-        proto = self.protocol
-        if isinstance(proto, LocalSGD) and proto.iteration % proto.average_every:
-            total = proto.replicas.sum(0)
-            self._collective(dist.all_reduce, total, op=dist.ReduceOp.SUM)
-            return total.div_(self.num_learners)
-        return proto.eval_weights()
+        exchange = self.protocol.eval_exchange()
+        if exchange is None:
+            return self.protocol.eval_weights()
+        return exchange.apply(self._collective(all_reduce, exchange, self.world_size))
 
     def evaluate(self, weights: Tensor, split: Split, batch_size: int) -> tuple[float, float]:
         """Collective: the metric and the mean loss of ``weights`` on ``split``, each rank
@@ -691,16 +709,7 @@ class SyncDistRuntime(_DistBase):
         self._collective(dist.all_reduce, sums, op=dist.ReduceOp.SUM)
         self.engine.load_batch_statistics(sums)
 
-    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (RuntimeError, dist.DistError) as e:
-            raise _collective_error(e, self.heartbeats) from e
-
-    def share(self, obj: Any) -> Any:
-        box = [obj]
-        self._collective(dist.broadcast_object_list, box, src=0)
-        return box[0]
+    share = _DistBase.share_with_all  # every rank runs the training loop
 
     def any_rank(self, flag: bool) -> bool:
         t = torch.tensor([1.0 if flag else 0.0])
@@ -864,7 +873,7 @@ class PSDistRuntime(_DistBase):
         members = self.layout.worker_groups[event.worker]
         learners = [r - self.num_servers for r in members]
         if len(event.losses) == len(learners):
-            _check_losses(list(event.losses), learners, lr, self.samples)
+            check_losses(learners, list(event.losses), lr, self.samples)
         self.samples += event.samples
         self.virtual_time += time.perf_counter() - t0
         return Tick(event.samples, list(event.losses), event.update)

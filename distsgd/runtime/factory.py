@@ -490,7 +490,6 @@ class _Simulated(RuntimeKind):
             profile=device_profile(cfg, self.calibrated),
             cluster=cfg.cluster,
             replicas_per_device=p.initial_replicas_per_device if spec.replicated else 1,
-            average_every=spec.sync_interval(p),
             seed=cfg.train.seed,
             bn_recalibration_samples=cfg.train.bn_recalibration_samples,
         )

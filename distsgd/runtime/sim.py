@@ -70,9 +70,15 @@ from distsgd.config import ClusterConfig, ConfigError, ConfigWarning, TrainConfi
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs, first_line
 from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol
-from distsgd.protocols.hardsync import HardSync
 from distsgd.runtime import cluster_model as cm
-from distsgd.runtime.base import Runtime, Tick, TrainingDiverged
+from distsgd.runtime.base import (
+    Runtime,
+    Tick,
+    TrainingDiverged,
+    check_losses,
+    draw_minibatches,
+    time_in_turn,
+)
 
 __all__ = [
     "DeviceProfile",
@@ -297,25 +303,6 @@ def measure_replica_seconds(
     return {k: statistic(t) for k, t in zip(inputs, times, strict=True)}
 
 
-def time_in_turn(
-    fns: list[Callable[[], Any]], repeats: int, device: torch.device, warmup: int = 1
-) -> list[list[float]]:
-    """Wall seconds of each of ``fns`` (waiting for ``device``'s queued work), called in
-    turn in each of ``warmup + repeats`` rounds, so that a change of the machine's load
-    during the measurement reaches all alike; the warm-up rounds are dropped. Returns one
-    list of ``repeats`` seconds per function (the calibrations' common timing loop)."""
-    times: list[list[float]] = [[] for _ in fns]
-    for i in range(warmup + repeats):
-        for fn, kept in zip(fns, times, strict=True):
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= warmup:
-                kept.append(time.perf_counter() - t0)
-    return times
-
-
 def replica_ratios(measured: dict[int, float]) -> list[float]:
     """``[t(1)/t(1), t(2)/t(1), …, t(n)/t(1)]`` from measured ``{k: seconds}`` of k = 1 … n.
 
@@ -373,7 +360,6 @@ class SimRuntime(Runtime):
         profile: base device profile; learner l runs at ``cluster.speed_factors[l]`` times it.
         cluster: network and jitter settings.
         replicas_per_device: k learners that share one device (their compute adds up).
-        average_every: for local SGD, iterations between all-reduces (1 otherwise).
         seed: seeds data order, timing jitter and the BatchNorm recalibration slice.
         bn_recalibration_samples: ``train.bn_recalibration_samples``, samples over which
             :meth:`evaluate` recomputes BatchNorm statistics.
@@ -395,7 +381,6 @@ class SimRuntime(Runtime):
         profile: DeviceProfile,
         cluster: ClusterConfig,
         replicas_per_device: int = 1,
-        average_every: int = 1,
         seed: int = 0,
         bn_recalibration_samples: int = TrainConfig.bn_recalibration_samples,
     ) -> None:
@@ -407,7 +392,6 @@ class SimRuntime(Runtime):
         self.profile = profile
         self.cluster = cluster
         self.replicas_per_device = replicas_per_device
-        self.average_every = average_every
         self.seed = seed
         self.bn_recalibration_samples = bn_recalibration_samples
         self.sampler = ShardedSampler(dataset.num_train, num_learners, batch_size, seed)
@@ -517,22 +501,13 @@ class SimRuntime(Runtime):
         return cm.allreduce_seconds(participants, self._network)
 
     # ---- gradients ---------------------------------------------------------------------
-    def _check_losses(self, learners: list[int], losses: list[float], lr: float, step: int) -> None:
-        for learner, loss in zip(learners, losses, strict=True):
-            if not math.isfinite(loss):
-                raise TrainingDiverged(
-                    f"training loss became {loss} at step {step} (sample {self.samples}) on "
-                    f"learner {learner} with base learning rate {lr:g}; lower optimizer.lr or add a "
-                    f"warm-up (schedule.warmup_epochs), or check train.loss and the data"
-                )
-
     def _gradient(
         self, learner: int, weights: Tensor, lr: float, step: int
     ) -> tuple[Tensor, float]:
         """One learner's gradient ``[P]`` and loss on its next minibatch at ``weights``."""
         idx = self.streams[learner].next_indices()
         grad, losses = self.engine.gradient(weights, *self.dataset.train.batch(idx))
-        self._check_losses([learner], losses, lr, step)
+        check_losses([learner], losses, lr, self.samples, step)
         return grad, losses[0]
 
     def _mean_gradient(
@@ -549,7 +524,7 @@ class SimRuntime(Runtime):
             grad, losses = self.engine.gradient(
                 weights, *self.dataset.train.batch(idx), num_chunks=len(learners)
             )
-            self._check_losses(learners, losses, lr, step)
+            check_losses(learners, losses, lr, self.samples, step)
             return grad, losses
         grad_sum: Tensor | None = None
         losses = []
@@ -564,25 +539,27 @@ class SimRuntime(Runtime):
 
     # ---- synchronous -------------------------------------------------------------------
     def _advance_sync(self, lr: float) -> Tick:
+        """One iteration: every device computes, then the protocol's all-reduce over all
+        of them (one process holds every learner: :meth:`AllReduce.reduce_here`), charged
+        as a ring all-reduce among the devices."""
         proto = self.protocol
         assert isinstance(proto, SynchronousProtocol)
         lam, k = self.num_learners, self.replicas_per_device
         step = proto.iteration
         device_s = [self.device_compute_seconds(d) for d in range(lam // k)]
-        if isinstance(proto, HardSync):  # every learner holds the same weights
+        if proto.shares_weights:  # the mean gradient as one computation (_mean_gradient)
             grad, losses = self._mean_gradient(list(range(lam)), proto.learner_weights(0), lr, step)
             proto.apply_mean_gradient(grad, lr)
+            exchanged = True
         else:
-            idx = torch.stack([self.streams[lrn].next_indices() for lrn in range(lam)])
-            stack = getattr(proto, "replicas", None)  # [λ, P] as held: no copy
-            if stack is None:
-                stack = torch.stack([proto.learner_weights(lrn) for lrn in range(lam)])
-            grads, losses = self.engine.replica_gradients(stack, *self.dataset.train.batch(idx))
-            self._check_losses(list(range(lam)), losses, lr, step)
-            proto.step(grads, lr)
-        comm = 0.0
-        if proto.iteration % self.average_every == 0:
-            comm = self.allreduce_seconds(lam // k)
+            x, y = draw_minibatches(self.streams, self.dataset)
+            grads, losses = self.engine.replica_gradients(proto.replicas, x, y)
+            check_losses(list(range(lam)), losses, lr, self.samples, step)
+            exchange = proto.exchange_step(grads, lr)
+            if exchange is not None:
+                exchange.apply(exchange.reduce_here())
+            exchanged = exchange is not None
+        comm = self.allreduce_seconds(lam // k) if exchanged else 0.0
         self.virtual_time += max(device_s) + comm
         n = lam * self.batch_size
         self.samples += n
@@ -590,8 +567,7 @@ class SimRuntime(Runtime):
 
     # ---- asynchronous (parameter server) ------------------------------------------------
     def _members(self, worker: int) -> list[int]:
-        members = getattr(self.protocol, "members", None)
-        return list(members(worker)) if members is not None else [worker]
+        return self.protocol.members(worker)  # type: ignore[union-attr]
 
     def _init_async(self) -> None:
         proto = self.protocol

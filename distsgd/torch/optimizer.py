@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
 
-from distsgd.config import ConfigError
-from distsgd.layout import sma_alpha
-from distsgd.protocols import SMA, LocalSGD
+from distsgd.config import ConfigError, OptimizerConfig
+from distsgd.layout import spec_for
+from distsgd.protocols.base import AllReduce, SynchronousProtocol
 from distsgd.runtime import ps
-from distsgd.runtime.dist import _collective_error
+from distsgd.runtime.dist import all_reduce, collective, device_protocol
 from distsgd.torch.context import Context, _parameters
 from distsgd.torch.flat import flatten, flatten_grads, write_back
 
@@ -36,15 +36,14 @@ class DistributedOptimizer:
       backward as their gradients become ready and are waited for when backward ends,
       so after ``backward()`` ``param.grad`` is the mean, a view into its bucket
       (:class:`_GradientBuckets`).
-    * ``local_sgd`` (§5): the user's optimizer steps locally; every H = ``average_every``
-      steps the parameters are averaged over the ranks. The counter and the averaging
-      are :class:`~distsgd.protocols.LocalSGD`'s (λ = 1 per process, its SGD without
-      momentum fed the user's step as the gradient ``w_before − w_after`` at rate 1).
-    * ``sma`` (§4, Crossbow): ``c = α (w − z)`` from the weights before the step, the
-      user's optimizer steps, ``w ← w − c``, ``z ← z + Σ_ranks c + μ_z (z − z_prev)``;
-      when γ drops the model is reset to z and the optimizer's state cleared. The replica
-      and z are :class:`~distsgd.protocols.SMA`'s (k = 1, fed ``(w_before − w_after)/γ``
-      at rate γ), so z is the trainer's central model.
+    * ``local_sgd`` (§5) and ``sma`` (§4, Crossbow): the user's optimizer steps locally
+      and the protocol object (one learner per process) exchanges what its rule says:
+      local SGD averages the parameters over the ranks every H = ``average_every`` steps;
+      SMA takes ``c = α (w − z)`` from the weights before the step, ``w ← w − c``,
+      ``z ← z + Σ_ranks c + μ_z (z − z_prev)``, and when γ drops resets the model to z
+      and clears the optimizer's state. The user's step is fed to the protocol as the
+      gradient ``(w_before − w_after)/γ`` at rate γ of its plain SGD, so its replica and
+      z are the trainer's (:class:`_Exchanging`).
     * ``parameter_server`` / ``compute_groups`` (§2, §3): ``step()`` pushes the gradient
       with γ as the base rate α0 to the server (:meth:`Context.serve`), which applies the
       protocol's rule (staleness, softsync's α0/n, its own momentum) in arrival order,
@@ -106,7 +105,7 @@ class DistributedOptimizer:
         )
         self.num_parameters = sum(p.numel() for p in self.params)
         self.bucket_cap_mb = float(bucket_cap_mb)
-        self._rule: _Rule = _RULES[ctx.protocol](self)
+        self._rule = _rule_for(self)
         ctx.optimizer = self
 
     @property
@@ -166,10 +165,7 @@ class DistributedOptimizer:
     # ---- helpers shared by the rules ----------------------------------------------------
     def collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args)`` with a lost peer as ``PeerLost`` naming the silent rank."""
-        try:
-            return fn(*args, **kwargs)
-        except (RuntimeError, dist.DistError) as e:
-            raise _collective_error(e, self.ctx.heartbeats) from e
+        return collective(self.ctx.heartbeats, fn, *args, **kwargs)
 
     def average(self, vector: Tensor) -> Tensor:
         """Collective: ``vector`` averaged over the ranks, in place."""
@@ -224,7 +220,6 @@ class _AllReduce(_Rule):
 
     def __init__(self, owner: DistributedOptimizer) -> None:
         super().__init__(owner)
-        owner.broadcast_from_rank0()
         self.buckets = _GradientBuckets(owner)
 
     def step(self, loss: float) -> None:
@@ -385,83 +380,59 @@ def _pack_buckets(params: list[Tensor], cap_bytes: int, first_bytes: int) -> lis
     return buckets
 
 
-class _Averaging(_Rule):
-    """local SGD through :class:`LocalSGD` (λ = 1 here; the ranks' mean every H)."""
+class _Exchanging(_Rule):
+    """A synchronous protocol whose learners hold their own weights (local SGD, SMA),
+    through its protocol object (one learner here, :func:`~distsgd.runtime.dist.
+    device_protocol` with plain SGD): the user's optimizer steps, its step is fed to the
+    protocol as the gradient ``(w_before − w_after)/γ`` at rate γ, and the all-reduce the
+    protocol names (:meth:`~distsgd.protocols.SynchronousProtocol.exchange_step`) runs
+    over the ranks with the floating-point buffers averaged alongside. When the protocol
+    resets its learners (:meth:`~distsgd.protocols.SynchronousProtocol.begin_iteration`)
+    the model takes its weights and the user's optimizer state is cleared."""
 
-    def __init__(self, owner: DistributedOptimizer) -> None:
+    def __init__(self, owner: DistributedOptimizer, protocol: SynchronousProtocol) -> None:
         super().__init__(owner)
-        owner.broadcast_from_rank0()
-        p = owner.ctx.config.protocol
-        self.protocol = LocalSGD(flatten(owner.params), 1, average_every=p.average_every)
+        self.protocol = protocol
 
     def step(self, loss: float) -> None:
         o, proto = self.o, self.protocol
+        lr = o.lr
+        if proto.begin_iteration(lr):
+            write_back(proto.learner_weights(0), o.params)
+            o.optimizer.state.clear()
         before = flatten(o.params)
         o.optimizer.step()
-        if proto.local_step(before.sub_(flatten(o.params)).unsqueeze(0), 1.0):
-            flat = o.average(o.with_buffers(proto.replicas[0].clone()))
-            proto.apply_average(flat[: o.num_parameters])
-            o.take_buffers(flat)
+        moved = before.sub_(flatten(o.params))
+        direction = moved.div_(lr) if lr > 0 else moved.zero_()
+        exchange = proto.exchange_step(direction.unsqueeze(0), lr)
+        if exchange is not None:
+            exchange.apply(self._all_reduce(exchange))
         write_back(proto.learner_weights(0), o.params)
 
+    def _all_reduce(self, exchange: AllReduce) -> Tensor:
+        """:func:`~distsgd.runtime.dist.all_reduce` of ``exchange`` with the model's
+        floating-point buffers appended and averaged (they are taken here)."""
+        o = self.o
+        flat = o.with_buffers(exchange.payload.sum(0))
+        o.collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
+        if exchange.mean:
+            flat.div_(exchange.payload.shape[0] * o.ctx.world_size)
+        else:
+            flat[o.num_parameters :].div_(o.ctx.world_size)
+        o.take_buffers(flat)
+        return flat[: o.num_parameters]
+
     def eval_weights(self) -> Tensor:
-        proto = self.protocol
-        if proto.iteration % proto.average_every == 0:
-            return proto.eval_weights()
-        return self.o.average(proto.replicas[0].clone())
+        exchange = self.protocol.eval_exchange()
+        if exchange is None:
+            return self.protocol.eval_weights()
+        return exchange.apply(self.o.collective(all_reduce, exchange, self.o.ctx.world_size))
 
     def state_dict(self) -> dict[str, Any]:
         return {"protocol": self.protocol.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.protocol.load_state_dict(state["protocol"])
-        write_back(self.protocol.learner_weights(0), self.o.params)
-
-
-class _CentralModel(_Rule):
-    """SMA through :class:`SMA` (k = 1 here; the corrections summed over the ranks)."""
-
-    def __init__(self, owner: DistributedOptimizer) -> None:
-        super().__init__(owner)
-        owner.broadcast_from_rank0()
-        p = owner.ctx.config.protocol
-        self.protocol = SMA(
-            flatten(owner.params),
-            1,
-            replicas_per_device=1,
-            alpha=sma_alpha(p.alpha, p.num_learners),
-            central_momentum=p.central_momentum,
-        )
-        self.last_lr = -1.0  # as SMA's: none yet
-
-    def step(self, loss: float) -> None:
-        o, proto = self.o, self.protocol
-        lr = o.lr
-        if lr < self.last_lr:  # Crossbow: back to z, local state cleared (SMA does alike)
-            write_back(proto.eval_weights(), o.params)
-            o.optimizer.state.clear()
-        before = flatten(o.params)
-        o.optimizer.step()
-        moved = before.sub_(flatten(o.params))
-        direction = moved.div_(lr) if lr > 0 else moved.zero_()
-        correction = proto.local_step(direction.unsqueeze(0), lr)[0]
-        flat = o.with_buffers(correction)
-        o.collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
-        proto.apply_central(flat[: o.num_parameters])
-        flat[o.num_parameters :].div_(o.ctx.world_size)
-        o.take_buffers(flat)
-        write_back(proto.learner_weights(0), o.params)
-        self.last_lr = lr
-
-    def eval_weights(self) -> Tensor:
-        return self.protocol.eval_weights()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"protocol": self.protocol.state_dict(), "last_lr": self.last_lr}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.protocol.load_state_dict(state["protocol"])
-        self.last_lr = float(state["last_lr"])
         write_back(self.protocol.learner_weights(0), self.o.params)
 
 
@@ -542,11 +513,16 @@ class _Pusher(_Rule):
         self._thread.join(self.o.ctx.config.dist.timeout_s + 5)
 
 
-_RULES: dict[str, type[_Rule]] = {
-    "hardsync": _AllReduce,
-    "local_sgd": _Averaging,
-    "sma": _CentralModel,
-    "parameter_server": _Pusher,
-    "compute_groups": _Pusher,
-}
-"""The learner-side rule of each protocol the drop-in runs (``DROP_IN_PROTOCOLS``)."""
+def _rule_for(owner: DistributedOptimizer) -> _Rule:
+    """The learner-side rule of ``owner.ctx``'s protocol: pushes to a server, DDP's
+    gradient buckets where the learners share weights, else the protocol's exchange."""
+    ctx = owner.ctx
+    if spec_for(ctx.config.protocol).has_server:
+        return _Pusher(owner)
+    owner.broadcast_from_rank0()  # every rank's protocol starts from rank 0's weights
+    sgd = OptimizerConfig(momentum=0.0, weight_decay=0.0, nesterov=False)
+    cfg = ctx.config.replace(optimizer=sgd)  # the user's optimizer makes the local step
+    protocol = device_protocol(cfg, 1, flatten(owner.params))
+    if protocol.shares_weights:
+        return _AllReduce(owner)
+    return _Exchanging(owner, protocol)

@@ -152,7 +152,7 @@ class _ServerLoop:
         self.push_lr = push_lr
         self.rank = rank
         self.coordinator = rank == layout.server_ranks[0]
-        self.barrier = bool(getattr(protocol, "barrier", False))
+        self.barrier = protocol.barrier
         self.n = protocol.eval_weights().numel()
         self.leaders = layout.leaders
         self.servers = layout.server_ranks
