@@ -98,6 +98,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from distsgd.config import METRICS, ConfigError, RunConfig, required_processes
+from distsgd.control import RunOptions
 from distsgd.data import keep_loaded
 from distsgd.layout import spec_for
 from distsgd.metrics import read_metrics, write_json
@@ -121,6 +122,7 @@ __all__ = [
 ]
 
 ENV_ERROR_FILE = "DISTSGD_DIST_ERROR_FILE"
+ENV_OPTIONS = "DISTSGD_RUN_OPTIONS"  # the launcher's channel for RunOptions (JSON)
 ENV_POOL_DIR = "DISTSGD_POOL_DIR"  # a pooled rank's folder of run files (RankPool)
 POOL_STOP = "stop"  # the file in that folder that ends the pooled ranks
 _POLL_S = 0.1
@@ -161,9 +163,11 @@ def run(
     resume: bool = False,
     progress: bool = False,
     faults: RankFaults | None = None,
+    options: RunOptions | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` (runtime ``dist``) to its stop rule on real processes (``faults``:
-    injected into the ranks by tests, :class:`~distsgd.runtime.faults.RankFaults`).
+    injected into the ranks by tests, :class:`~distsgd.runtime.faults.RankFaults`;
+    ``options``: every rank's :class:`~distsgd.control.RunOptions`).
 
     Under torchrun this process is one rank: it trains (rank 0 writes ``out_dir``) and
     returns the summary on rank 0, ``{}`` elsewhere. Otherwise it starts
@@ -180,11 +184,11 @@ def run(
     out = Path(out_dir)
     if under_launcher():
         rank = int(os.environ["RANK"])
-        trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults)
+        trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults, options=options)
         return trainer.run(resume=resume)
     if not resume:
         Trainer(cfg, out)._check_out_dir()  # fail before starting any process
-    return _launch_local(cfg, out, resume=resume, progress=progress, faults=faults)
+    return _launch_local(cfg, out, resume=resume, progress=progress, faults=faults, options=options)
 
 
 def _rank_envs(
@@ -310,7 +314,13 @@ class _Watch:
 
 
 def _launch_local(
-    cfg: RunConfig, out: Path, *, resume: bool, progress: bool, faults: RankFaults | None
+    cfg: RunConfig,
+    out: Path,
+    *,
+    resume: bool,
+    progress: bool,
+    faults: RankFaults | None,
+    options: RunOptions | None = None,
 ) -> dict[str, Any]:
 
     n, _ = required_processes(cfg.protocol, cfg.dist)
@@ -333,6 +343,7 @@ def _launch_local(
                 rdist.ENV_RESUME: "1" if resume else "0",
                 rdist.ENV_PROGRESS: "1" if progress and r == 0 else "0",
                 rdist.ENV_FAULTS: faults.to_json() if faults is not None else "",
+                ENV_OPTIONS: json.dumps(options.to_json()) if options is not None else "",
                 ENV_ERROR_FILE: str(outcome(r)),
             },
         )
@@ -427,12 +438,14 @@ class RankPool:
         resume: bool = False,
         progress: bool = False,
         faults: RankFaults | None = None,
+        options: RunOptions | None = None,
     ) -> dict[str, Any]:
         """Train ``cfg`` (runtime ``dist``) to its stop rule on the pool's ranks; returns
-        rank 0's summary (as :func:`run`; ``faults``: injected by tests)."""
+        rank 0's summary (as :func:`run`; ``faults``: injected by tests; ``options``: the
+        run's :class:`~distsgd.control.RunOptions`, given to every rank's trainer)."""
         out = Path(out_dir)
         if under_launcher():
-            return run(cfg, out, resume=resume, progress=progress, faults=faults)
+            return run(cfg, out, resume=resume, progress=progress, faults=faults, options=options)
         n, why = required_processes(cfg.protocol, cfg.dist)
         if n != self.num_processes:
             raise ValueError(f"the pool has {self.num_processes} ranks, the run needs {n} ({why})")
@@ -441,7 +454,7 @@ class RankPool:
         if not resume:
             Trainer(cfg, out)._check_out_dir()  # fail before any rank starts the run
         self._ensure(cfg)
-        outcome = self._submit(cfg, out, resume, progress, faults)
+        outcome = self._submit(cfg, out, resume, progress, faults, options)
         ctx = self._ctx
         watch = _Watch(ctx, cfg, outcome, poll_s=_POOL_POLL_S)
         late: list[int] = []
@@ -464,7 +477,13 @@ class RankPool:
         return _outcome(cfg, out, codes, watch.lost, errors, hung=watch.hung)
 
     def _submit(
-        self, cfg: RunConfig, out: Path, resume: bool, progress: bool, faults: RankFaults | None
+        self,
+        cfg: RunConfig,
+        out: Path,
+        resume: bool,
+        progress: bool,
+        faults: RankFaults | None,
+        options: RunOptions | None,
     ) -> Callable[[int], Path]:
         """Hand the run to the ranks (``run<N>.json``, written whole); returns where rank
         r reports its outcome."""
@@ -473,6 +492,7 @@ class RankPool:
         tmp, number = Path(self._tmp.name), self._runs
         job = {"config": cfg.to_toml(), "out": str(out.resolve()), "resume": resume}
         job |= {"progress": progress, "faults": faults.to_json() if faults is not None else ""}
+        job["options"] = options.to_json() if options is not None else None
         part = tmp / f"run{number}.json.part"
         part.write_text(json.dumps(job))
         part.rename(tmp / f"run{number}.json")
@@ -718,8 +738,10 @@ def run_worker(
     resume: bool,
     progress: bool,
     faults: RankFaults | None = None,
+    options: RunOptions | None = None,
 ) -> int:
-    """One rank started by :func:`run`: train, and report how it ended.
+    """One rank started by :func:`run`: train (``options``: a pooled run's
+    :class:`~distsgd.control.RunOptions`), and report how it ended.
 
     Returns the exit status: 0 done, 1 diverged or another error, 2 a user error, 3 a
     peer lost, 130 stopped by SIGTERM. The message of a failure also goes to the file
@@ -743,7 +765,7 @@ def run_worker(
 
     try:
         cfg = RunConfig.from_dict(_toml(config_toml))
-        Trainer(cfg, out_dir, progress=progress, faults=faults).run(resume=resume)
+        Trainer(cfg, out_dir, progress=progress, faults=faults, options=options).run(resume=resume)
         path = os.environ.get(ENV_ERROR_FILE)
         if path:
             Path(path).write_text(json.dumps({"kind": "done", "message": ""}))
@@ -834,6 +856,7 @@ def pooled_ranks_main(pool_dir: Path) -> int:
                     resume=job["resume"],
                     progress=job["progress"] and rank == "0",
                     faults=RankFaults.from_json(job["faults"]),
+                    options=RunOptions.from_json(job["options"]),
                 )
                 if code != 0:
                     return code
@@ -854,4 +877,5 @@ def main() -> int:
         resume=os.environ.get(rdist.ENV_RESUME) == "1",
         progress=os.environ.get(rdist.ENV_PROGRESS) == "1",
         faults=rank_faults(),
+        options=RunOptions.from_json(json.loads(os.environ.get(ENV_OPTIONS) or "null")),
     )

@@ -17,8 +17,9 @@ from tqdm import tqdm
 
 from distsgd.cli import main
 from distsgd.config import ConfigError, ConfigWarning, RunConfig
+from distsgd.control import RunOptions
 from distsgd.data import LearnerStream, ShardedSampler
-from distsgd.metrics import load_checked, read_metrics, save_checked, write_json
+from distsgd.metrics import load_checked, read_metrics, write_json
 from distsgd.plateau import next_check
 from distsgd.rundir import RunDirClaim
 from distsgd.trainer import Trainer
@@ -108,10 +109,8 @@ def test_winning_probe_continues_bit_identically_and_report_reads_the_run(tmp_pa
     # stopping at the segment's end, without the checks): the probe, then its
     # continuation, must equal it
     plain_cfg = RunConfig.from_toml(first / "config.toml")
-    assert plain_cfg.train.plateau_check_samples == 1024
-    plain_cfg = plain_cfg.replace(
-        train=dataclasses.replace(plain_cfg.train, plateau_check_samples=0, max_samples=2048)
-    )
+    assert all(c["window_samples"] == 1024 for c in checks)
+    plain_cfg = plain_cfg.replace(train=dataclasses.replace(plain_cfg.train, max_samples=2048))
     Trainer(plain_cfg, tmp_path / "plain", progress=False).run()
     # the segment continued the probe: its first tick follows the probe's last sample
     probe_samples = json.loads((Path(start) / "summary.json").read_text())["samples"]
@@ -210,8 +209,6 @@ def test_resume_of_a_run_killed_mid_probe_gives_the_same_decisions(tmp_path, mon
         # issue 18: both were overridden silently (evaluated anyway; trained hardsync)
         (["train.evaluate=false"], "train.evaluate = false"),
         (["protocol.name=local_sgd"], "protocol.name = 'local_sgd'"),
-        # --tune sets it (tune.check_epochs) for its segments
-        (["train.plateau_check_samples=512"], "train.plateau_check_samples = 512"),
         (["tune.check_epochs=0"], "tune.check_epochs = 0"),
         # found by a fresh-user review: the same probe ran twice
         (["tune.lrs=[0.01, 0.01, 0.001]"], "without repeated values"),
@@ -342,7 +339,7 @@ def test_a_budget_too_small_for_the_cold_start_has_no_steady_state_rounds(tmp_pa
     assert not list(run.glob("probes/*-steady*"))
     assert not [d for d in decisions(run) if d["decision"] in ("keep training", "re-optimise")]
     (seg,) = (run / "train").iterdir()
-    assert RunConfig.from_toml(seg / "config.toml").train.plateau_check_samples == 0
+    assert not (seg / "plateau_checks.jsonl").exists()  # no checks
 
 
 def test_on_real_processes_the_sample_budget_sizes_the_probes_too(tmp_path):
@@ -559,9 +556,10 @@ def test_a_joint_probe_continues_the_grid_winners_first_rung_with_its_batch(tmp_
     ids=["halved", "doubled odd", "doubled even", "not a divisor", "past the epoch"],
 )
 def test_a_batch_change_continues_at_the_same_sample_of_the_epoch(tmp_path, old, new, steps):
-    """:func:`online._set_batch`: every learner's next minibatch at the new batch starts at
-    the first step boundary at or after the samples drawn (none drawn twice, less than a
-    step skipped; the next epoch's first step where none is left in this one)."""
+    """A learner stream's position saved at another batch: every learner's next minibatch
+    at the new batch starts at the first step boundary at or after the samples drawn
+    (none drawn twice, less than a step skipped; the next epoch's first step where none
+    is left in this one)."""
     n, lam = 1000, 2
     before = ShardedSampler(n, lam, old, seed=3)
     streams = [LearnerStream(before, learner) for learner in range(lam)]
@@ -569,14 +567,12 @@ def test_a_batch_change_continues_at_the_same_sample_of_the_epoch(tmp_path, old,
     for _ in range(steps):
         for st in streams:
             drawn.update(st.next_indices().tolist())
-    path = tmp_path / "checkpoint.pt"
-    save_checked({"runtime": {"ranks": [{"streams": [st.state_dict()]} for st in streams]}}, path)
-    online._set_batch(path, old, new, lam, n)
+    saved = [st.state_dict() for st in streams]
     after = ShardedSampler(n, lam, new, seed=3)
     offset = steps * lam * old
-    for learner, rank in enumerate(load_checked(path)["runtime"]["ranks"]):
+    for learner, state in enumerate(saved):
         st = LearnerStream(after, learner)
-        st.load_state_dict(rank["streams"][0])
+        st.load_state_dict(state)
         start = st.step * lam * new
         if st.epoch == 1:  # nothing of the epoch left at the new batch
             assert st.step == 0 and offset + lam * new > after.samples_per_epoch
@@ -584,10 +580,11 @@ def test_a_batch_change_continues_at_the_same_sample_of_the_epoch(tmp_path, old,
         assert st.epoch == 0 and offset <= start < offset + lam * new
         rest = after.permutation(0)[start : after.samples_per_epoch]
         assert not drawn & set(rest.tolist())
-    # the same batch: the file is left as it is
-    mtime = path.stat().st_mtime_ns
-    online._set_batch(path, new, new, lam, n)
-    assert path.stat().st_mtime_ns == mtime
+    # the same batch: the same position
+    for learner, state in enumerate(saved):
+        st = LearnerStream(before, learner)
+        st.load_state_dict(state)
+        assert (st.epoch, st.step) == (state["epoch"], state["step"])
 
 
 def _rung_start(m, by_name):
@@ -641,8 +638,8 @@ def test_check_epochs_sets_where_and_over_what_span_the_run_checks(tmp_path):
     run = tmp_path / "r"
     OnlineTune(cfg, run, progress=False).run()
     first = sorted((run / "train").iterdir())[0]
-    assert RunConfig.from_toml(first / "config.toml").train.plateau_check_samples == 512
     checks = [json.loads(x) for x in (first / "plateau_checks.jsonl").read_text().splitlines()]
+    assert all(c["window_samples"] == 512 for c in checks)
     assert [c["samples"] % 512 for c in checks] == [0] * len(checks) and checks[-1]["due"]
     records = read_metrics(first / "metrics.jsonl")
     for c in checks:  # each the rule over 512 samples, from the records up to its point
@@ -906,11 +903,10 @@ class PerEpochSegments(OnlineTune):
             samples0 = json.loads((start / "summary.json").read_text())["samples"]
             check = next_check(samples0, check_every) if check_every else 2**62
             cfg = candidate_config(self.cfg, cand)
-            train = dataclasses.replace(
-                user, max_samples=min([check, *budget]), record_ticks=True, evaluate=True
-            )
+            train = dataclasses.replace(user, max_samples=min([check, *budget]), evaluate=True)
             begin = self.elapsed()
-            Trainer(cfg.replace(train=train), seg, progress=False).run(resume=True)
+            options = RunOptions(record=True)
+            Trainer(cfg.replace(train=train), seg, progress=False, options=options).run(resume=True)
             saved = {
                 "begin_elapsed_s": begin,
                 "end_elapsed_s": self.elapsed(),
@@ -1039,37 +1035,34 @@ def test_resume_of_a_run_killed_mid_segment_gives_the_same_decisions(tmp_path, m
 
 
 def plateau_config(**train):
-    """A plain run with a steady-state check every 1024 samples; at η 0.1 its loss
-    flattens in epoch 2, so the second check is due."""
+    """A plain run (with :data:`CHECKS`: a steady-state check every 1024 samples); at η 0.1
+    its loss flattens in epoch 2, so the second check is due."""
     return small_config(
         optimizer={"lr": 0.1, "momentum": 0.9},
-        train={
-            "target": 0.0,
-            "max_epochs": 6,
-            "eval_every_samples": 256,
-            "plateau_check_samples": 1024,
-            **train,
-        },
+        train={"target": 0.0, "max_epochs": 6, "eval_every_samples": 256, **train},
     )
 
 
+CHECKS = RunOptions(steady_check_samples=1024, record=True)
+
+
 def test_a_plain_run_with_plateau_checks_resumes_without_repeating_them(tmp_path):
-    # train.plateau_check_samples on its own: killed after its first check, resumed from
+    # steady-state checks on their own: killed after its first check, resumed from
     # a checkpoint before it, the run makes each check once, as without the kill,
     # and stops at the second
     # the last checkpoint before the kill: at 512 samples
     cfg = plateau_config(checkpoint_every_evals=3)
-    whole = Trainer(cfg, tmp_path / "whole", progress=False).run()
+    whole = Trainer(cfg, tmp_path / "whole", progress=False, options=CHECKS).run()
 
     def kill(tick, trainer):
         if trainer.runtime.samples > 1024 + 100:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        Trainer(cfg, tmp_path / "killed", progress=False, on_tick=kill).run()
+        Trainer(cfg, tmp_path / "killed", progress=False, on_tick=kill, options=CHECKS).run()
     made = (tmp_path / "killed" / "plateau_checks.jsonl").read_text().splitlines()
     assert [json.loads(x)["samples"] for x in made] == [1024]
-    resumed = Trainer(cfg, tmp_path / "killed", progress=False).run(resume=True)
+    resumed = Trainer(cfg, tmp_path / "killed", progress=False, options=CHECKS).run(resume=True)
 
     def checks(run):
         lines = (run / "plateau_checks.jsonl").read_text().splitlines()
@@ -1097,13 +1090,13 @@ def test_a_steady_state_check_scores_the_evaluation_subset(tmp_path):
     other before the run's end (it scored the whole test set: on Fashion-MNIST 1.1-1.5 s
     more per check than the 2,000-sample subset, about 5 s of a --tune run's wall)."""
     cfg = plateau_config(eval_samples=64)
-    s = Trainer(cfg, tmp_path / "run", progress=False).run()
+    s = Trainer(cfg, tmp_path / "run", progress=False, options=CHECKS).run()
     assert s["stop_reason"] == "steady_state" and s["samples"] == 2048
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["eval_samples"] for r in records if r["samples"] % 1024 == 0] == [64, 64, 64]
     # the run's end by its budget still scores the whole set
     cfg = cfg.replace(train=dataclasses.replace(cfg.train, max_epochs=1))
-    s = Trainer(cfg, tmp_path / "budget", progress=False).run()
+    s = Trainer(cfg, tmp_path / "budget", progress=False, options=CHECKS).run()
     assert s["stop_reason"] == "max_epochs/max_samples"
     assert read_metrics(tmp_path / "budget" / "metrics.jsonl")[-1]["eval_samples"] == 256
 

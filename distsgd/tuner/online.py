@@ -24,10 +24,11 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    since the run's start) :func:`~distsgd.plateau.steady_state_due` decides from the
    evaluations recorded so far (never a later one) whether the training loss has
    flattened over that span. The run checks it
-   itself (``train.plateau_check_samples``, :mod:`distsgd.plateau`): a segment
-   (``train/NN-…``) is one launch that trains until the first check where the rule is due
-   (``stop_reason = "steady_state"``) or the run ends; each check is a decision
-   (``keep training`` / ``re-optimise``, from the segment's ``plateau_checks.jsonl``).
+   itself (:attr:`RunOptions.steady_check_samples <distsgd.control.RunOptions>`,
+   :mod:`distsgd.plateau`): a segment (``train/NN-…``) is one launch that trains until
+   the first check where the rule is due (``stop_reason = "steady_state"``) or the run
+   ends; each check the run reports (:class:`~distsgd.control.RunObserver`) is a decision
+   (``keep training`` / ``re-optimise``).
    At a due check every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first; a
    lower effective rate only from the top decade of stable rates; on hardsync one (η, μ)
    per effective rate, a decade down at most: :func:`steady_grid`) is probed from the
@@ -132,9 +133,10 @@ from distsgd.config import (
     TuneConfig,
     required_processes,
 )
+from distsgd.control import LossPoint, RunObserver, RunOptions, replay
 from distsgd.data import keep_loaded, load_dataset
 from distsgd.engine import UserCode, build_engine, config_for_data
-from distsgd.metrics import load_checkpoint_file, read_metrics, save_checked, write_json
+from distsgd.metrics import read_metrics, write_json
 from distsgd.plateau import FLAT_GAIN, steady_state_due
 from distsgd.rundir import RunDirClaim
 from distsgd.runtime.factory import with_device_profile
@@ -260,8 +262,7 @@ def check_online_tunable(config: RunConfig) -> None:
 
     Raises:
         ConfigError: ``train.evaluate = false`` (the run evaluates to stop at its target
-            and to decide steady state), ``train.plateau_check_samples`` (the run sets
-            it), or a ``protocol.name`` outside
+            and to decide steady state), or a ``protocol.name`` outside
             :data:`TUNED_PROTOCOLS` (the run continues with a tuned family's protocol).
     """
     if not config.train.evaluate:
@@ -269,12 +270,6 @@ def check_online_tunable(config: RunConfig) -> None:
             "train.evaluate = false is not allowed with --tune: the tuning run evaluates "
             "to stop at train.target and to decide steady state; drop --tune to train "
             "without evaluations"
-        )
-    if config.train.plateau_check_samples:
-        raise ConfigError(
-            f"train.plateau_check_samples = {config.train.plateau_check_samples} is not "
-            f"allowed with --tune: the tuning run checks steady state every "
-            f"tune.check_epochs = {config.tune.check_epochs:g} epoch itself; drop the setting"
         )
     if config.protocol.name not in TUNED_PROTOCOLS:
         raise ConfigError(
@@ -331,64 +326,25 @@ def planned_probes(settings: TuneConfig) -> float:
     return m * r + min(settings.promote + 1, m) * (1 - r) + extra if r < 1 else float(m + extra)
 
 
-def _set_momentum(checkpoint: Path, momentum: float) -> None:
-    """Make ``checkpoint`` continue with momentum μ = ``momentum``: every protocol state
-    header (``{"protocol": name, "config": {"momentum": …}}``) is set to it, the momentum
-    buffer is kept. Omnivore changes μ mid-run at steady state; the protocols take their
-    hyperparameters from the config and keep only buffers in their state, so this is
-    the only entry that names μ."""
-    state = load_checkpoint_file(checkpoint, "resume")
+class _Heard(RunObserver):
+    """What a run's recorder kept (:func:`~distsgd.control.replay`): its losses and
+    steady-state checks, in order."""
 
-    def visit(node: Any) -> bool:
-        changed = False
-        if isinstance(node, dict):
-            conf = node.get("config")
-            if isinstance(node.get("protocol"), str) and isinstance(conf, dict):
-                if "momentum" in conf and conf["momentum"] != momentum:
-                    conf["momentum"] = momentum
-                    changed = True
-            for value in node.values():
-                changed = visit(value) or changed
-        elif isinstance(node, list | tuple):
-            for value in node:
-                changed = visit(value) or changed
-        return changed
+    def __init__(self) -> None:
+        self.losses: list[LossPoint] = []
+        self.checks: list[dict[str, Any]] = []
 
-    if visit(state):
-        save_checked(state, checkpoint)
+    @classmethod
+    def of(cls, run_dir: Path) -> _Heard:
+        heard = cls()
+        replay(run_dir, heard)
+        return heard
 
+    def on_losses(self, point: LossPoint) -> None:
+        self.losses.append(point)
 
-def _set_batch(checkpoint: Path, old: int, new: int, num_learners: int, num_train: int) -> None:
-    """Make ``checkpoint`` (written with ``old`` samples per learner) continue with
-    ``new``: every learner stream's position (``{"epoch", "step"}`` in a ``streams`` list,
-    :class:`~distsgd.data.LearnerStream`) becomes the first step of the new batch at or
-    after the same sample offset of its epoch's permutation (step ``s`` starts at offset
-    ``s · λ · b``, :class:`~distsgd.data.ShardedSampler`), the next epoch's first where
-    none is left in this one. So no sample of the epoch is drawn twice; where ``new``
-    does not divide the offset, up to ``λ · new − 1`` samples of it are skipped. Only for
-    a synchronous state (hardsync's keeps no per-batch state besides the positions)."""
-    if old == new:
-        return
-    state = load_checkpoint_file(checkpoint, "resume")
-    steps_per_epoch = num_train // (num_learners * new)
-
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "streams" and isinstance(value, list):
-                    for pos in value:
-                        step = -(-int(pos["step"]) * old // new)  # ceil
-                        if step >= steps_per_epoch:
-                            pos["epoch"], step = int(pos["epoch"]) + 1, 0
-                        pos["step"] = step
-                else:
-                    visit(value)
-        elif isinstance(node, list | tuple):
-            for value in node:
-                visit(value)
-
-    visit(state)
-    save_checked(state, checkpoint)
+    def on_steady_check(self, check: dict[str, Any]) -> None:
+        self.checks.append(check)
 
 
 def _start_dir(snapshot: str) -> Path | None:
@@ -602,9 +558,6 @@ class OnlineTune:
                 "eval_every_samples": self._eval_every(),
                 "checkpoint_every_evals": 0,
                 "tensorboard": False,
-                "record_ticks": True,
-                "evaluate": False,
-                "plateau_check_samples": 0,
             },
         )
         return cfg.replace(train=train)
@@ -630,7 +583,8 @@ class OnlineTune:
         ``until_clock_s`` (default: a first rung's length from the snapshot's clock):
         ``snapshot`` is ``initial`` (the seeded initial model) or a run directory (a
         segment's, or a first-rung probe's that continues), whose checkpoint it resumes
-        with ``cand``'s μ and batch (:func:`_set_momentum`, :func:`_set_batch`).
+        with ``cand``'s μ and batch (:attr:`RunOptions.continues
+        <distsgd.control.RunOptions>`).
         ``kind`` names it (``cold``, ``steady``, …; default from the snapshot). Reads a
         completed probe back instead of running it again (resume)."""
         start = _start_dir(snapshot)
@@ -658,12 +612,10 @@ class OnlineTune:
         result.diverged = s.get("status") == "diverged"
         result.train_wall_s = float(s.get("train_wall_s") or 0.0)
         result.samples = int(s.get("samples") or 0)
-        ticks = run_dir / "ticks.jsonl"
-        for line in ticks.read_text().splitlines() if ticks.exists() else []:
-            rec = json.loads(line)
-            clock = rec["clock_s"] if self.simulated else rec["train_wall_s"]
-            result.losses.append(rec["loss"])
-            result.iterations.append(rec["iterations"] - iters0)
+        for point in _Heard.of(run_dir).losses:
+            clock = point.clock_s if self.simulated else point.train_wall_s
+            result.losses.append(point.loss)
+            result.iterations.append(point.iterations - iters0)
             result.virtual_s.append(clock - clock0)
         if start is None and result.losses and self._loss0 is None:
             self._loss0 = result.losses[0]  # the initial model's loss: the scale of "blew up"
@@ -676,23 +628,27 @@ class OnlineTune:
             for name in _START_FILES:
                 if (start / name).exists():
                     shutil.copy2(start / name, run_dir / name)
-            _set_momentum(run_dir / "checkpoint.pt", cfg.optimizer.momentum)
-            p = cfg.protocol
-            was = int(_summary(start).get("batch_size") or p.batch_size)
-            _set_batch(run_dir / "checkpoint.pt", was, p.batch_size, p.num_learners, self.num_train)
+        options = RunOptions(evaluate=False, continues=start is not None, record=True)
         try:
             if self.simulated:
-                trainer = Trainer(cfg, run_dir, progress=False, evaluate=False, code=self.code)
+                trainer = Trainer(cfg, run_dir, progress=False, options=options, code=self.code)
                 trainer.run(resume=start is not None)
             else:
-                self._launch(cfg, run_dir, resume=start is not None)
+                self._launch(cfg, run_dir, options, resume=start is not None)
         except TrainingDiverged:
             pass  # summary.json records it; the probe scores NaN
         except launch.DistRunFailed:
             if _summary(run_dir).get("status") != "completed":
                 raise
 
-    def _launch(self, cfg: RunConfig, run_dir: Path, resume: bool, progress: bool = False) -> None:
+    def _launch(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        options: RunOptions,
+        resume: bool,
+        progress: bool = False,
+    ) -> None:
         """One probe or segment on real processes: on the run's pool of ranks
         (:class:`~distsgd.launch.RankPool`, started once, kept from one to the next)."""
         n = required_processes(cfg.protocol, cfg.dist)[0]  # the run's (tune_layout)
@@ -700,25 +656,20 @@ class OnlineTune:
             if self.pool is not None:
                 self.pool.close()
             self.pool = launch.RankPool(n)
-        self.pool.run(cfg, run_dir, resume=resume, progress=progress)
+        self.pool.run(cfg, run_dir, resume=resume, progress=progress, options=options)
 
     # ---- the run's segments ------------------------------------------------------------
     def _segment(self, cand: Candidate, start: Path, check_every: int) -> tuple[Path, bool]:
         """Continue ``start`` (a probe that won) as the run with ``cand``, in one launch,
         until the target, the run's limits or the first check where the steady-state rule
-        is due (the trainer's ``train.plateau_check_samples = check_every``: a check at
-        every multiple of it since the run's start; 0: none). Returns (its directory,
+        is due (:attr:`RunOptions.steady_check_samples <distsgd.control.RunOptions>` =
+        ``check_every``: a check at every multiple of it since the run's start; 0: none). Returns (its directory,
         whether the run ends here)."""
         self.segments += 1
         seg = self.out / "train" / f"{self.segments:02d}-{safe_name(cand.label())}"
         note = seg / "online_segment.json"
-        user = self.cfg.train
         cfg = candidate_config(self.cfg, cand)
-        cfg = cfg.replace(
-            train=dataclasses.replace(
-                user, record_ticks=True, evaluate=True, plateau_check_samples=check_every
-            )
-        )
+        options = RunOptions(steady_check_samples=check_every, continues=True, record=True)
         if note.exists():
             saved = json.loads(note.read_text())
             self._catch_up(saved["end_elapsed_s"])
@@ -732,9 +683,10 @@ class OnlineTune:
             begin = self.elapsed()
             self._bar(f"train {cand.label()}")
             if self.simulated:
-                Trainer(cfg, seg, progress=self.progress, code=self.code).run(resume=True)
+                trainer = Trainer(cfg, seg, progress=self.progress, options=options, code=self.code)
+                trainer.run(resume=True)
             else:
-                self._launch(cfg, seg, resume=True, progress=self.progress)
+                self._launch(cfg, seg, options, resume=True, progress=self.progress)
             saved = {
                 "begin_elapsed_s": begin,
                 "end_elapsed_s": self.elapsed(),
@@ -748,10 +700,8 @@ class OnlineTune:
 
     @staticmethod
     def _checks(seg: Path) -> list[dict[str, Any]]:
-        """The steady-state checks a segment made (``plateau_checks.jsonl``), in order."""
-        path = seg / "plateau_checks.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [json.loads(line) for line in lines if line.strip()]
+        """The steady-state checks a segment made, in order."""
+        return _Heard.of(seg).checks
 
     def _log_check(self, check: dict[str, Any], rounds: int) -> None:
         """One decision per check of the rule, as made at its decision point inside the

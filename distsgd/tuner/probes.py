@@ -7,13 +7,14 @@ from a snapshot's weights and stopped after a fixed time on the runtime's clock:
 on real processes. Each probe writes an ordinary run directory under ``probes/``.
 
 * ``sim``: the Trainer runs in this process from the in-memory snapshot
-  (``Trainer(initial_weights=...)``) and records every tick's training loss
-  (``Trainer(on_tick=...)``).
+  (``Trainer(initial_weights=...)``) and its observer hears every tick's training loss
+  (:class:`~distsgd.control.RunObserver`).
 * ``dist``: an ordinary dist training (:func:`distsgd.launch.run`; with ``keep_ranks``
   on one :class:`~distsgd.launch.RankPool` for all the prober's runs, closed by
-  :meth:`Prober.close`); the snapshot goes to the ranks as a file (``train.initial_weights``, under ``snapshots/``) and rank 0
-  writes every tick's loss to the probe's ``ticks.jsonl`` and the final central model to
-  ``final_weights.pt`` (``train.record_ticks``), which are read back here.
+  :meth:`Prober.close`); the snapshot goes to the ranks as a file
+  (``train.initial_weights``, under ``snapshots/``) and rank 0 records what an observer
+  hears and the final central model (:class:`~distsgd.control.RunRecorder`), replayed
+  here.
 
 A long run (:meth:`Prober.long_run`, Omnivore's run of the best configuration until the
 target) is the same kind of run with evaluations; it comes back as a :class:`LongRun`, and
@@ -34,6 +35,14 @@ import torch
 from distsgd import launch
 from distsgd.checks import fail
 from distsgd.config import ConfigError, RunConfig, required_processes
+from distsgd.control import (
+    LossPoint,
+    RunObserver,
+    RunOptions,
+    eval_weights_file,
+    recorded_final_weights,
+    replay,
+)
 from distsgd.metrics import load_checked, save_checked
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
@@ -270,7 +279,8 @@ class Prober:
         train: dict[str, Any],
         kind: str = "probe",
     ) -> tuple[ProbeResult, torch.Tensor | None]:
-        """Train ``cand`` from ``snapshot`` with ``train`` settings; record every tick.
+        """Train ``cand`` from ``snapshot`` with ``train`` settings; record every tick's
+        loss. A probe does not evaluate (its score needs training losses only).
 
         Returns:
             (the result, the final central model ``[P]`` of a long run that did not
@@ -281,11 +291,12 @@ class Prober:
         self.count += 1
         run_dir = self.out_dir / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.score_window, run_dir=str(run_dir))
+        options = RunOptions(evaluate=kind != "probe")
         t0 = time.perf_counter()
         if self.simulated:
-            final = self._run_sim(cfg, run_dir, snapshot, kind, result)
+            final = self._run_sim(cfg, run_dir, snapshot, options, result)
         else:
-            final = self._run_dist(cfg, run_dir, snapshot, kind, result)
+            final = self._run_dist(cfg, run_dir, snapshot, options, result)
         result.wall_s = time.perf_counter() - t0
         metrics = run_dir / "metrics.jsonl"
         if metrics.exists():
@@ -293,21 +304,20 @@ class Prober:
         return result, final
 
     def _run_sim(
-        self, cfg: RunConfig, run_dir: Path, snapshot: str, kind: str, result: ProbeResult
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        snapshot: str,
+        options: RunOptions,
+        result: ProbeResult,
     ) -> torch.Tensor | None:
-        def on_tick(tick: Any, trainer: Trainer) -> None:
-            if tick.losses:
-                result.losses.append(sum(tick.losses) / len(tick.losses))
-                result.iterations.append(trainer._iterations())
-                result.virtual_s.append(trainer.runtime.virtual_time)
-
         trainer = Trainer(
             cfg,
             run_dir,
             progress=False,
             initial_weights=self.snapshots[snapshot],
-            on_tick=on_tick,
-            evaluate=kind != "probe",  # a probe's score needs training losses only
+            options=options,
+            observer=_Losses(result, wall_clock=False),
         )
         try:
             trainer.run()
@@ -315,7 +325,7 @@ class Prober:
             result.diverged = True
         result.train_wall_s = float(trainer.counters.get("train_wall_s", 0.0))
         result.samples = int(trainer.runtime.samples)
-        if result.diverged or kind == "probe":
+        if result.diverged or not options.evaluate:
             return None
         return trainer.runtime.eval_weights().clone()
 
@@ -328,25 +338,25 @@ class Prober:
         return path
 
     def _run_dist(
-        self, cfg: RunConfig, run_dir: Path, snapshot: str, kind: str, result: ProbeResult
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        snapshot: str,
+        options: RunOptions,
+        result: ProbeResult,
     ) -> torch.Tensor | None:
-        cfg = cfg.replace(
-            train=dataclasses.replace(
-                cfg.train,
-                initial_weights=str(self.snapshot_file(snapshot).resolve()),
-                record_ticks=True,
-                evaluate=kind != "probe",  # a probe's score needs training losses only
-            )
-        )
+        weights = str(self.snapshot_file(snapshot).resolve())
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, initial_weights=weights))
+        options = dataclasses.replace(options, record=True)
         try:
             if self.keep_ranks:
                 n = required_processes(cfg.protocol, cfg.dist)[0]
                 if self._pool is None or self._pool.num_processes != n:
                     self.close()
                     self._pool = launch.RankPool(n)
-                self._pool.run(cfg, run_dir)
+                self._pool.run(cfg, run_dir, options=options)
             else:
-                launch.run(cfg, run_dir)
+                launch.run(cfg, run_dir, options=options)
         except TrainingDiverged:
             result.diverged = True
         except launch.DistRunFailed as e:
@@ -355,21 +365,15 @@ class Prober:
             if _status(run_dir) != "completed":
                 raise
             result.notes.append(f"completed; afterwards {e}")
-        ticks = run_dir / "ticks.jsonl"
-        for line in ticks.read_text().splitlines() if ticks.exists() else []:
-            rec = json.loads(line)
-            result.losses.append(rec["loss"])
-            result.iterations.append(rec["iterations"])
-            result.virtual_s.append(rec["train_wall_s"])
+        replay(run_dir, _Losses(result, wall_clock=True))
         summary_path = run_dir / "summary.json"
         if summary_path.exists():
             summary = json.loads(summary_path.read_text())
             result.train_wall_s = float(summary.get("train_wall_s") or 0.0)
             result.samples = int(summary.get("samples") or 0)
-        final = run_dir / "final_weights.pt"
-        if result.diverged or kind == "probe" or not final.exists():
+        if result.diverged or not options.evaluate:
             return None
-        return load_checked(final)
+        return recorded_final_weights(run_dir)
 
     def __call__(self, cand: Candidate, snapshot: str) -> ProbeResult:
         """One equal-time probe (the :data:`~distsgd.tuner.omnivore.ProbeFn` interface)."""
@@ -421,10 +425,22 @@ class Prober:
 
     def eval_snapshot(self, long_run: ProbeResult, eval_index: int, name: str) -> None:
         """Make the model of ``long_run``'s evaluation number ``eval_index`` (its
-        ``eval_weights/NNNN.pt``, written with ``save_eval_weights``) snapshot ``name``.
+        kept with ``save_eval_weights``) snapshot ``name``.
 
         Raises:
             FileNotFoundError: the long run kept no weights for that evaluation.
         """
-        path = Path(long_run.run_dir) / "eval_weights" / f"{eval_index:04d}.pt"
-        self.snapshots[name] = load_checked(path)
+        self.snapshots[name] = load_checked(eval_weights_file(long_run.run_dir, eval_index))
+
+
+class _Losses(RunObserver):
+    """Appends each tick's loss, iterations and clock (the runtime's; ``wall_clock``: wall
+    seconds of training) to a probe's result."""
+
+    def __init__(self, result: ProbeResult, wall_clock: bool) -> None:
+        self.result, self.wall_clock = result, wall_clock
+
+    def on_losses(self, point: LossPoint) -> None:
+        self.result.losses.append(point.loss)
+        self.result.iterations.append(point.iterations)
+        self.result.virtual_s.append(point.train_wall_s if self.wall_clock else point.clock_s)
