@@ -23,7 +23,7 @@ from distsgd.metrics import load_checked, read_metrics, write_json
 from distsgd.plateau import next_check
 from distsgd.rundir import RunDirClaim
 from distsgd.trainer import Trainer
-from distsgd.tuner import online
+from distsgd.tuner import online, probes, session
 from distsgd.tuner import perf_model as pm
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult, pair_scores
 from distsgd.tuner.online import (
@@ -182,12 +182,12 @@ def test_resume_of_a_run_killed_mid_probe_gives_the_same_decisions(tmp_path, mon
                     self.on_tick = kill
 
     killed = tmp_path / "killed"
-    monkeypatch.setattr(online, "Trainer", KillSecondSteadyProbe)
+    monkeypatch.setattr(probes, "Trainer", KillSecondSteadyProbe)
     with pytest.raises(KeyboardInterrupt):
         OnlineTune(cfg, killed, progress=False).run()
     cut = sorted((killed / "probes").iterdir())[-1]
     assert "steady" in cut.name and not (cut / "online_probe.json").exists()
-    monkeypatch.setattr(online, "Trainer", Trainer)
+    monkeypatch.setattr(probes, "Trainer", Trainer)
     s = train_tuned(None, killed, resume=True)
     assert decisions(killed) == decisions(whole)
     # a resume of the run that ended: nothing runs, its summary (walls included) stays
@@ -262,7 +262,7 @@ def test_a_batch_beyond_the_training_set_is_refused_before_anything_is_written(
     """A second review: the run's own λ·b above the training set failed after measuring
     the device and left a directory that --resume replayed the error from."""
     measured = []
-    monkeypatch.setattr(online, "with_device_profile", lambda *a, **k: measured.append(1))
+    monkeypatch.setattr(session, "with_device_profile", lambda *a, **k: measured.append(1))
     cfg = tmp_path / "c.toml"
     cfg.write_text(tiny_config().replace(protocol=dataclasses.replace(
         tiny_config().protocol, batch_size=2048)).to_toml())  # fmt: skip
@@ -284,7 +284,7 @@ def test_tune_measures_the_device_at_the_threads_a_run_of_its_config_uses(tmp_pa
         threads.append(torch.get_num_threads())
         return cfg, False
 
-    monkeypatch.setattr(online, "with_device_profile", profile)
+    monkeypatch.setattr(session, "with_device_profile", profile)
     torch.set_num_threads(2)
     OnlineTune(tiny_config(num_threads=1), tmp_path / "r", progress=False)._setup(False)
     assert threads == [1]
@@ -1014,14 +1014,14 @@ def test_resume_of_a_run_killed_mid_segment_gives_the_same_decisions(tmp_path, m
                 self.on_tick = kill
 
     killed = tmp_path / "killed"
-    monkeypatch.setattr(online, "Trainer", KillFirstSegmentInEpochTwo)
+    monkeypatch.setattr(probes, "Trainer", KillFirstSegmentInEpochTwo)
     with pytest.raises(KeyboardInterrupt):
         OnlineTune(cfg, killed, progress=False).run()
     seg = sorted((killed / "train").iterdir())[0]
     assert not (seg / "online_segment.json").exists()
     made = [json.loads(x) for x in (seg / "plateau_checks.jsonl").read_text().splitlines()]
     assert [(c["samples"], c["due"]) for c in made] == [(1024, False)]
-    monkeypatch.setattr(online, "Trainer", Trainer)
+    monkeypatch.setattr(probes, "Trainer", Trainer)
     s = train_tuned(None, killed, resume=True)
     assert decisions(killed) == decisions(whole)
     # a resume of the run that ended: nothing runs, its summary (walls included) stays
@@ -1201,18 +1201,18 @@ def test_the_run_directory_has_the_last_segments_staleness_and_a_clock_across_re
             if "train" in Path(out_dir).parts[-2]:
                 self.on_tick = lambda tick, trainer: (_ for _ in ()).throw(KeyboardInterrupt)
 
-    monkeypatch.setattr(online, "Trainer", KillFirstSegment)
+    monkeypatch.setattr(probes, "Trainer", KillFirstSegment)
     with pytest.raises(KeyboardInterrupt):
         OnlineTune(cfg, killed, progress=False).run()
     first_session = json.loads((killed / online.CLOCK_FILE).read_text())["elapsed_s"]
     # the cold start's probes completed in the first session
-    probes = json.loads(sorted((killed / "probes").glob("*/online_probe.json"))[-1].read_text())
-    assert 0 < probes["end_elapsed_s"] <= first_session
-    monkeypatch.setattr(online, "Trainer", Trainer)
+    note = json.loads(sorted((killed / "probes").glob("*/online_probe.json"))[-1].read_text())
+    assert 0 < note["end_elapsed_s"] <= first_session
+    monkeypatch.setattr(probes, "Trainer", Trainer)
     s = train_tuned(None, killed, resume=True)
     # the clock went on from the first session: the resumed run's wall counts it
     assert s["total_wall_s"] > first_session
-    assert s["tuning_wall_s"] >= probes["end_elapsed_s"]
+    assert s["tuning_wall_s"] >= note["end_elapsed_s"]
     stamps = [
         json.loads(x)["t_wall_s"] for x in (killed / "decisions.jsonl").read_text().splitlines()
     ]

@@ -122,48 +122,41 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
-from distsgd import launch
 from distsgd.config import (
     ConfigError,
     ConfigWarning,
     RunConfig,
     TuneConfig,
-    required_processes,
 )
 from distsgd.control import LossPoint, RunObserver, RunOptions, replay
-from distsgd.data import keep_loaded, load_dataset
-from distsgd.engine import UserCode, build_engine, config_for_data
+from distsgd.data import keep_loaded
+from distsgd.engine import UserCode
 from distsgd.metrics import read_metrics, write_json
 from distsgd.plateau import FLAT_GAIN, steady_state_due
 from distsgd.rundir import RunDirClaim
-from distsgd.runtime.factory import with_device_profile
-from distsgd.runtime.sim import TrainingDiverged
-from distsgd.trainer import Trainer
 from distsgd.tuner import perf_model as pm
 from distsgd.tuner.omnivore import (
     Candidate,
     DecisionLog,
     OmnivoreSearch,
     ProbeResult,
-    he_scales,
-    joint_candidates,
     next_larger_lr,
     pair_scores,
     pick_best,
-    rank_candidates,
-    skip_unfit,
+    probe_joint,
+    rank_joint,
 )
 from distsgd.tuner.probes import (
+    ProbeRunner,
     RunClock,
     candidate_config,
     check_optimizer_searchable,
     check_runtime,
     safe_name,
 )
-from distsgd.tuner.session import cluster_model, tune_layout, tuning_threads
+from distsgd.tuner.session import cluster_model, fixed_base, tune_layout
 from distsgd.tuner.tune import check_tunable
 
 __all__ = [
@@ -423,18 +416,15 @@ class OnlineTune:
                 "another output directory (--out)"
                 + (" or continue it with --resume" if is_tuning_run(self.out) else "")
             )
-        cfg = self.config
         # the device profile is measured (and cached) at the threads a probe trains with,
-        # as a plain run or distsgd tune of this config would (a user's review: --tune
-        # measured at torch's current count and simulated another device)
-        torch.set_num_threads(tuning_threads(cfg, self.num_processes))
-        torch.manual_seed(cfg.train.seed)
-        ds = load_dataset(cfg.data, seed=cfg.train.seed, factory=getattr(self.code, "data", None))
-        cfg = config_for_data(cfg, ds, self.code)
-        cfg.protocol.check_fits(ds.num_train)  # before anything is measured or written
-        cfg, _ = with_device_profile(cfg, ds, self.code)
-        self.num_train = ds.num_train
-        self.num_parameters = build_engine(cfg, self.code).num_parameters
+        # as a plain run or distsgd tune of this config would; the batch is checked
+        # against the data before anything is measured or written
+        base = fixed_base(
+            self.config, self.num_processes, self.code, lambda c, n: c.protocol.check_fits(n)
+        )
+        cfg = base.cfg
+        self.num_train = base.dataset.num_train
+        self.num_parameters = base.engine.num_parameters
         self.cfg = cfg
         self.cluster = cluster_model(cfg, self.num_parameters)
         self.probe_s, self.max_probes = probe_seconds_for(
@@ -629,34 +619,7 @@ class OnlineTune:
                 if (start / name).exists():
                     shutil.copy2(start / name, run_dir / name)
         options = RunOptions(evaluate=False, continues=start is not None, record=True)
-        try:
-            if self.simulated:
-                trainer = Trainer(cfg, run_dir, progress=False, options=options, code=self.code)
-                trainer.run(resume=start is not None)
-            else:
-                self._launch(cfg, run_dir, options, resume=start is not None)
-        except TrainingDiverged:
-            pass  # summary.json records it; the probe scores NaN
-        except launch.DistRunFailed:
-            if _summary(run_dir).get("status") != "completed":
-                raise
-
-    def _launch(
-        self,
-        cfg: RunConfig,
-        run_dir: Path,
-        options: RunOptions,
-        resume: bool,
-        progress: bool = False,
-    ) -> None:
-        """One probe or segment on real processes: on the run's pool of ranks
-        (:class:`~distsgd.launch.RankPool`, started once, kept from one to the next)."""
-        n = required_processes(cfg.protocol, cfg.dist)[0]  # the run's (tune_layout)
-        if self.pool is None or self.pool.num_processes != n:
-            if self.pool is not None:
-                self.pool.close()
-            self.pool = launch.RankPool(n)
-        self.pool.run(cfg, run_dir, resume=resume, progress=progress, options=options)
+        self.runner.run(cfg, run_dir, options, RunObserver(), resume=start is not None)
 
     # ---- the run's segments ------------------------------------------------------------
     def _segment(self, cand: Candidate, start: Path, check_every: int) -> tuple[Path, bool]:
@@ -682,11 +645,7 @@ class OnlineTune:
                     shutil.copy2(start / name, seg / name)
             begin = self.elapsed()
             self._bar(f"train {cand.label()}")
-            if self.simulated:
-                trainer = Trainer(cfg, seg, progress=self.progress, options=options, code=self.code)
-                trainer.run(resume=True)
-            else:
-                self._launch(cfg, seg, options, resume=True, progress=self.progress)
+            self.runner.run(cfg, seg, options, RunObserver(), resume=True, progress=self.progress)
             saved = {
                 "begin_elapsed_s": begin,
                 "end_elapsed_s": self.elapsed(),
@@ -984,37 +943,27 @@ class OnlineTune:
             return []
         ref = best.candidate
         noise = s.noise_scale or float(ref.layout().num_learners * ref.batch_size)
-        scales = he_scales(search.results, self.cluster) if not self.simulated else None
-        cands = skip_unfit(joint_candidates(search, ref, s), self.num_train, self.log)
-        ranked = rank_candidates(cands, ref, 1.0, self.cluster, noise, he_scale=scales)
-        extra = []
-        for _, cand in ranked[: s.extra_probes]:
-            if self.max_probes and self.count >= self.max_probes:
-                self.log("joint", f"skip {cand.label()}", "the budget's probes are spent")
-                continue
+        ranked = rank_joint(
+            search, ref, s, self.cluster, noise, self.num_train, self.log, not self.simulated
+        )
+
+        def skip() -> str | None:
+            spent = self.max_probes and self.count >= self.max_probes
+            return "the budget's probes are spent" if spent else None
+
+        def probe(_: float, cand: Candidate) -> tuple[ProbeResult, str, str]:
             root = self._branch_point(best, cand)
             if root is None:
-                r = self.probe(cand, "initial", self.probe_s)
-            else:  # from the grid winner's first rung, to the same clock as its chain
-                r = self._continue(root, self.probe_s, "joint", cand)
-            search.results.append(r)
-            extra.append(r)
-            self.log(
-                "joint",
-                f"probed {cand.label()}: " + ("NaN" if r.diverged else f"score {r.score:.4f}"),
-                f"equal-time score against {best.score:.4f} for {ref.label()}"
-                + (
-                    ""
-                    if root is None
-                    else f", from {Path(root.run_dir).name} after its {self.rung_s:.4g} "
-                    f"{self.clock.name} s (its batch changed there)"
-                )
-                + r.speed_note(),
-                score=None if r.diverged else r.score,
-                snapshot="initial" if root is None else f"probes/{Path(root.run_dir).name}",
-                seconds_per_iteration=r.to_json()["seconds_per_iteration"],
+                return self.probe(cand, "initial", self.probe_s), "initial", ""
+            # from the grid winner's first rung, to the same clock as its chain
+            note = (
+                f", from {Path(root.run_dir).name} after its {self.rung_s:.4g} "
+                f"{self.clock.name} s (its batch changed there)"
             )
-        return extra
+            r = self._continue(root, self.probe_s, "joint", cand)
+            return r, f"probes/{Path(root.run_dir).name}", note
+
+        return probe_joint(ranked, s.extra_probes, search, best, self.log, probe, skip)
 
     def _branch_point(self, best: ProbeResult, cand: Candidate) -> ProbeResult | None:
         """The first rung a joint probe of ``cand`` continues from: the grid winner's
@@ -1134,7 +1083,8 @@ class OnlineTune:
         clock = self.out / CLOCK_FILE
         if resume and clock.exists():  # the earlier sessions' wall, lost work included
             self._offset_s = float(json.loads(clock.read_text())["elapsed_s"])
-        self.pool: launch.RankPool | None = None  # dist: the ranks every launch reuses
+        # every probe and segment; on dist one pool of ranks for all of them
+        self.runner = ProbeRunner(self.simulated, code=self.code)
         self.timeline: list[tuple[Path, dict[str, Any]]] = []
         self._setup(resume)
         self.bar = (
@@ -1183,8 +1133,7 @@ class OnlineTune:
                 if won is not None:
                     cand, start = won[0], Path(won[1].run_dir)
         finally:
-            if self.pool is not None:
-                self.pool.close()
+            self.runner.close()
             if self.bar is not None:
                 self.bar.close()
             write_json(clock, {"elapsed_s": self.elapsed()})  # also when interrupted

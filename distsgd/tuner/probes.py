@@ -43,6 +43,7 @@ from distsgd.control import (
     recorded_final_weights,
     replay,
 )
+from distsgd.engine import UserCode
 from distsgd.metrics import load_checked, save_checked
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
@@ -210,6 +211,138 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text.translate(_ASCII)).strip("_")
 
 
+@dataclasses.dataclass
+class RunEnd:
+    """How a run of :meth:`ProbeRunner.run` ended.
+
+    Attributes:
+        diverged: a loss became NaN or infinite.
+        summary: its ``summary.json`` ({} when it wrote none).
+        final: the last evaluated model ``[P]`` of a run that completed (None: it did not
+            complete or did not evaluate).
+        notes: what happened beside the run (a rank lost after it completed).
+    """
+
+    diverged: bool
+    summary: dict[str, Any]
+    final: torch.Tensor | None
+    notes: list[str]
+
+
+class _LastModel(RunObserver):
+    """Passes every event on to ``then``, keeping the last evaluated model."""
+
+    def __init__(self, then: RunObserver) -> None:
+        self.then, self.weights = then, None
+
+    def on_losses(self, point: LossPoint) -> None:
+        self.then.on_losses(point)
+
+    def on_evaluation(self, record: dict[str, Any], weights: torch.Tensor) -> None:
+        self.weights = weights.detach().clone()
+        self.then.on_evaluation(record, weights)
+
+    def on_steady_check(self, check: dict[str, Any]) -> None:
+        self.then.on_steady_check(check)
+
+
+class ProbeRunner:
+    """The one runner of the tuner's runs (probes, long runs, segments of ``--tune``): a
+    run config into a run directory, on the simulated cluster in this process or on real
+    processes (``keep_ranks``: one :class:`~distsgd.launch.RankPool` for every run,
+    restarted when a run needs another number of processes; :meth:`close` ends it).
+
+    A run starts from the seeded model, from given weights ``[P]`` (``sim``; on real
+    processes the config's ``train.initial_weights`` file) or, with ``resume``, from the
+    run directory's ``checkpoint.pt`` (with :attr:`RunOptions.continues
+    <distsgd.control.RunOptions>` another run's, continued under this config's μ and
+    batch). The observer hears the run's losses, evaluations and steady-state checks
+    (on real processes replayed from what rank 0 recorded, :func:`~distsgd.control.replay`).
+
+    Args:
+        simulated: the ``sim`` runtime (else ``dist``).
+        keep_ranks: ``dist``: run on one pool of ranks (else a launch per run).
+        code: the user's objects (``sim`` only, as for any run).
+    """
+
+    def __init__(
+        self, simulated: bool, *, keep_ranks: bool = True, code: UserCode | None = None
+    ) -> None:
+        self.simulated = simulated
+        self.keep_ranks = keep_ranks
+        self.code = code
+        self._pool: launch.RankPool | None = None
+
+    def close(self) -> None:
+        """End the pool's ranks, if any were started."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def run(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        options: RunOptions,
+        observer: RunObserver,
+        *,
+        weights: torch.Tensor | None = None,
+        resume: bool = False,
+        progress: bool = False,
+    ) -> RunEnd:
+        """Train ``cfg`` into ``run_dir`` with ``options``; ``observer`` hears it.
+
+        Raises:
+            DistRunFailed: a rank was lost before the run completed (one lost after rank
+                0 completed it and wrote its files leaves a complete run and a note).
+            ConfigError / KeyboardInterrupt: as for any run.
+        """
+        diverged, notes = False, []
+        last = _LastModel(observer)
+        try:
+            if self.simulated:
+                trainer = Trainer(
+                    cfg,
+                    run_dir,
+                    progress=progress,
+                    initial_weights=weights,
+                    options=options,
+                    observer=last,
+                    code=self.code,
+                )
+                trainer.run(resume=resume)
+            else:
+                self._launch(
+                    cfg, run_dir, dataclasses.replace(options, record=True), resume, progress
+                )
+        except TrainingDiverged:
+            diverged = True
+        except launch.DistRunFailed as e:
+            if _status(run_dir) != "completed":
+                raise
+            notes.append(f"completed; afterwards {e}")
+        final = last.weights
+        if not self.simulated:
+            replay(run_dir, observer)
+            final = recorded_final_weights(run_dir)
+        summary_path = run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        completed = not diverged and summary.get("status") == "completed"
+        return RunEnd(diverged, summary, final if completed else None, notes)
+
+    def _launch(
+        self, cfg: RunConfig, run_dir: Path, options: RunOptions, resume: bool, progress: bool
+    ) -> None:
+        if not self.keep_ranks:
+            launch.run(cfg, run_dir, resume=resume, progress=progress, options=options)
+            return
+        n = required_processes(cfg.protocol, cfg.dist)[0]
+        if self._pool is None or self._pool.num_processes != n:
+            self.close()
+            self._pool = launch.RankPool(n)
+        self._pool.run(cfg, run_dir, resume=resume, progress=progress, options=options)
+
+
 class Prober:
     """Runs probes and long runs of candidates from named snapshots.
 
@@ -234,8 +367,7 @@ class Prober:
     ) -> None:
         check_runtime(base.runtime)
         self.base = base
-        self.keep_ranks = keep_ranks
-        self._pool: launch.RankPool | None = None
+        self.runner = ProbeRunner(base.runtime == "sim", keep_ranks=keep_ranks)
         self.out_dir = Path(out_dir)
         self.probe_seconds = probe_seconds
         self.score_window = score_window
@@ -244,9 +376,7 @@ class Prober:
 
     def close(self) -> None:
         """End the pool's ranks (``keep_ranks``), if any were started."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self.runner.close()
 
     @property
     def simulated(self) -> bool:
@@ -292,42 +422,24 @@ class Prober:
         run_dir = self.out_dir / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.score_window, run_dir=str(run_dir))
         options = RunOptions(evaluate=kind != "probe")
-        t0 = time.perf_counter()
+        weights = None
         if self.simulated:
-            final = self._run_sim(cfg, run_dir, snapshot, options, result)
+            weights = self.snapshots[snapshot]
         else:
-            final = self._run_dist(cfg, run_dir, snapshot, options, result)
+            path = str(self.snapshot_file(snapshot).resolve())
+            cfg = cfg.replace(train=dataclasses.replace(cfg.train, initial_weights=path))
+        t0 = time.perf_counter()
+        end = self.runner.run(
+            cfg, run_dir, options, _Losses(result, wall_clock=not self.simulated), weights=weights
+        )
         result.wall_s = time.perf_counter() - t0
+        result.diverged, result.notes = end.diverged, end.notes
+        result.train_wall_s = float(end.summary.get("train_wall_s") or 0.0)
+        result.samples = int(end.summary.get("samples") or 0)
         metrics = run_dir / "metrics.jsonl"
         if metrics.exists():
             result.evals = [json.loads(x) for x in metrics.read_text().splitlines() if x]
-        return result, final
-
-    def _run_sim(
-        self,
-        cfg: RunConfig,
-        run_dir: Path,
-        snapshot: str,
-        options: RunOptions,
-        result: ProbeResult,
-    ) -> torch.Tensor | None:
-        trainer = Trainer(
-            cfg,
-            run_dir,
-            progress=False,
-            initial_weights=self.snapshots[snapshot],
-            options=options,
-            observer=_Losses(result, wall_clock=False),
-        )
-        try:
-            trainer.run()
-        except TrainingDiverged:
-            result.diverged = True
-        result.train_wall_s = float(trainer.counters.get("train_wall_s", 0.0))
-        result.samples = int(trainer.runtime.samples)
-        if result.diverged or not options.evaluate:
-            return None
-        return trainer.runtime.eval_weights().clone()
+        return result, end.final if options.evaluate else None
 
     def snapshot_file(self, name: str) -> Path:
         """The snapshot's weights as a file for the ranks (written once)."""
@@ -336,44 +448,6 @@ class Prober:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_checked(self.snapshots[name].clone(), path)
         return path
-
-    def _run_dist(
-        self,
-        cfg: RunConfig,
-        run_dir: Path,
-        snapshot: str,
-        options: RunOptions,
-        result: ProbeResult,
-    ) -> torch.Tensor | None:
-        weights = str(self.snapshot_file(snapshot).resolve())
-        cfg = cfg.replace(train=dataclasses.replace(cfg.train, initial_weights=weights))
-        options = dataclasses.replace(options, record=True)
-        try:
-            if self.keep_ranks:
-                n = required_processes(cfg.protocol, cfg.dist)[0]
-                if self._pool is None or self._pool.num_processes != n:
-                    self.close()
-                    self._pool = launch.RankPool(n)
-                self._pool.run(cfg, run_dir, options=options)
-            else:
-                launch.run(cfg, run_dir, options=options)
-        except TrainingDiverged:
-            result.diverged = True
-        except launch.DistRunFailed as e:
-            # a rank lost after rank 0 completed the run and wrote its files (e.g. one
-            # that aborted while exiting) leaves a complete probe; anything else is fatal
-            if _status(run_dir) != "completed":
-                raise
-            result.notes.append(f"completed; afterwards {e}")
-        replay(run_dir, _Losses(result, wall_clock=True))
-        summary_path = run_dir / "summary.json"
-        if summary_path.exists():
-            summary = json.loads(summary_path.read_text())
-            result.train_wall_s = float(summary.get("train_wall_s") or 0.0)
-            result.samples = int(summary.get("samples") or 0)
-        if result.diverged or not options.evaluate:
-            return None
-        return recorded_final_weights(run_dir)
 
     def __call__(self, cand: Candidate, snapshot: str) -> ProbeResult:
         """One equal-time probe (the :data:`~distsgd.tuner.omnivore.ProbeFn` interface)."""
