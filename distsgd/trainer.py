@@ -712,8 +712,10 @@ class Trainer:
         return due
 
     def _observe_losses(self, tick: Tick) -> None:
-        """The observer hears a tick's mean training loss (writer only)."""
-        if tick.losses and self.is_writer:
+        """The observer hears a tick's mean training loss (writer only; nothing is built
+        for an observer that does not listen to losses)."""
+        listens = type(self.observer).on_losses is not RunObserver.on_losses
+        if tick.losses and self.is_writer and listens:
             point = LossPoint(
                 iterations=self._iterations(),
                 samples=self.runtime.samples,

@@ -25,6 +25,7 @@ from distsgd.rundir import RunDirClaim
 from distsgd.trainer import Trainer
 from distsgd.tuner import online, probes, session
 from distsgd.tuner import perf_model as pm
+from distsgd.tuner.chains import ProbeChains
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult, pair_scores
 from distsgd.tuner.online import (
     OnlineTune,
@@ -429,7 +430,7 @@ def test_the_next_larger_lr_than_the_best_gets_a_second_rung_chance(tmp_path, mo
     larger one that did not diverge continues to the second rung too (issue 18: η 0.1's
     loss spike at its 21st iteration ranked it third after 1 s, and the run trained at η
     0.01, a decade lower, to 2.4x the swept-best DDP's wall)."""
-    probe = OnlineTune.probe
+    probe = ProbeChains.probe
     shift = {}
 
     def shifted(self, cand, snapshot, until_clock_s=None, kind=None):
@@ -439,7 +440,7 @@ def test_the_next_larger_lr_than_the_best_gets_a_second_rung_chance(tmp_path, mo
             r.losses = [x + shift["by"] for x in r.losses]
         return r
 
-    monkeypatch.setattr(OnlineTune, "probe", shifted)
+    monkeypatch.setattr(ProbeChains, "probe", shifted)
     cfg = tiny_config()
     cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, first_rung=0.25, promote=1))
     for name, by in (("leads", -10.0), ("spiked", 10.0)):
@@ -468,7 +469,7 @@ def test_a_joint_probe_that_leads_is_confirmed_at_twice_the_length(
     the full probe length continues to twice it, as the grid's winner's chain does, and
     the better there continues as the run (the bench's b = 32 probe won 6 of 12 cold
     starts at 2 s, and those runs took 1.18x DDP's wall on average)."""
-    probe = OnlineTune.probe
+    probe = ProbeChains.probe
 
     def scored(self, cand, snapshot, until_clock_s=None, kind=None):
         r = probe(self, cand, snapshot, until_clock_s, kind)
@@ -477,7 +478,7 @@ def test_a_joint_probe_that_leads_is_confirmed_at_twice_the_length(
             r.losses = [0.0 if low else 100.0] * len(r.losses)
         return r
 
-    monkeypatch.setattr(OnlineTune, "probe", scored)
+    monkeypatch.setattr(ProbeChains, "probe", scored)
     run = tmp_path / "r"
     cfg = tiny_config()  # no steady-state round: the tuning overhead is the cold start's
     tune = OnlineTune(
@@ -595,7 +596,7 @@ def _rung_start(m, by_name):
 
 def _exploding(monkeypatch, lrs):
     """Probes at ``lrs`` record losses a million times their own: blown up, not NaN."""
-    run_probe = OnlineTune._run_probe
+    run_probe = ProbeChains._run_probe
 
     def exploding(self, cfg, run_dir, start):
         run_probe(self, cfg, run_dir, start)
@@ -605,7 +606,7 @@ def _exploding(monkeypatch, lrs):
                 t["loss"] *= 1.0 if i == 0 else 1e6
             (run_dir / "ticks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ticks))
 
-    monkeypatch.setattr(OnlineTune, "_run_probe", exploding)
+    monkeypatch.setattr(ProbeChains, "_run_probe", exploding)
 
 
 def test_a_probe_whose_loss_blows_up_without_nan_diverged(tmp_path, monkeypatch, capsys):
@@ -780,7 +781,7 @@ def test_a_losing_larger_batch_probe_leaves_the_steady_state_its_rounds(tmp_path
     lost, yet its rate became the ceiling against which the b = 8 winner's rate was "a
     decade below", and the run trained to the end without checks. Rates compare per
     sample of an iteration now; a batch beyond the training set is skipped."""
-    probe = OnlineTune.probe
+    probe = ProbeChains.probe
 
     def losing(self, cand, snapshot, until_clock_s=None, kind=None):
         r = probe(self, cand, snapshot, until_clock_s, kind)
@@ -788,7 +789,7 @@ def test_a_losing_larger_batch_probe_leaves_the_steady_state_its_rounds(tmp_path
             r.losses = [5.0] * len(r.losses)
         return r
 
-    monkeypatch.setattr(OnlineTune, "probe", losing)
+    monkeypatch.setattr(ProbeChains, "probe", losing)
     cfg = tiny_config()
     cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, batch_sizes=[320, 2048], extra_probes=2))
     run = tmp_path / "r"
@@ -809,7 +810,7 @@ def test_a_losing_smaller_batch_rate_leaves_a_larger_batch_winner_its_rounds(tmp
     joint b = 320 probe (η 0.01 scaled to 0.1) wins; scaled per sample, η 0.1 at b = 32
     made a ceiling of 10 at b = 320, "a decade above" the winner's 1.0, and the run trained
     without checks. The ceiling is that of the winner's own layout."""
-    probe = OnlineTune.probe
+    probe = ProbeChains.probe
 
     def scored(self, cand, snapshot, until_clock_s=None, kind=None):
         r = probe(self, cand, snapshot, until_clock_s, kind)
@@ -819,7 +820,7 @@ def test_a_losing_smaller_batch_rate_leaves_a_larger_batch_winner_its_rounds(tmp
             r.losses = [5.0] * len(r.losses)
         return r
 
-    monkeypatch.setattr(OnlineTune, "probe", scored)
+    monkeypatch.setattr(ProbeChains, "probe", scored)
     cfg = tiny_config()
     run = tmp_path / "r"
     tune = OnlineTune(
