@@ -993,27 +993,11 @@ class TrainConfig:
             starts from them instead of the seeded initialisation (protocol state starts
             fresh); "" (default): the seeded initialisation. Every rank of a ``dist`` run
             reads it.
-        record_ticks: also write ``ticks.jsonl`` (per tick: iterations, samples, wall
-            seconds of training, the runtime's clock and the mean training loss of the
-            writing rank's learners) and ``final_weights.pt`` (the model of the last
-            evaluation, ``[P]``) to the run directory, for the tuner's probes on real
-            processes.
-        evaluate: evaluate on the test set (false: no evaluations and no metrics records,
-            e.g. a tuner probe that needs its training losses only).
+        evaluate: evaluate on the test set (false: no evaluations and no metrics records;
+            the run stops at its budget).
         save_eval_weights: also write the central model of every evaluation, ``[P]``
             float32, to ``eval_weights/NNNN.pt`` in the run directory (NNNN = the ``eval``
-            number of its ``metrics.jsonl`` record): the tuner's snapshots along a long run,
-            from which it tries a learning-rate step.
-        plateau_check_samples: every this many training samples (at each multiple of it
-            since the run's start; 0, the default: never) the run evaluates (the
-            ``eval_samples`` subset, as any evaluation before the last: the rule reads the
-            training loss) and stops, ``stop_reason = "steady_state"``, when its training loss
-            fell by less than 10% over the last such span
-            (:func:`distsgd.plateau.steady_state_due`, from the evaluations up to that
-            point only); each check is one line of ``plateau_checks.jsonl`` in the run
-            directory (samples, clocks, whether it was due and the two evaluations it
-            compared). ``distsgd train --tune`` sets it (``tune.check_epochs``) so that its winner
-            trains in one launch until steady state.
+            number of its ``metrics.jsonl`` record).
         device: where the model, its flat weights and gradients, the protocols' state and
             the learners' batches live: ``"auto"`` (each rank's own GPU, ``cuda:<local
             rank mod GPUs>``, when CUDA is available, else the CPU; a run records what
@@ -1047,10 +1031,8 @@ class TrainConfig:
     stop_at_target: bool = True
     tensorboard: bool = True
     initial_weights: str = ""
-    record_ticks: bool = False
     evaluate: bool = True
     save_eval_weights: bool = False
-    plateau_check_samples: int = 0
     device: str = "auto"
     precision: str = "fp32"
 
@@ -1099,7 +1081,6 @@ class TrainConfig:
         check_int("train.eval_samples", self.eval_samples, 0)
         check_int("train.bn_recalibration_samples", self.bn_recalibration_samples, 1)
         check_int("train.checkpoint_every_evals", self.checkpoint_every_evals, 0)
-        check_int("train.plateau_check_samples", self.plateau_check_samples, 0)
         check_int("train.seed", self.seed, 0, 2**31 - 1)
         check_int("train.num_threads", self.num_threads, 0, 256)
         check_choice("train.compile", self.compile, COMPILE_MODES)
@@ -1110,7 +1091,7 @@ class TrainConfig:
             fail("train.tensorboard", self.tensorboard, "true or false")
         if not isinstance(self.initial_weights, str):
             fail("train.initial_weights", self.initial_weights, 'a file path or ""')
-        for key in ("record_ticks", "evaluate", "save_eval_weights"):
+        for key in ("evaluate", "save_eval_weights"):
             if not isinstance(getattr(self, key), bool):
                 fail(f"train.{key}", getattr(self, key), "true or false")
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):

@@ -925,11 +925,17 @@ class LearnerStream:
         return idx
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch": int, "step": int}``: the position of the next minibatch."""
-        return {"epoch": self.epoch, "step": self.step}
+        """``{"epoch": int, "step": int, "batch_size": int}``: the position of the next
+        minibatch and the batch b it steps by."""
+        return {"epoch": self.epoch, "step": self.step, "batch_size": self.sampler.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore a position saved by :meth:`state_dict`.
+        """Restore a position saved by :meth:`state_dict`. A position saved at another
+        batch b' (same λ; a run continued with another batch) becomes the first step of
+        this batch b at or after the same sample offset of its epoch's permutation (step
+        s starts at ``s · λ · b'``), the next epoch's first where none is left in this
+        one: no sample of the epoch is drawn twice, and where b does not divide the
+        offset fewer than λ · b of it are skipped.
 
         Raises:
             ValueError: a key is missing, or ``epoch`` < 0, or ``step`` is not in
@@ -939,6 +945,11 @@ class LearnerStream:
             if key not in state:
                 raise ValueError(f"learner stream state has no {key!r}: {state!r}")
         epoch, step = int(state["epoch"]), int(state["step"])
+        saved_b, b = int(state.get("batch_size", self.sampler.batch_size)), self.sampler.batch_size
+        if saved_b != b and step >= 0:
+            step = -(-step * saved_b // b)  # ceil: the first step at or after the offset
+            if step >= self.sampler.steps_per_epoch:
+                epoch, step = epoch + 1, 0
         if epoch < 0 or not 0 <= step < self.sampler.steps_per_epoch:
             raise ValueError(
                 f"learner stream state {state!r} is not a position of this sampler "

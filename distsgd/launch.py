@@ -76,6 +76,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from distsgd.config import METRICS, ConfigError, RunConfig, required_processes
+from distsgd.control import RunOptions
 from distsgd.data import keep_loaded
 from distsgd.layout import spec_for
 from distsgd.metrics import read_metrics, write_json
@@ -146,9 +147,11 @@ def run(
     resume: bool = False,
     progress: bool = False,
     faults: RankFaults | None = None,
+    options: RunOptions | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` (runtime ``dist``) to its stop rule on real processes (``faults``:
-    injected into the ranks by tests, :class:`~distsgd.runtime.faults.RankFaults`).
+    injected into the ranks by tests, :class:`~distsgd.runtime.faults.RankFaults`;
+    ``options``: every rank's :class:`~distsgd.control.RunOptions`).
 
     Under torchrun this process is one rank: it trains (rank 0 writes ``out_dir``) and
     returns the summary on rank 0, ``{}`` elsewhere. Otherwise it starts
@@ -164,20 +167,26 @@ def run(
 
     out = Path(out_dir)
     if under_launcher():
-        return _run_rank(cfg, out, resume=resume, progress=progress, faults=faults)
+        return _run_rank(cfg, out, resume=resume, progress=progress, faults=faults, options=options)
     if not resume:
         Trainer(cfg, out)._check_out_dir()  # fail before starting any process
-    return _launch_local(cfg, out, resume=resume, progress=progress, faults=faults)
+    return _launch_local(cfg, out, resume=resume, progress=progress, faults=faults, options=options)
 
 
 def _run_rank(
-    cfg: RunConfig, out: Path, *, resume: bool, progress: bool, faults: RankFaults | None
+    cfg: RunConfig,
+    out: Path,
+    *,
+    resume: bool,
+    progress: bool,
+    faults: RankFaults | None,
+    options: RunOptions | None,
 ) -> dict[str, Any]:
     """This process's rank under torchrun: train; on rank 0, a failed run's
     ``summary.json`` names the ranks it lost (``lost_ranks``), as distsgd's own launcher
     names them."""
     rank = int(os.environ["RANK"])
-    trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults)
+    trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults, options=options)
     try:
         return trainer.run(resume=resume)
     except RuntimeError as e:
@@ -218,6 +227,7 @@ class _Jobs:
         resume: bool,
         progress: bool,
         faults: RankFaults | None,
+        options: RunOptions | None,
         last: bool,
     ) -> Callable[[int], Path]:
         """Hand the next run to the ranks; returns where rank r reports its outcome."""
@@ -225,6 +235,7 @@ class _Jobs:
         job = {"config": cfg.to_toml(), "out": str(out.resolve()), "resume": resume}
         job |= {"progress": progress, "last": last}
         job["faults"] = faults.to_json() if faults is not None else ""
+        job["options"] = options.to_json() if options is not None else None
         part = self.folder / f"run{self.number}.json.part"
         part.write_text(json.dumps(job))
         part.rename(self.folder / f"run{self.number}.json")
@@ -337,7 +348,13 @@ class _Watch:
 
 
 def _launch_local(
-    cfg: RunConfig, out: Path, *, resume: bool, progress: bool, faults: RankFaults | None
+    cfg: RunConfig,
+    out: Path,
+    *,
+    resume: bool,
+    progress: bool,
+    faults: RankFaults | None,
+    options: RunOptions | None = None,
 ) -> dict[str, Any]:
     n, _ = required_processes(cfg.protocol, cfg.dist)
     d = cfg.dist
@@ -346,7 +363,9 @@ def _launch_local(
         # port (master_port = 0) is bound once and no rank can lose it to another program.
         ranks = Ranks.rendezvous(n, d.master_addr, d.master_port, d.timeout_s, f"{tmp}/logs")
         jobs = _Jobs(Path(tmp))
-        outcome = jobs.submit(cfg, out, resume=resume, progress=progress, faults=faults, last=True)
+        outcome = jobs.submit(
+            cfg, out, resume=resume, progress=progress, faults=faults, options=options, last=True
+        )
         watch = _Watch(_start(ranks, jobs), cfg, outcome, jobs.prefix())
         try:
             watch.until_done()
@@ -436,12 +455,14 @@ class RankPool:
         resume: bool = False,
         progress: bool = False,
         faults: RankFaults | None = None,
+        options: RunOptions | None = None,
     ) -> dict[str, Any]:
         """Train ``cfg`` (runtime ``dist``) to its stop rule on the pool's ranks; returns
-        rank 0's summary (as :func:`run`; ``faults``: injected by tests)."""
+        rank 0's summary (as :func:`run`; ``faults``: injected by tests; ``options``: the
+        run's :class:`~distsgd.control.RunOptions`, given to every rank's trainer)."""
         out = Path(out_dir)
         if under_launcher():
-            return run(cfg, out, resume=resume, progress=progress, faults=faults)
+            return run(cfg, out, resume=resume, progress=progress, faults=faults, options=options)
         n, why = required_processes(cfg.protocol, cfg.dist)
         if n != self.num_processes:
             raise ValueError(f"the pool has {self.num_processes} ranks, the run needs {n} ({why})")
@@ -450,7 +471,9 @@ class RankPool:
         if not resume:
             Trainer(cfg, out)._check_out_dir()  # fail before any rank starts the run
         ranks, jobs = self._ensure(cfg)
-        outcome = jobs.submit(cfg, out, resume=resume, progress=progress, faults=faults, last=False)
+        outcome = jobs.submit(
+            cfg, out, resume=resume, progress=progress, faults=faults, options=options, last=False
+        )
         watch = _Watch(ranks, cfg, outcome, jobs.prefix(), poll_s=_POOL_POLL_S)
         late: list[int] = []
         try:
@@ -646,6 +669,7 @@ def run_worker(
     resume: bool,
     progress: bool,
     faults: RankFaults | None = None,
+    options: RunOptions | None = None,
     outcome: Path | None = None,
 ) -> int:
     """One rank's run: train, and report how it ended.
@@ -671,7 +695,7 @@ def run_worker(
 
     try:
         cfg = RunConfig.from_dict(tomllib.loads(config_toml))
-        Trainer(cfg, out_dir, progress=progress, faults=faults).run(resume=resume)
+        Trainer(cfg, out_dir, progress=progress, faults=faults, options=options).run(resume=resume)
         if outcome is not None:
             outcome.write_text(json.dumps({"kind": "done", "message": ""}))
         return 0
@@ -732,6 +756,7 @@ def main() -> int:
                     resume=job["resume"],
                     progress=job["progress"] and rank == "0",
                     faults=faults,
+                    options=RunOptions.from_json(job["options"]),
                     outcome=jobs / f"run{number}-rank{rank}.json",
                 )
                 if code != 0 or job["last"]:

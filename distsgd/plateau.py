@@ -1,4 +1,5 @@
-"""The steady-state rule: has the training loss flattened? (``train.plateau_check_samples``)
+"""The steady-state rule: has the training loss flattened?
+(:attr:`RunOptions.steady_check_samples <distsgd.control.RunOptions>`)
 
 One function, shared by the layers that need it: the trainer stops a run at the first
 check where it is due (``stop_reason = "steady_state"``, the stop ``distsgd train --tune``

@@ -29,17 +29,13 @@ Run directory layout (``out_dir``):
   :class:`RunDirClaim`), removed when it ends;
 * ``autotune.json`` — with ``protocol.replicas_per_device = "auto"``: every decision of
   the replicas-per-device auto-tuner (see :mod:`distsgd.replicas`);
-* ``ticks.jsonl``, ``final_weights.pt`` — with ``train.record_ticks``;
-  ``eval_weights/NNNN.pt`` — with ``train.save_eval_weights`` (see
-  :class:`~distsgd.config.TrainConfig`);
-* ``plateau_checks.jsonl`` — with ``train.plateau_check_samples``: one line per check of
-  the steady-state rule (:mod:`distsgd.plateau`), the last one ``due`` when the run
-  stopped at it (``stop_reason = "steady_state"``).
+* ``ticks.jsonl``, ``plateau_checks.jsonl``, ``final_weights.pt`` — with
+  :attr:`RunOptions.record <distsgd.control.RunOptions>` (:class:`~distsgd.control.RunRecorder`);
+  ``eval_weights/NNNN.pt`` — with ``train.save_eval_weights``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -56,6 +52,7 @@ from distsgd.config import (
     ConfigError,
     RunConfig,
 )
+from distsgd.control import LossPoint, RunObserver, RunOptions, RunRecorder, eval_weights_file
 from distsgd.data import load_dataset
 from distsgd.engine import (
     UserCode,
@@ -76,6 +73,7 @@ from distsgd.metrics import (
 )
 from distsgd.objectives import reached as target_reached
 from distsgd.plateau import next_check, steady_state_due
+from distsgd.protocols._util import with_momentum
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.replicas import ReplicaAutoTuner
 from distsgd.rundir import RunDirClaim, check_out_dir_writable
@@ -185,9 +183,11 @@ class Trainer:
             of the model's seeded initialisation; protocol state (momentum, versions)
             starts fresh.
         on_tick: called after every tick with the :class:`~distsgd.runtime.sim.Tick` and
-            the trainer (e.g. to record every training loss of a tuner probe).
-        evaluate: evaluate on the test set (False: no evaluations and no metrics
-            records, e.g. for a tuner probe that only needs its training losses).
+            the trainer.
+        options: how the run is driven beyond its config (:class:`~distsgd.control.RunOptions`;
+            default: the config's own run).
+        observer: hears the run's losses, evaluations and steady-state checks on the
+            writing rank (:class:`~distsgd.control.RunObserver`).
         faults: injected into real processes by tests
             (:class:`~distsgd.runtime.faults.RankFaults`).
 
@@ -208,7 +208,8 @@ class Trainer:
         *,
         initial_weights: torch.Tensor | None = None,
         on_tick: Callable[[Tick, Trainer], None] | None = None,
-        evaluate: bool = True,
+        options: RunOptions | None = None,
+        observer: RunObserver | None = None,
         faults: RankFaults | None = None,
         code: UserCode | None = None,
     ) -> None:
@@ -219,7 +220,9 @@ class Trainer:
         self.is_writer = True  # the dist runtime: rank 0 (coordinating server) only
         self.initial_weights = initial_weights
         self.on_tick = on_tick
-        self.evaluate = evaluate and cfg.train.evaluate
+        self.options = options or RunOptions()
+        self.observer = observer or RunObserver()
+        self.evaluate = self.options.evaluate and cfg.train.evaluate
         self.faults = faults
         # state_dict of the last evaluated model (model.pt), on every rank of the loop
         self._eval_model: dict[str, torch.Tensor] | None = None
@@ -393,8 +396,13 @@ class Trainer:
         if self.tuner is not None and state.get("autotune") is not None:
             self.tuner.load_state_dict(state["autotune"])
             self._set_replicas(self.tuner.k)
-        self.protocol.load_state_dict(state["protocol"])
-        self.runtime.load_state_dict(state["runtime"])
+        protocol_state, runtime_state = state["protocol"], state["runtime"]
+        if self.options.continues:  # another run's state under this run's μ (and batch)
+            momentum = self.cfg.optimizer.momentum
+            protocol_state = with_momentum(protocol_state, momentum)
+            runtime_state = with_momentum(runtime_state, momentum)
+        self.protocol.load_state_dict(protocol_state)
+        self.runtime.load_state_dict(runtime_state)
         self.engine.load_buffers_state(state["buffers"])
         eval_model = state.get("eval_model")  # None in a checkpoint before distsgd export
         self._eval_model = eval_model if isinstance(eval_model, dict) else None
@@ -428,10 +436,8 @@ class Trainer:
         c = self.counters
         t0 = time.perf_counter()
         weights = self.runtime.eval_weights()
-        if self.cfg.train.record_ticks and self.is_writer:
-            self._final_weights = weights.clone()  # final_weights.pt at the end of the run
         if self.cfg.train.save_eval_weights and self.is_writer:
-            snap = self.out_dir / "eval_weights" / f"{c['evals']:04d}.pt"
+            snap = eval_weights_file(self.out_dir, c["evals"])
             snap.parent.mkdir(parents=True, exist_ok=True)
             save_checked(weights.detach().clone(), snap)
         loss_sum, loss_count = c["loss_sum"], c["loss_count"]
@@ -475,6 +481,7 @@ class Trainer:
             c["reached_samples"] = samples
             c["reached_wall_s"] = c["train_wall_s"]
             c["reached_virtual_s"] = self._simulated_s()
+        self.observer.on_evaluation(record, weights)
         return record
 
     def _score(self, weights: torch.Tensor, final: bool) -> tuple[float, float, int]:
@@ -655,17 +662,14 @@ class Trainer:
             enabled=self.cfg.train.tensorboard,
             purge_step=(kept[-1]["samples"] + 1 if kept else 0) if resume else None,
         )
-        self._plateau_file = None
-        if self.cfg.train.plateau_check_samples and self.evaluate:
-            self._plateau_file = self._open_plateau_checks(resume)
-        ticks = None
-        if self.cfg.train.record_ticks:
-            ticks = (self.out_dir / "ticks.jsonl").open("a" if resume else "w")
-            self.on_tick = self._tick_recorder(ticks, self.on_tick)
+        recorder = None
+        if self.options.record:
+            recorder = RunRecorder(self.out_dir, resume=resume, samples=self.runtime.samples)
+            self.observer = _Both(self.observer, recorder)
+        completed = False
         try:
             summary = self._loop(metrics, resumed=resume)
-            if getattr(self, "_final_weights", None) is not None:
-                save_checked(self._final_weights, self.out_dir / "final_weights.pt")
+            completed = True
         except TrainingDiverged as e:
             self.counters["stop_reason"] = "diverged"
             self._save_evaluated_model()
@@ -684,33 +688,17 @@ class Trainer:
         finally:
             metrics.close()
             self.tensorboard.close()
-            if ticks is not None:
-                ticks.close()
-            if self._plateau_file is not None:
-                self._plateau_file.close()
+            if recorder is not None:
+                recorder.close(completed)
         return summary
-
-    def _open_plateau_checks(self, resume: bool) -> Any:
-        """``plateau_checks.jsonl`` for appending; on a resume without the checks made
-        after the checkpoint (they are made again)."""
-        path = self.out_dir / "plateau_checks.jsonl"
-        if resume and path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["samples"] <= self.runtime.samples
-            ]
-            path.write_text("".join(line + "\n" for line in kept))
-            return path.open("a")
-        return path.open("w")
 
     def _plateau_check(self, metrics: MetricsWriter | None) -> bool:
         """The writer's check of the steady-state rule at this evaluation (its decision
-        point): from the evaluation records so far only; one ``plateau_checks.jsonl``
-        line. Returns whether it is due (on the writer; False elsewhere)."""
+        point): from the evaluation records so far only; the observer hears it. Returns
+        whether it is due (on the writer; False elsewhere)."""
         if metrics is None:
             return False
-        every = self.cfg.train.plateau_check_samples
+        every = self.options.steady_check_samples
         due, used = steady_state_due(metrics.records, self.runtime.samples, every)
         check = {
             "samples": self.runtime.samples,
@@ -720,31 +708,22 @@ class Trainer:
             "due": due,
             "used": used,
         }
-        if self._plateau_file is not None:
-            self._plateau_file.write(json.dumps(check) + "\n")
-            self._plateau_file.flush()
+        self.observer.on_steady_check(check)
         return due
 
-    @staticmethod
-    def _tick_recorder(
-        f: Any, then: Callable[[Tick, Trainer], None] | None
-    ) -> Callable[[Tick, Trainer], None]:
-        """``train.record_ticks``: one ``ticks.jsonl`` line per tick with losses."""
-
-        def on_tick(tick: Tick, trainer: Trainer) -> None:
-            if tick.losses:
-                rec = {
-                    "iterations": trainer._iterations(),
-                    "samples": trainer.runtime.samples,
-                    "train_wall_s": trainer.counters["train_wall_s"],
-                    "clock_s": trainer.runtime.clock_s,
-                    "loss": sum(tick.losses) / len(tick.losses),
-                }
-                f.write(json.dumps(rec) + "\n")
-            if then is not None:
-                then(tick, trainer)
-
-        return on_tick
+    def _observe_losses(self, tick: Tick) -> None:
+        """The observer hears a tick's mean training loss (writer only; nothing is built
+        for an observer that does not listen to losses)."""
+        listens = type(self.observer).on_losses is not RunObserver.on_losses
+        if tick.losses and self.is_writer and listens:
+            point = LossPoint(
+                iterations=self._iterations(),
+                samples=self.runtime.samples,
+                train_wall_s=self.counters["train_wall_s"],
+                clock_s=self.runtime.clock_s,
+                loss=sum(tick.losses) / len(tick.losses),
+            )
+            self.observer.on_losses(point)
 
     def _loop(self, metrics: MetricsWriter | None, resumed: bool) -> dict[str, Any]:
         """The training loop. On the dist runtime every rank of a synchronous protocol runs
@@ -772,8 +751,8 @@ class Trainer:
         postfix = (None, None)  # (last evaluation record, best metric then)
         bar.set_postfix_str(_bar_postfix(cfg, None, None, c["reached_samples"]), refresh=False)
         last_eval_samples = -1 if not resumed else c.get("last_eval_samples", -1)
-        # train.plateau_check_samples: the next check of the steady-state rule
-        check_every = t.plateau_check_samples if self.evaluate else 0
+        # the next check of the steady-state rule (RunOptions.steady_check_samples)
+        check_every = self.options.steady_check_samples if self.evaluate else 0
         check_at = next_check(rt.samples, check_every) if check_every else None
         try:
             while True:
@@ -837,6 +816,7 @@ class Trainer:
                     self._autotune(tick.samples, rt.clock_s - v0)
                 c["loss_sum"] += sum(tick.losses)
                 c["loss_count"] += len(tick.losses)
+                self._observe_losses(tick)
                 if self.on_tick is not None:
                     self.on_tick(tick, self)
                 bar.update(
@@ -1017,3 +997,22 @@ def _set_cuda_rng_state(device: torch.device, state: torch.Tensor | None) -> Non
     run's seed set them (checkpoints are device-independent)."""
     if state is not None and device.type == "cuda":
         torch.cuda.set_rng_state(state, device)
+
+
+class _Both(RunObserver):
+    """Two observers, each hearing every event in order."""
+
+    def __init__(self, first: RunObserver, second: RunObserver) -> None:
+        self.first, self.second = first, second
+
+    def on_losses(self, point: LossPoint) -> None:
+        self.first.on_losses(point)
+        self.second.on_losses(point)
+
+    def on_evaluation(self, record: dict[str, Any], weights: torch.Tensor) -> None:
+        self.first.on_evaluation(record, weights)
+        self.second.on_evaluation(record, weights)
+
+    def on_steady_check(self, check: dict[str, Any]) -> None:
+        self.first.on_steady_check(check)
+        self.second.on_steady_check(check)

@@ -444,11 +444,11 @@ def test_learner_stream_walks_epochs_and_round_trips() -> None:
     stream = LearnerStream(sampler, learner=1)
     for step in range(5):
         assert torch.equal(stream.next_indices(), sampler.batch_indices(1, 0, step))
-    assert stream.state_dict() == {"epoch": 1, "step": 0}
+    assert stream.state_dict() == {"epoch": 1, "step": 0, "batch_size": 10}
     stream.next_indices()
     stream.next_indices()
     saved = stream.state_dict()
-    assert saved == {"epoch": 1, "step": 2}
+    assert saved == {"epoch": 1, "step": 2, "batch_size": 10}
     expected = [stream.next_indices() for _ in range(6)]
     restored = LearnerStream(sampler, learner=1)
     restored.load_state_dict(saved)

@@ -17,6 +17,7 @@ import torch
 
 import distsgd
 from distsgd.cli import main
+from distsgd.control import RunOptions
 from distsgd.trainer import Trainer
 from tests.conftest import small_config
 
@@ -328,10 +329,8 @@ def test_resume_of_a_corrupted_checkpoint_is_refused(finished_run, capsys):
 @pytest.fixture
 def weights_run(tmp_path):
     src = tmp_path / "src"
-    distsgd.train(
-        small_config(train={"max_epochs": 1, "save_eval_weights": True, "record_ticks": True}),
-        out_dir=src,
-    )
+    cfg = small_config(train={"max_epochs": 1, "save_eval_weights": True})
+    Trainer(cfg, src, progress=False, options=RunOptions(record=True)).run()
     return src
 
 

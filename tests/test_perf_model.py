@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from distsgd.control import RunOptions
 from distsgd.tuner.perf_model import (
     ClusterModel,
     Layout,
@@ -203,7 +204,7 @@ def test_sma_he_equals_the_simulated_runtimes_time_per_iteration(tmp_path, k, re
         cluster={**replica, "jitter": 0.0, "latency_s": 2e-4},
         train={"max_epochs": 0.25, "eval_every_samples": 0},
     )
-    tr = Trainer(cfg, tmp_path / "run", progress=False, evaluate=False)
+    tr = Trainer(cfg, tmp_path / "run", progress=False, options=RunOptions(evaluate=False))
     s = tr.run()
     he = seconds_per_iteration(
         Layout("sma", 2 * k, 8, replicas_per_device=k),

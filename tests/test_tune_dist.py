@@ -11,6 +11,7 @@ import torch
 
 from distsgd.cli import main
 from distsgd.config import ConfigError, RunConfig, TuneConfig
+from distsgd.control import RunOptions
 from distsgd.trainer import Trainer
 from distsgd.tuner.omnivore import (
     Candidate,
@@ -29,8 +30,8 @@ from .test_tuner import FakeProbe
 
 
 def test_record_ticks_and_initial_weights_file_continue_a_run(tmp_path):
-    cfg = small_config(train={"max_epochs": 0.5, "record_ticks": True})
-    first = Trainer(cfg, tmp_path / "a", progress=False)
+    cfg = small_config(train={"max_epochs": 0.5})
+    first = Trainer(cfg, tmp_path / "a", progress=False, options=RunOptions(record=True))
     s = first.run()
     ticks = [json.loads(x) for x in (tmp_path / "a" / "ticks.jsonl").read_text().splitlines()]
     assert len(ticks) == s["iterations"]  # hardsync: one tick per iteration
@@ -40,9 +41,7 @@ def test_record_ticks_and_initial_weights_file_continue_a_run(tmp_path):
     assert torch.equal(final, first.runtime.eval_weights())
     # a run from that file starts where the first ended: same weights, same accuracy
     path = str(tmp_path / "a" / "final_weights.pt")
-    cont = cfg.replace(
-        train=dataclasses.replace(cfg.train, initial_weights=path, record_ticks=False)
-    )
+    cont = cfg.replace(train=dataclasses.replace(cfg.train, initial_weights=path))
     Trainer(cont, tmp_path / "b", progress=False).run()
     last_a = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[-1])
     first_b = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
@@ -146,7 +145,7 @@ def test_tune_on_dist_writes_a_plan_that_train_dist_accepts(tmp_path, capsys, mo
     assert any("real processes" in d["decision"] for d in decisions)
     plan = RunConfig.from_toml(out / "plan.toml")
     assert plan.runtime == "dist" and not plan.train.initial_weights
-    assert not plan.train.record_ticks and plan.train.evaluate
+    assert plan.train.evaluate and not plan.train.save_eval_weights
     capsys.readouterr()
     run = tmp_path / "run"
     assert (
@@ -169,15 +168,15 @@ def test_dist_ranks_start_from_the_initial_weights_file(tmp_path):
 
     cfg = small_config(
         protocol={"num_learners": 2, "batch_size": 16},
-        train={"max_epochs": 0.5, "record_ticks": True},
+        train={"max_epochs": 0.5},
     )
-    Trainer(cfg, tmp_path / "sim", progress=False).run()
+    Trainer(cfg, tmp_path / "sim", progress=False, options=RunOptions(record=True)).run()
     path = str(tmp_path / "sim" / "final_weights.pt")
     dist_cfg = cfg.replace(
         runtime="dist",
         train=dataclasses.replace(cfg.train, initial_weights=path, max_epochs=0.25),
     )
-    run(dist_cfg, tmp_path / "dist")
+    run(dist_cfg, tmp_path / "dist", options=RunOptions(record=True))
     last_sim = json.loads((tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()[-1])
     first = json.loads((tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()[0])
     # the same weights on the same test set: the same count of correct answers
@@ -196,7 +195,16 @@ def test_a_rank_lost_after_the_run_completed_leaves_a_complete_probe(tmp_path, m
         out_dir.mkdir(parents=True)
         (out_dir / "ticks.jsonl").write_text(
             "".join(
-                json.dumps({"iterations": i, "train_wall_s": 0.1 * i, "loss": 2.0 / i}) + "\n"
+                json.dumps(
+                    {
+                        "iterations": i,
+                        "samples": 32 * i,
+                        "train_wall_s": 0.1 * i,
+                        "clock_s": 0.1 * i,
+                        "loss": 2.0 / i,
+                    }
+                )
+                + "\n"
                 for i in range(1, 4)
             )
         )

@@ -17,13 +17,15 @@ from tqdm import tqdm
 
 from distsgd.cli import main
 from distsgd.config import ConfigError, ConfigWarning, RunConfig
+from distsgd.control import RunOptions
 from distsgd.data import LearnerStream, ShardedSampler
-from distsgd.metrics import load_checked, read_metrics, save_checked, write_json
+from distsgd.metrics import load_checked, read_metrics, write_json
 from distsgd.plateau import next_check
 from distsgd.rundir import RunDirClaim
 from distsgd.trainer import Trainer
-from distsgd.tuner import online
+from distsgd.tuner import online, probes, session
 from distsgd.tuner import perf_model as pm
+from distsgd.tuner.chains import ProbeChains
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult, pair_scores
 from distsgd.tuner.online import (
     OnlineTune,
@@ -108,10 +110,8 @@ def test_winning_probe_continues_bit_identically_and_report_reads_the_run(tmp_pa
     # stopping at the segment's end, without the checks): the probe, then its
     # continuation, must equal it
     plain_cfg = RunConfig.from_toml(first / "config.toml")
-    assert plain_cfg.train.plateau_check_samples == 1024
-    plain_cfg = plain_cfg.replace(
-        train=dataclasses.replace(plain_cfg.train, plateau_check_samples=0, max_samples=2048)
-    )
+    assert all(c["window_samples"] == 1024 for c in checks)
+    plain_cfg = plain_cfg.replace(train=dataclasses.replace(plain_cfg.train, max_samples=2048))
     Trainer(plain_cfg, tmp_path / "plain", progress=False).run()
     # the segment continued the probe: its first tick follows the probe's last sample
     probe_samples = json.loads((Path(start) / "summary.json").read_text())["samples"]
@@ -183,12 +183,12 @@ def test_resume_of_a_run_killed_mid_probe_gives_the_same_decisions(tmp_path, mon
                     self.on_tick = kill
 
     killed = tmp_path / "killed"
-    monkeypatch.setattr(online, "Trainer", KillSecondSteadyProbe)
+    monkeypatch.setattr(probes, "Trainer", KillSecondSteadyProbe)
     with pytest.raises(KeyboardInterrupt):
         OnlineTune(cfg, killed, progress=False).run()
     cut = sorted((killed / "probes").iterdir())[-1]
     assert "steady" in cut.name and not (cut / "online_probe.json").exists()
-    monkeypatch.setattr(online, "Trainer", Trainer)
+    monkeypatch.setattr(probes, "Trainer", Trainer)
     s = train_tuned(None, killed, resume=True)
     assert decisions(killed) == decisions(whole)
     # a resume of the run that ended: nothing runs, its summary (walls included) stays
@@ -210,8 +210,6 @@ def test_resume_of_a_run_killed_mid_probe_gives_the_same_decisions(tmp_path, mon
         # issue 18: both were overridden silently (evaluated anyway; trained hardsync)
         (["train.evaluate=false"], "train.evaluate = false"),
         (["protocol.name=local_sgd"], "protocol.name = 'local_sgd'"),
-        # --tune sets it (tune.check_epochs) for its segments
-        (["train.plateau_check_samples=512"], "train.plateau_check_samples = 512"),
         (["tune.check_epochs=0"], "tune.check_epochs = 0"),
         # found by a fresh-user review: the same probe ran twice
         (["tune.lrs=[0.01, 0.01, 0.001]"], "without repeated values"),
@@ -265,7 +263,7 @@ def test_a_batch_beyond_the_training_set_is_refused_before_anything_is_written(
     """A second review: the run's own λ·b above the training set failed after measuring
     the device and left a directory that --resume replayed the error from."""
     measured = []
-    monkeypatch.setattr(online, "with_device_profile", lambda *a, **k: measured.append(1))
+    monkeypatch.setattr(session, "with_device_profile", lambda *a, **k: measured.append(1))
     cfg = tmp_path / "c.toml"
     cfg.write_text(tiny_config().replace(protocol=dataclasses.replace(
         tiny_config().protocol, batch_size=2048)).to_toml())  # fmt: skip
@@ -287,7 +285,7 @@ def test_tune_measures_the_device_at_the_threads_a_run_of_its_config_uses(tmp_pa
         threads.append(torch.get_num_threads())
         return cfg, False
 
-    monkeypatch.setattr(online, "with_device_profile", profile)
+    monkeypatch.setattr(session, "with_device_profile", profile)
     torch.set_num_threads(2)
     OnlineTune(tiny_config(num_threads=1), tmp_path / "r", progress=False)._setup(False)
     assert threads == [1]
@@ -342,7 +340,7 @@ def test_a_budget_too_small_for_the_cold_start_has_no_steady_state_rounds(tmp_pa
     assert not list(run.glob("probes/*-steady*"))
     assert not [d for d in decisions(run) if d["decision"] in ("keep training", "re-optimise")]
     (seg,) = (run / "train").iterdir()
-    assert RunConfig.from_toml(seg / "config.toml").train.plateau_check_samples == 0
+    assert not (seg / "plateau_checks.jsonl").exists()  # no checks
 
 
 def test_on_real_processes_the_sample_budget_sizes_the_probes_too(tmp_path):
@@ -432,7 +430,7 @@ def test_the_next_larger_lr_than_the_best_gets_a_second_rung_chance(tmp_path, mo
     larger one that did not diverge continues to the second rung too (issue 18: η 0.1's
     loss spike at its 21st iteration ranked it third after 1 s, and the run trained at η
     0.01, a decade lower, to 2.4x the swept-best DDP's wall)."""
-    probe = OnlineTune.probe
+    probe = ProbeChains.probe
     shift = {}
 
     def shifted(self, cand, snapshot, until_clock_s=None, kind=None):
@@ -442,7 +440,7 @@ def test_the_next_larger_lr_than_the_best_gets_a_second_rung_chance(tmp_path, mo
             r.losses = [x + shift["by"] for x in r.losses]
         return r
 
-    monkeypatch.setattr(OnlineTune, "probe", shifted)
+    monkeypatch.setattr(ProbeChains, "probe", shifted)
     cfg = tiny_config()
     cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, first_rung=0.25, promote=1))
     for name, by in (("leads", -10.0), ("spiked", 10.0)):
@@ -471,7 +469,7 @@ def test_a_joint_probe_that_leads_is_confirmed_at_twice_the_length(
     the full probe length continues to twice it, as the grid's winner's chain does, and
     the better there continues as the run (the bench's b = 32 probe won 6 of 12 cold
     starts at 2 s, and those runs took 1.18x DDP's wall on average)."""
-    probe = OnlineTune.probe
+    probe = ProbeChains.probe
 
     def scored(self, cand, snapshot, until_clock_s=None, kind=None):
         r = probe(self, cand, snapshot, until_clock_s, kind)
@@ -480,7 +478,7 @@ def test_a_joint_probe_that_leads_is_confirmed_at_twice_the_length(
             r.losses = [0.0 if low else 100.0] * len(r.losses)
         return r
 
-    monkeypatch.setattr(OnlineTune, "probe", scored)
+    monkeypatch.setattr(ProbeChains, "probe", scored)
     run = tmp_path / "r"
     cfg = tiny_config()  # no steady-state round: the tuning overhead is the cold start's
     tune = OnlineTune(
@@ -559,9 +557,10 @@ def test_a_joint_probe_continues_the_grid_winners_first_rung_with_its_batch(tmp_
     ids=["halved", "doubled odd", "doubled even", "not a divisor", "past the epoch"],
 )
 def test_a_batch_change_continues_at_the_same_sample_of_the_epoch(tmp_path, old, new, steps):
-    """:func:`online._set_batch`: every learner's next minibatch at the new batch starts at
-    the first step boundary at or after the samples drawn (none drawn twice, less than a
-    step skipped; the next epoch's first step where none is left in this one)."""
+    """A learner stream's position saved at another batch: every learner's next minibatch
+    at the new batch starts at the first step boundary at or after the samples drawn
+    (none drawn twice, less than a step skipped; the next epoch's first step where none
+    is left in this one)."""
     n, lam = 1000, 2
     before = ShardedSampler(n, lam, old, seed=3)
     streams = [LearnerStream(before, learner) for learner in range(lam)]
@@ -569,14 +568,12 @@ def test_a_batch_change_continues_at_the_same_sample_of_the_epoch(tmp_path, old,
     for _ in range(steps):
         for st in streams:
             drawn.update(st.next_indices().tolist())
-    path = tmp_path / "checkpoint.pt"
-    save_checked({"runtime": {"ranks": [{"streams": [st.state_dict()]} for st in streams]}}, path)
-    online._set_batch(path, old, new, lam, n)
+    saved = [st.state_dict() for st in streams]
     after = ShardedSampler(n, lam, new, seed=3)
     offset = steps * lam * old
-    for learner, rank in enumerate(load_checked(path)["runtime"]["ranks"]):
+    for learner, state in enumerate(saved):
         st = LearnerStream(after, learner)
-        st.load_state_dict(rank["streams"][0])
+        st.load_state_dict(state)
         start = st.step * lam * new
         if st.epoch == 1:  # nothing of the epoch left at the new batch
             assert st.step == 0 and offset + lam * new > after.samples_per_epoch
@@ -584,10 +581,11 @@ def test_a_batch_change_continues_at_the_same_sample_of_the_epoch(tmp_path, old,
         assert st.epoch == 0 and offset <= start < offset + lam * new
         rest = after.permutation(0)[start : after.samples_per_epoch]
         assert not drawn & set(rest.tolist())
-    # the same batch: the file is left as it is
-    mtime = path.stat().st_mtime_ns
-    online._set_batch(path, new, new, lam, n)
-    assert path.stat().st_mtime_ns == mtime
+    # the same batch: the same position
+    for learner, state in enumerate(saved):
+        st = LearnerStream(before, learner)
+        st.load_state_dict(state)
+        assert (st.epoch, st.step) == (state["epoch"], state["step"])
 
 
 def _rung_start(m, by_name):
@@ -598,7 +596,7 @@ def _rung_start(m, by_name):
 
 def _exploding(monkeypatch, lrs):
     """Probes at ``lrs`` record losses a million times their own: blown up, not NaN."""
-    run_probe = OnlineTune._run_probe
+    run_probe = ProbeChains._run_probe
 
     def exploding(self, cfg, run_dir, start):
         run_probe(self, cfg, run_dir, start)
@@ -608,7 +606,7 @@ def _exploding(monkeypatch, lrs):
                 t["loss"] *= 1.0 if i == 0 else 1e6
             (run_dir / "ticks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ticks))
 
-    monkeypatch.setattr(OnlineTune, "_run_probe", exploding)
+    monkeypatch.setattr(ProbeChains, "_run_probe", exploding)
 
 
 def test_a_probe_whose_loss_blows_up_without_nan_diverged(tmp_path, monkeypatch, capsys):
@@ -641,8 +639,8 @@ def test_check_epochs_sets_where_and_over_what_span_the_run_checks(tmp_path):
     run = tmp_path / "r"
     OnlineTune(cfg, run, progress=False).run()
     first = sorted((run / "train").iterdir())[0]
-    assert RunConfig.from_toml(first / "config.toml").train.plateau_check_samples == 512
     checks = [json.loads(x) for x in (first / "plateau_checks.jsonl").read_text().splitlines()]
+    assert all(c["window_samples"] == 512 for c in checks)
     assert [c["samples"] % 512 for c in checks] == [0] * len(checks) and checks[-1]["due"]
     records = read_metrics(first / "metrics.jsonl")
     for c in checks:  # each the rule over 512 samples, from the records up to its point
@@ -783,7 +781,7 @@ def test_a_losing_larger_batch_probe_leaves_the_steady_state_its_rounds(tmp_path
     lost, yet its rate became the ceiling against which the b = 8 winner's rate was "a
     decade below", and the run trained to the end without checks. Rates compare per
     sample of an iteration now; a batch beyond the training set is skipped."""
-    probe = OnlineTune.probe
+    probe = ProbeChains.probe
 
     def losing(self, cand, snapshot, until_clock_s=None, kind=None):
         r = probe(self, cand, snapshot, until_clock_s, kind)
@@ -791,7 +789,7 @@ def test_a_losing_larger_batch_probe_leaves_the_steady_state_its_rounds(tmp_path
             r.losses = [5.0] * len(r.losses)
         return r
 
-    monkeypatch.setattr(OnlineTune, "probe", losing)
+    monkeypatch.setattr(ProbeChains, "probe", losing)
     cfg = tiny_config()
     cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, batch_sizes=[320, 2048], extra_probes=2))
     run = tmp_path / "r"
@@ -812,7 +810,7 @@ def test_a_losing_smaller_batch_rate_leaves_a_larger_batch_winner_its_rounds(tmp
     joint b = 320 probe (η 0.01 scaled to 0.1) wins; scaled per sample, η 0.1 at b = 32
     made a ceiling of 10 at b = 320, "a decade above" the winner's 1.0, and the run trained
     without checks. The ceiling is that of the winner's own layout."""
-    probe = OnlineTune.probe
+    probe = ProbeChains.probe
 
     def scored(self, cand, snapshot, until_clock_s=None, kind=None):
         r = probe(self, cand, snapshot, until_clock_s, kind)
@@ -822,7 +820,7 @@ def test_a_losing_smaller_batch_rate_leaves_a_larger_batch_winner_its_rounds(tmp
             r.losses = [5.0] * len(r.losses)
         return r
 
-    monkeypatch.setattr(OnlineTune, "probe", scored)
+    monkeypatch.setattr(ProbeChains, "probe", scored)
     cfg = tiny_config()
     run = tmp_path / "r"
     tune = OnlineTune(
@@ -906,11 +904,10 @@ class PerEpochSegments(OnlineTune):
             samples0 = json.loads((start / "summary.json").read_text())["samples"]
             check = next_check(samples0, check_every) if check_every else 2**62
             cfg = candidate_config(self.cfg, cand)
-            train = dataclasses.replace(
-                user, max_samples=min([check, *budget]), record_ticks=True, evaluate=True
-            )
+            train = dataclasses.replace(user, max_samples=min([check, *budget]), evaluate=True)
             begin = self.elapsed()
-            Trainer(cfg.replace(train=train), seg, progress=False).run(resume=True)
+            options = RunOptions(record=True)
+            Trainer(cfg.replace(train=train), seg, progress=False, options=options).run(resume=True)
             saved = {
                 "begin_elapsed_s": begin,
                 "end_elapsed_s": self.elapsed(),
@@ -1018,14 +1015,14 @@ def test_resume_of_a_run_killed_mid_segment_gives_the_same_decisions(tmp_path, m
                 self.on_tick = kill
 
     killed = tmp_path / "killed"
-    monkeypatch.setattr(online, "Trainer", KillFirstSegmentInEpochTwo)
+    monkeypatch.setattr(probes, "Trainer", KillFirstSegmentInEpochTwo)
     with pytest.raises(KeyboardInterrupt):
         OnlineTune(cfg, killed, progress=False).run()
     seg = sorted((killed / "train").iterdir())[0]
     assert not (seg / "online_segment.json").exists()
     made = [json.loads(x) for x in (seg / "plateau_checks.jsonl").read_text().splitlines()]
     assert [(c["samples"], c["due"]) for c in made] == [(1024, False)]
-    monkeypatch.setattr(online, "Trainer", Trainer)
+    monkeypatch.setattr(probes, "Trainer", Trainer)
     s = train_tuned(None, killed, resume=True)
     assert decisions(killed) == decisions(whole)
     # a resume of the run that ended: nothing runs, its summary (walls included) stays
@@ -1039,37 +1036,34 @@ def test_resume_of_a_run_killed_mid_segment_gives_the_same_decisions(tmp_path, m
 
 
 def plateau_config(**train):
-    """A plain run with a steady-state check every 1024 samples; at η 0.1 its loss
-    flattens in epoch 2, so the second check is due."""
+    """A plain run (with :data:`CHECKS`: a steady-state check every 1024 samples); at η 0.1
+    its loss flattens in epoch 2, so the second check is due."""
     return small_config(
         optimizer={"lr": 0.1, "momentum": 0.9},
-        train={
-            "target": 0.0,
-            "max_epochs": 6,
-            "eval_every_samples": 256,
-            "plateau_check_samples": 1024,
-            **train,
-        },
+        train={"target": 0.0, "max_epochs": 6, "eval_every_samples": 256, **train},
     )
 
 
+CHECKS = RunOptions(steady_check_samples=1024, record=True)
+
+
 def test_a_plain_run_with_plateau_checks_resumes_without_repeating_them(tmp_path):
-    # train.plateau_check_samples on its own: killed after its first check, resumed from
+    # steady-state checks on their own: killed after its first check, resumed from
     # a checkpoint before it, the run makes each check once, as without the kill,
     # and stops at the second
     # the last checkpoint before the kill: at 512 samples
     cfg = plateau_config(checkpoint_every_evals=3)
-    whole = Trainer(cfg, tmp_path / "whole", progress=False).run()
+    whole = Trainer(cfg, tmp_path / "whole", progress=False, options=CHECKS).run()
 
     def kill(tick, trainer):
         if trainer.runtime.samples > 1024 + 100:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        Trainer(cfg, tmp_path / "killed", progress=False, on_tick=kill).run()
+        Trainer(cfg, tmp_path / "killed", progress=False, on_tick=kill, options=CHECKS).run()
     made = (tmp_path / "killed" / "plateau_checks.jsonl").read_text().splitlines()
     assert [json.loads(x)["samples"] for x in made] == [1024]
-    resumed = Trainer(cfg, tmp_path / "killed", progress=False).run(resume=True)
+    resumed = Trainer(cfg, tmp_path / "killed", progress=False, options=CHECKS).run(resume=True)
 
     def checks(run):
         lines = (run / "plateau_checks.jsonl").read_text().splitlines()
@@ -1097,13 +1091,13 @@ def test_a_steady_state_check_scores_the_evaluation_subset(tmp_path):
     other before the run's end (it scored the whole test set: on Fashion-MNIST 1.1-1.5 s
     more per check than the 2,000-sample subset, about 5 s of a --tune run's wall)."""
     cfg = plateau_config(eval_samples=64)
-    s = Trainer(cfg, tmp_path / "run", progress=False).run()
+    s = Trainer(cfg, tmp_path / "run", progress=False, options=CHECKS).run()
     assert s["stop_reason"] == "steady_state" and s["samples"] == 2048
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["eval_samples"] for r in records if r["samples"] % 1024 == 0] == [64, 64, 64]
     # the run's end by its budget still scores the whole set
     cfg = cfg.replace(train=dataclasses.replace(cfg.train, max_epochs=1))
-    s = Trainer(cfg, tmp_path / "budget", progress=False).run()
+    s = Trainer(cfg, tmp_path / "budget", progress=False, options=CHECKS).run()
     assert s["stop_reason"] == "max_epochs/max_samples"
     assert read_metrics(tmp_path / "budget" / "metrics.jsonl")[-1]["eval_samples"] == 256
 
@@ -1208,18 +1202,18 @@ def test_the_run_directory_has_the_last_segments_staleness_and_a_clock_across_re
             if "train" in Path(out_dir).parts[-2]:
                 self.on_tick = lambda tick, trainer: (_ for _ in ()).throw(KeyboardInterrupt)
 
-    monkeypatch.setattr(online, "Trainer", KillFirstSegment)
+    monkeypatch.setattr(probes, "Trainer", KillFirstSegment)
     with pytest.raises(KeyboardInterrupt):
         OnlineTune(cfg, killed, progress=False).run()
     first_session = json.loads((killed / online.CLOCK_FILE).read_text())["elapsed_s"]
     # the cold start's probes completed in the first session
-    probes = json.loads(sorted((killed / "probes").glob("*/online_probe.json"))[-1].read_text())
-    assert 0 < probes["end_elapsed_s"] <= first_session
-    monkeypatch.setattr(online, "Trainer", Trainer)
+    note = json.loads(sorted((killed / "probes").glob("*/online_probe.json"))[-1].read_text())
+    assert 0 < note["end_elapsed_s"] <= first_session
+    monkeypatch.setattr(probes, "Trainer", Trainer)
     s = train_tuned(None, killed, resume=True)
     # the clock went on from the first session: the resumed run's wall counts it
     assert s["total_wall_s"] > first_session
-    assert s["tuning_wall_s"] >= probes["end_elapsed_s"]
+    assert s["tuning_wall_s"] >= note["end_elapsed_s"]
     stamps = [
         json.loads(x)["t_wall_s"] for x in (killed / "decisions.jsonl").read_text().splitlines()
     ]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distsgd.control import RunOptions
 from distsgd.trainer import Trainer
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult
 from distsgd.tuner.probes import RunClock
@@ -145,10 +146,9 @@ def test_long_run_keeps_the_model_of_every_evaluation(tmp_path):
             "max_epochs": 1.0,
             "eval_every_samples": 256,
             "save_eval_weights": True,
-            "record_ticks": True,
         }
     )
-    trainer = Trainer(cfg, tmp_path / "a", progress=False)
+    trainer = Trainer(cfg, tmp_path / "a", progress=False, options=RunOptions(record=True))
     trainer.run()
     recs = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     files = sorted((tmp_path / "a" / "eval_weights").glob("*.pt"))  # not the .sha256 sidecars

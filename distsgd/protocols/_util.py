@@ -186,6 +186,25 @@ def check_header(state: Any, protocol: str, config: dict[str, Any]) -> None:
         )
 
 
+def with_momentum(state: Any, momentum: float) -> Any:
+    """``state`` continued with SGD momentum μ = ``momentum``: a copy in which every
+    protocol state header (``{"protocol": name, "config": {"momentum": …}}``, at any depth:
+    a runtime's state holds its ranks' protocol states) names that μ, buffers kept, so
+    that :func:`check_header` accepts it under a protocol built with that μ. Omnivore
+    changes μ mid-run at steady state (Hadjis et al., arXiv:1606.04487, §4)."""
+    if isinstance(state, dict):
+        out = {k: with_momentum(v, momentum) for k, v in state.items()}
+        conf = out.get("config")
+        if isinstance(out.get("protocol"), str) and isinstance(conf, dict) and "momentum" in conf:
+            out["config"] = {**conf, "momentum": momentum}
+        return out
+    if isinstance(state, list):
+        return [with_momentum(v, momentum) for v in state]
+    if isinstance(state, tuple):
+        return tuple(with_momentum(v, momentum) for v in state)
+    return state
+
+
 def load_vector(name: str, value: Any, into: Tensor) -> None:
     """Copy saved tensor ``value`` into ``into`` in place, checking its shape."""
     if not isinstance(value, Tensor) or value.shape != into.shape:

@@ -804,3 +804,63 @@ def rank_candidates(
         ranked.append((seconds_per_iteration(c.layout(), cluster) * scale * se, c))
     ranked.sort(key=lambda t: t[0])
     return ranked
+
+
+def rank_joint(
+    search: OmnivoreSearch,
+    reference: Candidate,
+    settings: TuneConfig,
+    cluster: ClusterModel,
+    noise_scale: float,
+    num_train: int,
+    log: DecisionLog,
+    measured_he: bool,
+) -> list[tuple[float, Candidate]]:
+    """The joint search's unprobed configurations (:func:`joint_candidates`, those whose
+    iteration fits the training set: :func:`skip_unfit`) by predicted time to accuracy
+    (:func:`rank_candidates` against ``reference``, B_noise = ``noise_scale`` samples;
+    ``measured_he``: HE scaled by measured / predicted of the probed ones,
+    :func:`he_scales`), soonest first."""
+    cands = skip_unfit(joint_candidates(search, reference, settings), num_train, log)
+    scales = he_scales(search.results, cluster) if measured_he else None
+    return rank_candidates(cands, reference, 1.0, cluster, noise_scale, he_scale=scales)
+
+
+# a joint probe: (predicted time, candidate) -> (its result, where it started for the
+# decision: its snapshot's name, a note after the score)
+JointProbeFn = Callable[[float, Candidate], tuple[ProbeResult, str, str]]
+
+
+def probe_joint(
+    ranked: list[tuple[float, Candidate]],
+    count: int,
+    search: OmnivoreSearch,
+    against: ProbeResult,
+    log: DecisionLog,
+    probe: JointProbeFn,
+    skip: Callable[[], str | None],
+) -> list[ProbeResult]:
+    """Probe the ``count`` best of ``ranked`` (each added to ``search.results``), each
+    compared at equal time with ``against`` in its decision; ``skip()`` gives the reason
+    to leave a candidate out (None: probe it). Returns the probes run."""
+    extra = []
+    ref = against.candidate
+    for t_pred, cand in ranked[:count]:
+        why = skip()
+        if why is not None:
+            log("joint", f"skip {cand.label()}", why)
+            continue
+        r, snapshot, note = probe(t_pred, cand)
+        search.results.append(r)
+        extra.append(r)
+        log(
+            "joint",
+            f"probed {cand.label()}: " + ("NaN" if r.diverged else f"score {r.score:.4f}"),
+            f"equal-time score against {against.score:.4f} for {ref.label()}"
+            + note
+            + r.speed_note(),
+            score=None if r.diverged else r.score,
+            snapshot=snapshot,
+            seconds_per_iteration=r.to_json()["seconds_per_iteration"],
+        )
+    return extra

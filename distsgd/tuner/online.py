@@ -24,10 +24,11 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    since the run's start) :func:`~distsgd.plateau.steady_state_due` decides from the
    evaluations recorded so far (never a later one) whether the training loss has
    flattened over that span. The run checks it
-   itself (``train.plateau_check_samples``, :mod:`distsgd.plateau`): a segment
-   (``train/NN-…``) is one launch that trains until the first check where the rule is due
-   (``stop_reason = "steady_state"``) or the run ends; each check is a decision
-   (``keep training`` / ``re-optimise``, from the segment's ``plateau_checks.jsonl``).
+   itself (:attr:`RunOptions.steady_check_samples <distsgd.control.RunOptions>`,
+   :mod:`distsgd.plateau`): a segment (``train/NN-…``) is one launch that trains until
+   the first check where the rule is due (``stop_reason = "steady_state"``) or the run
+   ends; each check the run reports (:class:`~distsgd.control.RunObserver`) is a decision
+   (``keep training`` / ``re-optimise``).
    At a due check every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first; a
    lower effective rate only from the top decade of stable rates; on hardsync one (η, μ)
    per effective rate, a decade down at most: :func:`steady_grid`) is probed from the
@@ -121,47 +122,42 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
-from distsgd import launch
 from distsgd.config import (
     ConfigError,
     ConfigWarning,
     RunConfig,
     TuneConfig,
-    required_processes,
 )
-from distsgd.data import keep_loaded, load_dataset
-from distsgd.engine import UserCode, build_engine, config_for_data
-from distsgd.metrics import load_checkpoint_file, read_metrics, save_checked, write_json
+from distsgd.control import RunObserver, RunOptions
+from distsgd.data import keep_loaded
+from distsgd.engine import UserCode
+from distsgd.metrics import read_metrics, write_json
 from distsgd.plateau import FLAT_GAIN, steady_state_due
 from distsgd.rundir import RunDirClaim
-from distsgd.runtime.factory import with_device_profile
-from distsgd.runtime.sim import TrainingDiverged
-from distsgd.trainer import Trainer
 from distsgd.tuner import perf_model as pm
+from distsgd.tuner.chains import START_FILES, Heard, ProbeChains, run_summary, start_dir
 from distsgd.tuner.omnivore import (
     Candidate,
     DecisionLog,
     OmnivoreSearch,
     ProbeResult,
-    he_scales,
-    joint_candidates,
     next_larger_lr,
     pair_scores,
     pick_best,
-    rank_candidates,
-    skip_unfit,
+    probe_joint,
+    rank_joint,
 )
 from distsgd.tuner.probes import (
+    ProbeRunner,
     RunClock,
     candidate_config,
     check_optimizer_searchable,
     check_runtime,
     safe_name,
 )
-from distsgd.tuner.session import cluster_model, tune_layout, tuning_threads
+from distsgd.tuner.session import cluster_model, fixed_base, tune_layout
 from distsgd.tuner.tune import check_tunable
 
 __all__ = [
@@ -186,7 +182,6 @@ CLOCK_FILE = "tune_clock.json"  # the run's wall clock when a session of it ende
 # the protocols of the families the search probes (candidate_config): a base config on
 # another protocol would be replaced silently, so it is refused
 TUNED_PROTOCOLS = ("hardsync", "compute_groups", "parameter_server", "sma")
-_START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
 # what a directory holds once any run wrote to it (--tune's, a plain run's, distsgd tune's)
 _HELD = (STATE_FILE, "summary.json", "checkpoint.pt", "decisions.jsonl", "tune.json", "probes")
 _FINAL_FILES = ("config.toml", "model.pt", "model.pt.sha256", "checkpoint.pt", "staleness.json")
@@ -260,8 +255,7 @@ def check_online_tunable(config: RunConfig) -> None:
 
     Raises:
         ConfigError: ``train.evaluate = false`` (the run evaluates to stop at its target
-            and to decide steady state), ``train.plateau_check_samples`` (the run sets
-            it), or a ``protocol.name`` outside
+            and to decide steady state), or a ``protocol.name`` outside
             :data:`TUNED_PROTOCOLS` (the run continues with a tuned family's protocol).
     """
     if not config.train.evaluate:
@@ -269,12 +263,6 @@ def check_online_tunable(config: RunConfig) -> None:
             "train.evaluate = false is not allowed with --tune: the tuning run evaluates "
             "to stop at train.target and to decide steady state; drop --tune to train "
             "without evaluations"
-        )
-    if config.train.plateau_check_samples:
-        raise ConfigError(
-            f"train.plateau_check_samples = {config.train.plateau_check_samples} is not "
-            f"allowed with --tune: the tuning run checks steady state every "
-            f"tune.check_epochs = {config.tune.check_epochs:g} epoch itself; drop the setting"
         )
     if config.protocol.name not in TUNED_PROTOCOLS:
         raise ConfigError(
@@ -331,76 +319,6 @@ def planned_probes(settings: TuneConfig) -> float:
     return m * r + min(settings.promote + 1, m) * (1 - r) + extra if r < 1 else float(m + extra)
 
 
-def _set_momentum(checkpoint: Path, momentum: float) -> None:
-    """Make ``checkpoint`` continue with momentum μ = ``momentum``: every protocol state
-    header (``{"protocol": name, "config": {"momentum": …}}``) is set to it, the momentum
-    buffer is kept. Omnivore changes μ mid-run at steady state; the protocols take their
-    hyperparameters from the config and keep only buffers in their state, so this is
-    the only entry that names μ."""
-    state = load_checkpoint_file(checkpoint, "resume")
-
-    def visit(node: Any) -> bool:
-        changed = False
-        if isinstance(node, dict):
-            conf = node.get("config")
-            if isinstance(node.get("protocol"), str) and isinstance(conf, dict):
-                if "momentum" in conf and conf["momentum"] != momentum:
-                    conf["momentum"] = momentum
-                    changed = True
-            for value in node.values():
-                changed = visit(value) or changed
-        elif isinstance(node, list | tuple):
-            for value in node:
-                changed = visit(value) or changed
-        return changed
-
-    if visit(state):
-        save_checked(state, checkpoint)
-
-
-def _set_batch(checkpoint: Path, old: int, new: int, num_learners: int, num_train: int) -> None:
-    """Make ``checkpoint`` (written with ``old`` samples per learner) continue with
-    ``new``: every learner stream's position (``{"epoch", "step"}`` in a ``streams`` list,
-    :class:`~distsgd.data.LearnerStream`) becomes the first step of the new batch at or
-    after the same sample offset of its epoch's permutation (step ``s`` starts at offset
-    ``s · λ · b``, :class:`~distsgd.data.ShardedSampler`), the next epoch's first where
-    none is left in this one. So no sample of the epoch is drawn twice; where ``new``
-    does not divide the offset, up to ``λ · new − 1`` samples of it are skipped. Only for
-    a synchronous state (hardsync's keeps no per-batch state besides the positions)."""
-    if old == new:
-        return
-    state = load_checkpoint_file(checkpoint, "resume")
-    steps_per_epoch = num_train // (num_learners * new)
-
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "streams" and isinstance(value, list):
-                    for pos in value:
-                        step = -(-int(pos["step"]) * old // new)  # ceil
-                        if step >= steps_per_epoch:
-                            pos["epoch"], step = int(pos["epoch"]) + 1, 0
-                        pos["step"] = step
-                else:
-                    visit(value)
-        elif isinstance(node, list | tuple):
-            for value in node:
-                visit(value)
-
-    visit(state)
-    save_checked(state, checkpoint)
-
-
-def _start_dir(snapshot: str) -> Path | None:
-    """The run directory a probe started from (None: the initial model)."""
-    return None if snapshot == "initial" else Path(snapshot)
-
-
-def _summary(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
 class OnlineTune:
     """One ``distsgd train --tune`` run (module docstring: the rules and files).
 
@@ -436,11 +354,8 @@ class OnlineTune:
         self.code = code
         self.simulated = config.runtime == "sim"
         self.clock = RunClock.of(self.simulated)
-        self.count = 0  # probes so far (their directories are numbered)
         self.segments = 0
         self.overhead_clock_s = 0.0  # clock seconds of probes that did not continue
-        self._first_rung: dict[str, ProbeResult] = {}  # a second-rung probe's first rung
-        self._loss0: float | None = None  # the initial model's first training loss
         self.segment_wall_s = 0.0
         self._offset_s = 0.0
 
@@ -467,18 +382,15 @@ class OnlineTune:
                 "another output directory (--out)"
                 + (" or continue it with --resume" if is_tuning_run(self.out) else "")
             )
-        cfg = self.config
         # the device profile is measured (and cached) at the threads a probe trains with,
-        # as a plain run or distsgd tune of this config would (a user's review: --tune
-        # measured at torch's current count and simulated another device)
-        torch.set_num_threads(tuning_threads(cfg, self.num_processes))
-        torch.manual_seed(cfg.train.seed)
-        ds = load_dataset(cfg.data, seed=cfg.train.seed, factory=getattr(self.code, "data", None))
-        cfg = config_for_data(cfg, ds, self.code)
-        cfg.protocol.check_fits(ds.num_train)  # before anything is measured or written
-        cfg, _ = with_device_profile(cfg, ds, self.code)
-        self.num_train = ds.num_train
-        self.num_parameters = build_engine(cfg, self.code).num_parameters
+        # as a plain run or distsgd tune of this config would; the batch is checked
+        # against the data before anything is measured or written
+        base = fixed_base(
+            self.config, self.num_processes, self.code, lambda c, n: c.protocol.check_fits(n)
+        )
+        cfg = base.cfg
+        self.num_train = base.dataset.num_train
+        self.num_parameters = base.engine.num_parameters
         self.cfg = cfg
         self.cluster = cluster_model(cfg, self.num_parameters)
         self.probe_s, self.max_probes = probe_seconds_for(
@@ -589,136 +501,18 @@ class OnlineTune:
             warnings.warn(line, ConfigWarning, stacklevel=3)
 
     # ---- probes ----------------------------------------------------------------------
-    def _probe_config(self, cand: Candidate, limit_s: float) -> RunConfig:
-        cfg = candidate_config(self.cfg, cand)
-        key = "max_virtual_seconds" if self.simulated else "max_seconds"
-        train = dataclasses.replace(
-            cfg.train,
-            **{
-                "max_virtual_seconds": 0.0,
-                "max_seconds": 0.0,
-                key: limit_s,
-                "stop_at_target": False,
-                "eval_every_samples": self._eval_every(),
-                "checkpoint_every_evals": 0,
-                "tensorboard": False,
-                "record_ticks": True,
-                "evaluate": False,
-                "plateau_check_samples": 0,
-            },
-        )
-        return cfg.replace(train=train)
-
-    def _eval_every(self) -> int:
-        return self.cfg.train.eval_every_samples or self.num_train
-
-    def _start_of(self, start: Path | None) -> tuple[float, int]:
-        """(clock seconds, iterations) of a start point (0 for the initial model)."""
-        if start is None:
-            return 0.0, 0
-        s = _summary(start)
-        return float(s.get(self.clock.run_seconds_key) or 0.0), int(s.get("iterations") or 0)
-
-    def probe(
-        self,
-        cand: Candidate,
-        snapshot: str,
-        until_clock_s: float | None = None,
-        kind: str | None = None,
-    ) -> ProbeResult:
-        """One probe of ``cand`` from ``snapshot`` until the runtime's clock reads
-        ``until_clock_s`` (default: a first rung's length from the snapshot's clock):
-        ``snapshot`` is ``initial`` (the seeded initial model) or a run directory (a
-        segment's, or a first-rung probe's that continues), whose checkpoint it resumes
-        with ``cand``'s μ and batch (:func:`_set_momentum`, :func:`_set_batch`).
-        ``kind`` names it (``cold``, ``steady``, …; default from the snapshot). Reads a
-        completed probe back instead of running it again (resume)."""
-        start = _start_dir(snapshot)
-        clock0, iters0 = self._start_of(start)
-        self.count += 1
-        kind = kind or ("cold" if start is None else "steady")
-        until_clock_s = clock0 + self.rung_s if until_clock_s is None else until_clock_s
-        run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
-        result = ProbeResult(cand, snapshot, score_window=self.settings.score_window)
-        result.run_dir = str(run_dir)
-        note = run_dir / "online_probe.json"
-        if note.exists():  # completed before an interruption: read it back
-            saved = json.loads(note.read_text())
-            self._catch_up(saved["end_elapsed_s"])
-        else:
-            if run_dir.exists():
-                shutil.rmtree(run_dir)  # cut short: run it again
-            t0 = time.perf_counter()
-            self._bar(f"probe {cand.label()}")
-            self._run_probe(self._probe_config(cand, until_clock_s), run_dir, start)
-            saved = {"wall_s": time.perf_counter() - t0, "end_elapsed_s": self.elapsed()}
-            write_json(note, saved)
-        result.wall_s = saved["wall_s"]
-        s = _summary(run_dir)
-        result.diverged = s.get("status") == "diverged"
-        result.train_wall_s = float(s.get("train_wall_s") or 0.0)
-        result.samples = int(s.get("samples") or 0)
-        ticks = run_dir / "ticks.jsonl"
-        for line in ticks.read_text().splitlines() if ticks.exists() else []:
-            rec = json.loads(line)
-            clock = rec["clock_s"] if self.simulated else rec["train_wall_s"]
-            result.losses.append(rec["loss"])
-            result.iterations.append(rec["iterations"] - iters0)
-            result.virtual_s.append(clock - clock0)
-        if start is None and result.losses and self._loss0 is None:
-            self._loss0 = result.losses[0]  # the initial model's loss: the scale of "blew up"
-        result.mark_exploded(self._loss0)
-        return result
-
-    def _run_probe(self, cfg: RunConfig, run_dir: Path, start: Path | None) -> None:
-        if start is not None:
-            run_dir.mkdir(parents=True)
-            for name in _START_FILES:
-                if (start / name).exists():
-                    shutil.copy2(start / name, run_dir / name)
-            _set_momentum(run_dir / "checkpoint.pt", cfg.optimizer.momentum)
-            p = cfg.protocol
-            was = int(_summary(start).get("batch_size") or p.batch_size)
-            _set_batch(run_dir / "checkpoint.pt", was, p.batch_size, p.num_learners, self.num_train)
-        try:
-            if self.simulated:
-                trainer = Trainer(cfg, run_dir, progress=False, evaluate=False, code=self.code)
-                trainer.run(resume=start is not None)
-            else:
-                self._launch(cfg, run_dir, resume=start is not None)
-        except TrainingDiverged:
-            pass  # summary.json records it; the probe scores NaN
-        except launch.DistRunFailed:
-            if _summary(run_dir).get("status") != "completed":
-                raise
-
-    def _launch(self, cfg: RunConfig, run_dir: Path, resume: bool, progress: bool = False) -> None:
-        """One probe or segment on real processes: on the run's pool of ranks
-        (:class:`~distsgd.launch.RankPool`, started once, kept from one to the next)."""
-        n = required_processes(cfg.protocol, cfg.dist)[0]  # the run's (tune_layout)
-        if self.pool is None or self.pool.num_processes != n:
-            if self.pool is not None:
-                self.pool.close()
-            self.pool = launch.RankPool(n)
-        self.pool.run(cfg, run_dir, resume=resume, progress=progress)
-
     # ---- the run's segments ------------------------------------------------------------
     def _segment(self, cand: Candidate, start: Path, check_every: int) -> tuple[Path, bool]:
         """Continue ``start`` (a probe that won) as the run with ``cand``, in one launch,
         until the target, the run's limits or the first check where the steady-state rule
-        is due (the trainer's ``train.plateau_check_samples = check_every``: a check at
-        every multiple of it since the run's start; 0: none). Returns (its directory,
+        is due (:attr:`RunOptions.steady_check_samples <distsgd.control.RunOptions>` =
+        ``check_every``: a check at every multiple of it since the run's start; 0: none). Returns (its directory,
         whether the run ends here)."""
         self.segments += 1
         seg = self.out / "train" / f"{self.segments:02d}-{safe_name(cand.label())}"
         note = seg / "online_segment.json"
-        user = self.cfg.train
         cfg = candidate_config(self.cfg, cand)
-        cfg = cfg.replace(
-            train=dataclasses.replace(
-                user, record_ticks=True, evaluate=True, plateau_check_samples=check_every
-            )
-        )
+        options = RunOptions(steady_check_samples=check_every, continues=True, record=True)
         if note.exists():
             saved = json.loads(note.read_text())
             self._catch_up(saved["end_elapsed_s"])
@@ -726,15 +520,12 @@ class OnlineTune:
             if seg.exists():
                 shutil.rmtree(seg)
             seg.mkdir(parents=True)
-            for name in _START_FILES:
+            for name in START_FILES:
                 if (start / name).exists():
                     shutil.copy2(start / name, seg / name)
             begin = self.elapsed()
             self._bar(f"train {cand.label()}")
-            if self.simulated:
-                Trainer(cfg, seg, progress=self.progress, code=self.code).run(resume=True)
-            else:
-                self._launch(cfg, seg, resume=True, progress=self.progress)
+            self.runner.run(cfg, seg, options, RunObserver(), resume=True, progress=self.progress)
             saved = {
                 "begin_elapsed_s": begin,
                 "end_elapsed_s": self.elapsed(),
@@ -744,14 +535,12 @@ class OnlineTune:
             write_json(note, saved)
         self.segment_wall_s += saved["end_elapsed_s"] - saved["begin_elapsed_s"]
         self.timeline.append((seg, saved))
-        return seg, _summary(seg).get("stop_reason") != "steady_state"
+        return seg, run_summary(seg).get("stop_reason") != "steady_state"
 
     @staticmethod
     def _checks(seg: Path) -> list[dict[str, Any]]:
-        """The steady-state checks a segment made (``plateau_checks.jsonl``), in order."""
-        path = seg / "plateau_checks.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [json.loads(line) for line in lines if line.strip()]
+        """The steady-state checks a segment made, in order."""
+        return Heard.of(seg).checks
 
     def _log_check(self, check: dict[str, Any], rounds: int) -> None:
         """One decision per check of the rule, as made at its decision point inside the
@@ -796,42 +585,10 @@ class OnlineTune:
         )
 
     # ---- decisions -------------------------------------------------------------------
-    def _chain(self, r: ProbeResult) -> list[ProbeResult]:
-        """``r`` and the probes it continues (a second or third rung's), latest first."""
-        out = [r]
-        while out[-1].run_dir in self._first_rung:
-            out.append(self._first_rung[out[-1].run_dir])
-        return out
-
-    def _measurements(self, results: list[ProbeResult]) -> list[dict[str, Any]]:
-        """Each probe's score and clock span; ``from_clock_s`` is the decision point it
-        started from (a later rung's: its chain's first rung's start)."""
-        out = []
-        for r in results:
-            parent = self._first_rung.get(r.run_dir)
-            root = self._chain(r)[-1]
-            start_s = self._start_of(_start_dir(r.snapshot))[0]
-            rec = {
-                "label": r.candidate.label(),
-                "score": None if math.isnan(r.score) else r.score,
-                "seconds_per_iteration": None
-                if math.isnan(r.seconds_per_iteration)
-                else r.seconds_per_iteration,
-                "from_clock_s": self._start_of(_start_dir(root.snapshot))[0],
-                "measured_until_clock_s": (r.virtual_s[-1] if r.virtual_s else 0.0) + start_s,
-                "probe": Path(r.run_dir).name,
-            }
-            if r.paired_span:
-                rec["paired_iterations"] = r.paired_span
-            if parent is not None:
-                rec["continues"] = Path(parent.run_dir).name
-            out.append(rec)
-        return out
-
     def _count_overhead(self, results: list[ProbeResult], winner: ProbeResult) -> None:
         """Clock seconds of the probes that did not continue as the run (the winner and
         the probes its chain continues) count as tuning overhead."""
-        kept = {r.run_dir for r in self._chain(winner)}
+        kept = {r.run_dir for r in self.chains.chain(winner)}
         for r in results:
             if r.run_dir not in kept and r.virtual_s:
                 self.overhead_clock_s += r.virtual_s[-1]
@@ -863,8 +620,8 @@ class OnlineTune:
         firsts = chosen + ([larger] if extra else [])
         out = []
         for r in firsts:
-            round_start = self._start_of(_start_dir(r.snapshot))[0]
-            out.append(self._continue(r, round_start + self.probe_s, kind))
+            round_start = self.chains.start_of(start_dir(r.snapshot))[0]
+            out.append(self.chains.continue_from(r, round_start + self.probe_s, kind))
         if not cold:
             pair_scores(out)  # one snapshot, one layout: the same minibatches
         for r, cont in zip(firsts, out, strict=True):
@@ -887,18 +644,6 @@ class OnlineTune:
             )
         return out
 
-    def _continue(
-        self, r: ProbeResult, until_clock_s: float, kind: str, cand: Candidate | None = None
-    ) -> ProbeResult:
-        """``r``'s probe continued from its own checkpoint until ``until_clock_s`` (with
-        ``cand``, default ``r``'s candidate), scored over its chain's last
-        ``tune.score_window`` losses."""
-        cont = self.probe(cand or r.candidate, r.run_dir, until_clock_s, kind)
-        cont.earlier_losses = list(r.earlier_losses) + list(r.losses)
-        cont.mark_exploded(self._loss0)  # over the whole chain
-        self._first_rung[cont.run_dir] = r
-        return cont
-
     def _confirm(self, grid: ProbeResult, joint: ProbeResult) -> list[ProbeResult]:
         """A joint probe that beat the grid's winner at the full probe length: both
         continue from their own checkpoints to twice that length (``probes/NNN-cold3-…``),
@@ -914,7 +659,7 @@ class OnlineTune:
         until = 2 * self.probe_s
         out = []
         for r in (joint, grid):
-            cont = self._continue(r, until, "cold3")
+            cont = self.chains.continue_from(r, until, "cold3")
             out.append(cont)
             self.log(
                 "cold start",
@@ -943,13 +688,13 @@ class OnlineTune:
         all 18 cold starts on record and won 3), and its η comes from the grid's winner
         after its second rung rather than from its noisier first rung."""
         search = OmnivoreSearch(
-            self.probe,
+            self.chains.probe,
             self.settings,
             self.num_learners,
             self.cfg.protocol.batch_size,
             self.log,
             ps_learners=self.ps_learners,
-            out_of_budget=lambda: bool(self.max_probes) and self.count >= self.max_probes,
+            out_of_budget=lambda: bool(self.max_probes) and self.chains.count >= self.max_probes,
             stop_descending=True,
         )
         best = search.cold_start("initial")
@@ -1003,7 +748,7 @@ class OnlineTune:
             "a joint probe wins only by more than that); its probe's whole state "
             "continues, so its samples count towards the run",
             run_clock_s=0.0,
-            measurements=self._measurements(results),
+            measurements=self.chains.measurements(results),
         )
         return best
 
@@ -1034,37 +779,27 @@ class OnlineTune:
             return []
         ref = best.candidate
         noise = s.noise_scale or float(ref.layout().num_learners * ref.batch_size)
-        scales = he_scales(search.results, self.cluster) if not self.simulated else None
-        cands = skip_unfit(joint_candidates(search, ref, s), self.num_train, self.log)
-        ranked = rank_candidates(cands, ref, 1.0, self.cluster, noise, he_scale=scales)
-        extra = []
-        for _, cand in ranked[: s.extra_probes]:
-            if self.max_probes and self.count >= self.max_probes:
-                self.log("joint", f"skip {cand.label()}", "the budget's probes are spent")
-                continue
+        ranked = rank_joint(
+            search, ref, s, self.cluster, noise, self.num_train, self.log, not self.simulated
+        )
+
+        def skip() -> str | None:
+            spent = self.max_probes and self.chains.count >= self.max_probes
+            return "the budget's probes are spent" if spent else None
+
+        def probe(_: float, cand: Candidate) -> tuple[ProbeResult, str, str]:
             root = self._branch_point(best, cand)
             if root is None:
-                r = self.probe(cand, "initial", self.probe_s)
-            else:  # from the grid winner's first rung, to the same clock as its chain
-                r = self._continue(root, self.probe_s, "joint", cand)
-            search.results.append(r)
-            extra.append(r)
-            self.log(
-                "joint",
-                f"probed {cand.label()}: " + ("NaN" if r.diverged else f"score {r.score:.4f}"),
-                f"equal-time score against {best.score:.4f} for {ref.label()}"
-                + (
-                    ""
-                    if root is None
-                    else f", from {Path(root.run_dir).name} after its {self.rung_s:.4g} "
-                    f"{self.clock.name} s (its batch changed there)"
-                )
-                + r.speed_note(),
-                score=None if r.diverged else r.score,
-                snapshot="initial" if root is None else f"probes/{Path(root.run_dir).name}",
-                seconds_per_iteration=r.to_json()["seconds_per_iteration"],
+                return self.chains.probe(cand, "initial", self.probe_s), "initial", ""
+            # from the grid winner's first rung, to the same clock as its chain
+            note = (
+                f", from {Path(root.run_dir).name} after its {self.rung_s:.4g} "
+                f"{self.clock.name} s (its batch changed there)"
             )
-        return extra
+            r = self.chains.continue_from(root, self.probe_s, "joint", cand)
+            return r, f"probes/{Path(root.run_dir).name}", note
+
+        return probe_joint(ranked, s.extra_probes, search, best, self.log, probe, skip)
 
     def _branch_point(self, best: ProbeResult, cand: Candidate) -> ProbeResult | None:
         """The first rung a joint probe of ``cand`` continues from: the grid winner's
@@ -1077,9 +812,9 @@ class OnlineTune:
         a joint probe from the initial model cost 2 of the cold start's 5 training s);
         a smaller batch's lead over the first seconds from the initial model (more
         updates) is also left out of the comparison."""
-        if best.run_dir not in self._first_rung:
+        if best.run_dir not in self.chains.first_rung:
             return None  # no halving: best is a full-length first rung
-        root = self._chain(best)[-1]
+        root = self.chains.chain(best)[-1]
         ref = root.candidate
         same = dataclasses.replace(cand, batch_size=ref.batch_size, lr=ref.lr) == ref
         if not same or ref.family != "hardsync" or root.snapshot != "initial" or root.diverged:
@@ -1133,7 +868,7 @@ class OnlineTune:
         its probe (None: every probe diverged)."""
         grid = self._steady_grid(current)
         results = [
-            self.probe(dataclasses.replace(current, lr=lr, momentum=mu), str(seg))
+            self.chains.probe(dataclasses.replace(current, lr=lr, momentum=mu), str(seg))
             for lr, mu in grid
         ]
         span = pair_scores(results)
@@ -1155,7 +890,7 @@ class OnlineTune:
         if best is None:
             return None
         self._count_overhead(results, best)
-        clock0, _ = self._start_of(seg)
+        clock0, _ = self.chains.start_of(seg)
         self.log(
             "steady state",
             f"continue with {best.candidate.label()}",
@@ -1168,7 +903,7 @@ class OnlineTune:
                 else ""
             ),
             run_clock_s=clock0,
-            measurements=self._measurements(results),
+            measurements=self.chains.measurements(results),
         )
         return best.candidate, best
 
@@ -1184,7 +919,8 @@ class OnlineTune:
         clock = self.out / CLOCK_FILE
         if resume and clock.exists():  # the earlier sessions' wall, lost work included
             self._offset_s = float(json.loads(clock.read_text())["elapsed_s"])
-        self.pool: launch.RankPool | None = None  # dist: the ranks every launch reuses
+        # every probe and segment; on dist one pool of ranks for all of them
+        self.runner = ProbeRunner(self.simulated, code=self.code)
         self.timeline: list[tuple[Path, dict[str, Any]]] = []
         self._setup(resume)
         self.bar = (
@@ -1196,6 +932,17 @@ class OnlineTune:
             self.out / "decisions.jsonl",
             echo=tqdm.write if self.progress else None,
             clock=self.elapsed,
+        )
+        self.chains = ProbeChains(
+            self.cfg,
+            self.out,
+            self.runner,
+            num_train=self.num_train,
+            score_window=self.settings.score_window,
+            rung_s=self.rung_s,
+            elapsed=self.elapsed,
+            catch_up=self._catch_up,
+            bar=self._bar,
         )
         try:
             self._log_setup()
@@ -1233,8 +980,7 @@ class OnlineTune:
                 if won is not None:
                     cand, start = won[0], Path(won[1].run_dir)
         finally:
-            if self.pool is not None:
-                self.pool.close()
+            self.runner.close()
             if self.bar is not None:
                 self.bar.close()
             write_json(clock, {"elapsed_s": self.elapsed()})  # also when interrupted
@@ -1254,7 +1000,7 @@ class OnlineTune:
                 shutil.copy2(seg / name, self.out / name)
         if (seg / "checkpoint.pt.sha256").exists():
             shutil.copy2(seg / "checkpoint.pt.sha256", self.out / "checkpoint.pt.sha256")
-        s = _summary(seg)
+        s = run_summary(seg)
         chain = {
             "chain_time_to_target_s": s.get("time_to_target_s"),
             "chain_time_to_target_virtual_s": s.get("time_to_target_virtual_s"),
@@ -1267,7 +1013,7 @@ class OnlineTune:
         # interruption lost (in a run of one session: the setup and the probes)
         s["tuning_wall_s"] = max(total - self.segment_wall_s, 0.0)
         s["tuning_share"] = s["tuning_wall_s"] / total if total > 0 else None
-        s["num_probes"] = self.count
+        s["num_probes"] = self.chains.count
         s["time_to_target_s"] = reached_at["total_wall_s"] if reached_at else None
         if self.simulated:
             s["tuning_virtual_s"] = self.overhead_clock_s
@@ -1282,14 +1028,14 @@ class OnlineTune:
         segment it belongs to (the first that reached its samples) gives the offset."""
         seg_saved = None
         for seg, saved in timeline:
-            if _summary(seg).get("samples", 0) >= record["samples"]:
+            if run_summary(seg).get("samples", 0) >= record["samples"]:
                 seg_saved = (seg, saved)
                 break
         if seg_saved is None:
             seg_saved = timeline[-1]
         seg, saved = seg_saved
         start = Path(saved["start"])
-        start_s = _summary(start)
+        start_s = run_summary(start)
         wall0 = float(start_s.get("train_wall_s") or 0.0) + float(start_s.get("eval_wall_s") or 0.0)
         inside = float(record["wall_s"]) + float(record.get("eval_wall_s") or 0.0) - wall0
         out = {"total_wall_s": saved["begin_elapsed_s"] + max(inside, 0.0)}

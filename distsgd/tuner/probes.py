@@ -7,13 +7,14 @@ from a snapshot's weights and stopped after a fixed time on the runtime's clock:
 on real processes. Each probe writes an ordinary run directory under ``probes/``.
 
 * ``sim``: the Trainer runs in this process from the in-memory snapshot
-  (``Trainer(initial_weights=...)``) and records every tick's training loss
-  (``Trainer(on_tick=...)``).
+  (``Trainer(initial_weights=...)``) and its observer hears every tick's training loss
+  (:class:`~distsgd.control.RunObserver`).
 * ``dist``: an ordinary dist training (:func:`distsgd.launch.run`; with ``keep_ranks``
   on one :class:`~distsgd.launch.RankPool` for all the prober's runs, closed by
-  :meth:`Prober.close`); the snapshot goes to the ranks as a file (``train.initial_weights``, under ``snapshots/``) and rank 0
-  writes every tick's loss to the probe's ``ticks.jsonl`` and the final central model to
-  ``final_weights.pt`` (``train.record_ticks``), which are read back here.
+  :meth:`Prober.close`); the snapshot goes to the ranks as a file
+  (``train.initial_weights``, under ``snapshots/``) and rank 0 records what an observer
+  hears and the final central model (:class:`~distsgd.control.RunRecorder`), replayed
+  here.
 
 A long run (:meth:`Prober.long_run`, Omnivore's run of the best configuration until the
 target) is the same kind of run with evaluations; it comes back as a :class:`LongRun`, and
@@ -34,6 +35,15 @@ import torch
 from distsgd import launch
 from distsgd.checks import fail
 from distsgd.config import ConfigError, RunConfig, required_processes
+from distsgd.control import (
+    LossPoint,
+    RunObserver,
+    RunOptions,
+    eval_weights_file,
+    recorded_final_weights,
+    replay,
+)
+from distsgd.engine import UserCode
 from distsgd.metrics import load_checked, save_checked
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.trainer import Trainer
@@ -201,6 +211,138 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text.translate(_ASCII)).strip("_")
 
 
+@dataclasses.dataclass
+class RunEnd:
+    """How a run of :meth:`ProbeRunner.run` ended.
+
+    Attributes:
+        diverged: a loss became NaN or infinite.
+        summary: its ``summary.json`` ({} when it wrote none).
+        final: the last evaluated model ``[P]`` of a run that completed (None: it did not
+            complete or did not evaluate).
+        notes: what happened beside the run (a rank lost after it completed).
+    """
+
+    diverged: bool
+    summary: dict[str, Any]
+    final: torch.Tensor | None
+    notes: list[str]
+
+
+class _LastModel(RunObserver):
+    """Passes every event on to ``then``, keeping the last evaluated model."""
+
+    def __init__(self, then: RunObserver) -> None:
+        self.then, self.weights = then, None
+
+    def on_losses(self, point: LossPoint) -> None:
+        self.then.on_losses(point)
+
+    def on_evaluation(self, record: dict[str, Any], weights: torch.Tensor) -> None:
+        self.weights = weights.detach().clone()
+        self.then.on_evaluation(record, weights)
+
+    def on_steady_check(self, check: dict[str, Any]) -> None:
+        self.then.on_steady_check(check)
+
+
+class ProbeRunner:
+    """The one runner of the tuner's runs (probes, long runs, segments of ``--tune``): a
+    run config into a run directory, on the simulated cluster in this process or on real
+    processes (``keep_ranks``: one :class:`~distsgd.launch.RankPool` for every run,
+    restarted when a run needs another number of processes; :meth:`close` ends it).
+
+    A run starts from the seeded model, from given weights ``[P]`` (``sim``; on real
+    processes the config's ``train.initial_weights`` file) or, with ``resume``, from the
+    run directory's ``checkpoint.pt`` (with :attr:`RunOptions.continues
+    <distsgd.control.RunOptions>` another run's, continued under this config's μ and
+    batch). The observer hears the run's losses, evaluations and steady-state checks
+    (on real processes replayed from what rank 0 recorded, :func:`~distsgd.control.replay`).
+
+    Args:
+        simulated: the ``sim`` runtime (else ``dist``).
+        keep_ranks: ``dist``: run on one pool of ranks (else a launch per run).
+        code: the user's objects (``sim`` only, as for any run).
+    """
+
+    def __init__(
+        self, simulated: bool, *, keep_ranks: bool = True, code: UserCode | None = None
+    ) -> None:
+        self.simulated = simulated
+        self.keep_ranks = keep_ranks
+        self.code = code
+        self._pool: launch.RankPool | None = None
+
+    def close(self) -> None:
+        """End the pool's ranks, if any were started."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def run(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        options: RunOptions,
+        observer: RunObserver,
+        *,
+        weights: torch.Tensor | None = None,
+        resume: bool = False,
+        progress: bool = False,
+    ) -> RunEnd:
+        """Train ``cfg`` into ``run_dir`` with ``options``; ``observer`` hears it.
+
+        Raises:
+            DistRunFailed: a rank was lost before the run completed (one lost after rank
+                0 completed it and wrote its files leaves a complete run and a note).
+            ConfigError / KeyboardInterrupt: as for any run.
+        """
+        diverged, notes = False, []
+        last = _LastModel(observer)
+        try:
+            if self.simulated:
+                trainer = Trainer(
+                    cfg,
+                    run_dir,
+                    progress=progress,
+                    initial_weights=weights,
+                    options=options,
+                    observer=last,
+                    code=self.code,
+                )
+                trainer.run(resume=resume)
+            else:
+                self._launch(
+                    cfg, run_dir, dataclasses.replace(options, record=True), resume, progress
+                )
+        except TrainingDiverged:
+            diverged = True
+        except launch.DistRunFailed as e:
+            if _status(run_dir) != "completed":
+                raise
+            notes.append(f"completed; afterwards {e}")
+        final = last.weights
+        if not self.simulated:
+            replay(run_dir, observer)
+            final = recorded_final_weights(run_dir)
+        summary_path = run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        completed = not diverged and summary.get("status") == "completed"
+        return RunEnd(diverged, summary, final if completed else None, notes)
+
+    def _launch(
+        self, cfg: RunConfig, run_dir: Path, options: RunOptions, resume: bool, progress: bool
+    ) -> None:
+        if not self.keep_ranks:
+            launch.run(cfg, run_dir, resume=resume, progress=progress, options=options)
+            return
+        n = required_processes(cfg.protocol, cfg.dist)[0]
+        if self._pool is None or self._pool.num_processes != n:
+            self.close()
+            self._pool = launch.RankPool(n)
+        self._pool.run(cfg, run_dir, resume=resume, progress=progress, options=options)
+
+
 class Prober:
     """Runs probes and long runs of candidates from named snapshots.
 
@@ -225,8 +367,7 @@ class Prober:
     ) -> None:
         check_runtime(base.runtime)
         self.base = base
-        self.keep_ranks = keep_ranks
-        self._pool: launch.RankPool | None = None
+        self.runner = ProbeRunner(base.runtime == "sim", keep_ranks=keep_ranks)
         self.out_dir = Path(out_dir)
         self.probe_seconds = probe_seconds
         self.score_window = score_window
@@ -235,9 +376,7 @@ class Prober:
 
     def close(self) -> None:
         """End the pool's ranks (``keep_ranks``), if any were started."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self.runner.close()
 
     @property
     def simulated(self) -> bool:
@@ -270,7 +409,8 @@ class Prober:
         train: dict[str, Any],
         kind: str = "probe",
     ) -> tuple[ProbeResult, torch.Tensor | None]:
-        """Train ``cand`` from ``snapshot`` with ``train`` settings; record every tick.
+        """Train ``cand`` from ``snapshot`` with ``train`` settings; record every tick's
+        loss. A probe does not evaluate (its score needs training losses only).
 
         Returns:
             (the result, the final central model ``[P]`` of a long run that did not
@@ -281,43 +421,25 @@ class Prober:
         self.count += 1
         run_dir = self.out_dir / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.score_window, run_dir=str(run_dir))
-        t0 = time.perf_counter()
+        options = RunOptions(evaluate=kind != "probe")
+        weights = None
         if self.simulated:
-            final = self._run_sim(cfg, run_dir, snapshot, kind, result)
+            weights = self.snapshots[snapshot]
         else:
-            final = self._run_dist(cfg, run_dir, snapshot, kind, result)
+            path = str(self.snapshot_file(snapshot).resolve())
+            cfg = cfg.replace(train=dataclasses.replace(cfg.train, initial_weights=path))
+        t0 = time.perf_counter()
+        end = self.runner.run(
+            cfg, run_dir, options, _Losses(result, wall_clock=not self.simulated), weights=weights
+        )
         result.wall_s = time.perf_counter() - t0
+        result.diverged, result.notes = end.diverged, end.notes
+        result.train_wall_s = float(end.summary.get("train_wall_s") or 0.0)
+        result.samples = int(end.summary.get("samples") or 0)
         metrics = run_dir / "metrics.jsonl"
         if metrics.exists():
             result.evals = [json.loads(x) for x in metrics.read_text().splitlines() if x]
-        return result, final
-
-    def _run_sim(
-        self, cfg: RunConfig, run_dir: Path, snapshot: str, kind: str, result: ProbeResult
-    ) -> torch.Tensor | None:
-        def on_tick(tick: Any, trainer: Trainer) -> None:
-            if tick.losses:
-                result.losses.append(sum(tick.losses) / len(tick.losses))
-                result.iterations.append(trainer._iterations())
-                result.virtual_s.append(trainer.runtime.virtual_time)
-
-        trainer = Trainer(
-            cfg,
-            run_dir,
-            progress=False,
-            initial_weights=self.snapshots[snapshot],
-            on_tick=on_tick,
-            evaluate=kind != "probe",  # a probe's score needs training losses only
-        )
-        try:
-            trainer.run()
-        except TrainingDiverged:
-            result.diverged = True
-        result.train_wall_s = float(trainer.counters.get("train_wall_s", 0.0))
-        result.samples = int(trainer.runtime.samples)
-        if result.diverged or kind == "probe":
-            return None
-        return trainer.runtime.eval_weights().clone()
+        return result, end.final if options.evaluate else None
 
     def snapshot_file(self, name: str) -> Path:
         """The snapshot's weights as a file for the ranks (written once)."""
@@ -326,50 +448,6 @@ class Prober:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_checked(self.snapshots[name].clone(), path)
         return path
-
-    def _run_dist(
-        self, cfg: RunConfig, run_dir: Path, snapshot: str, kind: str, result: ProbeResult
-    ) -> torch.Tensor | None:
-        cfg = cfg.replace(
-            train=dataclasses.replace(
-                cfg.train,
-                initial_weights=str(self.snapshot_file(snapshot).resolve()),
-                record_ticks=True,
-                evaluate=kind != "probe",  # a probe's score needs training losses only
-            )
-        )
-        try:
-            if self.keep_ranks:
-                n = required_processes(cfg.protocol, cfg.dist)[0]
-                if self._pool is None or self._pool.num_processes != n:
-                    self.close()
-                    self._pool = launch.RankPool(n)
-                self._pool.run(cfg, run_dir)
-            else:
-                launch.run(cfg, run_dir)
-        except TrainingDiverged:
-            result.diverged = True
-        except launch.DistRunFailed as e:
-            # a rank lost after rank 0 completed the run and wrote its files (e.g. one
-            # that aborted while exiting) leaves a complete probe; anything else is fatal
-            if _status(run_dir) != "completed":
-                raise
-            result.notes.append(f"completed; afterwards {e}")
-        ticks = run_dir / "ticks.jsonl"
-        for line in ticks.read_text().splitlines() if ticks.exists() else []:
-            rec = json.loads(line)
-            result.losses.append(rec["loss"])
-            result.iterations.append(rec["iterations"])
-            result.virtual_s.append(rec["train_wall_s"])
-        summary_path = run_dir / "summary.json"
-        if summary_path.exists():
-            summary = json.loads(summary_path.read_text())
-            result.train_wall_s = float(summary.get("train_wall_s") or 0.0)
-            result.samples = int(summary.get("samples") or 0)
-        final = run_dir / "final_weights.pt"
-        if result.diverged or kind == "probe" or not final.exists():
-            return None
-        return load_checked(final)
 
     def __call__(self, cand: Candidate, snapshot: str) -> ProbeResult:
         """One equal-time probe (the :data:`~distsgd.tuner.omnivore.ProbeFn` interface)."""
@@ -421,10 +499,22 @@ class Prober:
 
     def eval_snapshot(self, long_run: ProbeResult, eval_index: int, name: str) -> None:
         """Make the model of ``long_run``'s evaluation number ``eval_index`` (its
-        ``eval_weights/NNNN.pt``, written with ``save_eval_weights``) snapshot ``name``.
+        kept with ``save_eval_weights``) snapshot ``name``.
 
         Raises:
             FileNotFoundError: the long run kept no weights for that evaluation.
         """
-        path = Path(long_run.run_dir) / "eval_weights" / f"{eval_index:04d}.pt"
-        self.snapshots[name] = load_checked(path)
+        self.snapshots[name] = load_checked(eval_weights_file(long_run.run_dir, eval_index))
+
+
+class _Losses(RunObserver):
+    """Appends each tick's loss, iterations and clock (the runtime's; ``wall_clock``: wall
+    seconds of training) to a probe's result."""
+
+    def __init__(self, result: ProbeResult, wall_clock: bool) -> None:
+        self.result, self.wall_clock = result, wall_clock
+
+    def on_losses(self, point: LossPoint) -> None:
+        self.result.losses.append(point.loss)
+        self.result.iterations.append(point.iterations)
+        self.result.virtual_s.append(point.train_wall_s if self.wall_clock else point.clock_s)

@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 from distsgd.config import TUNE_STEADY_SHARE, ConfigError, RunConfig, TuneConfig, required_processes
 from distsgd.data import load_dataset
-from distsgd.engine import build_engine, config_for_data
+from distsgd.engine import UserCode, build_engine, config_for_data
 from distsgd.rundir import enclosing_tuner_dir
 from distsgd.runtime.factory import with_device_profile
 from distsgd.runtime.netcal import NetworkProfile, calibrate_network
@@ -67,11 +67,9 @@ from distsgd.tuner.omnivore import (
     DecisionLog,
     OmnivoreSearch,
     ProbeResult,
-    he_scales,
-    joint_candidates,
     pick_best,
-    rank_candidates,
-    skip_unfit,
+    probe_joint,
+    rank_joint,
 )
 from distsgd.tuner.plan import (
     PLAN_EVAL_EVERY,
@@ -85,6 +83,8 @@ from distsgd.tuner.report import clean_state, write_report, write_tune_json
 from distsgd.tuner.step_search import choose_step, truncate_run, usable_step_points
 
 __all__ = [
+    "fixed_base",
+    "FixedBase",
     "TuneSession",
     "TuneSetup",
     "TuneState",
@@ -184,26 +184,60 @@ def tuning_threads(cfg: RunConfig, num_processes: int) -> int:
     return cfg.train.num_threads or max(1, (os.cpu_count() or 1) // max(num_processes, 1))
 
 
-def _fixed_profile(
-    cfg: RunConfig, num_processes: int = 1
-) -> tuple[RunConfig, torch.Tensor, int, dict[str, float], int]:
-    """Calibrate once (if needed) and make the seeded initial weights ``[P]``; also time
-    loading the data (``build_s``) and one evaluation on the test set (``eval_s``), wall
-    seconds, for the budget (:mod:`distsgd.tuner.budget`). Returns (config, initial
-    weights, P, timings, training samples). The device is timed with the
-    torch threads of one of ``num_processes`` processes sharing this machine
-    (``train.num_threads`` if set)."""
+@dataclasses.dataclass
+class FixedBase:
+    """The base every probe of a tune shares (:func:`fixed_base`).
+
+    Attributes:
+        cfg: the config with the data's resolved settings and the device profile fixed.
+        dataset: the loaded data set.
+        engine: the model built under the run's seed (its initial weights are a run's).
+        build_s: wall seconds of loading the data and building the engine.
+    """
+
+    cfg: RunConfig
+    dataset: Any
+    engine: Any
+    build_s: float
+
+
+def fixed_base(
+    cfg: RunConfig,
+    num_processes: int,
+    code: UserCode | None = None,
+    check: Callable[[RunConfig, int], None] | None = None,
+) -> FixedBase:
+    """Load the data and fix the device profile once (calibrated on this machine unless the
+    config gives it), so every probe runs on the same simulated cluster, and build the
+    engine under the run's seed (the same initial weights as ``distsgd train``). The device
+    is timed with the torch threads of one of ``num_processes`` processes sharing this
+    machine (``train.num_threads`` if set, :func:`tuning_threads`). ``check(cfg,
+    training samples)`` runs before the profile is measured (may raise ConfigError)."""
     torch.set_num_threads(tuning_threads(cfg, num_processes))
     torch.manual_seed(cfg.train.seed)
     t0 = time.perf_counter()
-    ds = load_dataset(cfg.data, seed=cfg.train.seed)
-    cfg = config_for_data(cfg, ds)
+    ds = load_dataset(cfg.data, seed=cfg.train.seed, factory=getattr(code, "data", None))
+    cfg = config_for_data(cfg, ds, code)
     build_s = time.perf_counter() - t0
-    cfg, _ = with_device_profile(cfg, ds)
+    if check is not None:
+        check(cfg, ds.num_train)
+    cfg, _ = with_device_profile(cfg, ds, code)
     torch.manual_seed(cfg.train.seed)  # the same initial weights as distsgd train
     t0 = time.perf_counter()
-    engine = build_engine(cfg)
+    engine = build_engine(cfg, code)
     build_s += time.perf_counter() - t0
+    return FixedBase(cfg, ds, engine, build_s)
+
+
+def _fixed_profile(
+    cfg: RunConfig, num_processes: int = 1
+) -> tuple[RunConfig, torch.Tensor, int, dict[str, float], int]:
+    """:func:`fixed_base` with the seeded initial weights ``[P]``; also times loading the
+    data (``build_s``) and one evaluation on the test set (``eval_s``), wall seconds, for
+    the budget (:mod:`distsgd.tuner.budget`). Returns (config, initial weights, P,
+    timings, training samples)."""
+    base = fixed_base(cfg, num_processes)
+    cfg, ds, engine, build_s = base.cfg, base.dataset, base.engine, base.build_s
     initial = engine.initial_weights()
     # one evaluation, timed on a part of the test set and scaled to all of it
     n = min(ds.num_test, 2 * cfg.train.eval_batch_size)
@@ -628,9 +662,16 @@ class TuneSession:
         st.noise_scale = s.noise_scale or float(pm.samples_per_iteration(ref.layout()))
         if s.extra_probes <= 0:
             return
-        cands = skip_unfit(joint_candidates(self.search, ref, s), self.fixed.num_train, self.log)
-        scales = he_scales(self.search.results, cluster) if not self.prober.simulated else None
-        st.ranked = rank_candidates(cands, ref, 1.0, cluster, st.noise_scale, he_scale=scales)
+        st.ranked = rank_joint(
+            self.search,
+            ref,
+            s,
+            cluster,
+            st.noise_scale,
+            self.fixed.num_train,
+            self.log,
+            measured_he=not self.prober.simulated,
+        )
         ref_time = pm.seconds_per_iteration(ref.layout(), cluster)
         self.log(
             "joint",
@@ -663,34 +704,28 @@ class TuneSession:
     def _probe_ranked(self, chosen: ProbeResult, ref_time: float) -> list[ProbeResult]:
         """Probe the best ``tune.extra_probes`` of the ranking from the initial weights,
         each only if it is expected to end within the search's share of the budget."""
-        ref, extra = chosen.candidate, []
-        for t_pred, cand in self.state.ranked[: self.settings.extra_probes]:
-            if not self.costs.may_search_probe(True):
-                self.log(
-                    "joint",
-                    f"skip {cand.label()}",
-                    f"search budget spent: a probe is expected to take "
-                    f"{self.costs.expected_probe_s():.1f} s, "
-                    f"{max(self.costs.left(self.costs.search_end), 0):.1f} s left to the search",
-                )
-                continue
+        ref = chosen.candidate
+
+        def skip() -> str | None:
+            if self.costs.may_search_probe(True):
+                return None
+            return (
+                f"search budget spent: a probe is expected to take "
+                f"{self.costs.expected_probe_s():.1f} s, "
+                f"{max(self.costs.left(self.costs.search_end), 0):.1f} s left to the search"
+            )
+
+        def probe(t_pred: float, cand: Candidate) -> tuple[ProbeResult, str, str]:
             self.log(
                 "joint",
                 f"probe {cand.label()}",
                 f"predicted {t_pred / ref_time:.2f}× the time of {ref.shape()}",
             )
             r = self._probe(cand, "initial")
-            self.search.results.append(r)
-            extra.append(r)
-            self.log(
-                "joint",
-                f"probed {cand.label()}: " + ("NaN" if r.diverged else f"score {r.score:.4f}"),
-                f"equal-time score against {chosen.score:.4f} for {ref.label()}" + r.speed_note(),
-                score=None if r.diverged else r.score,
-                snapshot=r.snapshot,
-                seconds_per_iteration=r.to_json()["seconds_per_iteration"],
-            )
-        return extra
+            return r, r.snapshot, ""
+
+        n = self.settings.extra_probes
+        return probe_joint(self.state.ranked, n, self.search, chosen, self.log, probe, skip)
 
     # ---- 4. long run ---------------------------------------------------------------------
     def long_run(self) -> None:

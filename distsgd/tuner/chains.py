@@ -1,0 +1,238 @@
+"""The probes of ``distsgd train --tune`` (:mod:`distsgd.tuner.online`) and their chains.
+
+Every probe is an ordinary run directory (``probes/NNN-<kind>-<label>``) run by the tuning
+core's :class:`~distsgd.tuner.probes.ProbeRunner`: from the seeded initial model, or
+continuing a run directory's full checkpoint (a segment's, or a first-rung probe's that a
+later rung continues) under the candidate's μ and batch (:attr:`RunOptions.continues
+<distsgd.control.RunOptions>`), until the runtime's clock reads a given time. It ends with
+a full checkpoint; what the run heard (its training losses) is recorded beside it
+(:class:`~distsgd.control.RunRecorder`). A completed probe leaves ``online_probe.json``
+(its wall and the run's clock at its end) and is read back instead of run again after an
+interruption (resume); one cut short is run again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from distsgd.config import RunConfig
+from distsgd.control import LossPoint, RunObserver, RunOptions, replay
+from distsgd.metrics import write_json
+from distsgd.tuner.omnivore import Candidate, ProbeResult
+from distsgd.tuner.probes import ProbeRunner, RunClock, candidate_config, safe_name
+
+__all__ = ["ProbeChains", "Heard", "start_dir", "run_summary", "START_FILES"]
+
+START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
+
+
+class Heard(RunObserver):
+    """What a run's recorder kept (:func:`~distsgd.control.replay`): its losses and
+    steady-state checks, in order."""
+
+    def __init__(self) -> None:
+        self.losses: list[LossPoint] = []
+        self.checks: list[dict[str, Any]] = []
+
+    @classmethod
+    def of(cls, run_dir: Path) -> Heard:
+        heard = cls()
+        replay(run_dir, heard)
+        return heard
+
+    def on_losses(self, point: LossPoint) -> None:
+        self.losses.append(point)
+
+    def on_steady_check(self, check: dict[str, Any]) -> None:
+        self.checks.append(check)
+
+
+def start_dir(snapshot: str) -> Path | None:
+    """The run directory a probe started from (None: the initial model)."""
+    return None if snapshot == "initial" else Path(snapshot)
+
+
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    """A run directory's ``summary.json`` ({} when it has none)."""
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+class ProbeChains:
+    """The online tune's probes and the chains of rungs that continue one another.
+
+    Args:
+        cfg: the base config (device profile fixed).
+        out: the run directory (probes go to ``out/probes``).
+        runner: the core's runner of every probe.
+        num_train: training samples (a probe's evaluation interval defaults to an epoch).
+        score_window: losses averaged by a score (``tune.score_window``).
+        rung_s: a first rung's length on the runtime's clock.
+        elapsed: the run's wall clock, seconds (across a resume).
+        catch_up: told the run's clock at the end of a probe read back.
+        bar: told what runs now (the progress bar).
+
+    Attributes:
+        count: probes so far (their directories are numbered).
+        first_rung: a later rung's probe (run directory) → the probe it continues.
+        loss0: the initial model's first training loss (the scale of "blew up").
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        out: Path,
+        runner: ProbeRunner,
+        *,
+        num_train: int,
+        score_window: int,
+        rung_s: float,
+        elapsed: Callable[[], float],
+        catch_up: Callable[[float], None],
+        bar: Callable[[str], None],
+    ) -> None:
+        self.cfg, self.out, self.runner = cfg, out, runner
+        self.simulated = cfg.runtime == "sim"
+        self.clock = RunClock.of(self.simulated)
+        self.num_train, self.score_window, self.rung_s = num_train, score_window, rung_s
+        self.elapsed, self.catch_up, self.bar = elapsed, catch_up, bar
+        self.count = 0
+        self.first_rung: dict[str, ProbeResult] = {}
+        self.loss0: float | None = None
+
+    def _probe_config(self, cand: Candidate, limit_s: float) -> RunConfig:
+        cfg = candidate_config(self.cfg, cand)
+        key = "max_virtual_seconds" if self.simulated else "max_seconds"
+        train = dataclasses.replace(
+            cfg.train,
+            **{
+                "max_virtual_seconds": 0.0,
+                "max_seconds": 0.0,
+                key: limit_s,
+                "stop_at_target": False,
+                "eval_every_samples": self._eval_every(),
+                "checkpoint_every_evals": 0,
+                "tensorboard": False,
+            },
+        )
+        return cfg.replace(train=train)
+
+    def _eval_every(self) -> int:
+        return self.cfg.train.eval_every_samples or self.num_train
+
+    def start_of(self, start: Path | None) -> tuple[float, int]:
+        """(clock seconds, iterations) of a start point (0 for the initial model)."""
+        if start is None:
+            return 0.0, 0
+        s = run_summary(start)
+        return float(s.get(self.clock.run_seconds_key) or 0.0), int(s.get("iterations") or 0)
+
+    def probe(
+        self,
+        cand: Candidate,
+        snapshot: str,
+        until_clock_s: float | None = None,
+        kind: str | None = None,
+    ) -> ProbeResult:
+        """One probe of ``cand`` from ``snapshot`` until the runtime's clock reads
+        ``until_clock_s`` (default: a first rung's length from the snapshot's clock):
+        ``snapshot`` is ``initial`` (the seeded initial model) or a run directory (a
+        segment's, or a first-rung probe's that continues), whose checkpoint it resumes
+        with ``cand``'s μ and batch (:attr:`RunOptions.continues
+        <distsgd.control.RunOptions>`).
+        ``kind`` names it (``cold``, ``steady``, …; default from the snapshot). Reads a
+        completed probe back instead of running it again (resume)."""
+        start = start_dir(snapshot)
+        clock0, iters0 = self.start_of(start)
+        self.count += 1
+        kind = kind or ("cold" if start is None else "steady")
+        until_clock_s = clock0 + self.rung_s if until_clock_s is None else until_clock_s
+        run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
+        result = ProbeResult(cand, snapshot, score_window=self.score_window)
+        result.run_dir = str(run_dir)
+        note = run_dir / "online_probe.json"
+        if note.exists():  # completed before an interruption: read it back
+            saved = json.loads(note.read_text())
+            self.catch_up(saved["end_elapsed_s"])
+        else:
+            if run_dir.exists():
+                shutil.rmtree(run_dir)  # cut short: run it again
+            t0 = time.perf_counter()
+            self.bar(f"probe {cand.label()}")
+            self._run_probe(self._probe_config(cand, until_clock_s), run_dir, start)
+            saved = {"wall_s": time.perf_counter() - t0, "end_elapsed_s": self.elapsed()}
+            write_json(note, saved)
+        result.wall_s = saved["wall_s"]
+        s = run_summary(run_dir)
+        result.diverged = s.get("status") == "diverged"
+        result.train_wall_s = float(s.get("train_wall_s") or 0.0)
+        result.samples = int(s.get("samples") or 0)
+        for point in Heard.of(run_dir).losses:
+            clock = point.clock_s if self.simulated else point.train_wall_s
+            result.losses.append(point.loss)
+            result.iterations.append(point.iterations - iters0)
+            result.virtual_s.append(clock - clock0)
+        if start is None and result.losses and self.loss0 is None:
+            self.loss0 = result.losses[0]  # the initial model's loss: the scale of "blew up"
+        result.mark_exploded(self.loss0)
+        return result
+
+    def _run_probe(self, cfg: RunConfig, run_dir: Path, start: Path | None) -> None:
+        if start is not None:
+            run_dir.mkdir(parents=True)
+            for name in START_FILES:
+                if (start / name).exists():
+                    shutil.copy2(start / name, run_dir / name)
+        options = RunOptions(evaluate=False, continues=start is not None, record=True)
+        self.runner.run(cfg, run_dir, options, RunObserver(), resume=start is not None)
+
+    def chain(self, r: ProbeResult) -> list[ProbeResult]:
+        """``r`` and the probes it continues (a second or third rung's), latest first."""
+        out = [r]
+        while out[-1].run_dir in self.first_rung:
+            out.append(self.first_rung[out[-1].run_dir])
+        return out
+
+    def measurements(self, results: list[ProbeResult]) -> list[dict[str, Any]]:
+        """Each probe's score and clock span; ``from_clock_s`` is the decision point it
+        started from (a later rung's: its chain's first rung's start)."""
+        out = []
+        for r in results:
+            parent = self.first_rung.get(r.run_dir)
+            root = self.chain(r)[-1]
+            start_s = self.start_of(start_dir(r.snapshot))[0]
+            rec = {
+                "label": r.candidate.label(),
+                "score": None if math.isnan(r.score) else r.score,
+                "seconds_per_iteration": None
+                if math.isnan(r.seconds_per_iteration)
+                else r.seconds_per_iteration,
+                "from_clock_s": self.start_of(start_dir(root.snapshot))[0],
+                "measured_until_clock_s": (r.virtual_s[-1] if r.virtual_s else 0.0) + start_s,
+                "probe": Path(r.run_dir).name,
+            }
+            if r.paired_span:
+                rec["paired_iterations"] = r.paired_span
+            if parent is not None:
+                rec["continues"] = Path(parent.run_dir).name
+            out.append(rec)
+        return out
+
+    def continue_from(
+        self, r: ProbeResult, until_clock_s: float, kind: str, cand: Candidate | None = None
+    ) -> ProbeResult:
+        """``r``'s probe continued from its own checkpoint until ``until_clock_s`` (with
+        ``cand``, default ``r``'s candidate), scored over its chain's last
+        ``tune.score_window`` losses."""
+        cont = self.probe(cand or r.candidate, r.run_dir, until_clock_s, kind)
+        cont.earlier_losses = list(r.earlier_losses) + list(r.losses)
+        cont.mark_exploded(self.loss0)  # over the whole chain
+        self.first_rung[cont.run_dir] = r
+        return cont
