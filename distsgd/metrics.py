@@ -29,6 +29,9 @@ import io
 import json
 import math
 import os
+import pickle
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +42,12 @@ from distsgd.checks import ConfigError
 __all__ = [
     "ChecksumMismatch",
     "MetricsWriter",
+    "OutputWriteError",
     "TensorBoardWriter",
     "TENSORBOARD_TAGS",
+    "UnsafeContents",
     "digest_path",
+    "first_line",
     "load_checked",
     "load_checkpoint_file",
     "read_metrics",
@@ -63,12 +69,58 @@ def _clean(value: Any) -> Any:
     return value
 
 
+class OutputWriteError(OSError):
+    """An output file could not be written (a full disk, a quota, a file system gone
+    read-only): one line naming the file and the directory. What was being written is
+    removed; the files written before it are left as they were."""
+
+    @classmethod
+    def of(cls, e: OSError, out_dir: str | Path) -> OutputWriteError:
+        """``e`` (raised writing in ``out_dir``) as one line naming the file and why."""
+        if isinstance(e, OutputWriteError):
+            return e
+        name = Path(e.filename).name.removesuffix(".tmp") if e.filename else "a file"
+        why = e.strerror or str(e) or type(e).__name__
+        return cls(f"could not write {name} in {str(out_dir)!r}: {why}")
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Write ``data`` to the file ``path`` (created or truncated); on an error the file is
+    removed and the ``OSError`` names ``path``."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+    except BaseException as e:
+        path.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            e.filename = e.filename or str(path)
+        raise
+
+
 def write_json(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON atomically (temp file + rename)."""
+    """Write ``obj`` as indented JSON atomically (temp file + rename; the temp file is
+    removed when the write fails).
+
+    Raises:
+        OSError: the file cannot be written (``filename``: the temp file).
+    """
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    _write_new(tmp, (json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n").encode())
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class ChecksumMismatch(ValueError):
@@ -100,17 +152,22 @@ def _on_cpu(obj: Any) -> Any:
 def save_checked(obj: Any, path: str | Path) -> str:
     """``torch.save`` ``obj`` to ``path`` atomically, with its SHA-256 digest beside it.
 
-    The bytes go to ``<file>.tmp``; the sidecar ``<file>.sha256`` (``<hex>  <name>``) is
-    written (temp file + rename) before ``<file>.tmp`` is renamed over ``path``, so a
-    reader never finds new bytes without their digest. A write cut between the two
-    renames leaves the old file beside the new digest: :func:`load_checked` then refuses
-    it (a refusal, never a silent load).
+    The steps: the bytes to ``<file>.tmp``, the digest (``<hex>  <name>``) to
+    ``<file>.sha256.tmp``, ``<file>.tmp`` renamed over ``path``, then ``<file>.sha256.tmp``
+    over the sidecar ``<file>.sha256``. A write cut at any step (SIGKILL, power lost
+    before a rename) leaves the previous file with its sidecar, or the new file beside a
+    complete pending digest ``<file>.sha256.tmp``, which :func:`load_checked` accepts: the
+    pair is never one file's bytes beside another's digest. A write that fails (a full
+    disk) removes its temporary files and leaves the previous pair as it was.
 
     Tensors are saved from host memory (a CUDA tensor is copied to the CPU first), so the
     file loads on any machine, with or without a GPU.
 
     Returns:
         The hex SHA-256 digest of the file's bytes.
+
+    Raises:
+        OSError: a file cannot be written (``filename``: the file).
     """
     path = Path(path)
     buf = io.BytesIO()
@@ -118,13 +175,24 @@ def save_checked(obj: Any, path: str | Path) -> str:
     data = buf.getvalue()
     digest = hashlib.sha256(data).hexdigest()
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
     side = digest_path(path)
-    side_tmp = side.with_name(side.name + ".tmp")
-    side_tmp.write_text(f"{digest}  {path.name}\n")
-    os.replace(side_tmp, side)
-    os.replace(tmp, path)
+    pending = _pending_digest_path(path)
+    try:
+        _write_new(tmp, data)
+        _write_new(pending, f"{digest}  {path.name}\n".encode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        pending.unlink(missing_ok=True)
+        raise
+    os.replace(pending, side)  # the new file's digest is complete in either name
     return digest
+
+
+def _pending_digest_path(path: Path) -> Path:
+    """The digest of a file being written, before its rename: ``<file>.sha256.tmp``."""
+    side = digest_path(path)
+    return side.with_name(side.name + ".tmp")
 
 
 def load_checkpoint_file(path: Path, action: str, missing: str = "") -> dict[str, Any]:
@@ -139,10 +207,12 @@ def load_checkpoint_file(path: Path, action: str, missing: str = "") -> dict[str
         raise ConfigError(f"cannot {action}: {path} does not exist{missing}")
     try:
         state = load_checked(path)
-    except ChecksumMismatch as e:
+    except (ChecksumMismatch, UnsafeContents) as e:
         raise ConfigError(f"cannot {action}: {e}") from None
     except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
-        raise ConfigError(f"cannot {action}: {path} is not a readable checkpoint ({e})") from None
+        raise ConfigError(
+            f"cannot {action}: {path} is not a readable checkpoint ({first_line(e)})"
+        ) from None
     if not isinstance(state, dict):
         raise ConfigError(
             f"cannot {action}: {path} holds a {type(state).__name__}, not a checkpoint "
@@ -152,33 +222,78 @@ def load_checkpoint_file(path: Path, action: str, missing: str = "") -> dict[str
 
 
 def load_checked(path: str | Path) -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)`` after checking the file's SHA-256 digest
-    against its sidecar ``<file>.sha256``; a file without a sidecar (a user's own weights,
-    a checkpoint of an older distsgd) is loaded unchecked.
+    """``torch.load(path, map_location="cpu", weights_only=True)`` after checking the file's
+    SHA-256 digest against its sidecar ``<file>.sha256`` (or against the pending digest
+    ``<file>.sha256.tmp`` of a :func:`save_checked` cut between its two renames); a file
+    without a sidecar (a user's own weights, a checkpoint of an older distsgd) is loaded
+    unchecked. Nothing of the file is executed: only tensors and plain containers load.
 
     Raises:
         OSError: the file cannot be read.
         ChecksumMismatch: the sidecar exists and the file's digest differs from it (the
             file is corrupt or was changed after distsgd wrote it), or the sidecar is not
             a digest.
+        UnsafeContents: the file holds objects other than tensors and plain containers
+            (``torch.load(weights_only=True)`` refuses them).
         Exception: whatever ``torch.load`` raises for bytes it cannot unpickle.
     """
     path = Path(path)
     data = path.read_bytes()
     side = digest_path(path)
     if side.exists():
-        words = side.read_text(errors="replace").split()
-        expected = words[0].lower() if words else ""
         actual = hashlib.sha256(data).hexdigest()
-        if actual != expected:
+        expected = _recorded_digest(side)
+        if actual != expected and actual != _recorded_digest(_pending_digest_path(path)):
             raise ChecksumMismatch(
                 f"{path} does not match its checksum {side.name} (sha256 {actual[:16]}…, "
                 f"recorded {expected[:16] or 'nothing'}…): the file is corrupt or was "
                 "changed after distsgd wrote it"
             )
+    return _load_weights_only(data, path)
+
+
+def _recorded_digest(side: Path) -> str:
+    """The hex digest a sidecar records ('' when it is missing or empty)."""
+    try:
+        words = side.read_text(errors="replace").split()
+    except OSError:
+        return ""
+    return words[0].lower() if words else ""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its type's name when it has none)."""
+    lines = str(e).strip().splitlines()
+    return lines[0].strip() if lines else type(e).__name__
+
+
+class UnsafeContents(ValueError):
+    """A file holds objects that ``torch.load(weights_only=True)`` refuses to build."""
+
+
+def _load_weights_only(data: bytes, path: Path) -> Any:
+    """``torch.load(weights_only=True)`` of ``data`` (read from ``path``) onto the CPU,
+    its refusal of the file's contents in one line (torch's advice to load it unsafely is
+    not passed on)."""
     # tensors land on the CPU whatever device wrote them (a GPU run resumes on a CPU-only
     # machine); their users copy them onto their own device
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        with warnings.catch_warnings():  # torch's note on the pickle protocol of a file
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only load failed" not in str(e).lower():
+            raise
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        what = (
+            f"a Python object ({found.group(1)}), not only tensors and plain containers"
+            if found
+            else "pickled data other than tensors and plain containers"
+        )
+        raise UnsafeContents(
+            f"{path} holds {what}: distsgd reads tensor files with "
+            "torch.load(weights_only=True) and never runs code from a file"
+        ) from None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

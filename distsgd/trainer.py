@@ -69,6 +69,8 @@ from distsgd.metrics import (
     ChecksumMismatch,
     MetricsWriter,
     TensorBoardWriter,
+    UnsafeContents,
+    first_line,
     load_checked,
     load_checkpoint_file,
     save_checked,
@@ -285,12 +287,12 @@ class Trainer:
         if given is None and path:
             try:
                 given = load_checked(path)
-            except ChecksumMismatch as e:
+            except (ChecksumMismatch, UnsafeContents) as e:
                 raise ConfigError(f"train.initial_weights = {path!r} is not allowed: {e}") from None
             except Exception as e:  # noqa: BLE001 - missing or not a tensor file
                 raise ConfigError(
                     f"train.initial_weights = {path!r} is not allowed: expected a file written "
-                    f"by torch.save holding the flattened weights ({e})"
+                    f"by torch.save holding the flattened weights ({first_line(e)})"
                 ) from None
         if given is None:
             return initial
