@@ -284,7 +284,7 @@ def run(
         return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)
     check_local_processes(cfg)
     check_user_code(cfg)  # one line here, not one failure per rank
-    claim = RunDirClaim.acquire(out)
+    claim = RunDirClaim.acquire(out, new_run=not resume)  # checked once, for every rank
     try:
         return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)
     finally:

@@ -100,8 +100,9 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from distsgd.config import METRICS, ConfigError, RunConfig, required_processes
 from distsgd.data import keep_loaded
 from distsgd.layout import spec_for
-from distsgd.metrics import read_metrics, write_json
+from distsgd.metrics import OutputWriteError, read_metrics, write_json
 from distsgd.objectives import reached as target_reached
+from distsgd.rundir import check_new_run_dir
 from distsgd.runtime import dist as rdist
 from distsgd.runtime.base import TrainingDiverged
 from distsgd.runtime.dist import PeerLost
@@ -182,8 +183,6 @@ def run(
         rank = int(os.environ["RANK"])
         trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults)
         return trainer.run(resume=resume)
-    if not resume:
-        Trainer(cfg, out)._check_out_dir()  # fail before starting any process
     return _launch_local(cfg, out, resume=resume, progress=progress, faults=faults)
 
 
@@ -439,7 +438,7 @@ class RankPool:
         if faults is not None and faults.abort_at_exit is not None:
             raise ValueError("RankFaults.abort_at_exit is not injected into pooled ranks")
         if not resume:
-            Trainer(cfg, out)._check_out_dir()  # fail before any rank starts the run
+            check_new_run_dir(out)  # fail before any rank starts the run
         self._ensure(cfg)
         outcome = self._submit(cfg, out, resume, progress, faults)
         ctx = self._ctx
@@ -601,7 +600,11 @@ def _outcome(
     hung: set[int] | frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
 
-    for kind, exc in (("config", ConfigError), ("diverged", TrainingDiverged)):
+    for kind, exc in (
+        ("config", ConfigError),
+        ("diverged", TrainingDiverged),
+        ("write", OutputWriteError),
+    ):
         for r in sorted(errors):
             if errors[r]["kind"] == kind:
                 raise exc(errors[r]["message"])
@@ -722,7 +725,7 @@ def run_worker(
     """One rank started by :func:`run`: train, and report how it ended.
 
     Returns the exit status: 0 done, 1 diverged or another error, 2 a user error, 3 a
-    peer lost, 130 stopped by SIGTERM. The message of a failure also goes to the file
+    peer lost, 74 a file of the run directory could not be written, 130 stopped by SIGTERM. The message of a failure also goes to the file
     ``$DISTSGD_DIST_ERROR_FILE`` for the launcher, and so does ``{"kind": "done"}`` once
     this rank's part of the run is finished (its outcome written).
     """
@@ -750,6 +753,8 @@ def run_worker(
         return 0
     except TrainingDiverged as e:
         return report("diverged", e, 1)
+    except OutputWriteError as e:
+        return report("write", e, e.exit_status)
     except ValueError as e:
         return report("config", e, 2)
     except KeyboardInterrupt:

@@ -22,6 +22,7 @@ too). :func:`load_checked` verifies the digest where a sidecar exists.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -32,6 +33,7 @@ import os
 import pickle
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,7 @@ __all__ = [
     "load_checkpoint_file",
     "read_metrics",
     "save_checked",
+    "write_atomic",
     "write_json",
 ]
 
@@ -72,7 +75,10 @@ def _clean(value: Any) -> Any:
 class OutputWriteError(OSError):
     """An output file could not be written (a full disk, a quota, a file system gone
     read-only): one line naming the file and the directory. What was being written is
-    removed; the files written before it are left as they were."""
+    removed; the files written before it are left as they were. ``distsgd`` exits with
+    :attr:`exit_status` (74, ``EX_IOERR`` of sysexits.h) on it."""
+
+    exit_status = 74
 
     @classmethod
     def of(cls, e: OSError, out_dir: str | Path) -> OutputWriteError:
@@ -106,21 +112,26 @@ def _write_new(path: Path, data: bytes) -> None:
         raise
 
 
-def write_json(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON atomically (temp file + rename; the temp file is
-    removed when the write fails).
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (``<file>.tmp`` renamed over it; the temp
+    file is removed when the write fails).
 
     Raises:
         OSError: the file cannot be written (``filename``: the temp file).
     """
     path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    _write_new(tmp, (json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n").encode())
+    tmp = path.with_name(path.name + ".tmp")
+    _write_new(tmp, data)
     try:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON atomically (:func:`write_atomic`)."""
+    write_atomic(path, (json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n").encode())
 
 
 class ChecksumMismatch(ValueError):
@@ -334,20 +345,46 @@ class MetricsWriter:
         self.path = Path(path)
         kept = read_metrics(self.path)[:keep_evals] if keep_evals is not None else []
         self.records: list[dict[str, Any]] = list(kept)
-        with open(self.path, "w") as f:
-            for r in kept:
-                f.write(json.dumps(r) + "\n")
-        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self._failed = False
+        with _naming(self.path):
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+            self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` and flush it.
+
+        Raises:
+            OSError: it cannot be written (``filename``: the file); a torn last line is
+                what :func:`read_metrics` skips.
+        """
         record = _clean(record)
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            with _naming(self.path):
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+        except OSError:
+            self._failed = True
+            raise
 
     def close(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                if not self._failed:  # a failed write was raised already
+                    raise
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An ``OSError`` raised inside names ``path`` when it names no file (a write or a
+    flush of an open file)."""
+    try:
+        yield
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
 
 
 # metrics.jsonl key -> TensorBoard scalar tag; the unit is part of the tag.

@@ -3,9 +3,13 @@ every step of their write, a full disk ends a run in one line with the last good
 checkpoint intact, paths the OS refuses are refused before any work, and tensor files
 holding more than tensors are refused in one line without running any of them."""
 
+import errno
+import json
 import os
 import shutil
 import signal
+import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ import torch
 
 import distsgd
 from distsgd.cli import main
-from distsgd.metrics import load_checkpoint_file, save_checked
+from distsgd.metrics import load_checkpoint_file, save_checked, write_json
 from tests.conftest import small_config
 
 
@@ -169,3 +173,109 @@ def test_initial_weights_holding_code_are_one_line(tmp_path, capsys):
     assert f"train.initial_weights = {str(weights)!r} is not allowed" in err
     _assert_ours(err, marker)
     assert not (tmp_path / "r").exists()
+
+
+# ---- a full disk -------------------------------------------------------------------------
+def _disk_full_after(monkeypatch, nbytes: int) -> None:
+    """distsgd.metrics' writes fail with ENOSPC once ``nbytes`` more bytes were written
+    (the write that crosses the limit writes what fits first, as a full disk does)."""
+    room = [nbytes]
+
+    def write(fd, data):
+        n = min(len(data), room[0])
+        if n == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        room[0] -= n
+        return os.write(fd, bytes(data)[:n])
+
+    monkeypatch.setattr("distsgd.metrics.os", types.SimpleNamespace(**{**vars(os), "write": write}))
+
+
+def test_a_full_disk_leaves_the_previous_pair_and_no_temporary_file(run_copy, monkeypatch):
+    ckpt = run_copy / "checkpoint.pt"
+    before = {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()}
+    state = torch.load(ckpt, weights_only=True)
+    _disk_full_after(monkeypatch, ckpt.stat().st_size // 2)
+    with pytest.raises(OSError) as e:
+        save_checked(state, ckpt)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == f"{ckpt}.tmp"
+    with pytest.raises(OSError):
+        write_json(run_copy / "summary.json", {"status": "failed"})
+    after = {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()}
+    assert after == before  # nothing half-written, no temporary file left
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(size_bytes)`` mounts a tmpfs of that size on a new folder and returns it;
+    every mount is undone at the end (skipped where this process may not mount)."""
+    mounted = []
+
+    def mount(size_bytes: int) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        cmd = ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def _full_disk_run(tmp_path, tmpfs, capsys, runtime: str):
+    """A run whose second checkpoint does not fit its disk (sized after a run of the same
+    config on an ample one): exit 74, one line naming the file and the directory, the
+    first checkpoint intact, no temporary file left; then (sim) --resume on a larger
+    disk."""
+    cfg = tmp_path / "run.toml"
+    budget = {"max_epochs": 1, "eval_every_samples": 256}
+    config = small_config(protocol={"num_learners": 2, "batch_size": 16}, train=budget)
+    cfg.write_text(config.to_toml())
+    sizes = tmp_path / "sizes"
+    assert main(["train", str(cfg), "--out", str(sizes), "--quiet"]) == 0
+    ckpt, model = (sizes / "checkpoint.pt").stat().st_size, (sizes / "model.pt").stat().st_size
+    capsys.readouterr()
+    disk = tmpfs(ckpt + model + ckpt // 2)  # one checkpoint and its model, not a second
+    out = disk / "run"
+    argv = ["train", str(cfg), "--out", str(out), "--runtime", runtime, "--quiet"]
+    if runtime == "dist":
+        argv += ["--set", "dist.timeout_s=10"]
+    assert main(argv) == 74
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last == (
+        f"distsgd: error: could not write checkpoint.pt in {str(out)!r}: No space left on "
+        f"device; the last checkpoint is kept (continue with --resume {out} once the "
+        "directory can be written)"
+    )
+    if runtime == "sim":
+        assert len(err.strip().splitlines()) == 1, err
+    state = load_checkpoint_file(out / "checkpoint.pt", "resume")  # the first, intact
+    assert state["trainer"]["evals"] == 1
+    assert not list(out.rglob("*.tmp"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["status"], summary["stop_reason"]) == ("failed", "write_failed")
+    if runtime == "dist":  # resumes as the simulated run does (shown there; ranks are slow)
+        return
+    subprocess.run(["mount", "-o", f"remount,size={4 * (ckpt + model)}", str(disk)], check=True)
+    assert main(["train", "--resume", str(out), "--quiet"]) == 0
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_a_sim_run_in_one_line_keeping_its_checkpoint(tmp_path, tmpfs, capsys):
+    """Before the fix: an OSError traceback, checkpoint.pt.tmp filling the disk, no
+    summary."""
+    _full_disk_run(tmp_path, tmpfs, capsys, "sim")
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_a_dist_run_in_one_line_keeping_its_checkpoint(tmp_path, tmpfs, capsys):
+    """Before the fix: a traceback from rank 0, another from the launcher writing its
+    summary, and an empty summary.json.tmp."""
+    _full_disk_run(tmp_path, tmpfs, capsys, "dist")
