@@ -32,6 +32,7 @@ __all__ = [
     "check_new_run_dir",
     "check_out_file",
     "check_out_path",
+    "check_path_names",
     "enclosing_tuner_dir",
 ]
 
@@ -63,8 +64,14 @@ def _exists(path: Path) -> bool:
     return True
 
 
-def _check_name_lengths(path: Path, option: str) -> None:
-    """Refuse a path with a name longer than the file system allows, or too long in all."""
+def check_path_names(path: str | Path, option: str) -> None:
+    """Refuse a path (to read or to write) that has a name longer than the file system
+    allows, or is too long in all, naming ``option``.
+
+    Raises:
+        ConfigError: one line naming ``option``, the name's length and the limit.
+    """
+    path = Path(path)
     absolute = Path(os.path.abspath(path))
     known = next((p for p in absolute.parents if _exists(p)), Path("/"))
     name_max = _pathconf(known, "PC_NAME_MAX", 255)
@@ -119,7 +126,7 @@ def check_out_path(out_dir: str | Path, option: str = "--out") -> None:
             process or takes no new folders (``/proc``, a read-only mount).
     """
     out = Path(out_dir)
-    _check_name_lengths(out, option)
+    check_path_names(out, option)
     for node in (out, *out.parents):
         if _exists(node):
             if not node.is_dir():
@@ -145,7 +152,7 @@ def check_out_file(path: str | Path, option: str = "--out") -> None:
         ConfigError: one line naming ``option`` and ``path``.
     """
     path = Path(path)
-    _check_name_lengths(path, option)
+    check_path_names(path, option)
     if path.is_dir():
         raise ConfigError(f"{option} {str(path)!r} is a directory: expected a file name")
     folder = path.parent

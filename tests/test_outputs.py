@@ -279,3 +279,73 @@ def test_a_full_disk_ends_a_dist_run_in_one_line_keeping_its_checkpoint(tmp_path
     """Before the fix: a traceback from rank 0, another from the launcher writing its
     summary, and an empty summary.json.tmp."""
     _full_disk_run(tmp_path, tmpfs, capsys, "dist")
+
+
+# ---- paths the OS refuses: one line, exit 2, before any work -----------------------------
+@pytest.fixture
+def no_work(monkeypatch):
+    """Nothing is measured, built or started: a refused path is refused first."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("work started before the path was checked")
+
+    monkeypatch.setattr("distsgd.launch._launch_local", fail)
+    monkeypatch.setattr("distsgd.api.measure_device", fail)
+    monkeypatch.setattr("distsgd.trainer.Trainer._build", fail)
+
+
+def _proc_refuses() -> None:
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc on this system")
+
+
+@pytest.mark.parametrize("runtime", ["sim", "dist"])
+@pytest.mark.parametrize("where", ["long-name", "proc"])
+def test_an_out_the_os_refuses_is_one_line_exit_2(tmp_path, capsys, no_work, runtime, where):
+    """Before the fix: OSError: File name too long (a traceback); /proc: "could not be
+    claimed (lock file churn)" after ten tries."""
+    if where == "proc":
+        _proc_refuses()
+    out = tmp_path / ("a" * 300) if where == "long-name" else Path("/proc/distsgd-run")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(small_config().to_toml())
+    err = one_line(capsys, ["train", str(cfg), "--out", str(out), "--runtime", runtime])
+    fragment = (
+        "has 300 bytes, the file system allows 255"
+        if where == "long-name"
+        else ("'/proc' does not take new folders")
+    )
+    assert "--out " in err and fragment in err
+    assert os.listdir(tmp_path) == ["run.toml"]
+
+
+def test_calibrate_checks_where_it_writes_before_measuring(tmp_path, capsys, no_work, monkeypatch):
+    """Before the fix: a traceback after the whole measurement (24 s)."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(small_config().to_toml())
+    a_file = tmp_path / "file"
+    a_file.write_text("mine")
+    monkeypatch.setenv("DISTSGD_PROFILE_CACHE", str(a_file))
+    err = one_line(capsys, ["calibrate", str(cfg)])
+    assert f"DISTSGD_PROFILE_CACHE = {str(a_file)!r} is not allowed" in err
+    monkeypatch.setenv("DISTSGD_PROFILE_CACHE", str(tmp_path / "cache"))
+    err = one_line(capsys, ["calibrate", str(cfg), "--out", str(tmp_path / ("p" * 300))])
+    assert "--out " in err and "file system allows 255" in err
+    _proc_refuses()
+    err = one_line(capsys, ["calibrate", str(cfg), "--out", "/proc/p.toml"])
+    assert err.endswith(
+        "--out '/proc/p.toml' is not allowed: '/proc' does not take new files (No such file "
+        "or directory); choose a folder on a writable disk"
+    )
+    assert a_file.read_text() == "mine" and not (tmp_path / "cache").exists()
+
+
+def test_export_and_resume_check_their_paths_first(run_copy, tmp_path, capsys):
+    long = tmp_path / ("r" * 300)
+    err = one_line(capsys, ["train", "--resume", str(long)])
+    assert "--resume " in err and "file system allows 255" in err
+    err = one_line(capsys, ["export", str(long)])
+    assert "RUN_DIR " in err and "file system allows 255" in err
+    _proc_refuses()
+    err = one_line(capsys, ["export", str(run_copy), "--out", "/proc/model.pt"])
+    assert "'/proc' does not take new files" in err
