@@ -638,14 +638,17 @@ def _outcome(
         else "no checkpoint was written yet"
     )
     message = f"{what}; every process of the run has stopped; {keep}"
-    if summary_path.exists():  # rank 0 wrote it without knowing which rank was lost
-        summary = json.loads(summary_path.read_text())
-        if summary.get("status") == "failed":
-            summary["error"] = message
-            summary["lost_ranks"] = causes
-            write_json(summary_path, summary)
-    elif out.is_dir():  # rank 0 could not write it (killed, hung): the report needs one
-        _write_failed_summary(cfg, out, message, causes)
+    try:  # a full disk leaves the summary as rank 0 wrote it, or none
+        if summary_path.exists():  # rank 0 wrote it without knowing which rank was lost
+            summary = json.loads(summary_path.read_text())
+            if summary.get("status") == "failed":
+                summary["error"] = message
+                summary["lost_ranks"] = causes
+                write_json(summary_path, summary)
+        elif out.is_dir():  # rank 0 could not write it (killed, hung): the report needs one
+            _write_failed_summary(cfg, out, message, causes)
+    except OSError:
+        pass
     raise DistRunFailed(message)
 
 

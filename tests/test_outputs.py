@@ -349,3 +349,18 @@ def test_export_and_resume_check_their_paths_first(run_copy, tmp_path, capsys):
     _proc_refuses()
     err = one_line(capsys, ["export", str(run_copy), "--out", "/proc/model.pt"])
     assert "'/proc' does not take new files" in err
+
+
+def test_the_launchers_failed_summary_on_a_full_disk_leaves_the_error_alone(tmp_path, monkeypatch):
+    """Rank 0 killed and the disk full: the launcher's summary.json cannot be written; the
+    run ends on the lost rank (before the fix: an OSError traceback from the launcher)."""
+    from distsgd import launch
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr("distsgd.launch.write_json", full)
+    cfg = small_config(protocol={"num_learners": 2, "batch_size": 16}, runtime="dist")
+    errors = {1: {"kind": "lost", "message": "lost contact with another rank"}}
+    with pytest.raises(launch.DistRunFailed, match="rank 0 .* killed"):
+        launch._outcome(cfg, tmp_path, {0: -9, 1: 3}, {0: -9, 1: 3}, errors)
