@@ -85,7 +85,11 @@ class OutputWriteError(OSError):
         """``e`` (raised writing in ``out_dir``) as one line naming the file and why."""
         if isinstance(e, OutputWriteError):
             return e
-        name = Path(e.filename).name.removesuffix(".tmp") if e.filename else "a file"
+        name = "a file"
+        if e.filename:  # as the run directory holds it (eval_weights/0003.pt)
+            full, base = os.path.abspath(e.filename), os.path.abspath(out_dir)
+            inside = os.path.commonpath([full, base]) == base
+            name = (os.path.relpath(full, base) if inside else full).removesuffix(".tmp")
         why = e.strerror or str(e) or type(e).__name__
         return cls(f"could not write {name} in {str(out_dir)!r}: {why}")
 
@@ -444,18 +448,28 @@ class TensorBoardWriter:
         return self._writer is not None
 
     def write(self, record: dict[str, Any]) -> None:
-        """Add one evaluation record's scalars at step ``record["samples"]`` and flush."""
+        """Add one evaluation record's scalars at step ``record["samples"]`` and flush.
+
+        Raises:
+            OSError: the events cannot be written (``filename``: under ``log_dir``).
+        """
         if self._writer is None:
             return
         step = int(record["samples"])
-        for key, tag in TENSORBOARD_TAGS.items():
-            value = record.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                self._writer.add_scalar(tag, float(value), global_step=step)
-        self._writer.flush()
+        with _naming(self.log_dir / "events.out.tfevents"):  # the writer's thread's error
+            for key, tag in TENSORBOARD_TAGS.items():
+                value = record.get(key)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self._writer.add_scalar(tag, float(value), global_step=step)
+            self._writer.flush()
 
     def close(self) -> None:
-        """Flush and close the event file (idempotent)."""
+        """Flush and close the event file (idempotent).
+
+        Raises:
+            OSError: the last events cannot be written (``filename``: under ``log_dir``).
+        """
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            with _naming(self.log_dir / "events.out.tfevents"):
+                writer.close()

@@ -364,3 +364,24 @@ def test_the_launchers_failed_summary_on_a_full_disk_leaves_the_error_alone(tmp_
     errors = {1: {"kind": "lost", "message": "lost contact with another rank"}}
     with pytest.raises(launch.DistRunFailed, match="rank 0 .* killed"):
         launch._outcome(cfg, tmp_path, {0: -9, 1: 3}, {0: -9, 1: 3}, errors)
+
+
+def test_a_full_disk_under_tensorboard_names_its_events(tmp_path, monkeypatch):
+    """TensorBoard writes in its own thread and raises the error, naming no file, at the
+    next write or close: named as the run directory holds it."""
+    from distsgd.metrics import OutputWriteError, TensorBoardWriter
+
+    tb = TensorBoardWriter(tmp_path / "tb")
+    if not tb.enabled:
+        pytest.skip("tensorboard is not installed")
+
+    def full():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tb._writer, "flush", full)
+    with pytest.raises(OSError) as e:
+        tb.write({"samples": 1, "eval_metric": 0.5})
+    assert str(OutputWriteError.of(e.value, tmp_path)) == (
+        f"could not write tb/events.out.tfevents in {str(tmp_path)!r}: No space left on device"
+    )
+    tb.close()
