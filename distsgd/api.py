@@ -51,13 +51,14 @@ from distsgd.engine import UserCode, check_user_code, config_for_data
 from distsgd.factories import is_import_path
 from distsgd.metrics import (
     ChecksumMismatch,
+    OutputWriteError,
     load_checked,
     load_checkpoint_file,
     read_metrics,
     save_checked,
 )
 from distsgd.models import model_from_config
-from distsgd.rundir import RunDirClaim, enclosing_tuner_dir
+from distsgd.rundir import RunDirClaim, check_out_file, check_path_names, enclosing_tuner_dir
 from distsgd.runtime import profiles
 from distsgd.runtime.factory import measure_device, warn_spread
 from distsgd.runtime.faults import RankFaults
@@ -178,19 +179,26 @@ def calibrate(
         (the path written, the profile).
 
     Raises:
-        ConfigError: bad settings, or ``out`` is a directory.
+        ConfigError: bad settings, or ``out`` (or, without it, the profile cache) cannot
+            be written (:func:`~distsgd.rundir.check_out_file`), before any measurement.
+        OutputWriteError: the profile could not be written after all (a full disk).
     """
     cfg = resolve_config(config, overrides)
-    check_device(cfg)  # before anything is measured or written
-    if out is not None and Path(out).is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a directory: expected a profile file to write")
+    check_device(cfg)  # before anything is measured or written, and where it goes
+    if out is not None:
+        check_out_file(out)
+    else:
+        profiles.check_cache_dir()
     torch.set_num_threads(cfg.train.num_threads or (os.cpu_count() or 1))
     torch.manual_seed(cfg.train.seed)
     ds = load_dataset(cfg.data, seed=cfg.train.seed)
     cfg = config_for_data(cfg, ds)
     prof = measure_device(cfg, ds, server=True)
     path = Path(out) if out is not None else profiles.cache_path(prof.key)
-    profiles.write_profile(path, prof)
+    try:
+        profiles.write_profile(path, prof)
+    except OSError as e:  # checked above: the disk filled up, or went away, meanwhile
+        raise OutputWriteError.of(e, path.parent) from None
     warn_spread(prof, path)
     return path, prof
 
@@ -284,7 +292,7 @@ def run(
         return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)
     check_local_processes(cfg)
     check_user_code(cfg)  # one line here, not one failure per rank
-    claim = RunDirClaim.acquire(out)
+    claim = RunDirClaim.acquire(out, new_run=not resume)  # checked once, for every rank
     try:
         return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)
     finally:
@@ -353,6 +361,7 @@ def train(
         print(s["best_metric"], s["staleness_mean"])
     """
     if resume is not None:
+        check_path_names(resume, "--resume")
         if config is not None:
             raise ConfigError(
                 "--resume continues a run from its own config.toml; do not pass a config as well"
@@ -400,6 +409,9 @@ def export_model(run_dir: str | Path, out: str | Path | None = None) -> Path:
             fit the rebuilt model, or ``out`` cannot be written.
     """
     run = Path(run_dir)
+    check_path_names(run, "RUN_DIR")
+    path = Path(out) if out is not None else run / "model.pt"
+    check_out_file(path)  # before the checkpoint is read and the model built
     if not (run / "config.toml").is_file():
         raise ConfigError(
             f"cannot export: {str(run)!r} is not a run directory (it has no config.toml)"
@@ -417,9 +429,6 @@ def export_model(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 f"cannot export: the model config.toml names ({cfg.model.label}) does not "
                 f"take the state in {run / 'checkpoint.pt'} ({detail})"
             ) from None
-    path = Path(out) if out is not None else run / "model.pt"
-    if path.is_dir():
-        raise ConfigError(f"--out {str(path)!r} is a directory: expected a file name")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_checked(state, path)

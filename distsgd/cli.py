@@ -5,7 +5,9 @@
 
 User errors (bad settings, missing or corrupt data, an occupied run directory) print one
 line ``distsgd: error: ...`` and exit with status 2, never a traceback. A diverged run
-exits with status 1 after writing its summary. Settings that contradict one another
+exits with status 1 after writing its summary. A file of the run that cannot be written (a
+full disk) stops it with one line naming the file and the directory, exit status 74
+(``EX_IOERR``); its partial file is removed and the last checkpoint kept. Settings that contradict one another
 (:class:`~distsgd.config.ConfigWarning`) print one line ``distsgd: warning: ...`` and the
 run goes on.
 """
@@ -27,6 +29,7 @@ from tqdm import tqdm
 from distsgd import api
 from distsgd.config import ConfigWarning, check_local_processes
 from distsgd.launch import is_process_loss, rank_sigterm, under_launcher
+from distsgd.metrics import OutputWriteError
 from distsgd.report import make_report
 from distsgd.runtime.sim import TrainingDiverged
 from distsgd.tuner import tune as tuning
@@ -440,6 +443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"distsgd: run failed: {e}", file=sys.stderr)
         return 1
+    except OutputWriteError as e:  # a full disk: the last checkpoint is kept
+        print(f"distsgd: error: {e}", file=sys.stderr)
+        return e.exit_status
     except ValueError as e:  # ConfigError, DatasetError and other user mistakes
         print(f"distsgd: error: {e}", file=sys.stderr)
         return 2

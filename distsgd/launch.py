@@ -79,8 +79,9 @@ from distsgd.config import METRICS, ConfigError, RunConfig, required_processes
 from distsgd.control import RunOptions
 from distsgd.data import keep_loaded
 from distsgd.layout import spec_for
-from distsgd.metrics import read_metrics, write_json
+from distsgd.metrics import OutputWriteError, read_metrics, write_json
 from distsgd.objectives import reached as target_reached
+from distsgd.rundir import check_new_run_dir
 from distsgd.runtime.base import TrainingDiverged
 from distsgd.runtime.faults import RankFaults, describe_exit
 from distsgd.runtime.launch import (
@@ -168,8 +169,6 @@ def run(
     out = Path(out_dir)
     if under_launcher():
         return _run_rank(cfg, out, resume=resume, progress=progress, faults=faults, options=options)
-    if not resume:
-        Trainer(cfg, out)._check_out_dir()  # fail before starting any process
     return _launch_local(cfg, out, resume=resume, progress=progress, faults=faults, options=options)
 
 
@@ -469,7 +468,7 @@ class RankPool:
         if faults is not None and faults.abort_at_exit is not None:
             raise ValueError("RankFaults.abort_at_exit is not injected into pooled ranks")
         if not resume:
-            Trainer(cfg, out)._check_out_dir()  # fail before any rank starts the run
+            check_new_run_dir(out)  # fail before any rank starts the run
         ranks, jobs = self._ensure(cfg)
         outcome = jobs.submit(
             cfg, out, resume=resume, progress=progress, faults=faults, options=options, last=False
@@ -568,7 +567,11 @@ def _outcome(
     hung: set[int] | frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
 
-    for kind, exc in (("config", ConfigError), ("diverged", TrainingDiverged)):
+    for kind, exc in (
+        ("config", ConfigError),
+        ("diverged", TrainingDiverged),
+        ("write", OutputWriteError),
+    ):
         for r in sorted(errors):
             if errors[r]["kind"] == kind:
                 raise exc(errors[r]["message"])
@@ -601,14 +604,17 @@ def _outcome(
         else "no checkpoint was written yet"
     )
     message = f"{what}; every process of the run has stopped; {keep}"
-    if summary_path.exists():  # rank 0 wrote it without knowing which rank was lost
-        summary = json.loads(summary_path.read_text())
-        if summary.get("status") == "failed":
-            summary["error"] = message
-            summary["lost_ranks"] = causes
-            write_json(summary_path, summary)
-    elif out.is_dir():  # rank 0 could not write it (killed, hung): the report needs one
-        _write_failed_summary(cfg, out, message, causes, num_processes=len(codes))
+    try:  # a full disk leaves the summary as rank 0 wrote it, or none
+        if summary_path.exists():  # rank 0 wrote it without knowing which rank was lost
+            summary = json.loads(summary_path.read_text())
+            if summary.get("status") == "failed":
+                summary["error"] = message
+                summary["lost_ranks"] = causes
+                write_json(summary_path, summary)
+        elif out.is_dir():  # rank 0 could not write it (killed, hung): the report needs one
+            _write_failed_summary(cfg, out, message, causes, num_processes=len(codes))
+    except OSError:
+        pass
     raise DistRunFailed(message)
 
 
@@ -675,9 +681,10 @@ def run_worker(
     """One rank's run: train, and report how it ended.
 
     Returns the exit status: 0 done, 1 diverged or another error, 2 a user error, 3 a
-    peer lost, 130 stopped by SIGTERM. The message of a failure also goes to the file
-    ``outcome`` for the launcher, and so does ``{"kind": "done"}`` once this rank's part
-    of the run is finished (its outcome written).
+    peer lost, 74 a file of the run directory could not be written, 130 stopped by
+    SIGTERM. The message of a failure also goes to the file ``outcome`` for the launcher,
+    and so does ``{"kind": "done"}`` once this rank's part of the run is finished (its
+    outcome written).
     """
 
     signal.signal(signal.SIGTERM, rank_sigterm)
@@ -701,6 +708,8 @@ def run_worker(
         return 0
     except TrainingDiverged as e:
         return report("diverged", e, 1)
+    except OutputWriteError as e:
+        return report("write", e, e.exit_status)
     except ValueError as e:
         return report("config", e, 2)
     except KeyboardInterrupt:

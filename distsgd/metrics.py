@@ -22,6 +22,7 @@ too). :func:`load_checked` verifies the digest where a sidecar exists.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -29,6 +30,10 @@ import io
 import json
 import math
 import os
+import pickle
+import re
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +44,17 @@ from distsgd.checks import ConfigError
 __all__ = [
     "ChecksumMismatch",
     "MetricsWriter",
+    "OutputWriteError",
     "TensorBoardWriter",
     "TENSORBOARD_TAGS",
+    "UnsafeContents",
     "digest_path",
+    "first_line",
     "load_checked",
     "load_checkpoint_file",
     "read_metrics",
     "save_checked",
+    "write_atomic",
     "write_json",
 ]
 
@@ -63,12 +72,70 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def write_json(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON atomically (temp file + rename)."""
+class OutputWriteError(OSError):
+    """An output file could not be written (a full disk, a quota, a file system gone
+    read-only): one line naming the file and the directory. What was being written is
+    removed; the files written before it are left as they were. ``distsgd`` exits with
+    :attr:`exit_status` (74, ``EX_IOERR`` of sysexits.h) on it."""
+
+    exit_status = 74
+
+    @classmethod
+    def of(cls, e: OSError, out_dir: str | Path) -> OutputWriteError:
+        """``e`` (raised writing in ``out_dir``) as one line naming the file and why."""
+        if isinstance(e, OutputWriteError):
+            return e
+        name = "a file"
+        if e.filename:  # as the run directory holds it (eval_weights/0003.pt)
+            full, base = os.path.abspath(e.filename), os.path.abspath(out_dir)
+            inside = os.path.commonpath([full, base]) == base
+            name = (os.path.relpath(full, base) if inside else full).removesuffix(".tmp")
+        why = e.strerror or str(e) or type(e).__name__
+        return cls(f"could not write {name} in {str(out_dir)!r}: {why}")
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Write ``data`` to the file ``path`` (created or truncated); on an error the file is
+    removed and the ``OSError`` names ``path``."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+    except BaseException as e:
+        path.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            e.filename = e.filename or str(path)
+        raise
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (``<file>.tmp`` renamed over it; the temp
+    file is removed when the write fails).
+
+    Raises:
+        OSError: the file cannot be written (``filename``: the temp file).
+    """
     path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    tmp = path.with_name(path.name + ".tmp")
+    _write_new(tmp, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON atomically (:func:`write_atomic`)."""
+    write_atomic(path, (json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n").encode())
 
 
 class ChecksumMismatch(ValueError):
@@ -100,17 +167,22 @@ def _on_cpu(obj: Any) -> Any:
 def save_checked(obj: Any, path: str | Path) -> str:
     """``torch.save`` ``obj`` to ``path`` atomically, with its SHA-256 digest beside it.
 
-    The bytes go to ``<file>.tmp``; the sidecar ``<file>.sha256`` (``<hex>  <name>``) is
-    written (temp file + rename) before ``<file>.tmp`` is renamed over ``path``, so a
-    reader never finds new bytes without their digest. A write cut between the two
-    renames leaves the old file beside the new digest: :func:`load_checked` then refuses
-    it (a refusal, never a silent load).
+    The steps: the bytes to ``<file>.tmp``, the digest (``<hex>  <name>``) to
+    ``<file>.sha256.tmp``, ``<file>.tmp`` renamed over ``path``, then ``<file>.sha256.tmp``
+    over the sidecar ``<file>.sha256``. A write cut at any step (SIGKILL, power lost
+    before a rename) leaves the previous file with its sidecar, or the new file beside a
+    complete pending digest ``<file>.sha256.tmp``, which :func:`load_checked` accepts: the
+    pair is never one file's bytes beside another's digest. A write that fails (a full
+    disk) removes its temporary files and leaves the previous pair as it was.
 
     Tensors are saved from host memory (a CUDA tensor is copied to the CPU first), so the
     file loads on any machine, with or without a GPU.
 
     Returns:
         The hex SHA-256 digest of the file's bytes.
+
+    Raises:
+        OSError: a file cannot be written (``filename``: the file).
     """
     path = Path(path)
     buf = io.BytesIO()
@@ -118,13 +190,24 @@ def save_checked(obj: Any, path: str | Path) -> str:
     data = buf.getvalue()
     digest = hashlib.sha256(data).hexdigest()
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
     side = digest_path(path)
-    side_tmp = side.with_name(side.name + ".tmp")
-    side_tmp.write_text(f"{digest}  {path.name}\n")
-    os.replace(side_tmp, side)
-    os.replace(tmp, path)
+    pending = _pending_digest_path(path)
+    try:
+        _write_new(tmp, data)
+        _write_new(pending, f"{digest}  {path.name}\n".encode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        pending.unlink(missing_ok=True)
+        raise
+    os.replace(pending, side)  # the new file's digest is complete in either name
     return digest
+
+
+def _pending_digest_path(path: Path) -> Path:
+    """The digest of a file being written, before its rename: ``<file>.sha256.tmp``."""
+    side = digest_path(path)
+    return side.with_name(side.name + ".tmp")
 
 
 def load_checkpoint_file(path: Path, action: str, missing: str = "") -> dict[str, Any]:
@@ -139,10 +222,12 @@ def load_checkpoint_file(path: Path, action: str, missing: str = "") -> dict[str
         raise ConfigError(f"cannot {action}: {path} does not exist{missing}")
     try:
         state = load_checked(path)
-    except ChecksumMismatch as e:
+    except (ChecksumMismatch, UnsafeContents) as e:
         raise ConfigError(f"cannot {action}: {e}") from None
     except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
-        raise ConfigError(f"cannot {action}: {path} is not a readable checkpoint ({e})") from None
+        raise ConfigError(
+            f"cannot {action}: {path} is not a readable checkpoint ({first_line(e)})"
+        ) from None
     if not isinstance(state, dict):
         raise ConfigError(
             f"cannot {action}: {path} holds a {type(state).__name__}, not a checkpoint "
@@ -152,33 +237,78 @@ def load_checkpoint_file(path: Path, action: str, missing: str = "") -> dict[str
 
 
 def load_checked(path: str | Path) -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)`` after checking the file's SHA-256 digest
-    against its sidecar ``<file>.sha256``; a file without a sidecar (a user's own weights,
-    a checkpoint of an older distsgd) is loaded unchecked.
+    """``torch.load(path, map_location="cpu", weights_only=True)`` after checking the file's
+    SHA-256 digest against its sidecar ``<file>.sha256`` (or against the pending digest
+    ``<file>.sha256.tmp`` of a :func:`save_checked` cut between its two renames); a file
+    without a sidecar (a user's own weights, a checkpoint of an older distsgd) is loaded
+    unchecked. Nothing of the file is executed: only tensors and plain containers load.
 
     Raises:
         OSError: the file cannot be read.
         ChecksumMismatch: the sidecar exists and the file's digest differs from it (the
             file is corrupt or was changed after distsgd wrote it), or the sidecar is not
             a digest.
+        UnsafeContents: the file holds objects other than tensors and plain containers
+            (``torch.load(weights_only=True)`` refuses them).
         Exception: whatever ``torch.load`` raises for bytes it cannot unpickle.
     """
     path = Path(path)
     data = path.read_bytes()
     side = digest_path(path)
     if side.exists():
-        words = side.read_text(errors="replace").split()
-        expected = words[0].lower() if words else ""
         actual = hashlib.sha256(data).hexdigest()
-        if actual != expected:
+        expected = _recorded_digest(side)
+        if actual != expected and actual != _recorded_digest(_pending_digest_path(path)):
             raise ChecksumMismatch(
                 f"{path} does not match its checksum {side.name} (sha256 {actual[:16]}…, "
                 f"recorded {expected[:16] or 'nothing'}…): the file is corrupt or was "
                 "changed after distsgd wrote it"
             )
+    return _load_weights_only(data, path)
+
+
+def _recorded_digest(side: Path) -> str:
+    """The hex digest a sidecar records ('' when it is missing or empty)."""
+    try:
+        words = side.read_text(errors="replace").split()
+    except OSError:
+        return ""
+    return words[0].lower() if words else ""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its type's name when it has none)."""
+    lines = str(e).strip().splitlines()
+    return lines[0].strip() if lines else type(e).__name__
+
+
+class UnsafeContents(ValueError):
+    """A file holds objects that ``torch.load(weights_only=True)`` refuses to build."""
+
+
+def _load_weights_only(data: bytes, path: Path) -> Any:
+    """``torch.load(weights_only=True)`` of ``data`` (read from ``path``) onto the CPU,
+    its refusal of the file's contents in one line (torch's advice to load it unsafely is
+    not passed on)."""
     # tensors land on the CPU whatever device wrote them (a GPU run resumes on a CPU-only
     # machine); their users copy them onto their own device
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        with warnings.catch_warnings():  # torch's note on the pickle protocol of a file
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only load failed" not in str(e).lower():
+            raise
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        what = (
+            f"a Python object ({found.group(1)}), not only tensors and plain containers"
+            if found
+            else "pickled data other than tensors and plain containers"
+        )
+        raise UnsafeContents(
+            f"{path} holds {what}: distsgd reads tensor files with "
+            "torch.load(weights_only=True) and never runs code from a file"
+        ) from None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -219,20 +349,46 @@ class MetricsWriter:
         self.path = Path(path)
         kept = read_metrics(self.path)[:keep_evals] if keep_evals is not None else []
         self.records: list[dict[str, Any]] = list(kept)
-        with open(self.path, "w") as f:
-            for r in kept:
-                f.write(json.dumps(r) + "\n")
-        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self._failed = False
+        with _naming(self.path):
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+            self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` and flush it.
+
+        Raises:
+            OSError: it cannot be written (``filename``: the file); a torn last line is
+                what :func:`read_metrics` skips.
+        """
         record = _clean(record)
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            with _naming(self.path):
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+        except OSError:
+            self._failed = True
+            raise
 
     def close(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                if not self._failed:  # a failed write was raised already
+                    raise
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An ``OSError`` raised inside names ``path`` when it names no file (a write or a
+    flush of an open file)."""
+    try:
+        yield
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
 
 
 # metrics.jsonl key -> TensorBoard scalar tag; the unit is part of the tag.
@@ -292,18 +448,28 @@ class TensorBoardWriter:
         return self._writer is not None
 
     def write(self, record: dict[str, Any]) -> None:
-        """Add one evaluation record's scalars at step ``record["samples"]`` and flush."""
+        """Add one evaluation record's scalars at step ``record["samples"]`` and flush.
+
+        Raises:
+            OSError: the events cannot be written (``filename``: under ``log_dir``).
+        """
         if self._writer is None:
             return
         step = int(record["samples"])
-        for key, tag in TENSORBOARD_TAGS.items():
-            value = record.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                self._writer.add_scalar(tag, float(value), global_step=step)
-        self._writer.flush()
+        with _naming(self.log_dir / "events.out.tfevents"):  # the writer's thread's error
+            for key, tag in TENSORBOARD_TAGS.items():
+                value = record.get(key)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self._writer.add_scalar(tag, float(value), global_step=step)
+            self._writer.flush()
 
     def close(self) -> None:
-        """Flush and close the event file (idempotent)."""
+        """Flush and close the event file (idempotent).
+
+        Raises:
+            OSError: the last events cannot be written (``filename``: under ``log_dir``).
+        """
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            with _naming(self.log_dir / "events.out.tfevents"):
+                writer.close()

@@ -1,10 +1,14 @@
 """The run directory: one run owns it for its whole life.
 
-:func:`check_out_dir_writable` refuses a run directory that cannot be one before anything
-starts; :class:`RunDirClaim` is the run's exclusive claim on it (an OS lock on
-``<out_dir>/run.lock`` naming its holder), so two runs never write one directory;
-:func:`enclosing_tuner_dir` finds the tuner's directory whose probes or segments folder
-holds a path (they are the tuner's to write).
+:class:`RunDirClaim` is the one guard of a run directory, taken once by the process that
+owns the run (a ``sim`` run's process, the launcher of a ``dist`` run on one machine,
+rank 0 under torchrun) and held for the run's life: it checks the path
+(:func:`check_out_path`), creates the directory, locks ``<out_dir>/run.lock`` (naming its
+holder) and, for a new run, refuses a directory that holds one
+(:func:`check_new_run_dir`). :func:`check_out_file` checks a file to be written (a
+profile, an exported model) before any work; :func:`enclosing_tuner_dir` finds the
+tuner's directory whose probes or segments folder holds a path (they are the tuner's to
+write).
 """
 
 from __future__ import annotations
@@ -23,8 +27,12 @@ __all__ = [
     "RUN_LOCK",
     "TUNER_FOLDERS",
     "TUNER_MARK",
+    "RUN_FILES",
     "RunDirClaim",
-    "check_out_dir_writable",
+    "check_new_run_dir",
+    "check_out_file",
+    "check_out_path",
+    "check_path_names",
     "enclosing_tuner_dir",
 ]
 
@@ -33,6 +41,7 @@ TUNER_MARK = "decisions.jsonl"  # what a tuner's directory holds (distsgd tune, 
 
 
 TUNER_FOLDERS = ("probes", "train")  # a tuner's probes, and the segments of --tune
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint.pt")  # a directory holding a run
 
 
 def enclosing_tuner_dir(path: str | Path) -> Path | None:
@@ -46,28 +55,144 @@ def enclosing_tuner_dir(path: str | Path) -> Path | None:
     return None
 
 
-def check_out_dir_writable(out_dir: str | Path) -> None:
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists (a dangling link too); False for a name the OS refuses."""
+    try:
+        os.lstat(path)
+    except OSError:
+        return False
+    return True
+
+
+def check_path_names(path: str | Path, option: str) -> None:
+    """Refuse a path (to read or to write) that has a name longer than the file system
+    allows, or is too long in all, naming ``option``.
+
+    Raises:
+        ConfigError: one line naming ``option``, the name's length and the limit.
+    """
+    path = Path(path)
+    absolute = Path(os.path.abspath(path))
+    known = next((p for p in absolute.parents if _exists(p)), Path("/"))
+    name_max = _pathconf(known, "PC_NAME_MAX", 255)
+    path_max = _pathconf(known, "PC_PATH_MAX", 4096)
+    for part in absolute.parts:
+        if len(os.fsencode(part)) > name_max:
+            raise ConfigError(
+                f"{option} {str(path)[:40]!r}… is not allowed: its name {part[:20]!r}… has "
+                f"{len(os.fsencode(part))} bytes, the file system allows {name_max} per name"
+            )
+    if len(os.fsencode(str(absolute))) >= path_max:
+        raise ConfigError(
+            f"{option} {str(path)[:40]!r}… is not allowed: the path has "
+            f"{len(os.fsencode(str(absolute)))} bytes, the system allows {path_max - 1}"
+        )
+
+
+def _pathconf(path: Path, name: str, default: int) -> int:
+    try:
+        return os.pathconf(path, name)
+    except (OSError, ValueError):
+        return default
+
+
+def _probe_create(folder: Path, option: str, out: Path, *, directory: bool) -> None:
+    """Create and remove a folder (``directory``) or a file in ``folder``: the one way to
+    know that its file system takes new entries (``/proc`` and ``/sys`` refuse them, as
+    does a file system mounted read-only)."""
+    probe = folder / f".distsgd-probe-{os.getpid()}"
+    try:
+        if directory:
+            os.mkdir(probe)
+            os.rmdir(probe)
+        else:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(
+            f"{option} {str(out)!r} is not allowed: {str(folder)!r} does not take new "
+            f"{'folders' if directory else 'files'} ({e.strerror or e}); choose a folder on "
+            "a writable disk"
+        ) from None
+
+
+def check_out_path(out_dir: str | Path, option: str = "--out") -> None:
     """Refuse a run directory that cannot be one, before anything is started or written.
 
     Raises:
-        ConfigError: ``out_dir`` (or a folder on its path) is a file, or the directory
-            (or, when it does not exist yet, the nearest existing folder above it) is not
-            writable by this process.
+        ConfigError: a name on the path is longer than the file system allows, ``out_dir``
+            (or a folder on its path) is a file, or the directory (or, when it does not
+            exist yet, the nearest existing folder above it) is not writable by this
+            process or takes no new folders (``/proc``, a read-only mount).
     """
     out = Path(out_dir)
+    check_path_names(out, option)
     for node in (out, *out.parents):
-        if node.exists() or node.is_symlink():
+        if _exists(node):
             if not node.is_dir():
                 what = "is a file" if node == out else f"lies under {str(node)!r}, a file"
                 raise ConfigError(
-                    f"--out {str(out)!r} {what}: expected a directory (new, or a run's)"
+                    f"{option} {str(out)!r} {what}: expected a directory (new, or a run's)"
                 )
             if not os.access(node, os.W_OK | os.X_OK):
                 raise ConfigError(
-                    f"--out {str(out)!r} is not writable: {str(node)!r} does not allow this "
-                    "process to create files; choose a writable directory"
+                    f"{option} {str(out)!r} is not writable: {str(node)!r} does not allow "
+                    "this process to create files; choose a writable directory"
                 )
+            _probe_create(node, option, out, directory=node != out)
             return
+
+
+def check_out_file(path: str | Path, option: str = "--out") -> None:
+    """Refuse a file to be written (a profile, an exported model) that cannot be, before
+    any work: the checks of :func:`check_out_path` for its folder, and the file is not a
+    directory.
+
+    Raises:
+        ConfigError: one line naming ``option`` and ``path``.
+    """
+    path = Path(path)
+    check_path_names(path, option)
+    if path.is_dir():
+        raise ConfigError(f"{option} {str(path)!r} is a directory: expected a file name")
+    folder = path.parent
+    for node in (folder, *folder.parents):
+        if _exists(node):
+            if not node.is_dir():
+                raise ConfigError(
+                    f"{option} {str(path)!r} lies under {str(node)!r}, a file: expected a "
+                    "file in a directory"
+                )
+            if not os.access(node, os.W_OK | os.X_OK):
+                raise ConfigError(
+                    f"{option} {str(path)!r} is not writable: {str(node)!r} does not allow "
+                    "this process to create files; choose a writable directory"
+                )
+            _probe_create(node, option, path, directory=node != folder)
+            return
+
+
+def check_new_run_dir(out_dir: str | Path) -> None:
+    """Refuse a directory for a new run before any work: :func:`check_out_path`, and a
+    directory that holds a run's files (:class:`RunDirClaim` checks both when it claims
+    one; this is the check of a caller that starts processes before the claim).
+
+    Raises:
+        ConfigError: see :func:`check_out_path`; or ``metrics.jsonl``, ``summary.json``
+            or ``checkpoint.pt`` is there (the message says whether ``--resume`` can
+            continue it).
+    """
+    check_out_path(out_dir)
+    _refuse_a_run(Path(out_dir))
+
+
+def _refuse_a_run(out: Path) -> None:
+    if any((out / f).exists() for f in RUN_FILES):
+        if (out / "checkpoint.pt").exists():
+            how = "choose another output directory (--out) or continue it with --resume"
+        else:  # nothing to resume: only another directory
+            how = "it has no checkpoint to resume from; choose another output directory (--out)"
+        raise ConfigError(f"output directory {str(out)!r} already holds a run; {how}")
 
 
 class RunDirClaim:
@@ -100,27 +225,35 @@ class RunDirClaim:
         self._created = created  # the folders the claim made, deepest first
 
     @classmethod
-    def acquire(cls, out_dir: str | Path, *, parent_may_hold: bool = False) -> RunDirClaim | None:
-        """Create ``out_dir`` if missing and claim it.
+    def acquire(
+        cls, out_dir: str | Path, *, new_run: bool = False, parent_may_hold: bool = False
+    ) -> RunDirClaim | None:
+        """Check ``out_dir`` (:func:`check_out_path`), create it if missing and claim it.
 
         Args:
             out_dir: the run directory.
+            new_run: a new run goes there: once claimed, a directory holding a run's
+                files is refused (as :func:`check_new_run_dir`; the claim is released).
             parent_may_hold: a claim held by this process's parent on this host is the
-                run's own (a rank started by the local launcher): return None.
+                run's own (a rank started by the local launcher, which checked the
+                directory when it claimed it): return None.
 
         Raises:
-            ConfigError: ``out_dir`` cannot be created or written, or another run holds
-                it (the message names its pid and host).
+            ConfigError: ``out_dir`` cannot be created or written, holds a run
+                (``new_run``), or another run holds it (the message names its pid and
+                host).
         """
         out = Path(out_dir)
-        check_out_dir_writable(out)
-        for _ in range(10):  # retried only if the lock file was removed under us
-            created = [d for d in (out, *out.parents) if not d.exists()]
+        check_out_path(out)
+        for _ in range(10):  # retried only if the folder was removed under us
+            created = [d for d in (out, *out.parents) if not _exists(d)]
             try:
                 out.mkdir(parents=True, exist_ok=True)
                 fd = os.open(out / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-            except FileNotFoundError:
-                continue  # the folder was removed by a claim ending just now
+            except FileNotFoundError as e:
+                if not out.is_dir():
+                    continue  # removed by a claim ending just now
+                raise ConfigError(f"--out {str(out)!r} cannot be written: {e.strerror}") from None
             except OSError as e:
                 raise ConfigError(
                     f"--out {str(out)!r} cannot be written: {e.strerror or e}"
@@ -138,10 +271,26 @@ class RunDirClaim:
                     "output directory (--out)"
                 ) from None
             if _same_file(fd, out / RUN_LOCK):
-                _write_holder(fd)
-                return cls(out, fd, created)
+                return cls._claimed(out, fd, created, new_run)
             os.close(fd)  # we locked a lock file that its holder removed: try again
         raise ConfigError(f"output directory {str(out)!r} could not be claimed (lock file churn)")
+
+    @classmethod
+    def _claimed(cls, out: Path, fd: int, created: list[Path], new_run: bool) -> RunDirClaim:
+        """The claim on ``out`` once locked: its holder written, a new run's directory
+        checked (under the lock, so no other run writes it in between)."""
+        claim = cls(out, fd, created)
+        try:
+            _write_holder(fd)
+            if new_run:
+                _refuse_a_run(out)
+        except OSError as e:
+            claim.release()
+            raise ConfigError(f"--out {str(out)!r} cannot be written: {e.strerror or e}") from None
+        except BaseException:
+            claim.release()
+            raise
+        return claim
 
     def release(self) -> None:
         """End the claim: remove the lock file (and the directory if the claim created it

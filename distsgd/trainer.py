@@ -36,8 +36,10 @@ Run directory layout (``out_dir``):
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -65,10 +67,14 @@ from distsgd.layout import spec_for
 from distsgd.metrics import (
     ChecksumMismatch,
     MetricsWriter,
+    OutputWriteError,
     TensorBoardWriter,
+    UnsafeContents,
+    first_line,
     load_checked,
     load_checkpoint_file,
     save_checked,
+    write_atomic,
     write_json,
 )
 from distsgd.objectives import reached as target_reached
@@ -76,7 +82,7 @@ from distsgd.plateau import next_check, steady_state_due
 from distsgd.protocols._util import with_momentum
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.replicas import ReplicaAutoTuner
-from distsgd.rundir import RunDirClaim, check_out_dir_writable
+from distsgd.rundir import RunDirClaim
 from distsgd.runtime.base import Tick, TrainingDiverged
 from distsgd.runtime.factory import runtime_kind
 from distsgd.runtime.faults import RankFaults
@@ -84,7 +90,6 @@ from distsgd.runtime.faults import RankFaults
 __all__ = ["Trainer", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = 1
-_RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint.pt")
 # what a checkpoint written by distsgd holds at the top level, and the type of each entry
 _CHECKPOINT_ENTRIES: dict[str, type | tuple[type, ...]] = {
     "format": int,
@@ -288,12 +293,12 @@ class Trainer:
         if given is None and path:
             try:
                 given = load_checked(path)
-            except ChecksumMismatch as e:
+            except (ChecksumMismatch, UnsafeContents) as e:
                 raise ConfigError(f"train.initial_weights = {path!r} is not allowed: {e}") from None
             except Exception as e:  # noqa: BLE001 - missing or not a tensor file
                 raise ConfigError(
                     f"train.initial_weights = {path!r} is not allowed: expected a file written "
-                    f"by torch.save holding the flattened weights ({e})"
+                    f"by torch.save holding the flattened weights ({first_line(e)})"
                 ) from None
         if given is None:
             return initial
@@ -532,20 +537,6 @@ class Trainer:
             budgets.append(t.max_samples)
         return min(budgets) if budgets else None
 
-    def _check_out_dir(self) -> None:
-        """Refuse an ``out_dir`` that cannot be written or already holds a run.
-
-        Raises:
-            ConfigError: see :func:`check_out_dir_writable`; or a run's files are there.
-        """
-        check_out_dir_writable(self.out_dir)
-        if any((self.out_dir / f).exists() for f in _RUN_FILES):
-            if (self.out_dir / "checkpoint.pt").exists():
-                how = "choose another output directory (--out) or continue it with --resume"
-            else:  # nothing to resume: only another directory
-                how = "it has no checkpoint to resume from; choose another output directory (--out)"
-            raise ConfigError(f"output directory {str(self.out_dir)!r} already holds a run; {how}")
-
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Train to the stop rule; returns the summary (also written to summary.json).
 
@@ -562,9 +553,7 @@ class Trainer:
             if self._kind.single_process:
                 # the claim first (held for the run's life; a run that fails to start
                 # removes it, and the directory if it made it): no work before it
-                self._claim = RunDirClaim.acquire(self.out_dir)
-                if not resume:
-                    self._check_out_dir()
+                self._claim = RunDirClaim.acquire(self.out_dir, new_run=not resume)
             self._build()  # nothing is written before data, model and profile are ready
             self._init_counters()
             state = self._start(resume)
@@ -593,16 +582,16 @@ class Trainer:
         start: tuple[str, Any] = ("ok", None)
         if self.is_writer:
             try:
-                if self._claim is None:
-                    self._claim = RunDirClaim.acquire(self.out_dir, parent_may_hold=True)
+                if self._claim is None:  # the launcher's claim (checked) is the run's
+                    self._claim = RunDirClaim.acquire(
+                        self.out_dir, new_run=not resume, parent_may_hold=True
+                    )
                 if resume:
                     start = ("ok", self._read_checkpoint())
                     saved = dict(start[1]["trainer"])
                     if saved.get("reached_samples", -1) >= 0 and self.cfg.train.stop_at_target:
                         self.counters.update(saved)
                         self._check_resumable()
-                else:
-                    self._check_out_dir()
             except ConfigError as e:
                 start = ("error", str(e))
         kind, payload = self.runtime.share_with_all(start)
@@ -649,9 +638,43 @@ class Trainer:
         )
 
     def _run_writing(self, resume: bool) -> dict[str, Any]:
-        """The writing rank's run: files, the training loop, the outcome."""
+        """The writing rank's run: files, the training loop, the outcome.
+
+        Raises:
+            OutputWriteError: a file of the run directory could not be written (a full
+                disk): the run stops; its partial file is removed, the last checkpoint
+                kept, and ``summary.json`` says ``"failed"`` if it still fits.
+        """
+        try:
+            return self._write_run(resume)
+        except OSError as e:
+            if not _is_write_error(e, self.out_dir):
+                raise
+            err = self._write_failed(e)
+        raise err
+
+    def _write_failed(self, e: OSError) -> OutputWriteError:
+        """The run's end on a file it could not write: the error naming the file and
+        what is kept; a "failed" summary where it still fits."""
+        out = self.out_dir
+        keep = (
+            f"the last checkpoint is kept (continue with --resume {out} once the "
+            "directory can be written)"
+            if (out / "checkpoint.pt").exists()
+            else "no checkpoint was written"
+        )
+        err = OutputWriteError(f"{OutputWriteError.of(e, out)}; {keep}")
+        self.counters["stop_reason"] = "write_failed"
+        try:
+            if hasattr(self, "metrics"):
+                self._write_outcome(self._summary(status="failed", error=str(err)))
+        except OSError:
+            pass  # still no room: the files written before stay as they were
+        return err
+
+    def _write_run(self, resume: bool) -> dict[str, Any]:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.toml").write_text(self._config_toml())
+        write_atomic(self.out_dir / "config.toml", self._config_toml().encode())
         metrics = MetricsWriter(
             self.out_dir / "metrics.jsonl", keep_evals=self.counters["evals"] if resume else None
         )
@@ -953,6 +976,20 @@ class Trainer:
         if error:
             summary["error"] = error
         return summary
+
+
+# errors of a file system that takes no more data (full, over quota, read-only)
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+
+
+def _is_write_error(e: OSError, out_dir: Path) -> bool:
+    """Whether ``e`` is a failure to write a file of the run directory ``out_dir`` (not a
+    socket's or another process's error)."""
+    if isinstance(e, OutputWriteError) or e.errno in _STORAGE_ERRNOS:
+        return True
+    if not e.filename:
+        return False
+    return Path(os.path.abspath(e.filename)).is_relative_to(os.path.abspath(out_dir))
 
 
 def _upgraded_counters(saved: dict[str, Any]) -> dict[str, Any]:

@@ -218,7 +218,11 @@ def _toml_value(v: Any) -> str:
 
 def write_profile(path: Path, prof: DeviceProfileFile) -> None:
     """Write ``prof`` to ``path`` (parents created; written to a temporary file first and
-    renamed, so a concurrent reader sees the old file or the new one)."""
+    renamed, so a concurrent reader sees the old file or the new one).
+
+    Raises:
+        OSError: it cannot be written (the temporary file is removed).
+    """
     k = prof.key
     values: dict[str, Any] = {
         "format": FORMAT,
@@ -248,8 +252,12 @@ def write_profile(path: Path, prof: DeviceProfileFile) -> None:
     text = "[profile]\n" + "".join(f"{n} = {_toml_value(v)}\n" for n, v in values.items())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
+        raise
 
 
 _REQUIRED = {

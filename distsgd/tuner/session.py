@@ -57,7 +57,7 @@ from tqdm import tqdm
 from distsgd.config import TUNE_STEADY_SHARE, ConfigError, RunConfig, TuneConfig, required_processes
 from distsgd.data import load_dataset
 from distsgd.engine import UserCode, build_engine, config_for_data
-from distsgd.rundir import enclosing_tuner_dir
+from distsgd.rundir import check_out_path, enclosing_tuner_dir
 from distsgd.runtime.factory import with_device_profile
 from distsgd.runtime.netcal import NetworkProfile, calibrate_network
 from distsgd.tuner import perf_model as pm
@@ -551,8 +551,7 @@ class TuneSession:
         if budget_s is not None:
             config = config.replace(tune=dataclasses.replace(config.tune, budget_s=budget_s))
         out = Path(out_dir)
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"--out {str(out)!r} is a file: expected a directory (new or empty)")
+        check_out_path(out)  # a path the OS takes, not a file, writable
         if (out / "plan.toml").exists() or (out / "decisions.jsonl").exists():
             raise ConfigError(
                 f"output directory {str(out)!r} already holds a tune; choose another --out"
