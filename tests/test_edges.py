@@ -144,6 +144,7 @@ def test_every_numeric_setting_states_its_range_where_it_is_documented(section, 
     assert re.search(r"in [\[(][^\]\)]*, [^\]\)]*[\])]|\[0, 1\)", text), f"{section}.{name}: {text}"
 
 
+@pytest.mark.slow
 def test_a_run_at_the_slow_ends_of_the_cluster_keeps_a_finite_virtual_clock(tmp_path):
     """The largest latency and times with the smallest bandwidth and speed: the virtual
     clock stays finite (latency_s = 1e308 completed with virtual_s null)."""
