@@ -523,8 +523,9 @@ def fit(
             callable ``(outputs, targets) → scalar`` (the minibatch's mean loss); None:
             the config's ``train.loss`` (default ``cross_entropy``).
         metric: ``accuracy``, ``loss``, ``perplexity``, an import path, or a callable
-            ``(outputs, targets) → the batch's mean``; None: the config's ``train.metric``
-            (default ``accuracy``).
+            ``(outputs, targets) → the batch's mean`` (a finite number); None: the
+            config's ``train.metric`` (default ``accuracy``, refused with ``loss="mse"``
+            and on targets that are not class labels: give ``"loss"`` or your own).
         metric_direction: ``"max"`` or ``"min"``, required for a user metric; None: the
             config's ``train.metric_direction``.
         config, overrides: the rest of the run, as for :func:`train`.
