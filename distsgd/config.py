@@ -299,7 +299,7 @@ class ProtocolConfig:
                 fail(
                     "protocol.replicas_per_device",
                     self.replicas_per_device,
-                    "an integer in [1, 65536] or 'auto'",
+                    "an integer >= 1 or 'auto' (an integer at most 65536)",
                 )
         elif self.name not in ("sma", "local_sgd"):
             fail(
