@@ -44,6 +44,8 @@ from distsgd.config import (
     apply_override,
     check_device,
     check_local_processes,
+    check_nesting,
+    check_schedule,
     schedule_conflicts,
 )
 from distsgd.data import load_dataset
@@ -145,6 +147,7 @@ def resolve_config(
             return config
         raw = config.to_dict()
     elif isinstance(config, dict):
+        check_nesting(config)  # before the copy walks it
         raw = copy.deepcopy(config)  # the caller's dict is left as it was
     else:
         return RunConfig.from_toml(config, overrides)
@@ -266,6 +269,7 @@ def run(
             "data, loss or metric: they cannot reach other processes; give import paths"
         )
     check_device(cfg)  # before anything is written or any rank starts
+    check_schedule(cfg)  # the trainer checks it again with the user's data loaded
     inside = enclosing_tuner_dir(out)
     if inside is not None:  # its probes and segments are the tuner's to write
         kind = "the run of --tune" if is_tuning_run(inside) else "the tune"
@@ -528,8 +532,9 @@ def fit(
             callable ``(outputs, targets) → scalar`` (the minibatch's mean loss); None:
             the config's ``train.loss`` (default ``cross_entropy``).
         metric: ``accuracy``, ``loss``, ``perplexity``, an import path, or a callable
-            ``(outputs, targets) → the batch's mean``; None: the config's ``train.metric``
-            (default ``accuracy``).
+            ``(outputs, targets) → the batch's mean`` (a finite number); None: the
+            config's ``train.metric`` (default ``accuracy``, refused with ``loss="mse"``
+            and on targets that are not class labels: give ``"loss"`` or your own).
         metric_direction: ``"max"`` or ``"min"``, required for a user metric; None: the
             config's ``train.metric_direction``.
         config, overrides: the rest of the run, as for :func:`train`.

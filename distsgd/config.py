@@ -28,14 +28,17 @@ from typing import Any
 import torch
 
 from distsgd.checks import ConfigError, check_choice, check_float, check_int, fail
-from distsgd.factories import is_import_path
+from distsgd.factories import USER_CODE_FAILURES, failure_text, is_import_path
 from distsgd.layout import PROTOCOL_SETTINGS, PROTOCOLS, fitted, spec_for
 from distsgd.protocols import SERVER_OPTIMIZERS, STALENESS_LR, OptimizerFactory
 
 __all__ = [
     "ConfigError",
     "ConfigWarning",
+    "MAX_NESTING",
     "check_device",
+    "check_nesting",
+    "check_schedule",
     "check_local_processes",
     "resolve_device",
     "resolved_device_setting",
@@ -74,6 +77,18 @@ COMPILE_MODES = ("off", "on")  # train.compile; distsgd.engine.GradientEngine(co
 MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
 
 
+MAX_LR = 1000.0
+"""The largest learning rate ``optimizer.lr`` and any rate of the schedule may be: far
+above any rate that trains (linear probes use up to 30), far below what overflows float32
+in ``lr × gradient``."""
+MAX_COUNT = 10**12
+"""The largest sample count of a budget or an evaluation period (a million epochs of
+Fashion-MNIST): products with seconds or bytes stay far inside float64."""
+MAX_SCHEDULE_CHECK_STEPS = 1000
+"""Scheduler steps of the run's span over which a torch scheduler's rates are checked at
+set-up (:meth:`ScheduleConfig.check_rates`; about 0.1 s of replay on a CPU core)."""
+
+
 class ConfigWarning(UserWarning):
     """Settings that are each allowed but contradict one another (the run still starts)."""
 
@@ -98,9 +113,10 @@ class DataConfig:
         root: built-in file data sets: directory holding the files. Empty means the
             ``DISTSGD_DATA_DIR`` environment variable if set, else the dataset's default
             directory (``/usr/share/datasets/fashion-mnist`` for Fashion-MNIST).
-        num_train: synthetic only: number of training samples.
-        num_test: synthetic only: number of test samples.
-        noise: synthetic only: standard deviation of the per-sample noise (unitless).
+        num_train: synthetic only: number of training samples, in [1, 1000000].
+        num_test: synthetic only: number of test samples, in [1, 1000000].
+        noise: synthetic only: standard deviation of the per-sample noise (unitless), in
+            [0, 100].
     """
 
     dataset: str = "fashion_mnist"
@@ -121,7 +137,7 @@ class DataConfig:
             fail("data.root", self.root, "a directory path (string)")
         check_int("data.num_train", self.num_train, 1, 1_000_000)
         check_int("data.num_test", self.num_test, 1, 1_000_000)
-        check_float("data.noise", self.noise, 0.0)
+        check_float("data.noise", self.noise, 0.0, 100.0)
 
     @property
     def label(self) -> str:
@@ -202,11 +218,13 @@ class ProtocolConfig:
         name: ``hardsync`` (all-reduce S-SGD, §1), ``parameter_server`` (Rudra, §2),
             ``compute_groups`` (Omnivore, §3), ``sma`` (Crossbow, §4), ``local_sgd`` or
             ``plain`` (one learner, plain loop; §5).
-        num_learners: λ, model replicas computing gradients. ``plain`` requires 1.
-        batch_size: minibatch per learner, in samples (Rudra's μ, Crossbow's b).
+        num_learners: λ, model replicas computing gradients, in [1, 65536]. ``plain``
+            requires 1.
+        batch_size: minibatch per learner, in samples (Rudra's μ, Crossbow's b), in
+            [1, 1048576].
         mode: parameter server only: ``softsync`` (n-softsync, c = ⌊λ/n⌋ gradients per
             update), ``async`` (n = λ, c = 1) or ``hardsync`` (c = λ with a barrier).
-        softsync: n in n-softsync, 1 <= n <= λ; must divide λ. Ignored unless
+        softsync: n in n-softsync, in [1, λ]; must divide λ. Ignored unless
             ``mode = "softsync"``.
         staleness_lr: learning-rate modulation by staleness (parameter server and compute
             groups): ``none`` (α0), ``softsync`` (α0/n), ``measured`` (α0 / running mean σ)
@@ -215,11 +233,12 @@ class ProtocolConfig:
             momentum by default, as Rudra's Caffe-style experiments; another torch.optim
             optimizer when ``optimizer.name`` names one), or ``adagrad``: Rudra's AdaGrad
             server, its own optimizer (needs ``optimizer.name = "sgd"``).
-        num_groups: g compute groups; must divide λ.
+        num_groups: g compute groups, in [1, λ]; must divide λ.
         momentum_compensation: compute groups: explicit momentum
             μ = max(0, μ_target − (1 − 1/g)) where μ_target is ``optimizer.momentum``
             (SGD momentum: needs ``optimizer.name = "sgd"``).
-        replicas_per_device: k learners sharing one device (SMA, local SGD); must divide λ.
+        replicas_per_device: k learners sharing one device (SMA, local SGD), in
+            [1, 65536]; must divide λ.
             ``"auto"``: Crossbow's auto-tuner chooses k (SPEC.md §4; simulated seconds on
             the simulated runtime, the slowest rank's wall seconds on ``dist``): the run starts with
             k = 1, so ``num_learners`` is then the number of devices, and λ grows to
@@ -227,19 +246,19 @@ class ProtocolConfig:
         autotune_threshold: with ``replicas_per_device = "auto"``: add a replica per device
             while throughput improves by more than this fraction (0.10 = 10%), in (0, 10].
         autotune_interval: with ``"auto"``: iterations over which each k's throughput is
-            measured, >= 1 (the first iteration after a change is not counted). For local
+            measured, in [1, 1000000] (the first iteration after a change is not counted). For local
             SGD the tuner observes averaging periods, so this counts averaging periods of
             H iterations (and the uncounted first one is a period too).
-        autotune_max_replicas: with ``"auto"``: the largest k tried, >= 1.
+        autotune_max_replicas: with ``"auto"``: the largest k tried, in [1, 1024].
         autotune_rule: with ``"auto"``: ``"crossbow"`` (SPEC §4: continue while the total
             throughput gain of an added replica is above the threshold) or ``"marginal"``
             (continue while the added replica contributes more than the threshold of an
             average replica's throughput, (k − 1) × gain; follows slowly rising curves),
             see :mod:`distsgd.replicas`.
-        alpha: SMA correction weight α (0 <= α <= 1). 0 means 1/λ over all
+        alpha: SMA correction weight α, in [0, 1]. 0 means 1/λ over all
             learners (SPEC §4: with μ_z = 0 the new z is then the mean of the replicas).
         central_momentum: SMA Polyak momentum μ_z on the central model, in [0, 1).
-        average_every: local SGD averaging period H, in iterations.
+        average_every: local SGD averaging period H, in iterations, in [1, 1000000].
     """
 
     name: str = "hardsync"
@@ -262,25 +281,25 @@ class ProtocolConfig:
 
     def __post_init__(self) -> None:
         check_choice("protocol.name", self.name, PROTOCOLS)
-        check_int("protocol.num_learners", self.num_learners, 1)
-        check_int("protocol.batch_size", self.batch_size, 1)
+        check_int("protocol.num_learners", self.num_learners, 1, 65536)
+        check_int("protocol.batch_size", self.batch_size, 1, 2**20)
         check_choice("protocol.mode", self.mode, PS_MODES)
-        check_int("protocol.softsync", self.softsync, 1)
+        check_int("protocol.softsync", self.softsync, 1, 65536)
         check_choice("protocol.staleness_lr", self.staleness_lr, STALENESS_LR)
         check_choice("protocol.server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
-        check_int("protocol.num_groups", self.num_groups, 1)
+        check_int("protocol.num_groups", self.num_groups, 1, 65536)
         if not isinstance(self.momentum_compensation, bool):
             fail("protocol.momentum_compensation", self.momentum_compensation, "true or false")
         if self.replicas_per_device != "auto":
             if (
                 not isinstance(self.replicas_per_device, int)
                 or isinstance(self.replicas_per_device, bool)
-                or self.replicas_per_device < 1
+                or not 1 <= self.replicas_per_device <= 65536
             ):
                 fail(
                     "protocol.replicas_per_device",
                     self.replicas_per_device,
-                    "an integer >= 1 or 'auto'",
+                    "an integer >= 1 or 'auto' (an integer at most 65536)",
                 )
         elif self.name not in ("sma", "local_sgd"):
             fail(
@@ -291,14 +310,14 @@ class ProtocolConfig:
         check_float(
             "protocol.autotune_threshold", self.autotune_threshold, 0.0, 10.0, min_inclusive=False
         )
-        check_int("protocol.autotune_interval", self.autotune_interval, 1)
-        check_int("protocol.autotune_max_replicas", self.autotune_max_replicas, 1)
+        check_int("protocol.autotune_interval", self.autotune_interval, 1, 1_000_000)
+        check_int("protocol.autotune_max_replicas", self.autotune_max_replicas, 1, 1024)
         check_choice("protocol.autotune_rule", self.autotune_rule, AUTOTUNE_RULES)
         check_float("protocol.alpha", self.alpha, 0.0, 1.0)
         check_float("protocol.central_momentum", self.central_momentum, 0.0, 1.0)
         if self.central_momentum >= 1.0:
             fail("protocol.central_momentum", self.central_momentum, "a number in [0, 1)")
-        check_int("protocol.average_every", self.average_every, 1)
+        check_int("protocol.average_every", self.average_every, 1, 1_000_000)
         spec_for(self.name).validate(self)  # λ-dependent rules of the protocol
 
     @property
@@ -342,9 +361,14 @@ class ProtocolConfig:
             )
 
 
+def _number(value: Any) -> bool:
+    """True for a finite int or float (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _one_line(error: BaseException) -> str:
     """``"Type: message"`` of ``error`` on one line (at most 200 characters)."""
-    text = " ".join(f"{type(error).__name__}: {error}".split())
+    text = failure_text(error)
     return text if len(text) <= 200 else text[:197] + "..."
 
 
@@ -362,7 +386,7 @@ def _import_class(key: str, path: Any, base: type, what: str) -> type:
         fail(key, path, f"an import path 'module:Class' of {what}")
     try:
         obj = importlib.import_module(module_name)
-    except Exception as e:  # the user's module may raise anything while importing
+    except USER_CODE_FAILURES as e:  # the user's module may raise anything while importing
         fail(key, path, f"an import path of {what} whose module imports ({_one_line(e)})")
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -439,13 +463,13 @@ class OptimizerConfig:
             ``nesterov``; the default) or the import path ``"module:Class"`` of a
             torch.optim.Optimizer subclass, e.g. ``"torch.optim:AdamW"``, built as
             ``Class([param], lr=lr, **kwargs)`` (plus ``weight_decay`` when > 0).
-        lr: base learning rate α0 (γ for SMA), > 0, of every optimizer; the schedule
-            scales it and the protocol sets it on every step.
+        lr: base learning rate α0 (γ for SMA), in (0, 1000] (:data:`MAX_LR`), of every
+            optimizer; the schedule scales it and the protocol sets it on every step.
         momentum: μ in [0, 1), SGD only: the server momentum for the parameter server, the
             target momentum for compute groups, local momentum for SMA and local SGD
             replicas. With an import path it is not used (a momentum-like setting goes in
             ``kwargs``, e.g. ``betas``) and a value other than its default 0.9 is refused.
-        weight_decay: L2 coefficient, >= 0. ``"sgd"``: SGD's. Import path: when > 0,
+        weight_decay: L2 coefficient, in [0, 10]. ``"sgd"``: SGD's. Import path: when > 0,
             passed as the class's ``weight_decay`` argument (refused when it has none, or
             when ``kwargs`` sets it too); 0 leaves the class's own default (AdamW: 0.01;
             write ``kwargs = {weight_decay = 0.0}`` for none).
@@ -463,9 +487,9 @@ class OptimizerConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_float("optimizer.lr", self.lr, 0.0, min_inclusive=False)
+        check_float("optimizer.lr", self.lr, 0.0, MAX_LR, min_inclusive=False)
         check_float("optimizer.momentum", self.momentum, 0.0, 1.0, max_inclusive=False)
-        check_float("optimizer.weight_decay", self.weight_decay, 0.0)
+        check_float("optimizer.weight_decay", self.weight_decay, 0.0, 10.0)
         if not isinstance(self.nesterov, bool):
             fail("optimizer.nesterov", self.nesterov, "true or false")
         if self.nesterov and self.momentum == 0:
@@ -487,7 +511,7 @@ class OptimizerConfig:
         assert make is not None  # an import path
         try:
             coordinate_wise = _probe_coordinate_wise(make)
-        except Exception as e:  # the user's class may raise anything
+        except USER_CODE_FAILURES as e:  # the user's class may raise anything
             raise ConfigError(
                 f"optimizer.name = {self.name!r} with optimizer.kwargs = {self.kwargs!r} is "
                 "not allowed: expected an optimizer that these keyword arguments build and "
@@ -627,13 +651,19 @@ class ScheduleConfig:
             metric, e.g. ``"torch.optim.lr_scheduler:CosineAnnealingLR"`` (ReduceLROnPlateau
             is refused: its rate depends on a metric, not on progress).
         warmup_epochs: linear warm-up from 0.1·lr to lr over this many epochs (0: none),
-            multiplying any kind's rate.
-        decay_epochs: epochs at which the step schedule decays, increasing.
+            in [0, 1000000], multiplying any kind's rate.
+        decay_epochs: epochs at which the step schedule decays, increasing, each in
+            (0, 1000000].
         decay_factor: multiplier at each decay, in (0, 1].
         kwargs: keyword arguments of the scheduler class (TOML table
             ``[schedule.kwargs]``, e.g. ``{T_max = 10}`` in scheduler steps); no
             ``optimizer``; ``{}`` with ``constant`` and ``step``.
-        steps_per_epoch: scheduler steps per epoch, > 0 (import-path kinds only).
+        steps_per_epoch: scheduler steps per epoch, in (0, 1000000] (import-path kinds
+            only).
+
+    Every rate the schedule sets is in [0, ``MAX_LR``]: a torch scheduler's rates are
+    checked over the run's span (its budget, at most ``MAX_SCHEDULE_CHECK_STEPS``
+    scheduler steps) before the run writes anything (:meth:`check_rates`).
     """
 
     kind: str = "constant"
@@ -644,18 +674,22 @@ class ScheduleConfig:
     steps_per_epoch: float = 1.0
 
     def __post_init__(self) -> None:
-        check_float("schedule.warmup_epochs", self.warmup_epochs, 0.0)
+        check_float("schedule.warmup_epochs", self.warmup_epochs, 0.0, 1e6)
         if (
             not isinstance(self.decay_epochs, list)
             or any(
-                not isinstance(e, int | float) or isinstance(e, bool) or e <= 0
+                not isinstance(e, int | float) or isinstance(e, bool) or not 0 < e <= 1e6
                 for e in self.decay_epochs
             )
             or list(self.decay_epochs) != sorted(self.decay_epochs)
         ):
-            fail("schedule.decay_epochs", self.decay_epochs, "an increasing list of epochs > 0")
+            fail(
+                "schedule.decay_epochs",
+                self.decay_epochs,
+                "an increasing list of epochs in (0, 1000000]",
+            )
         check_float("schedule.decay_factor", self.decay_factor, 0.0, 1.0, min_inclusive=False)
-        check_float("schedule.steps_per_epoch", self.steps_per_epoch, 0.0, min_inclusive=False)
+        check_float("schedule.steps_per_epoch", self.steps_per_epoch, 0.0, 1e6, min_inclusive=False)
         _check_kwargs("schedule.kwargs", self.kwargs, ("optimizer",))
         self._replay: _SchedulerReplay | None = None
         if self.kind in SCHEDULES:
@@ -678,7 +712,7 @@ class ScheduleConfig:
         cls = self._resolve_class()
         try:  # build and step it once: keyword arguments the class rejects fail now
             _SchedulerReplay(cls, dict(self.kwargs)).lr(1.0, 2)
-        except Exception as e:  # the user's class may raise anything
+        except USER_CODE_FAILURES as e:  # the user's class may raise anything
             raise ConfigError(
                 f"schedule.kind = {self.kind!r} with schedule.kwargs = {self.kwargs!r} is not "
                 "allowed: expected a scheduler that these keyword arguments build and that "
@@ -719,7 +753,7 @@ class ScheduleConfig:
             steps = self.scheduler_steps(epoch)
             try:
                 lr = self._replay.lr(base_lr, steps)
-            except Exception as e:  # the user's class may raise anything
+            except USER_CODE_FAILURES as e:  # the user's class may raise anything
                 raise ConfigError(
                     f"schedule.kind = {self.kind!r} with schedule.kwargs = {self.kwargs!r} "
                     f"is not allowed: expected a scheduler that takes {steps} steps (epoch "
@@ -730,6 +764,41 @@ class ScheduleConfig:
             lr *= 0.1 + 0.9 * epoch / self.warmup_epochs
         return lr
 
+    def check_rates(self, base_lr: float, epochs: float) -> None:
+        """Refuse a torch scheduler that sets a rate outside [0, ``MAX_LR``] (negative,
+        NaN, overflowing) at a scheduler step of the run's first ``epochs`` epochs (at
+        most :data:`MAX_SCHEDULE_CHECK_STEPS` steps; ``math.inf``: a run without a
+        budget in samples). The built-in kinds need no check: their factors are in
+        (0, 1], so their rates stay in (0, ``optimizer.lr``].
+
+        Raises:
+            ConfigError: naming ``schedule.kind``, ``schedule.kwargs``, the rate and the
+                step where it is set, or the scheduler failing at a step.
+        """
+        if self._replay is None:
+            return
+        steps = MAX_SCHEDULE_CHECK_STEPS
+        if math.isfinite(epochs):
+            steps = min(steps, self.scheduler_steps(epochs))
+        replay = _SchedulerReplay(self._replay.cls, dict(self.kwargs))
+        for step in range(steps + 1):
+            try:
+                lr = replay.lr(base_lr, step)
+            except USER_CODE_FAILURES as e:  # the user's class may raise anything
+                lr, error = math.nan, _one_line(e)
+            else:
+                error = ""
+            if error or not 0.0 <= lr <= MAX_LR:
+                what = f"fails at scheduler step {step} ({error})"
+                if not error:
+                    what = f"sets lr = {lr:g} at scheduler step {step}"
+                raise ConfigError(
+                    f"schedule.kind = {self.kind!r} with schedule.kwargs = {self.kwargs!r} "
+                    f"is not allowed: from optimizer.lr = {base_lr:g} it {what}, epoch "
+                    f"{step / self.steps_per_epoch:.4g} of the run (schedule.steps_per_epoch"
+                    f" = {self.steps_per_epoch:g}); expected rates in [0, {MAX_LR:g}]"
+                )
+
 
 @dataclass
 class ClusterConfig:
@@ -739,12 +808,16 @@ class ClusterConfig:
     ``(seconds_per_batch + b * seconds_per_sample) / speed`` virtual seconds, times a
     seeded log-normal factor of relative spread ``jitter``. A message of P float32
     parameters takes ``latency_s + 32 P / (bandwidth_gbps * 1e9)`` virtual seconds.
+    Every time of this section is at most an hour and every speed, ratio and bandwidth
+    within [1e-6, 1e6], so the virtual clock of any allowed run stays finite.
 
     Attributes:
-        seconds_per_sample: per-sample compute time in seconds; negative (-1) means
-            calibrate on this machine with the configured model.
-        seconds_per_batch: fixed per-minibatch overhead in seconds; negative means calibrate.
-        seconds_per_replica: SMA / local SGD only: seconds each further replica (with
+        seconds_per_sample: per-sample compute time in seconds, in [0, 3600]; negative
+            (-1) means calibrate on this machine with the configured model.
+        seconds_per_batch: fixed per-minibatch overhead in seconds, in [0, 3600]; negative
+            means calibrate.
+        seconds_per_replica: SMA / local SGD only: seconds, in [0, 3600], each further
+            replica (with
             its own b samples) adds to a device that computes its k replicas as one
             batched computation (:meth:`distsgd.engine.GradientEngine.replica_gradients`):
             one device's iteration takes ``t(k) = t(1) + (k − 1) · seconds_per_replica``
@@ -756,7 +829,7 @@ class ClusterConfig:
             minibatches.
         replica_ratios: SMA / local SGD only: the measured t(k)/t(1) of one device
             computing k replicas as one batched computation, for k = 1, 2, …, n (first
-            value 1; empty: use ``seconds_per_replica``). A device's iteration then takes
+            value 1, each in [1e-6, 1e6]; empty: use ``seconds_per_replica``). A device's iteration then takes
             ``t(1) · ratio(k)``, beyond n continuing the last measured step
             (:func:`distsgd.tuner.perf_model.replica_ratio`). Calibrated (measured on this
             machine at the run's b for k = 1 … min(8, autotune_max_replicas) or the fixed
@@ -764,24 +837,29 @@ class ClusterConfig:
             calibrated, the run has k > 1 or ``replicas_per_device = "auto"``, and
             neither this nor ``seconds_per_replica`` is given.
         speed_factors: relative speed of each learner (e.g. ``[10, 10, 1, 1]`` for two GPUs
-            and two CPUs); empty means all 1. Length must equal λ if given.
-        jitter: relative spread of compute times (0 = deterministic equal-speed schedule).
-        latency_s: one-way message latency in seconds.
-        bandwidth_gbps: link bandwidth in gigabits per second; 0 means infinite.
+            and two CPUs), each in [1e-6, 1e6]; empty means all 1. Length must equal λ if
+            given.
+        jitter: relative spread of compute times (0 = deterministic equal-speed schedule),
+            in [0, 2].
+        latency_s: one-way message latency in seconds, in [0, 60].
+        bandwidth_gbps: link bandwidth in gigabits per second, in [1e-6, 1e6]; 0 means
+            infinite.
         allreduce_latency_s: the latency term of a ring all-reduce (``2(m−1) ·
-            allreduce_latency_s + 2(m−1)/m · 32 P / bw``), seconds; negative (-1,
-            default): ``latency_s``. ``distsgd.runtime.netcal`` fits it apart from the
+            allreduce_latency_s + 2(m−1)/m · 32 P / bw``), seconds, in [0, 60]; -1
+            (default): ``latency_s``. ``distsgd.runtime.netcal`` fits it apart from the
             messages' (gloo's all-reduce reduces and copies as it goes).
-        allreduce_bandwidth_gbps: the all-reduce's bandwidth in Gb/s, 0 infinite;
-            negative (-1, default): ``bandwidth_gbps``.
-        seconds_per_push: parameter-server protocols (and compute groups): seconds the
+        allreduce_bandwidth_gbps: the all-reduce's bandwidth in Gb/s, in [1e-6, 1e6], 0
+            infinite; -1 (default): ``bandwidth_gbps``.
+        seconds_per_push: parameter-server protocols (and compute groups): seconds, in
+            [0, 3600], the
             server works on each pushed gradient (apply the update, copy the weights for
             the reply); pushes are served one at a time, so the server saturates at
             ``1 / seconds_per_push`` pushes per second. Negative (-1) means measured with
             the device profile when that is calibrated or read from ``profile``
             (:func:`distsgd.runtime.sim.calibrate_server`), and free when
             ``seconds_per_sample`` / ``seconds_per_batch`` are given; 0: free.
-        seconds_per_push_contended: parameter-server protocols whose learners each push
+        seconds_per_push_contended: in [0, 3600]; parameter-server protocols whose learners
+            each push
             (async, n-softsync; not compute groups of several learners) with every rank on
             one machine (``cores`` > 0): the server's wall seconds per push
             measured on processes while the run's other learners compute on the same cores
@@ -794,7 +872,8 @@ class ClusterConfig:
             (:func:`distsgd.runtime.cluster_model.server_push_seconds`); 0 (default): not
             measured, ``seconds_per_push`` stretched. Not charged with ``cores`` = 0 (a
             core per process: nothing waits for one). Never calibrated by distsgd itself.
-        seconds_per_iteration: synchronous protocols (hardsync, SMA, local SGD): seconds a
+        seconds_per_iteration: synchronous protocols (hardsync, SMA, local SGD): seconds, in
+            [0, 3600], a
             device works per iteration beyond its gradients: the protocol's update of the
             flat weights and the runtime loop's own work (the DDP wrapper, drawing the
             minibatch), charged once per device iteration. Negative (-1) means measured
@@ -803,7 +882,8 @@ class ClusterConfig:
             iteration at world size 1 minus the gradient alone), read from ``profile``
             (0 when the file has none), and free when ``seconds_per_sample`` /
             ``seconds_per_batch`` are given; 0: free.
-        cores: CPU cores the simulated cluster's processes share; 0 (default): every
+        cores: CPU cores the simulated cluster's processes share, in [0, 65536]; 0
+            (default): every
             process (learner, server) has cores of its own, as on a real cluster. With
             more busy processes than cores (every rank on one machine), compute and the
             parameter server's work stretch by ``max(1, busy / cores)``
@@ -842,61 +922,48 @@ class ClusterConfig:
             "seconds_per_iteration",
         ):
             v = getattr(self, key)
-            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-                fail(f"cluster.{key}", v, "a number of seconds >= 0, or -1 to calibrate")
+            if not _number(v) or not (v < 0 or v <= 3600):
+                fail(f"cluster.{key}", v, "a number of seconds in [0, 3600], or -1 to calibrate")
         v = self.seconds_per_push_contended
-        if (
-            not isinstance(v, int | float)
-            or isinstance(v, bool)
-            or not (math.isfinite(v) and v >= 0)
-        ):
+        if not _number(v) or not 0 <= v <= 3600:
             fail(
                 "cluster.seconds_per_push_contended",
                 v,
-                "a number of seconds >= 0 (0: not measured)",
+                "a number of seconds in [0, 3600] (0: not measured)",
             )
         rr = self.replica_ratios
         if not isinstance(rr, list) or (
             rr
-            and (
-                len(rr) < 2
-                or any(
-                    not isinstance(v, int | float)
-                    or isinstance(v, bool)
-                    or not math.isfinite(v)
-                    or not v > 0
-                    for v in rr
-                )
-                or rr[0] != 1
-            )
+            and (len(rr) < 2 or any(not _number(v) or not 1e-6 <= v <= 1e6 for v in rr))
+            or rr
+            and rr[0] != 1
         ):
             fail(
                 "cluster.replica_ratios",
                 rr,
-                "an empty list, or t(k)/t(1) for k = 1 … n: n >= 2 positive numbers, the first 1",
+                "an empty list, or t(k)/t(1) for k = 1 … n: n >= 2 numbers in [1e-6, 1e6], "
+                "the first 1",
             )
-        if not isinstance(self.speed_factors, list) or any(
-            not isinstance(s, int | float)
-            or isinstance(s, bool)
-            or not s > 0
-            or not math.isfinite(s)
-            for s in self.speed_factors
-        ):
-            fail("cluster.speed_factors", self.speed_factors, "a list of positive numbers")
+        sf = self.speed_factors
+        if not isinstance(sf, list) or any(not _number(s) or not 1e-6 <= s <= 1e6 for s in sf):
+            fail("cluster.speed_factors", sf, "a list of numbers in [1e-6, 1e6]")
         check_float("cluster.jitter", self.jitter, 0.0, 2.0)
-        check_float("cluster.latency_s", self.latency_s, 0.0)
-        check_float("cluster.bandwidth_gbps", self.bandwidth_gbps, 0.0)
-        for key in ("allreduce_latency_s", "allreduce_bandwidth_gbps"):
-            v = getattr(self, key)
-            if (
-                not isinstance(v, int | float)
-                or isinstance(v, bool)
-                or not math.isfinite(v)
-                or (v < 0 and v != -1)
-            ):
-                fail(f"cluster.{key}", v, "a number >= 0, or -1 for the messages' value")
-        if not isinstance(self.cores, int) or isinstance(self.cores, bool) or self.cores < 0:
-            fail("cluster.cores", self.cores, "an integer >= 0 (0: a core per process)")
+        check_float("cluster.latency_s", self.latency_s, 0.0, 60.0)
+        if not _number(self.bandwidth_gbps) or not (
+            self.bandwidth_gbps == 0 or 1e-6 <= self.bandwidth_gbps <= 1e6
+        ):
+            fail("cluster.bandwidth_gbps", self.bandwidth_gbps, "0 (infinite) or in [1e-6, 1e6]")
+        v = self.allreduce_latency_s
+        if not _number(v) or not (v == -1 or 0 <= v <= 60):
+            fail("cluster.allreduce_latency_s", v, "in [0, 60], or -1 for latency_s")
+        v = self.allreduce_bandwidth_gbps
+        if not _number(v) or not (v in (-1, 0) or 1e-6 <= v <= 1e6):
+            fail(
+                "cluster.allreduce_bandwidth_gbps",
+                v,
+                "0 (infinite) or in [1e-6, 1e6], or -1 for bandwidth_gbps",
+            )
+        check_int("cluster.cores", self.cores, 0, 65536)
         if not isinstance(self.profile, str):
             fail("cluster.profile", self.profile, 'a path of a profile file, or "" to calibrate')
 
@@ -922,28 +989,35 @@ class TrainConfig:
         loss: the training loss (:mod:`distsgd.objectives`): ``cross_entropy``, ``mse``,
             ``bce_with_logits`` or an import path ``"module:function"`` of
             ``(outputs, targets) -> scalar`` (the minibatch's mean loss).
-        metric: what an evaluation measures: ``accuracy``, ``loss`` (mean evaluation
-            loss), ``perplexity`` (its exp) or an import path ``"module:function"`` of
-            ``(outputs, targets) -> the batch's mean value``.
+        metric: what an evaluation measures: ``accuracy`` (the default; a fraction of
+            right classes: refused with ``loss = "mse"`` and on targets that are not
+            class labels, :mod:`distsgd.objectives`), ``loss`` (mean evaluation loss),
+            ``perplexity`` (its exp) or an import path ``"module:function"`` of
+            ``(outputs, targets) -> the batch's mean value``, a finite number (NaN stops
+            the run).
         metric_direction: ``"max"`` (higher is better) or ``"min"``; required for a user
             metric, "" for a built-in one (accuracy: max; loss, perplexity: min).
         target: the metric value at which the run stops (time to target is measured to
             it): reached when the metric is ``>=`` it (direction max) or ``<=`` it (min);
-            0 disables early stopping. An accuracy target is a fraction in [0, 1].
-        max_epochs: budget in epochs of training samples (0: no limit).
-        max_samples: budget in training samples (0: no limit); a run stops at the first
-            iteration (or push) that reaches it, so it may overshoot by less than one.
-        max_seconds: budget in wall seconds of training (0: no limit).
+            0 disables early stopping. An accuracy target is a fraction in [0, 1]; any
+            other in [-1e12, 1e12].
+        max_epochs: budget in epochs of training samples (0: no limit), in [0, 1000000].
+        max_samples: budget in training samples (0: no limit), in [0, 1e12]; a run stops
+            at the first iteration (or push) that reaches it, so it may overshoot by less
+            than one.
+        max_seconds: budget in wall seconds of training (0: no limit), in [0, 1e9].
         max_virtual_seconds: budget in simulated seconds on the virtual clock of the
-            ``sim`` runtime (0: no limit); the run stops at the first tick that reaches it.
+            ``sim`` runtime (0: no limit), in [0, 1e12]; the run stops at the first tick
+            that reaches it.
             The tuner's probes use it for equal-time probes (SPEC.md §3).
         eval_every_samples: evaluate the model every this many training samples (0: once
-            per epoch).
-        eval_batch_size: batch size of evaluation, in samples (the metric does not depend
+            per epoch), in [0, 1e12].
+        eval_batch_size: batch size of evaluation, in samples, in [1, 1048576] (the
+            metric does not depend
             on it, being a sample-weighted mean; 128: the fastest of 64 … 1024 for the
             ``cnn`` on 2 CPU cores, bench/results/eval_cost.md).
         eval_samples: test samples that intermediate evaluations score (0: the whole test
-            set): a fixed, seeded subset (:func:`distsgd.engine.eval_subset_indices`,
+            set), in [0, 1e12]: a fixed, seeded subset (:func:`distsgd.engine.eval_subset_indices`,
             drawn with ``seed``), the same at every evaluation, on every runtime and rank
             layout. The final evaluation (the run's budget) and the target decision use
             the whole test set: an evaluation of the subset that reaches ``target`` is
@@ -954,14 +1028,15 @@ class TrainConfig:
         bn_recalibration_samples: training samples over which the running statistics of
             BatchNorm layers are recomputed with the evaluated weights before every
             evaluation (precise BN, :meth:`distsgd.engine.GradientEngine.recalibrate`),
-            in samples (>= 1; the whole training set if it is smaller; rounded down to
+            in samples (in [1, 1e12]; the whole training set if it is smaller; rounded down to
             whole batches of ``eval_batch_size``). A fixed, seeded slice of the training
             set, the same on every runtime and for every protocol. Unused by models
             without running statistics.
         checkpoint_every_evals: write a checkpoint every this many evaluations (0: only when
-            the run stops at its target or budget).
-        seed: seeds model initialisation, data order and simulated timing.
-        num_threads: torch intra-op threads (0: all cores).
+            the run stops at its target or budget), in [0, 1000000].
+        seed: seeds model initialisation, data order and simulated timing, in
+            [0, 2147483647].
+        num_threads: torch intra-op threads (0: all cores), in [0, 256].
         compile: ``"off"`` (default) or ``"on"``: compile each learner's forward+backward
             with ``torch.compile`` (inductor; on CPU it needs a C++ compiler). Compiling
             costs tens of seconds to minutes per batch shape before the first step, and
@@ -1056,14 +1131,21 @@ class TrainConfig:
                 self.metric_direction,
                 f'"max" or "min" with train.metric = {self.metric!r} (is higher better?)',
             )
+        if self.metric == "accuracy" and self.loss == "mse":
+            fail(
+                "train.metric",
+                self.metric,
+                "'loss' or a user metric \"module:function\" with train.loss = 'mse' (a "
+                "regression: accuracy would count (output > 0) == (target > 0.5))",
+            )
         if self.metric == "accuracy":
             check_float("train.target", self.target, 0.0, 1.0)
         else:
-            check_float("train.target", self.target, -math.inf)
-        check_float("train.max_epochs", self.max_epochs, 0.0)
-        check_int("train.max_samples", self.max_samples, 0)
-        check_float("train.max_seconds", self.max_seconds, 0.0)
-        check_float("train.max_virtual_seconds", self.max_virtual_seconds, 0.0)
+            check_float("train.target", self.target, -1e12, 1e12)
+        check_float("train.max_epochs", self.max_epochs, 0.0, 1e6)
+        check_int("train.max_samples", self.max_samples, 0, MAX_COUNT)
+        check_float("train.max_seconds", self.max_seconds, 0.0, 1e9)
+        check_float("train.max_virtual_seconds", self.max_virtual_seconds, 0.0, 1e12)
         if (
             self.max_epochs == 0
             and self.max_samples == 0
@@ -1076,11 +1158,11 @@ class TrainConfig:
                 self.max_epochs,
                 "a budget > 0 (max_epochs, max_samples or max_seconds) when no target stops the run",
             )
-        check_int("train.eval_every_samples", self.eval_every_samples, 0)
-        check_int("train.eval_batch_size", self.eval_batch_size, 1)
-        check_int("train.eval_samples", self.eval_samples, 0)
-        check_int("train.bn_recalibration_samples", self.bn_recalibration_samples, 1)
-        check_int("train.checkpoint_every_evals", self.checkpoint_every_evals, 0)
+        check_int("train.eval_every_samples", self.eval_every_samples, 0, MAX_COUNT)
+        check_int("train.eval_batch_size", self.eval_batch_size, 1, 2**20)
+        check_int("train.eval_samples", self.eval_samples, 0, MAX_COUNT)
+        check_int("train.bn_recalibration_samples", self.bn_recalibration_samples, 1, MAX_COUNT)
+        check_int("train.checkpoint_every_evals", self.checkpoint_every_evals, 0, 1_000_000)
         check_int("train.seed", self.seed, 0, 2**31 - 1)
         check_int("train.num_threads", self.num_threads, 0, 256)
         check_choice("train.compile", self.compile, COMPILE_MODES)
@@ -1113,7 +1195,8 @@ class DistConfig:
       0 … S−1, rank 0 coordinates) plus λ learner ranks.
 
     Attributes:
-        num_processes: processes (ranks) of the run; 0 means what the protocol needs. A
+        num_processes: processes (ranks) of the run, in [0, 4096]; 0 means what the
+            protocol needs. A
             different number fits the layout to it (:func:`fit_layout`: λ and what must
             divide it change, the per-learner batch and learning rate stay); the fitted
             values are what the run records in its ``config.toml``, and
@@ -1130,12 +1213,13 @@ class DistConfig:
             point-to-point on gloo through host memory in any case
             (:func:`distsgd.runtime.dist.collective_backend`).
         master_addr: address of rank 0 for the rendezvous (loopback on one machine).
-        master_port: TCP port of the rendezvous; 0 picks a free port (one machine only).
-        timeout_s: seconds after which a silent peer is declared lost (collectives and
+        master_port: TCP port of the rendezvous, in [0, 65535]; 0 picks a free port (one
+            machine only).
+        timeout_s: seconds, in [1, 3600], after which a silent peer is declared lost (collectives and
             parameter-server messages); the run then ends with an error naming it. Must
             exceed the longest legitimate silence: one minibatch's gradient, and for the
             parameter server one evaluation on the coordinator (its learners wait for it).
-        num_servers: S parameter-server ranks, each owning a slice of the flattened
+        num_servers: S parameter-server ranks, in [1, 64], each owning a slice of the flattened
             parameters (Rudra-adv sharding); ``parameter_server`` / ``compute_groups`` only.
     """
 
@@ -1330,6 +1414,27 @@ def schedule_conflicts(cfg: RunConfig) -> list[str]:
     return messages
 
 
+def check_schedule(cfg: RunConfig, num_train: int | None = None) -> None:
+    """Refuse a schedule whose rates leave [0, ``MAX_LR``] over the run's budget
+    (:meth:`ScheduleConfig.check_rates`), before any rank starts or anything is written.
+
+    Args:
+        num_train: training samples; None: the built-in data set's (unknown for a
+            ``data.factory``, whose budget in samples is then not converted to epochs:
+            the first ``MAX_SCHEDULE_CHECK_STEPS`` steps are checked, and again with the
+            budget once the data is loaded).
+
+    Raises:
+        ConfigError: see :meth:`ScheduleConfig.check_rates`.
+    """
+    t = cfg.train
+    n = num_train if num_train is not None else _train_size_and_floats(cfg.data)[0]
+    budgets = [t.max_epochs] if t.max_epochs > 0 else []
+    if t.max_samples > 0 and n > 0:
+        budgets.append(t.max_samples / n)
+    cfg.schedule.check_rates(cfg.optimizer.lr, min(budgets) if budgets else math.inf)
+
+
 def fit_layout(
     protocol: ProtocolConfig, dist: DistConfig, n: int
 ) -> tuple[ProtocolConfig, list[str]]:
@@ -1394,68 +1499,73 @@ class TuneConfig:
     """Settings of ``distsgd tune``, the Omnivore optimizer (SPEC.md §3) and its joint search.
 
     Attributes:
-        budget_s: search budget in wall seconds (``--budget`` overrides it); the search
+        budget_s: search budget in wall seconds, in (0, 1e7] (``--budget`` overrides it); the search
             stops probing when it is spent and plans with what it has.
-        probe_seconds: length of every probe: simulated seconds on the virtual clock of the
+        probe_seconds: length of every probe, in (0, 1e5]: simulated seconds on the virtual clock of the
             ``sim`` runtime (equal-time probes in simulated time), wall seconds on real
             processes.
         score_window: a probe's score is the mean of its last this many training losses
-            (Omnivore: 10).
-        lrs: the cold-start learning-rate grid η at g = 1 (Omnivore: 0.1 … 0.0001).
-        momenta: the momentum grid μ for g > 1 and in steady state (Omnivore: 0, .3, .6, .9).
-        cold_momentum: μ probed at g = 1 (Omnivore: 0.9).
-        max_groups: largest number of compute groups g tried (0: up to λ).
-        tie_buffer: scores within this relative distance of the best tie; ties prefer
-            larger η, then larger μ (Omnivore: 1% in steady state).
+            (Omnivore: 10), in [1, 1000000].
+        lrs: the cold-start learning-rate grid η at g = 1 (Omnivore: 0.1 … 0.0001), each
+            in [1e-8, 10].
+        momenta: the momentum grid μ for g > 1 and in steady state (Omnivore: 0, .3, .6,
+            .9), each in [0, 0.99].
+        cold_momentum: μ probed at g = 1 (Omnivore: 0.9), in [0, 0.99].
+        max_groups: largest number of compute groups g tried (0: up to λ), in [0, 65536].
+        tie_buffer: scores within this relative distance of the best tie, in [0, 1]; ties
+            prefer larger η, then larger μ (Omnivore: 1% in steady state).
         he_gain: more groups are accepted only if seconds per iteration improve by at
-            least this fraction (Omnivore: 10%).
+            least this fraction (Omnivore: 10%), in [0, 1].
         families: protocol families the tuner may probe: ``hardsync``,
             ``compute_groups``, ``softsync`` (n-softsync, parameter server), ``sma`` (k
             replicas per device). Without ``compute_groups`` Omnivore's grid probes g = 1
             only; its g = 1 (hardsync at the run's batch) is always probed, as the
             search's reference, and may win; the joint search probes the listed families.
-        batch_sizes: per-learner batch sizes of the joint search.
+        batch_sizes: per-learner batch sizes of the joint search, each in [1, 65536].
         extra_probes: unprobed configurations of the joint search probed, best predicted
-            first (0: Omnivore's search only).
+            first (0: Omnivore's search only), in [0, 1000].
         segment_fraction: share of the budget for the long run of the best configuration
             (Omnivore's "run for a long period with snapshots") before steady state; with
             steady state's share (``TUNE_STEADY_SHARE``) it must leave the search a
-            positive share (< 0.85).
-        noise_scale: B_noise of the batch-size law in samples (0: estimate from probes).
+            positive share: in [0, 0.85).
+        noise_scale: B_noise of the batch-size law in samples (0: estimate from probes),
+            in [0, 1e12].
         step_points: evaluations of the long run from which the tuner first tries a
             learning-rate step to the steady-state η (η/10 when the long run reached the
             target), each by a run to the target from that evaluation's snapshot, before
             it bisects around the soonest; the plan steps at the one that reaches the
-            target soonest (0: no step search; a long run that stopped before the target
+            target soonest, in [0, 20] (0: no step search; a long run that stopped before the target
             still tries its end, as Omnivore's steady state does).
         step_margin: an evaluation qualifies as a step point when its test accuracy is at
-            least the target minus this margin (and below the target).
+            least the target minus this margin (and below the target), in (0, 1].
         first_rung: ``distsgd train --tune`` only: successive halving (Jamieson &
             Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR 2018) of each probe round
             (the cold start's Omnivore grid; a steady-state round): every probe first runs
             this fraction of ``probe_seconds``, then the best ``promote`` continue from
             their own checkpoints to ``probe_seconds`` and the best of those wins (1: every
-            probe runs ``probe_seconds``, no second rung). Default ½: with the default
+            probe runs ``probe_seconds``, no second rung); in (0, 1]. Default ½: with the default
             ``probe_seconds`` first rungs of 1 s and chains of 2 s; on
             ``bench/tune_online_vs_ddp.py`` that cold start took 9.7 s of wall against
             13.9 s for first rungs of 1 s and chains of 4 s (¼ of 4 s)
             (``bench/results/tune_online``).
         promote: ``--tune`` only: probes of the cold start's first rung that continue to
-            the second; the next larger η than the best at g = 1 (that did not diverge)
+            the second, in [1, 1000]; the next larger η than the best at g = 1 (that did not diverge)
             continues too where they leave it out (short probes prefer smaller η). The
             joint search's probes are not in the halving: they run the full length, and
             one that leads continues to twice it, as the grid's winner does.
         steady_promote: ``--tune`` only: probes of a steady-state round's first rung that
-            continue to the second (1: the best first rung continues as the run, no
+            continue to the second, in [1, 1000] (1: the best first rung continues as the run, no
             second rung). From a trained model the rungs agree: in the 6 steady-state
             rounds of two runs of ``bench/tune_online_vs_ddp.py`` the best first rung (¼
             of the probe) had the effective rate η / (1 − μ) of the round's winner at the
             full length, while from the initial model a smaller batch led the first rung
             and lost the second on every seed (``bench/results/tune_online``; hence the
             joint search's probes run the full length).
-        steady_rounds: ``--tune`` only: steady-state re-optimisations per run at most (0:
+        steady_rounds: ``--tune`` only: steady-state re-optimisations per run at most, in
+            [0, 20] (0:
             none; the cold start's winner trains to the end without checks).
-        check_epochs: ``--tune`` only: epochs between the run's steady-state checks, and
+        check_epochs: ``--tune`` only: epochs, in (0, 100], between the run's steady-state
+            checks, and
             the span over which each check asks whether the training loss fell by 10% or
             more (:func:`distsgd.plateau.steady_state_due`; a check at each multiple of it
             since the run's start; it compares with the last evaluation at or before one
@@ -1490,13 +1600,13 @@ class TuneConfig:
     check_epochs: float = 0.25
 
     def __post_init__(self) -> None:
-        check_float("tune.budget_s", self.budget_s, 0.0, min_inclusive=False)
-        check_float("tune.probe_seconds", self.probe_seconds, 0.0, min_inclusive=False)
-        check_int("tune.score_window", self.score_window, 1)
+        check_float("tune.budget_s", self.budget_s, 0.0, 1e7, min_inclusive=False)
+        check_float("tune.probe_seconds", self.probe_seconds, 0.0, 1e5, min_inclusive=False)
+        check_int("tune.score_window", self.score_window, 1, 1_000_000)
         _check_list("tune.lrs", self.lrs, float, 1e-8, 10.0)
         _check_list("tune.momenta", self.momenta, float, 0.0, 0.99)
         check_float("tune.cold_momentum", self.cold_momentum, 0.0, 0.99)
-        check_int("tune.max_groups", self.max_groups, 0)
+        check_int("tune.max_groups", self.max_groups, 0, 65536)
         check_float("tune.tie_buffer", self.tie_buffer, 0.0, 1.0)
         check_float("tune.he_gain", self.he_gain, 0.0, 1.0)
         if (
@@ -1508,7 +1618,7 @@ class TuneConfig:
                 "tune.families", self.families, "a non-empty list from " + ", ".join(TUNE_FAMILIES)
             )
         _check_list("tune.batch_sizes", self.batch_sizes, int, 1, 65536)
-        check_int("tune.extra_probes", self.extra_probes, 0)
+        check_int("tune.extra_probes", self.extra_probes, 0, 1000)
         check_float("tune.segment_fraction", self.segment_fraction, 0.0, 0.9)
         if self.segment_fraction >= 1 - TUNE_STEADY_SHARE:
             fail(
@@ -1517,12 +1627,12 @@ class TuneConfig:
                 f"a number >= 0 and < {1 - TUNE_STEADY_SHARE:g} (steady state takes "
                 f"{TUNE_STEADY_SHARE:g} of the budget; the search needs a positive share)",
             )
-        check_float("tune.noise_scale", self.noise_scale, 0.0)
+        check_float("tune.noise_scale", self.noise_scale, 0.0, 1e12)
         check_int("tune.step_points", self.step_points, 0, 20)
         check_float("tune.step_margin", self.step_margin, 0.0, 1.0, min_inclusive=False)
         check_float("tune.first_rung", self.first_rung, 0.0, 1.0, min_inclusive=False)
-        check_int("tune.promote", self.promote, 1)
-        check_int("tune.steady_promote", self.steady_promote, 1)
+        check_int("tune.promote", self.promote, 1, 1000)
+        check_int("tune.steady_promote", self.steady_promote, 1, 1000)
         check_int("tune.steady_rounds", self.steady_rounds, 0, 20)
         check_float("tune.check_epochs", self.check_epochs, 0.0, 100.0, min_inclusive=False)
 
@@ -1595,9 +1705,11 @@ class RunConfig:
     # ---- construction ------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
-        """Build from a nested dict (as parsed from TOML). Unknown keys are errors."""
+        """Build from a nested dict (as parsed from TOML). Unknown keys are errors, and so
+        is nesting deeper than :data:`MAX_NESTING` (:func:`check_nesting`)."""
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a table, got {type(raw).__name__}")
+        check_nesting(raw)
         top: dict[str, Any] = {}
         for key, value in raw.items():
             if key in _SECTIONS:
@@ -1639,6 +1751,11 @@ class RunConfig:
             p = Path(path)
             try:
                 raw = tomllib.loads(p.read_text())
+            except RecursionError:  # tomllib parses nested arrays and tables recursively
+                raise ConfigError(
+                    f"config file {str(p)!r} is not allowed: its tables and lists are nested "
+                    f"too deep to read; expected at most {MAX_NESTING} levels"
+                ) from None
             except FileNotFoundError:
                 raise ConfigError(f"config file {str(p)!r} does not exist") from None
             except IsADirectoryError:
@@ -1766,6 +1883,35 @@ class RunConfig:
         return dataclasses.replace(self, **sections)
 
 
+MAX_NESTING = 32
+"""The deepest a config may nest tables and lists (a section is level 1, ``[model.kwargs]``
+level 2, each table or list inside a value one more)."""
+
+
+def check_nesting(raw: Any) -> None:
+    """Refuse a config (a nested dict) whose tables and lists go deeper than
+    :data:`MAX_NESTING` levels, before anything walks it recursively (a copy, the checks,
+    writing ``config.toml``); a table that holds itself is refused alike.
+
+    Raises:
+        ConfigError: naming the outermost setting of the deep value.
+    """
+    stack: list[tuple[Any, int, str]] = [(raw, 0, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_NESTING:
+            fail(where, "<nested table or list>", f"at most {MAX_NESTING} levels of nesting")
+        if isinstance(value, dict):
+            items: Any = value.items()
+        elif isinstance(value, list | tuple):
+            items = enumerate(value)
+        else:
+            continue
+        for key, v in items:
+            name = where if depth >= 2 else (f"{where}.{key}" if where else str(key))
+            stack.append((v, depth + 1, name))
+
+
 _RENAMED: dict[tuple[str, str], str] = {("train", "target_accuracy"): "target"}
 """Settings read under their former names (config.toml of runs written before the rename)."""
 
@@ -1835,8 +1981,11 @@ def _field_defaults(section_cls: type) -> dict[str, Any]:
 
 
 def _parse_toml_value(text: str) -> Any:
-    """``text`` as one TOML value. Raises tomllib.TOMLDecodeError."""
-    return tomllib.loads(f"v = {text}")["v"]
+    """``text`` as one TOML value. Raises tomllib.TOMLDecodeError (too deep a value too)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise tomllib.TOMLDecodeError(f"nested deeper than {MAX_NESTING} levels") from None
 
 
 def _override_value(item: str, text: str) -> Any:
@@ -1857,8 +2006,14 @@ def _override_value(item: str, text: str) -> Any:
         except tomllib.TOMLDecodeError as e:
             error = e
     raise ConfigError(
-        f'--set {item!r}: {text!r} is not a TOML value ({error}); e.g. [1, 2], ["a", "b"], "text"'
+        f"--set {_shortened(item)!r}: {_shortened(text)!r} is not a TOML value ({error}); "
+        'e.g. [1, 2], ["a", "b"], "text"'
     )
+
+
+def _shortened(text: str, limit: int = 80) -> str:
+    """``text``, or its first ``limit`` characters and ``…`` (a message stays one line)."""
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _split_items(inner: str) -> list[str]:

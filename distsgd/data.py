@@ -55,7 +55,7 @@ from torch.utils.data import TensorDataset, default_collate
 
 from distsgd.checks import ConfigError
 from distsgd.config import DataConfig
-from distsgd.factories import resolve_callable
+from distsgd.factories import USER_CODE_FAILURES, failure_text, resolve_callable
 
 __all__ = [
     "DatasetError",
@@ -181,13 +181,14 @@ class MapSplit(Split):
         self.num_samples = len(dataset)
         if self.num_samples < 1:
             raise ConfigError(f"{setting}: the data set is empty")
-        self.batch(torch.arange(min(2, self.num_samples)))  # fail now, in one line
+        # fail now, in one line (the rest is read as it trains)
+        check_finite(*self.batch(torch.arange(min(2, self.num_samples))), setting)
 
     def batch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         items = [self.dataset[i] for i in idx.reshape(-1).tolist()]
         try:
             made = self.collate(items)
-        except Exception as e:  # noqa: BLE001 - the user's items or collate function
+        except (Exception, SystemExit) as e:  # the user's collate (a Ctrl-C interrupts)
             raise ConfigError(
                 f"{self.setting}: its items do not make a batch ({type(e).__name__}: {e}); "
                 "items must be (input, target) pairs of tensors of one shape, or set "
@@ -208,24 +209,54 @@ class MapSplit(Split):
         return x.reshape(*shape, *x.shape[1:]), y.reshape(*shape, *y.shape[1:])
 
 
+def check_finite(x: Tensor, y: Tensor, setting: str) -> None:
+    """Refuse inputs ``x [N, ...]`` or targets ``y [N, ...]`` holding NaN or infinity (every
+    loss of a batch holding one is NaN, before any update).
+
+    Raises:
+        ConfigError: naming ``setting``, the first such sample and the tensor.
+    """
+    for what, t in (("inputs", x), ("targets", y)):
+        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+            continue
+        bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ConfigError(
+                f"{setting}: sample {i} holds NaN or infinity in its {what} "
+                f"({int(bad.sum())} of {t.shape[0]} samples do): expected finite numbers"
+            )
+
+
+def _tensor_split(x: Tensor, y: Tensor, setting: str) -> TensorSplit:
+    """A :class:`TensorSplit` of the user's tensors, refused when empty or not finite."""
+    try:
+        split = TensorSplit(x, y)
+    except ValueError as e:
+        raise ConfigError(f"{setting}: {e}") from None
+    if split.num_samples < 1:
+        raise ConfigError(f"{setting}: the data set is empty (0 samples)")
+    check_finite(x, y, setting)
+    return split
+
+
 def as_split(data: Any, collate: Callable[[list[Any]], Any] | None, setting: str) -> Split:
     """A :class:`Split` of ``data``: a pair of tensors ``(inputs, targets)``, a
     ``TensorDataset`` of two tensors, or a map-style data set of ``(input, target)`` items.
 
     Raises:
-        ConfigError: ``data`` is none of these (the message names ``setting``).
+        ConfigError: ``data`` is none of these, is empty, or holds NaN or infinity (every
+            sample of tensors; the first two items of a map-style data set, whose other
+            items are read as it trains); the message names ``setting``.
     """
     if (
         isinstance(data, tuple | list)
         and len(data) == 2
         and all(isinstance(t, Tensor) for t in data)
     ):
-        try:
-            return TensorSplit(data[0], data[1])
-        except ValueError as e:
-            raise ConfigError(f"{setting}: {e}") from None
+        return _tensor_split(data[0], data[1], setting)
     if isinstance(data, TensorDataset) and len(data.tensors) == 2 and collate is None:
-        return TensorSplit(*data.tensors)
+        return _tensor_split(*data.tensors, setting)
     if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
         return MapSplit(data, collate, setting)
     raise ConfigError(
@@ -438,8 +469,8 @@ def load_dataset(
     collate = resolve_callable("data.collate", cfg.collate) if cfg.collate else None
     try:
         made = make(**cfg.kwargs)
-    except Exception as e:  # noqa: BLE001 - the user's factory failed: one line says how
-        raise ConfigError(f"{setting} raised {type(e).__name__}: {e}") from None
+    except USER_CODE_FAILURES as e:  # the user's factory failed: one line says how
+        raise ConfigError(f"{setting} raised {failure_text(e)}") from None
     if not isinstance(made, tuple | list) or len(made) != 2:
         raise ConfigError(
             f"{setting} returned a {type(made).__name__}: expected a pair (train, eval) of "

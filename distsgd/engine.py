@@ -42,7 +42,7 @@ from distsgd.config import (
     resolved_device_setting,
 )
 from distsgd.data import DEFAULT_ROOTS, Dataset, MapSplit, Split, TensorSplit, resolve_root
-from distsgd.factories import resolve_callable
+from distsgd.factories import USER_CODE_FAILURES, resolve_callable
 from distsgd.models import CNN, LeNet, model_from_config, with_data_shape
 from distsgd.objectives import LOSSES, METRICS, Loss, Metric, build_loss, build_metric
 
@@ -227,7 +227,7 @@ def check_on_data(
                 x, y = engine.to_device(*split.batch(torch.arange(min(2, split.num_samples))))
                 try:
                     out = engine.model(x)
-                except Exception as e:  # noqa: BLE001 - the user's forward on the data
+                except USER_CODE_FAILURES as e:  # the user's forward on the data
                     raise ConfigError(
                         f"{model}: its forward on a batch of the data (inputs "
                         f"{list(x.shape)} {x.dtype}) raised {first_line(e)}"
@@ -247,7 +247,7 @@ def check_on_data(
                     value = float(engine.loss.chunk_means(out, y, 1)[0])
                 except ConfigError:
                     raise
-                except Exception as e:  # noqa: BLE001 - the loss on these outputs/targets
+                except USER_CODE_FAILURES as e:  # the loss on these outputs/targets
                     raise ConfigError(
                         f"train.loss = {loss_name!r} on outputs {list(out.shape)} "
                         f"{out.dtype} and targets {list(y.shape)} {y.dtype} raised "
@@ -263,7 +263,7 @@ def check_on_data(
                     engine.metric.batch_sum(out, y)
                 except ConfigError:
                     raise
-                except Exception as e:  # noqa: BLE001
+                except USER_CODE_FAILURES as e:  # the user's metric
                     raise ConfigError(
                         f"train.metric = {metric_name!r} on outputs {list(out.shape)} and "
                         f"targets {list(y.shape)} {y.dtype} raised {first_line(e)}"
@@ -304,7 +304,7 @@ def _check_training_step(
             engine.gradient(engine.initial_weights(), x, y)
         except ConfigError:
             raise
-        except Exception as e:  # noqa: BLE001 - the user's model, loss or backward
+        except USER_CODE_FAILURES as e:  # the user's model, loss or backward
             raise ConfigError(
                 f"{model}: a training step (training mode: forward, train.loss and backward) "
                 f"on a batch of protocol.batch_size = {b} samples (inputs {list(x.shape)} "

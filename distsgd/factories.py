@@ -25,7 +25,20 @@ from typing import Any
 
 from distsgd.checks import ConfigError
 
-__all__ = ["is_import_path", "resolve", "resolve_callable"]
+__all__ = ["USER_CODE_FAILURES", "failure_text", "is_import_path", "resolve", "resolve_callable"]
+
+USER_CODE_FAILURES: tuple[type[BaseException], ...] = (Exception, SystemExit, KeyboardInterrupt)
+"""What a call into the user's code (importing its module, a factory, a collate function,
+a loss, a metric) may raise that is a failure of that code: any exception, and
+``SystemExit`` (``sys.exit()`` in a factory or a module's body) and ``KeyboardInterrupt``
+raised by it, which would otherwise end the run silently or as an interruption."""
+
+
+def failure_text(error: BaseException) -> str:
+    """What the user's code raised, on one line: ``"Type: message"``, with
+    ``"(it called sys.exit)"`` after a ``SystemExit``."""
+    text = " ".join(f"{type(error).__name__}: {error}".split()).rstrip(":")
+    return text + " (it called sys.exit)" if isinstance(error, SystemExit) else text
 
 
 def is_import_path(value: Any) -> bool:
@@ -47,7 +60,8 @@ def resolve(setting: str, path: str) -> Any:
     Raises:
         ConfigError: ``path`` is malformed, its module does not import (the message says
             why, e.g. the missing module, and that the current directory and PYTHONPATH
-            are searched), or the module has no such attribute.
+            are searched; a module that raises ``SystemExit`` while importing does not
+            import either), or the module has no such attribute.
     """
     if not is_import_path(path):
         raise ConfigError(
@@ -66,10 +80,10 @@ def resolve(setting: str, path: str) -> Any:
             f"{setting} = {path!r} does not import: no module named {e.name!r} (searched "
             "the current directory, PYTHONPATH and the installed packages)"
         ) from None
-    except Exception as e:  # noqa: BLE001 - the user's module failed while importing
+    except USER_CODE_FAILURES as e:  # the user's module failed while importing
         raise ConfigError(
             f"{setting} = {path!r} does not import: importing {module_name!r} raised "
-            f"{type(e).__name__}: {e}"
+            f"{failure_text(e)}"
         ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from distsgd.checks import ConfigError
 from distsgd.config import MODELS, ModelConfig
-from distsgd.factories import resolve_callable
+from distsgd.factories import USER_CODE_FAILURES, failure_text, resolve_callable
 
 __all__ = [
     "build_model",
@@ -314,8 +314,8 @@ def model_from_config(
     make = resolve_callable("model.factory", factory or cfg.factory)
     try:
         model = make(**cfg.kwargs)
-    except Exception as e:  # noqa: BLE001 - the user's factory failed: one line says how
-        raise ConfigError(f"{setting} raised {type(e).__name__}: {e}") from None
+    except USER_CODE_FAILURES as e:  # the user's factory failed: one line says how
+        raise ConfigError(f"{setting} raised {failure_text(e)}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"{setting} returned a {type(model).__name__}: expected a torch.nn.Module"

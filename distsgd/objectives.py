@@ -18,6 +18,15 @@ sequence logits ``[B, T, C]`` with ``[B, T]`` (a sample's loss is the mean over 
 positions); ``accuracy`` alike (a sample's accuracy is the fraction of its positions
 predicted right), and outputs of the targets' own shape are binary logits (right when
 ``(output > 0) == (target > 0.5)``).
+
+What a metric may measure: ``accuracy`` needs integer class indices (outputs with one
+more dimension, the classes) or binary targets in [0, 1] of the outputs' shape, and a
+classification loss: with ``train.loss = "mse"`` (a regression) it is refused when the
+config is read, and on targets of another kind (float values outside [0, 1], float
+class indices) at the check of the model on two samples, before the run writes
+anything; choose ``loss`` or a user metric there. A user metric must return a finite
+number for every batch: NaN or infinity stops the run with one line naming it, as does
+``SystemExit`` raised by a user loss or metric (``sys.exit()`` in it).
 """
 
 from __future__ import annotations
@@ -107,6 +116,25 @@ class Loss:
         return float(self._checked(self.fn(outputs, targets))) * targets.shape[0]
 
 
+def _named_exit(
+    setting: str, name: str, fn: Callable[[Tensor, Tensor], Any]
+) -> Callable[[Tensor, Tensor], Any]:
+    """``fn`` with a ``SystemExit`` it raises (``sys.exit()`` in the user's loss or
+    metric) turned into :class:`ConfigError` naming ``setting`` (a Ctrl-C still
+    interrupts)."""
+
+    def call(outputs: Tensor, targets: Tensor) -> Any:
+        try:
+            return fn(outputs, targets)
+        except SystemExit as e:
+            raise ConfigError(
+                f"{setting} = {name!r} raised SystemExit: {e} (it called sys.exit); "
+                "expected it to return a value"
+            ) from None
+
+    return call
+
+
 def _mse(outputs: Tensor, targets: Tensor) -> Tensor:
     return F.mse_loss(outputs, targets.to(outputs.dtype))
 
@@ -133,16 +161,33 @@ def build_loss(value: str | Callable[[Tensor, Tensor], Tensor]) -> Loss:
     if value == "bce_with_logits":
         return Loss("bce_with_logits", _bce)
     name = value if isinstance(value, str) else getattr(value, "__name__", repr(value))
-    return Loss(name, resolve_callable("train.loss", value))
+    return Loss(name, _named_exit("train.loss", name, resolve_callable("train.loss", value)))
 
 
 def _correct(outputs: Tensor, targets: Tensor) -> Tensor:
-    """Per-sample fraction of right predictions ``[B]``."""
+    """Per-sample fraction of right predictions ``[B]``.
+
+    Raises:
+        ConfigError: targets accuracy cannot score: float class indices, or targets of
+            the outputs' shape (binary) outside [0, 1].
+    """
     if outputs.shape == targets.shape:  # binary logits
+        if targets.numel() and not bool(((targets >= 0) & (targets <= 1)).all()):
+            _not_classes(outputs, targets, "binary targets of the outputs' shape in [0, 1]")
         right = (outputs > 0) == (targets > 0.5)
     else:
+        if targets.is_floating_point() or targets.is_complex():
+            _not_classes(outputs, targets, "integer class indices (outputs [B, C], targets [B])")
         right = outputs.argmax(dim=-1) == targets
     return right.reshape(right.shape[0], -1).to(torch.float64).mean(dim=1)
+
+
+def _not_classes(outputs: Tensor, targets: Tensor, expected: str) -> None:
+    raise ConfigError(
+        f"train.metric = 'accuracy' is not allowed on outputs {list(outputs.shape)} and "
+        f"targets {list(targets.shape)} {targets.dtype} (not class labels: accuracy counts "
+        f"right classes): expected {expected}, or train.metric = 'loss' or a user metric"
+    )
 
 
 @dataclass
@@ -161,7 +206,12 @@ class Metric:
 
     def batch_sum(self, outputs: Tensor, targets: Tensor) -> float:
         """The sum over the batch's samples of the metric (0 for ``loss``/``perplexity``,
-        which :meth:`value` derives from the loss)."""
+        which :meth:`value` derives from the loss).
+
+        Raises:
+            ConfigError: a user metric returns no number, or NaN or infinity;
+                ``accuracy`` on targets that are not class labels (:func:`_correct`).
+        """
         if self.name == "accuracy" and self.fn is None:
             return float(_correct(outputs, targets).sum())
         if self.fn is None:
@@ -174,6 +224,12 @@ class Metric:
                 f"train.metric = {self.name!r} is not allowed: it returned "
                 f"{type(value).__name__}, expected a number (the batch's mean)"
             ) from None
+        if not math.isfinite(value):
+            raise ConfigError(
+                f"train.metric = {self.name!r} returned {value} on a batch of "
+                f"{targets.shape[0]} evaluation samples: expected a finite number (the "
+                "batch's mean)"
+            )
         return value * targets.shape[0]
 
     def value(self, metric_sum: float, loss_sum: float, count: int) -> float:
@@ -223,4 +279,5 @@ def build_metric(value: str | Callable[[Tensor, Tensor], Any], direction: str = 
             f"train.metric_direction = {direction!r} is not allowed with train.metric = "
             f'{name!r}: expected "max" (higher is better) or "min" (lower is better)'
         )
-    return Metric(name, direction, resolve_callable("train.metric", value))
+    fn = resolve_callable("train.metric", value)
+    return Metric(name, direction, _named_exit("train.metric", name, fn))

@@ -53,6 +53,7 @@ from tqdm import tqdm
 from distsgd.config import (
     ConfigError,
     RunConfig,
+    check_schedule,
 )
 from distsgd.control import LossPoint, RunObserver, RunOptions, RunRecorder, eval_weights_file
 from distsgd.data import load_dataset
@@ -235,12 +236,14 @@ class Trainer:
     # ---- set-up ------------------------------------------------------------------------
     def _load_data(self) -> RunConfig:
         """Load the dataset under the run's seed, record its resolved root in the config
-        (so config.toml reproduces the run anywhere) and check it holds one iteration."""
+        (so config.toml reproduces the run anywhere), check it holds one iteration and
+        that the schedule's rates over the run's budget are allowed."""
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)
         self.dataset = load_dataset(cfg.data, seed=cfg.train.seed, factory=self.code.data)
         self.cfg = cfg = config_for_data(cfg, self.dataset, self.code)
         cfg.protocol.check_fits(self.dataset.num_train)
+        check_schedule(cfg, self.dataset.num_train)
         return cfg
 
     def _build(self) -> None:
@@ -287,7 +290,12 @@ class Trainer:
 
     def _start_weights(self, initial: torch.Tensor) -> torch.Tensor:
         """The weights ``[P]`` the run starts from: ``initial_weights`` given to the
-        constructor, else the file ``train.initial_weights``, else ``initial`` (seeded)."""
+        constructor, else the file ``train.initial_weights``, else ``initial`` (seeded).
+
+        Raises:
+            ConfigError: the file does not load or match its checksum; the weights are
+                not ``[P]`` or hold NaN or infinity.
+        """
         given = self.initial_weights
         path = self.cfg.train.initial_weights
         if given is None and path:
@@ -307,6 +315,14 @@ class Trainer:
             raise ConfigError(
                 f"initial weights have shape {shape}, the model {self.cfg.model.name!r} has "
                 f"{tuple(initial.shape)}"
+            )
+        bad = int((~torch.isfinite(given)).sum())
+        if bad:  # every loss would be NaN before any update
+            given_here = self.initial_weights is not None
+            what = "the initial weights" if given_here else f"train.initial_weights = {path!r}"
+            raise ConfigError(
+                f"{what} is not allowed: {bad} of its {given.numel()} weights are NaN or "
+                "infinite; expected finite weights"
             )
         return given.to(initial.device, initial.dtype).clone()  # read onto the CPU
 

@@ -208,7 +208,7 @@ def test_model_pt_holds_the_central_models_recalibrated_batchnorm_statistics(tmp
 def test_a_diverged_run_keeps_the_last_evaluated_model(tmp_path):
     cfg = small_config(
         protocol={"name": "parameter_server", "num_learners": 2, "mode": "async"},
-        optimizer={"lr": 1e6, "momentum": 0.0},
+        optimizer={"lr": 1000.0, "momentum": 0.0},  # the largest lr allowed
         # no checkpoint before the end: the diverged path itself writes model.pt
         train={"eval_every_samples": 64, "checkpoint_every_evals": 0},
     )

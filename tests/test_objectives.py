@@ -96,3 +96,30 @@ def test_directions_and_targets():
         build_metric(lambda o, t: 0.0)
     with pytest.raises(ConfigError, match="train.metric_direction = 'min' is not allowed"):
         build_metric("accuracy", "min")
+
+
+def test_accuracy_refuses_targets_that_are_not_class_labels():
+    """Before: a regression scored "accuracy 0.88" as (outputs > 0) == (targets > 0.5)."""
+    accuracy = build_metric("accuracy")
+    out = torch.tensor([[0.3], [-1.0], [2.0]])
+    with pytest.raises(ConfigError, match=r"binary targets of the outputs' shape in \[0, 1\]"):
+        accuracy.batch_sum(out, torch.tensor([[0.7], [2.5], [-3.0]]))  # regression values
+    with pytest.raises(ConfigError, match=r"integer class indices"):
+        accuracy.batch_sum(torch.randn(3, 4), torch.tensor([0.0, 2.0, 3.0]))  # float labels
+    # binary targets (soft ones too) and integer labels are scored as before
+    assert accuracy.batch_sum(out, torch.tensor([[1.0], [0.0], [0.2]])) == 2.0
+    assert accuracy.batch_sum(torch.eye(3), torch.tensor([0, 1, 0])) == 2.0
+
+
+def test_a_user_metric_must_be_finite_and_may_not_exit():
+    nan = build_metric(lambda o, t: float("nan"), "max")
+    with pytest.raises(ConfigError, match=r"returned nan on a batch of 3 evaluation samples"):
+        nan.batch_sum(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long))
+
+    def exits(o, t):
+        raise SystemExit(4)
+
+    with pytest.raises(ConfigError, match=r"raised SystemExit: 4 \(it called sys.exit\)"):
+        build_metric(exits, "min").batch_sum(torch.zeros(3, 2), torch.zeros(3))
+    with pytest.raises(ConfigError, match=r"^train.loss = 'exits' raised SystemExit: 4"):
+        build_loss(exits).chunk_means(torch.zeros(3, 2), torch.zeros(3), 1)

@@ -70,7 +70,7 @@ def test_a_failed_run_ends_the_pool_and_the_next_run_starts_fresh_ranks(tmp_path
     """A run that diverges raises as launch.run does and ends the pool's ranks; a resume
     continues on fresh ones; a run of the wrong size is refused before anything starts."""
     cfg = dist_config(HARDSYNC)
-    bad = cfg.replace(optimizer=dataclasses.replace(cfg.optimizer, lr=1e9, momentum=0.0))
+    bad = cfg.replace(optimizer=dataclasses.replace(cfg.optimizer, lr=1000.0, momentum=0.0))
     with launch.RankPool(2) as pool:
         with pytest.raises(TrainingDiverged):
             pool.run(bad, tmp_path / "bad")

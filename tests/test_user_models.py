@@ -187,6 +187,47 @@ def test_tensor_pairs_and_map_style_data_train_alike(tmp_path):
             r"\[2, 1\], the data \[2\]",
         ),
         (["train.loss=hinge"], r"train.loss = 'hinge' is not allowed: expected 'cross_entropy'"),
+        # user code that exits or interrupts is a failure of that code, named
+        (
+            [f"model.factory={ZOO}:exits", "model.kwargs={}"],
+            rf"model.factory = '{ZOO}:exits' raised SystemExit: 0 \(it called sys.exit\)",
+        ),
+        (
+            [f"model.factory={ZOO}:interrupts", "model.kwargs={}"],
+            rf"model.factory = '{ZOO}:interrupts' raised KeyboardInterrupt$",
+        ),
+        (
+            ["model.factory=tests.user_project.exits_on_import:build", "model.kwargs={}"],
+            r"importing 'tests.user_project.exits_on_import' raised SystemExit: 0",
+        ),
+        ([f"data.factory={ZOO}:exits"], rf"data.factory = '{ZOO}:exits' raised SystemExit: 0"),
+        (
+            [f"train.loss={ZOO}:exiting_loss"],
+            rf"train.loss = '{ZOO}:exiting_loss' raised SystemExit: 3 \(it called sys.exit\)",
+        ),
+        # data that cannot train: empty, or NaN before any update
+        (
+            [f"data.factory={ZOO}:empty_train"],
+            rf"data.factory = '{ZOO}:empty_train' \(train\): the data set is empty",
+        ),
+        (
+            [f"data.factory={ZOO}:nan_inputs"],
+            r"\(train\): sample 5 holds NaN or infinity in its inputs \(1 of 512 samples",
+        ),
+        # a metric that cannot mean anything
+        (
+            [
+                f"data.factory={ZOO}:regression",
+                f"train.loss={ZOO}:smooth_l1_raw",
+                "model.kwargs.num_classes=1",
+            ],
+            r"train.metric = 'accuracy' is not allowed on outputs \[2, 1\] and targets "
+            r"\[2, 1\] torch.float32 \(not class labels",
+        ),
+        (
+            [f"train.metric={ZOO}:nan_metric", "train.metric_direction=max"],
+            rf"train.metric = '{ZOO}:nan_metric' returned nan on a batch of 2 evaluation",
+        ),
         ([f"train.loss={ZOO}:nan_loss"], r"is nan on the untrained model's outputs"),
         (
             [f"model.factory={ZOO}:TokenModel", "model.kwargs={}"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
@@ -91,6 +93,11 @@ def smooth_l1(outputs: Tensor, targets: Tensor) -> Tensor:
     return nn.functional.smooth_l1_loss(outputs, onehot)
 
 
+def smooth_l1_raw(outputs: Tensor, targets: Tensor) -> Tensor:
+    """A user regression loss: ``(outputs [B, 1], targets [B, 1]) -> scalar``."""
+    return nn.functional.smooth_l1_loss(outputs, targets)
+
+
 def error_rate(outputs: Tensor, targets: Tensor) -> Tensor:
     """A user metric, lower is better: the batch's fraction of wrong predictions."""
     return (outputs.argmax(dim=-1) != targets).float().mean()
@@ -160,3 +167,50 @@ def regression_flat():
 def nan_loss(outputs: Tensor, targets: Tensor) -> Tensor:
     """A loss that is NaN whatever the weights."""
     return (outputs * float("nan")).mean()
+
+
+def exits(**kwargs):
+    """A factory that ends the interpreter instead of returning."""
+    sys.exit(0)
+
+
+def interrupts(**kwargs):
+    """A factory that raises KeyboardInterrupt itself."""
+    raise KeyboardInterrupt
+
+
+def exiting_loss(outputs: Tensor, targets: Tensor) -> Tensor:
+    """A loss that calls sys.exit."""
+    sys.exit(3)
+
+
+def empty_train():
+    """No training sample at all."""
+    (tx, ty), test = tabular_tensors()
+    return (tx[:0], ty[:0]), test
+
+
+def nan_inputs():
+    """One NaN feature in the 6th training sample."""
+    (tx, ty), test = tabular_tensors()
+    tx = tx.clone()
+    tx[5, 3] = float("nan")
+    return (tx, ty), test
+
+
+def regression():
+    """A regression: targets ``[N, 1]`` float, values well outside [0, 1]."""
+    (tx, _), (ex, _) = tabular_tensors()
+    return (tx, 3.0 * tx[:, :1]), (ex, 3.0 * ex[:, :1])
+
+
+def nan_metric(outputs: Tensor, targets: Tensor) -> float:
+    """A metric that is NaN on every batch."""
+    return float("nan")
+
+
+def nan_on_large_batches(outputs: Tensor, targets: Tensor) -> float:
+    """Accuracy on batches of at most 2 samples (the check before a run), NaN on larger."""
+    if targets.shape[0] > 2:
+        return float("nan")
+    return float((outputs.argmax(dim=-1) == targets).float().mean())
