@@ -188,3 +188,89 @@ def test_drop_in_example_across_two_hosts(bed, tmp_path):  # noqa: F811
     outputs = finish(procs, JOIN_S)
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "reached" in outputs[0] and "Traceback" not in "".join(outputs)
+
+
+# ---- faults on a real network -----------------------------------------------------------
+
+TIMEOUT_S = 10.0
+END_SLACK_S = 20.0  # torchrun's agent noticing its rank's end, on a loaded machine
+
+
+def start_long_hardsync(bed, tmp_path):  # noqa: F811
+    """Hardsync over h0 and h1 that would train for minutes; returns once rank 0 has
+    written a first evaluation (both hosts are in the run)."""
+    cfg = write_config(tmp_path, HARDSYNC, timeout_s=TIMEOUT_S, max_epochs=500)
+    out = tmp_path / "run"
+    procs = torchrun(bed, train_cmd(cfg, out))
+    end = time.monotonic() + JOIN_S
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < end and not (metrics.exists() and metrics.read_text().strip()):
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.5)
+    assert all(p.poll() is None for p in procs), finish(procs, 30)
+    return procs, out
+
+
+def ended_after(procs, t0: float, bound: float) -> tuple[list[float], list[str]]:
+    """Seconds from ``t0`` to each process's end (polled; killed past ``bound``), outputs."""
+    ends: list[float | None] = [None] * len(procs)
+    while time.monotonic() - t0 < bound and None in ends:
+        for i, p in enumerate(procs):
+            if ends[i] is None and p.poll() is not None:
+                ends[i] = time.monotonic() - t0
+        time.sleep(0.2)
+    outputs = finish(procs, 30)
+    return [e if e is not None else float("inf") for e in ends], outputs
+
+
+class PartitionedRankRanOn(AssertionError):
+    """The rank on the partitioned host outlived timeout_s + 5 s."""
+
+
+class LostRanksMissing(AssertionError):
+    """summary.json under torchrun does not name the lost rank."""
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    raises=PartitionedRankRanOn,
+    strict=True,
+    reason="the partitioned host's rank runs on until the partition heals (its rank "
+    "lifecycle, distsgd/runtime/dist.py, is being reworked beside this)",
+)
+def test_a_partitioned_host_ends_within_the_timeout(bed, tmp_path):  # noqa: F811
+    """h1 cut off for good mid-run: the ranks on both sides end within timeout_s + 5 s
+    (+ the agents' slack); h0's rank names rank 1 (these hold today: a plain assert)."""
+    procs, _ = start_long_hardsync(bed, tmp_path)
+    bed.partition(1)
+    t0 = time.monotonic()
+    ends, outputs = ended_after(procs, t0, 3 * TIMEOUT_S + 60)
+    print("partition: seconds to end per host", ends)
+    assert ends[0] <= TIMEOUT_S + 5 + END_SLACK_S, outputs[0]
+    assert "rank 1" in outputs[0], outputs[0]
+    if ends[1] > TIMEOUT_S + 5 + END_SLACK_S:
+        raise PartitionedRankRanOn(outputs[1])
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    raises=LostRanksMissing,
+    strict=True,
+    reason="under torchrun summary.json has lost_ranks null (the launcher's summary is "
+    "being reworked beside this)",
+)
+def test_a_killed_host_is_named_in_lost_ranks(bed, tmp_path):  # noqa: F811
+    """kill -9 of everything on h1 mid-run: h0 ends within timeout_s + 5 s (+ slack),
+    names rank 1, and its summary.json lists rank 1 in lost_ranks."""
+    procs, out = start_long_hardsync(bed, tmp_path)
+    bed.kill_host(1)
+    t0 = time.monotonic()
+    ends, outputs = ended_after(procs[:1], t0, 3 * TIMEOUT_S + 60)
+    finish(procs[1:], 10)
+    print("host killed: seconds to end on h0", ends)
+    assert ends[0] <= TIMEOUT_S + 5 + END_SLACK_S, outputs[0]
+    assert "rank 1" in outputs[0], outputs[0]
+    summary = json.loads((out / "summary.json").read_text())
+    if summary.get("lost_ranks") != [1]:
+        raise LostRanksMissing(f"lost_ranks = {summary.get('lost_ranks')!r}")
