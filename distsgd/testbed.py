@@ -20,8 +20,10 @@ Use from Python::
 or from a shell (the bed lives while the command runs; ``NETBED_NS<i>``,
 ``NETBED_ADDR<i>`` and ``NETBED_EXEC<i>`` name each host)::
 
-    python -m distsgd.testbed --hosts 2 --delay-ms 20 --rate-mbit 100 -- \\
+    python distsgd/testbed.py --hosts 2 --delay-ms 20 --rate-mbit 100 -- \\
         sh -c '$NETBED_EXEC1 hostname'
+
+(``python -m distsgd.testbed`` works too, after importing distsgd and torch).
 
 Needs root and ``ip`` (iproute2); :func:`unavailable` says why a bed cannot be made.
 """
@@ -40,11 +42,13 @@ import os
 import random
 import secrets
 import select
+import shlex
 import shutil
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -136,6 +140,7 @@ class Bed:
         self.hostnames = [f"h{i}" for i in range(num_hosts)]
         self.max_seconds = max_seconds
         self.cpus = split_cpus(num_hosts)
+        self._dir = tempfile.mkdtemp(prefix=f"{PREFIX}{token}-")
         self._relay: subprocess.Popen[str] | None = None
         self._closed = False
 
@@ -164,7 +169,11 @@ class Bed:
                     f.write(self._hosts_file(i))
                 with open(f"/etc/netns/{ns}/resolv.conf", "w") as f:
                     f.write("nameserver 127.0.0.1\n")  # refused at once: no DNS in the bed
-            argv = [sys.executable, "-m", "distsgd.testbed", "relay", "--max-seconds"]
+                with open(self.exec_script(i), "w") as f:
+                    f.write("#!/bin/sh\nexec " + shlex.join(self.command(i, [])) + ' "$@"\n')
+                os.chmod(self.exec_script(i), 0o755)
+            # the file itself, not -m: the switch needs no torch, only this module
+            argv = [sys.executable, os.path.abspath(__file__), "relay", "--max-seconds"]
             argv += [str(self.max_seconds), *self.namespaces]
             self._relay = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
@@ -227,17 +236,19 @@ class Bed:
         """SIGKILL every process in host ``host``'s namespace; returns their pids."""
         return _kill_namespace(self.namespaces[self._check(host)])
 
+    def exec_script(self, host: int) -> str:
+        """A script that runs its arguments on host ``host`` (in the bed's own temporary
+        folder)."""
+        return os.path.join(self._dir, f"exec-h{self._check(host)}")
+
     def environment(self) -> dict[str, str]:
-        """``NETBED_NS<i>``, ``NETBED_ADDR<i>``, ``NETBED_EXEC<i>`` for every host."""
+        """``NETBED_NS<i>``, ``NETBED_ADDR<i>`` and ``NETBED_EXEC<i>`` (:meth:`exec_script`)
+        for every host."""
         env = {}
         for i in range(self.num_hosts):
             env[f"NETBED_NS{i}"] = self.namespaces[i]
             env[f"NETBED_ADDR{i}"] = self.addresses[i]
-            cpus = ",".join(map(str, self.cpus[i]))
-            env[f"NETBED_EXEC{i}"] = (  # a prefix for a shell command line
-                f"ip netns exec {self.namespaces[i]} unshare --uts taskset -c {cpus} "
-                f'sh -c \'hostname "$0" && exec "$@"\' {self.hostnames[i]}'
-            )
+            env[f"NETBED_EXEC{i}"] = self.exec_script(i)
         return env
 
     def close(self) -> None:
@@ -247,6 +258,7 @@ class Bed:
         self._closed = True
         for ns in self.namespaces:
             _remove_namespace(ns)
+        shutil.rmtree(self._dir, ignore_errors=True)
         if self._relay is not None:
             with contextlib.suppress(OSError, ValueError):
                 self._relay.stdin.close()  # type: ignore[union-attr]

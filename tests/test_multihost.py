@@ -274,3 +274,32 @@ def test_a_killed_host_is_named_in_lost_ranks(bed, tmp_path):  # noqa: F811
     summary = json.loads((out / "summary.json").read_text())
     if summary.get("lost_ranks") != [1]:
         raise LostRanksMissing(f"lost_ranks = {summary.get('lost_ranks')!r}")
+
+
+# ---- bad input on a host ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ({"MASTER_ADDR": "192.0.2.1"}, "MASTER_ADDR = '192.0.2.1' is not allowed on host h1"),
+        (
+            {"MASTER_ADDR": "h0", "GLOO_SOCKET_IFNAME": "eth9"},
+            "GLOO_SOCKET_IFNAME = 'eth9' is not allowed on host h1",
+        ),
+    ],  # fmt: skip
+    ids=["unreachable_master", "wrong_interface"],
+)
+def test_a_rank_refuses_bad_network_settings_in_one_line(bed, tmp_path, variables, expected):  # noqa: F811
+    """A rank on h1 (as torchrun starts it) with a master address no route leads to (the
+    bed has no default route), or an interface h1 lacks: one line naming the variable
+    and the host, exit status 2, nothing written."""
+    cfg, out = write_config(tmp_path, HARDSYNC), tmp_path / "run"
+    env = {**clean_env(), "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_PORT": "29500", **variables}  # fmt: skip
+    done = bed.run(1, [sys.executable, *train_cmd(cfg, out)], env=env, capture_output=True,
+                   text=True, timeout=JOIN_S)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and expected in done.stderr, done.stderr
+    assert not out.exists()
