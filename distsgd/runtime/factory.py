@@ -33,7 +33,7 @@ from distsgd.engine import GradientEngine, UserCode, build_engine
 from distsgd.layout import build_protocol, spec_for
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.runtime import dist as rdist
-from distsgd.runtime import profiles
+from distsgd.runtime import network, profiles
 from distsgd.runtime.base import Runtime
 from distsgd.runtime.faults import RankFaults
 from distsgd.runtime.sim import (
@@ -508,7 +508,7 @@ class _RealProcesses(RuntimeKind):
                 "runtime 'dist' runs inside processes started by distsgd.launch or "
                 "torchrun; use distsgd.train() or the distsgd CLI"
             )
-        torch.set_num_threads(rdist.threads_per_process(cfg, info))
+        network.prepare_rank(cfg.train.num_threads)  # gloo's interface, threads per rank
         rdist.init_process_group(cfg, info)
 
     def build(

@@ -32,6 +32,7 @@ from distsgd.runtime.dist import (
     end_with_parent,
     process_info,
 )
+from distsgd.runtime.network import prepare_rank
 from distsgd.torch.flat import flatten, write_back
 
 __all__ = ["SETTINGS", "Context", "ServeResult", "init", "recalibrate_batchnorm"]
@@ -181,6 +182,7 @@ def init(
             )
         else:
             end_with_parent(cfg.dist.timeout_s + 5)
+            prepare_rank(None)  # gloo's interface; the user's loop keeps its threads
             dist.init_process_group(
                 "gloo", rank=info.rank, world_size=info.world_size, timeout=timeout
             )

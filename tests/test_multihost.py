@@ -1,0 +1,305 @@
+"""Runs over several "hosts" (network namespaces of :mod:`distsgd.testbed`): torchrun on
+each host with no environment variable set by hand, a partition, a host killed; the
+rank's start-up (gloo's interface, threads per rank) and the bed's switch.
+
+The multi-host tests start processes and are skipped where no namespace can be made
+(not root, no iproute2); each is small (a few seconds of training, most of the time is
+process start-up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distsgd import testbed
+from distsgd.config import ConfigError
+from distsgd.runtime import network
+from tests.conftest import small_config
+from tests.netbed import ROOT, bed, clean_env, make_bed, torchrun  # noqa: F401 (fixture)
+
+JOIN_S = 240  # a torchrun run's bound on a loaded 2-core machine (imports take most of it)
+HARDSYNC = {"name": "hardsync", "num_learners": 2, "batch_size": 16}
+ASYNC = {"name": "parameter_server", "num_learners": 1, "mode": "async", "batch_size": 16}
+
+
+def write_config(tmp_path: Path, protocol: dict, timeout_s: float = 20, **train) -> Path:
+    t = {"max_epochs": 1, "eval_every_samples": 256, "tensorboard": False, "num_threads": 0}
+    cfg = small_config(protocol=protocol, train={**t, **train}, runtime="dist",
+                       dist={"timeout_s": timeout_s})  # fmt: skip
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    return path
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Every process's output once it ends (killed past ``timeout`` seconds in all)."""
+    end, outputs = time.monotonic() + timeout, []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=max(1.0, end - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outputs.append(p.communicate()[0] + "\n<killed by the test>")
+    return outputs
+
+
+def train_cmd(cfg: Path, out: Path) -> list[str]:
+    return ["-m", "distsgd", "train", str(cfg), "--out", str(out), "--quiet"]
+
+
+# ---- the rank's start-up, in this process ---------------------------------------------
+
+
+def test_route_to_loopback_is_lo():
+    assert network.route_interface("127.0.0.1") == ("lo", "127.0.0.1")
+
+
+def test_a_wrong_interface_name_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ConfigError, match=r"GLOO_SOCKET_IFNAME = 'nosuch0' .*on host") as e:
+        network.prepare_rank(None, log=False)
+    assert "\n" not in str(e.value)
+
+
+def test_unset_interface_is_the_route_to_the_master(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    net = network.prepare_rank(None, log=False)
+    assert net.interface == "lo" and os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+def test_threads_per_rank_share_the_host_cores(monkeypatch):
+    monkeypatch.setattr(network, "host_cores", lambda: 16)
+    assert network.threads_per_rank(0, 4) == 4
+    assert network.threads_per_rank(0, 32) == 1  # never 0
+    assert network.threads_per_rank(3, 4) == 3  # train.num_threads wins
+
+
+# ---- the bed's switch, without namespaces -----------------------------------------------
+
+
+def test_switch_charges_rate_then_delay_and_bounds_its_queue(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(testbed.time, "monotonic", lambda: now[0])
+    port = testbed._Port(fd=-1)
+    port.link = testbed.Link(delay_ms=20, rate_mbit=1)
+    pending, seq, rng = [], iter(range(10**6)), random.Random(0)
+    testbed._accept(port, 0, b"x" * 125_000, pending, seq, rng)  # 1 Mbit: 1 s on the wire
+    testbed._accept(port, 0, b"x" * 125_000, pending, seq, rng)  # queued behind it
+    assert [round(p[0] - 100.0, 6) for p in pending] == [1.02, 2.02]
+    for _ in range(40):  # 4 MiB of queue, then tail drop
+        testbed._accept(port, 0, b"x" * 125_000, pending, seq, rng)
+    assert port.queued_bytes <= testbed.QUEUE_BYTES and len(pending) == 33
+    port.link = testbed.Link(partitioned=True)
+    testbed._accept(port, 0, b"x", pending, seq, rng)
+    assert len(pending) == 33
+
+
+def test_link_settings_are_checked():
+    with pytest.raises(ValueError, match="loss = 1"):
+        testbed.Link(loss=1)
+    with pytest.raises(ValueError, match="delay_ms = -1"):
+        testbed.Link(delay_ms=-1)
+
+
+# ---- the bed itself -------------------------------------------------------------------
+
+PROBE = """
+import socket, sys, time
+t = time.monotonic()
+try:
+    socket.create_connection((sys.argv[1], 5000), timeout=3).close()
+    print(f"connected {time.monotonic() - t:.3f}")
+except OSError as e:
+    print(f"failed {e}")
+"""
+LISTEN = """
+import socket
+s = socket.socket(); s.bind(("0.0.0.0", 5000)); s.listen(); s.settimeout(60)
+for _ in range(2):
+    s.accept()[0].close()
+"""
+
+
+@pytest.mark.slow
+def test_bed_delays_partitions_and_cleans_up():
+    """A TCP connect from h1 to h0 takes at least h1's one-way delay (its SYN); it fails
+    while h1 is partitioned, succeeds again after; after close no namespace is left."""
+    b = make_bed(2, links={1: testbed.Link(delay_ms=150)})
+    try:
+        server = b.popen(0, [sys.executable, "-c", LISTEN])
+        time.sleep(1.0)
+        probe = [sys.executable, "-c", PROBE, "h0"]
+        first = b.run(1, probe, capture_output=True, text=True, timeout=60).stdout
+        assert first.startswith("connected"), first
+        assert float(first.split()[1]) >= 0.15  # the SYN waited 150 ms in h1's link
+        b.partition(1)
+        cut = b.run(1, probe, capture_output=True, text=True, timeout=60).stdout
+        assert cut.startswith("failed"), cut
+        b.partition(1, False)
+        healed = b.run(1, probe, capture_output=True, text=True, timeout=60).stdout
+        assert healed.startswith("connected"), healed
+        server.wait(timeout=30)
+    finally:
+        b.close()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(ns in listed for ns in b.namespaces)
+
+
+# ---- torchrun over two hosts -------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", [HARDSYNC, ASYNC], ids=["hardsync", "async_ps"])
+def test_two_hosts_train_with_no_variable_set(bed, tmp_path, protocol):  # noqa: F811
+    """torchrun --nnodes 2 on h0 and h1, --master-addr h0 (which h0 itself resolves to
+    127.0.1.1), no GLOO_SOCKET_IFNAME: gloo takes eth0 on both hosts, each says so in
+    one line with one thread per rank (one core per host), rank 0 writes the summary."""
+    cfg, out = write_config(tmp_path, protocol), tmp_path / "run"
+    procs = torchrun(bed, train_cmd(cfg, out))
+    outputs = finish(procs, JOIN_S)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    for host, text in enumerate(outputs):
+        assert f"dist: host h{host}, interface eth0 (10.213.0.{host + 1})" in text, text
+        assert "Traceback" not in text and "connectFullMesh" not in text, text
+    per_core = max(1, len(bed.cpus[0]))
+    assert f"{per_core} thread(s) per rank × 1 rank(s)" in outputs[1], outputs[1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["runtime"] == "dist" and summary["num_processes"] == 2
+
+
+@pytest.mark.slow
+def test_drop_in_example_across_two_hosts(bed, tmp_path):  # noqa: F811
+    """examples/own_loop under torchrun on h0 and h1 (hardsync), no variable set."""
+    script = [str(ROOT / "examples" / "own_loop" / "train.py"), "--protocol", "hardsync"]
+    script += ["--epochs", "1", "--target", "0.5", "--out", str(tmp_path / "out")]
+    procs = torchrun(bed, script)
+    outputs = finish(procs, JOIN_S)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "reached" in outputs[0] and "Traceback" not in "".join(outputs)
+
+
+# ---- faults on a real network -----------------------------------------------------------
+
+TIMEOUT_S = 10.0
+END_SLACK_S = 20.0  # torchrun's agent noticing its rank's end, on a loaded machine
+
+
+def start_long_hardsync(bed, tmp_path):  # noqa: F811
+    """Hardsync over h0 and h1 that would train for minutes; returns once rank 0 has
+    written a first evaluation (both hosts are in the run)."""
+    cfg = write_config(tmp_path, HARDSYNC, timeout_s=TIMEOUT_S, max_epochs=500)
+    out = tmp_path / "run"
+    procs = torchrun(bed, train_cmd(cfg, out))
+    end = time.monotonic() + JOIN_S
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < end and not (metrics.exists() and metrics.read_text().strip()):
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.5)
+    assert all(p.poll() is None for p in procs), finish(procs, 30)
+    return procs, out
+
+
+def ended_after(procs, t0: float, bound: float) -> tuple[list[float], list[str]]:
+    """Seconds from ``t0`` to each process's end (polled; killed past ``bound``), outputs."""
+    ends: list[float | None] = [None] * len(procs)
+    while time.monotonic() - t0 < bound and None in ends:
+        for i, p in enumerate(procs):
+            if ends[i] is None and p.poll() is not None:
+                ends[i] = time.monotonic() - t0
+        time.sleep(0.2)
+    outputs = finish(procs, 30)
+    return [e if e is not None else float("inf") for e in ends], outputs
+
+
+class PartitionedRankRanOn(AssertionError):
+    """The rank on the partitioned host outlived timeout_s + 5 s."""
+
+
+class LostRanksMissing(AssertionError):
+    """summary.json under torchrun does not name the lost rank."""
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    raises=PartitionedRankRanOn,
+    strict=True,
+    reason="the partitioned host's rank runs on until the partition heals (its rank "
+    "lifecycle, distsgd/runtime/dist.py, is being reworked beside this)",
+)
+def test_a_partitioned_host_ends_within_the_timeout(bed, tmp_path):  # noqa: F811
+    """h1 cut off for good mid-run: the ranks on both sides end within timeout_s + 5 s
+    (+ the agents' slack); h0's rank names rank 1 (these hold today: a plain assert)."""
+    procs, _ = start_long_hardsync(bed, tmp_path)
+    bed.partition(1)
+    t0 = time.monotonic()
+    ends, outputs = ended_after(procs, t0, TIMEOUT_S + 5 + END_SLACK_S + 5)
+    print("partition: seconds to end per host", ends)
+    assert ends[0] <= TIMEOUT_S + 5 + END_SLACK_S, outputs[0]
+    assert "rank 1" in outputs[0], outputs[0]
+    if ends[1] > TIMEOUT_S + 5 + END_SLACK_S:
+        raise PartitionedRankRanOn(outputs[1])
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    raises=LostRanksMissing,
+    strict=True,
+    reason="under torchrun summary.json has lost_ranks null (the launcher's summary is "
+    "being reworked beside this)",
+)
+def test_a_killed_host_is_named_in_lost_ranks(bed, tmp_path):  # noqa: F811
+    """kill -9 of everything on h1 mid-run: h0 ends within timeout_s + 5 s (+ slack),
+    names rank 1, and its summary.json lists rank 1 in lost_ranks."""
+    procs, out = start_long_hardsync(bed, tmp_path)
+    bed.kill_host(1)
+    t0 = time.monotonic()
+    ends, outputs = ended_after(procs[:1], t0, TIMEOUT_S + 5 + END_SLACK_S + 5)
+    finish(procs[1:], 10)
+    print("host killed: seconds to end on h0", ends)
+    assert ends[0] <= TIMEOUT_S + 5 + END_SLACK_S, outputs[0]
+    assert "rank 1" in outputs[0], outputs[0]
+    summary = json.loads((out / "summary.json").read_text())
+    if summary.get("lost_ranks") != [1]:
+        raise LostRanksMissing(f"lost_ranks = {summary.get('lost_ranks')!r}")
+
+
+# ---- bad input on a host ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ({"MASTER_ADDR": "192.0.2.1"}, "MASTER_ADDR = '192.0.2.1' is not allowed on host h1"),
+        (
+            {"MASTER_ADDR": "h0", "GLOO_SOCKET_IFNAME": "eth9"},
+            "GLOO_SOCKET_IFNAME = 'eth9' is not allowed on host h1",
+        ),
+    ],  # fmt: skip
+    ids=["unreachable_master", "wrong_interface"],
+)
+def test_a_rank_refuses_bad_network_settings_in_one_line(bed, tmp_path, variables, expected):  # noqa: F811
+    """A rank on h1 (as torchrun starts it) with a master address no route leads to (the
+    bed has no default route), or an interface h1 lacks: one line naming the variable
+    and the host, exit status 2, nothing written."""
+    cfg, out = write_config(tmp_path, HARDSYNC), tmp_path / "run"
+    env = {**clean_env(), "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_PORT": "29500", **variables}  # fmt: skip
+    done = bed.run(1, [sys.executable, *train_cmd(cfg, out)], env=env, capture_output=True,
+                   text=True, timeout=JOIN_S)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and expected in done.stderr, done.stderr
+    assert not out.exists()
