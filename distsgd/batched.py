@@ -1,7 +1,7 @@
 """k model replicas as one batched forward/backward ("several learners per device").
 
 Crossbow trains k replicas of a model on one device at once, each on its own small
-minibatch (Koliousis et al., VLDB 2019, arXiv:1901.02244, §3–4; SPEC.md §4). On a CPU
+minibatch (Koliousis et al., VLDB 2019, arXiv:1901.02244, §3–4; docs/protocols.md §4). On a CPU
 the gain comes from replacing k small computations by one larger one. This module holds
 the batched forms of the zoo's models; :meth:`distsgd.engine.GradientEngine.replica_gradients`
 picks one by :func:`choose_path`.

@@ -196,7 +196,7 @@ def _check_toml_value(setting: str, value: Any) -> None:
 
 @dataclass
 class ProtocolConfig:
-    """Synchronisation protocol and the layout of learners (SPEC.md §1–§5).
+    """Synchronisation protocol and the layout of learners (docs/protocols.md §1–§5).
 
     Attributes:
         name: ``hardsync`` (all-reduce S-SGD, §1), ``parameter_server`` (Rudra, §2),
@@ -220,7 +220,7 @@ class ProtocolConfig:
             μ = max(0, μ_target − (1 − 1/g)) where μ_target is ``optimizer.momentum``
             (SGD momentum: needs ``optimizer.name = "sgd"``).
         replicas_per_device: k learners sharing one device (SMA, local SGD); must divide λ.
-            ``"auto"``: Crossbow's auto-tuner chooses k (SPEC.md §4; simulated seconds on
+            ``"auto"``: Crossbow's auto-tuner chooses k (docs/protocols.md §4; simulated seconds on
             the simulated runtime, the slowest rank's wall seconds on ``dist``): the run starts with
             k = 1, so ``num_learners`` is then the number of devices, and λ grows to
             devices × k as replicas are added (see :mod:`distsgd.replicas`).
@@ -231,13 +231,13 @@ class ProtocolConfig:
             SGD the tuner observes averaging periods, so this counts averaging periods of
             H iterations (and the uncounted first one is a period too).
         autotune_max_replicas: with ``"auto"``: the largest k tried, >= 1.
-        autotune_rule: with ``"auto"``: ``"crossbow"`` (SPEC §4: continue while the total
+        autotune_rule: with ``"auto"``: ``"crossbow"`` (docs/protocols.md §4: go on while the total
             throughput gain of an added replica is above the threshold) or ``"marginal"``
             (continue while the added replica contributes more than the threshold of an
             average replica's throughput, (k − 1) × gain; follows slowly rising curves),
             see :mod:`distsgd.replicas`.
         alpha: SMA correction weight α (0 <= α <= 1). 0 means 1/λ over all
-            learners (SPEC §4: with μ_z = 0 the new z is then the mean of the replicas).
+            learners (docs/protocols.md §4: with μ_z = 0 the new z is the mean of the replicas).
         central_momentum: SMA Polyak momentum μ_z on the central model, in [0, 1).
         average_every: local SGD averaging period H, in iterations.
     """
@@ -420,7 +420,7 @@ def _probe_coordinate_wise(make: OptimizerFactory) -> bool:
 class OptimizerConfig:
     """The optimizer that applies the protocol's updates, and its base learning rate.
 
-    What it steps (SPEC.md §1–§5): hardsync / plain the shared weights; the parameter
+    What it steps (docs/protocols.md §1–§5): hardsync / plain the shared weights; the parameter
     server and compute groups the server's weights (``protocol.server_optimizer = "sgd"``;
     ``"adagrad"`` is Rudra's own AdaGrad server and needs ``name = "sgd"``); SMA and local
     SGD each replica's weights (one optimizer over the stack of replicas, each replica's
@@ -936,7 +936,7 @@ class TrainConfig:
         max_seconds: budget in wall seconds of training (0: no limit).
         max_virtual_seconds: budget in simulated seconds on the virtual clock of the
             ``sim`` runtime (0: no limit); the run stops at the first tick that reaches it.
-            The tuner's probes use it for equal-time probes (SPEC.md §3).
+            The tuner's probes use it for equal-time probes (docs/protocols.md §3).
         eval_every_samples: evaluate the model every this many training samples (0: once
             per epoch).
         eval_batch_size: batch size of evaluation, in samples (the metric does not depend
@@ -1361,13 +1361,13 @@ def fit_layout(
 
     * ``hardsync``: λ = n (one learner per process);
     * ``sma`` / ``local_sgd``: n devices of k = ``replicas_per_device`` replicas,
-      λ = n·k (Crossbow's k learners per device, SPEC §4; with ``"auto"``, λ = n: the
+      λ = n·k (Crossbow's k learners per device, docs/protocols.md §4; ``"auto"``: λ = n, the
       run starts at k = 1);
     * ``parameter_server`` / ``compute_groups``: λ = n − ``dist.num_servers``;
       compute groups: g = the largest divisor of the new λ that is <= the old g
-      (Omnivore's groups must partition the learners, SPEC §3); n-softsync: a fully
+      (Omnivore's groups must partition the learners, docs/protocols.md §3); n-softsync: a fully
       asynchronous n = λ stays n = λ, otherwise n = the largest divisor of the new λ
-      that is <= the old n (Rudra's n must divide λ, SPEC §2).
+      that is <= the old n (Rudra's n must divide λ, docs/protocols.md §2).
 
     Args:
         protocol: the configured protocol section.
@@ -1410,7 +1410,7 @@ def _check_list(key: str, value: Any, kind: type, minimum: float, maximum: float
 
 @dataclass
 class TuneConfig:
-    """Settings of ``distsgd tune``, the Omnivore optimizer (SPEC.md §3) and its joint search.
+    """Settings of ``distsgd tune``: Omnivore's optimizer (docs/protocols.md §3), a joint search.
 
     Attributes:
         budget_s: search budget in wall seconds (``--budget`` overrides it); the search

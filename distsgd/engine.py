@@ -649,7 +649,7 @@ class GradientEngine:
     ) -> tuple[Tensor, list[float]]:
         """Gradients of k replicas, each at its own weights on its own minibatch.
 
-        This is the hot path of "several learners per device" (Crossbow, SPEC.md §4): SMA
+        This is the hot path of "several learners per device" (Crossbow, docs/protocols.md §4): SMA
         and local SGD replicas call it once per iteration for all replicas they hold, and
         it computes them as one batched forward/backward where that is faster (see
         :mod:`distsgd.batched`: grouped convolutions for ``cnn``, batched matrix products

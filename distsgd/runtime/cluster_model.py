@@ -135,7 +135,7 @@ def device_seconds(replicas: int, batch_size: int | float, cluster: ClusterModel
     gradients: ``t(1)·replica_ratio(k) + t_iteration`` with measured ``replica_ratios``,
     else ``t(1) + (k − 1)·t_replica + t_iteration``, with
     ``t(1) = t_batch + b·t_sample`` (the simulated runtime's
-    :meth:`~distsgd.runtime.sim.DeviceProfile.device_seconds`; Crossbow, SPEC §4);
+    :meth:`~distsgd.runtime.sim.DeviceProfile.device_seconds`; Crossbow, docs/protocols.md §4);
     k = 1 is :func:`compute_seconds` plus ``t_iteration``."""
     t1 = compute_seconds(batch_size, cluster)
     if cluster.replica_ratios:

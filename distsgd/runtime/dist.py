@@ -1,7 +1,7 @@
 """The ``dist`` runtime: every protocol on real processes through torch.distributed (c10d).
 
 The same protocol objects as the simulated cluster run here (DESIGN.md, Runtimes); only
-the transport differs. Rank layout and rules (SPEC.md §1–§5):
+the transport differs. Rank layout and rules (docs/protocols.md §1–§5):
 
 * ``hardsync`` / ``plain`` — one learner per rank; the model is wrapped in
   :class:`torch.nn.parallel.DistributedDataParallel`, whose backward all-reduces (mean)
@@ -744,7 +744,7 @@ class SyncDistRuntime(_DistBase):
         if spec_for(p).replicated:
             self.k = p.initial_replicas_per_device  # "auto" starts at k = 1
             local = cfg.replace(  # this rank's k replicas, as one device
-                # α = 0 means 1 / (all learners of all devices), SPEC §4, not 1 / k local
+                # α = 0: 1 / (all learners of all devices), docs/protocols.md §4, not 1 / k local
                 protocol=dataclasses.replace(
                     p, num_learners=self.k, alpha=sma_alpha(p.alpha, p.num_learners)
                 ),

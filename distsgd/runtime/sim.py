@@ -228,7 +228,7 @@ def calibrate_server(
     statistic: Callable[[list[float]], float] = statistics.median,
 ) -> float:
     """Seconds the parameter server works on one push on this machine: the protocol's
-    :meth:`~AsynchronousProtocol.push` (buffer or apply the update, SPEC §2–3) and the
+    :meth:`~AsynchronousProtocol.push` (buffer or apply it, docs/protocols.md §2–3) and the
     copy of the weights for the reply (:meth:`~AsynchronousProtocol.pull`), as the server
     process does between receiving a gradient and sending the weights back (the messages
     themselves are charged by the network model). Workers push in turn, so a barrier or

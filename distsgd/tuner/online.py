@@ -39,7 +39,7 @@ current model at steady state; its speed-ups are end to end, optimizer time incl
    ``tune.score_window`` (in the 38 rounds of ``bench/tune_online_vs_ddp.py`` on record
    that window kept the incumbent's η 5 times, the paired mean stepped to η/10 in every
    one; a b = 32 run that kept η 0.05 in both its rounds trained to 300,032 samples,
-   runs of its seed that stepped at the first to 105,024; a departure from SPEC §3's
+   runs of its seed that stepped at the first to 105,024; a departure from docs/protocols.md §3's
    last-10 score, which the cold start keeps: at a due check the loss is flat by the
    rule's premise, so the span's mean estimates the same level with less noise); after ``tune.steady_rounds`` (default 2)
    re-optimisations one segment trains to the end without checks. The checks, their
@@ -1095,7 +1095,7 @@ class OnlineTune:
         return max(own, self.rate_ceilings.get(current.layout(), own))
 
     def _steady_grid(self, current: Candidate) -> list[tuple[float, float]]:
-        # hardsync only: compute groups add asynchrony's implicit momentum (SPEC.md §3),
+        # hardsync only: compute groups add asynchrony's implicit momentum (docs/protocols.md §3),
         # so one explicit η / (1 − μ) is not one rate there
         return steady_grid(
             current.lr,

@@ -1,4 +1,4 @@
-"""One ``distsgd tune`` as a session of phases (SPEC.md §3; README "distsgd tune").
+"""One ``distsgd tune`` as a session of phases (docs/protocols.md §3; README "distsgd tune").
 
 :class:`TuneSession` runs the phases in order, one method each; every decision goes to
 ``decisions.jsonl`` with its reason, and what a phase finds goes into the session's

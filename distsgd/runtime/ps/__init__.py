@@ -13,9 +13,9 @@ and *every* rank of the default process group must call :func:`run_server` or
 :func:`run_learner` (they first create the point-to-point process groups, collectively).
 
 Roles (Rudra: Gupta, Zhang, Wang, ICDM 2016, arXiv:1509.04210, parameter server and
-learners; SPEC.md §2). ``PSLayout.worker_groups[w]`` are the learner ranks of protocol
+learners; docs/protocols.md §2). ``PSLayout.worker_groups[w]`` are the learner ranks of protocol
 worker ``w``. With one rank each it is a learner of the parameter server; with several it
-is an Omnivore compute group (Hadjis et al., arXiv:1606.04487; SPEC.md §3): every member
+is an Omnivore compute group (Hadjis et al., arXiv:1606.04487; docs/protocols.md §3): every member
 computes a gradient on the same pulled weights, the gradients are mean-all-reduced in the
 group's process subgroup (synchronous inside the group), and only the leader (``[0]``)
 talks to the server(s); it broadcasts the pulled weights to the members.
@@ -30,7 +30,7 @@ the barrier get LAST (their push was applied). A learner therefore computes one 
 more than was applied. Which server versions were pulled, and when, is all the protocol
 needs: staleness σ = version applied to − version pulled.
 
-Sharding (Rudra-adv, ICDM 2016; SPEC.md §2). With S server ranks, shard ``k`` owns the
+Sharding (Rudra-adv, ICDM 2016; docs/protocols.md §2). With S server ranks, shard ``k`` owns the
 slice ``shard_bounds(P, S)[k]`` of the flat parameters and runs its own protocol object
 built on that slice; ``server_ranks[0]`` is the coordinator (``on_push``, stop, central
 weights). A leader pushes the slices *in shard order*, each after the previous shard's
