@@ -523,7 +523,8 @@ def fit(
             (default ``accuracy``).
         metric_direction: ``"max"`` or ``"min"``, required for a user metric; None: the
             config's ``train.metric_direction``.
-        config, overrides: the rest of the run, as for :func:`train`.
+        config: the rest of the run, as for :func:`train`.
+        overrides: ``section.key=value`` settings on top of ``config``, as for :func:`train`.
         out_dir: run directory (default ``runs/<time>-<protocol>``).
         progress: show a progress bar.
         tune: tune while training, as :func:`train` with ``tune=True``.
