@@ -940,8 +940,8 @@ class TrainConfig:
         eval_every_samples: evaluate the model every this many training samples (0: once
             per epoch).
         eval_batch_size: batch size of evaluation, in samples (the metric does not depend
-            on it, being a sample-weighted mean; 128: the fastest of 64 … 1024 for the
-            ``cnn`` on 2 CPU cores, bench/results/eval_cost.md).
+            on it, being a sample-weighted mean; default 128, the fastest measured for the
+            ``cnn`` on 2 CPU cores: docs/benchmarks.md).
         eval_samples: test samples that intermediate evaluations score (0: the whole test
             set): a fixed, seeded subset (:func:`distsgd.engine.eval_subset_indices`,
             drawn with ``seed``), the same at every evaluation, on every runtime and rank
@@ -973,8 +973,8 @@ class TrainConfig:
             so of its convolutions' activations: ``"channels_last"`` (NHWC), the faster
             layout of the CPU's oneDNN convolutions and max-pooling; ``"contiguous"``
             (NCHW, PyTorch's default); ``"auto"`` (default): channels_last for the
-            built-in ``cnn`` and ``lenet`` (a training step ran 1.30–1.52× and 1.03–1.44×
-            faster here), contiguous for every other model: ``resnet20``'s float32
+            built-in ``cnn`` and ``lenet`` (faster for them: docs/benchmarks.md),
+            contiguous for every other model: ``resnet20``'s float32
             gradients were 1000× less accurate in channels-last on torch 2.13's CPU
             kernels, and a user's forward that flattens with ``.view`` fails on
             channels-last activations (use ``reshape``/``flatten`` before asking for
@@ -1455,10 +1455,8 @@ class TuneConfig:
             this fraction of ``probe_seconds``, then the best ``promote`` continue from
             their own checkpoints to ``probe_seconds`` and the best of those wins (1: every
             probe runs ``probe_seconds``, no second rung). Default ½: with the default
-            ``probe_seconds`` first rungs of 1 s and chains of 2 s; on
-            ``bench/tune_online_vs_ddp.py`` that cold start took 9.7 s of wall against
-            13.9 s for first rungs of 1 s and chains of 4 s (¼ of 4 s)
-            (``bench/results/tune_online``).
+            ``probe_seconds`` first rungs of 1 s and chains of 2 s (docs/benchmarks.md
+            compares other lengths).
         promote: ``--tune`` only: probes of the cold start's first rung that continue to
             the second; the next larger η than the best at g = 1 (that did not diverge)
             continues too where they leave it out (short probes prefer smaller η). The
@@ -1466,12 +1464,10 @@ class TuneConfig:
             one that leads continues to twice it, as the grid's winner does.
         steady_promote: ``--tune`` only: probes of a steady-state round's first rung that
             continue to the second (1: the best first rung continues as the run, no
-            second rung). From a trained model the rungs agree: in the 6 steady-state
-            rounds of two runs of ``bench/tune_online_vs_ddp.py`` the best first rung (¼
-            of the probe) had the effective rate η / (1 − μ) of the round's winner at the
-            full length, while from the initial model a smaller batch led the first rung
-            and lost the second on every seed (``bench/results/tune_online``; hence the
-            joint search's probes run the full length).
+            second rung). From a trained model the best first rung has the effective rate
+            η / (1 − μ) of the round's winner at the full length; from the initial model a
+            smaller batch can lead the first rung and lose the second (hence the joint
+            search's probes run the full length; docs/benchmarks.md).
         steady_rounds: ``--tune`` only: steady-state re-optimisations per run at most (0:
             none; the cold start's winner trains to the end without checks).
         check_epochs: ``--tune`` only: epochs between the run's steady-state checks, and
@@ -1480,10 +1476,8 @@ class TuneConfig:
             since the run's start; it compares with the last evaluation at or before one
             span back, so where iterations do not divide the span and the check before
             fell a few samples past its multiple, with the evaluation before that: up to
-            two spans, as at most checks of ``bench/tune_online_vs_ddp.py``). A quarter
-            epoch re-optimised (and so stepped η) where the swept-best constant-η run of
-            that bench gains most from a step; one epoch checked too late
-            (``bench/results/tune_online``).
+            two spans). Default ¼: where one η/10 step gains most on Fashion-MNIST's
+            ``cnn`` (docs/benchmarks.md).
     """
 
     budget_s: float = 600.0

@@ -5,7 +5,7 @@ contiguous buffer of P float32 values, and whose gradients land in a second buff
 same layout (with ``train.memory_format = "channels_last"``, convolution kernels of more
 than one input channel are copies in NHWC order, see :class:`GradientEngine`). Computing a learner's gradient at weights ``w`` is then one copy into the
 buffer, one forward/backward, and one copy out: no per-parameter Python loop on the hot
-path (DESIGN.md, performance notes).
+path.
 """
 
 from __future__ import annotations
@@ -388,12 +388,9 @@ def resolve_memory_format(setting: str, model: nn.Module) -> str:
     ``lenet`` (:class:`~distsgd.models.CNN`, :class:`~distsgd.models.LeNet`), contiguous
     for every other model. A user's model stays contiguous unless asked: channels-last
     activations are not contiguous tensors, so a forward that calls ``.view`` on them
-    (a common way to flatten) fails. Measured on 2 CPU cores
-    (torch 2.13), forward + backward in channels-last against NCHW: ``cnn`` 1.30–1.52×,
-    ``lenet`` 1.03–1.44×, ``resnet20`` 1.25–1.97× faster at b = 8–128
-    (bench/results/efficiency/efficiency.md); but ``resnet20``'s float32 gradients were
-    off from float64 by up to 2e-3 (of entries up to 0.9) in channels-last, against 1e-6
-    in NCHW, in 3 of 4 seeds (float64 agrees in both layouts). See
+    (a common way to flatten) fails. ``resnet20`` stays contiguous: its float32
+    gradients are less accurate in channels-last on torch's CPU kernels (float64 agrees
+    in both layouts). Speed and accuracy of each layout: docs/benchmarks.md. See
     :class:`~distsgd.config.TrainConfig`.
 
     Raises:

@@ -1,6 +1,6 @@
 """The ``dist`` runtime: every protocol on real processes through torch.distributed (c10d).
 
-The same protocol objects as the simulated cluster run here (DESIGN.md, Runtimes); only
+The same protocol objects as the simulated cluster run here (docs/real-processes.md); only
 the transport differs. Rank layout and rules (docs/protocols.md §1–§5):
 
 * ``hardsync`` / ``plain`` — one learner per rank; the model is wrapped in
@@ -287,11 +287,10 @@ def arm_exit_deadline(grace_s: float | None = None) -> None:
     :func:`end_with_parent` set, ``dist.timeout_s + 5``) unless it has ended by then.
 
     SIGALRM, whose default action (terminate) the kernel carries out without the
-    interpreter: a teardown that holds the GIL and never returns cannot block it (found
-    by a fresh-user review: after ``kill -9`` of the launcher one rank in four hung for
-    good, its main thread in a gloo process group's destructor joining gloo's thread,
-    which waited for the GIL; the watchdog thread's ``os._exit`` waited for it too, and
-    SIGTERM's handler could not run). Armed once; no effect on systems without SIGALRM
+    interpreter: a teardown that holds the GIL and never returns cannot block it (e.g. a
+    main thread in a gloo process group's destructor joining gloo's thread, which waits
+    for the GIL, where the watchdog thread's ``os._exit`` waits for it too and SIGTERM's
+    handler cannot run). Armed once; no effect on systems without SIGALRM
     or where SIGALRM has a handler of its own.
     """
     global _exit_armed

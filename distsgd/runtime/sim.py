@@ -3,7 +3,7 @@
 Every learner has a device profile (seconds per minibatch) and every message crosses a
 network with a latency and a bandwidth. Gradients are real: each is computed with the
 model on the learner's own minibatch at the weights that learner actually holds, so
-staleness arises from timing exactly as it would on a cluster (DESIGN.md, Runtimes).
+staleness arises from timing exactly as it would on a cluster (docs/simulated-cluster.md).
 
 Timing model (all in virtual seconds):
 

@@ -193,10 +193,9 @@ class ProbeResult:
         or more than :data:`EXPLODED_FACTOR` times ``reference`` (nats; default the
         chain's first loss, the loss at the snapshot it started from; ``distsgd train
         --tune`` gives the initial model's, so that a probe from a well-trained snapshot
-        is not judged against its tiny loss). Such a probe is pruned as a NaN is (issue
-        18, found by a user's review: η = 10 scored 1.6e26 after its first rung and counted
-        as stable, so it won a cold start of η ∈ {10, 5} and set the rate ceiling of the
-        steady state). Returns whether the probe is diverged now."""
+        is not judged against its tiny loss). Such a probe is pruned as a NaN is: a loss
+        of 1e26 must not count as stable, win a cold start and set the rate ceiling of the
+        steady state. Returns whether the probe is diverged now."""
         chain = self.earlier_losses + self.losses
         if self.diverged or not chain:
             return self.diverged
@@ -686,9 +685,8 @@ class OmnivoreSearch:
 def skip_unfit(cands: list[Candidate], num_train: int, log: DecisionLog) -> list[Candidate]:
     """``cands`` whose iteration fits in ``num_train`` training samples: λ·b samples (λ the
     candidate's learners, for SMA devices × k), which a run refuses above the training
-    set's size; the others are left out with one ``joint`` decision (a user's review: a
-    ``tune.batch_sizes`` entry of 2000 with λ = 2 on 3000 samples ended ``--tune`` with
-    that error mid-search, and ``--resume`` replayed it)."""
+    set's size; the others are left out with one ``joint`` decision (rather than ending
+    the search with that error, which ``--resume`` would replay)."""
     too_big = [c for c in cands if c.num_learners * c.batch_size > num_train]
     if too_big:
         log(

@@ -82,12 +82,12 @@ closure"). One group per pair confines a timeout to the silent learner's channel
 server waits for each leader in a thread (one blocking receive at a time, armed after
 each reply) that hands messages to the server loop through a queue.
 
-Faults (issue 4; Rudra ICDM 2016: under async and n-softsync the server never waits for a
+Faults (Rudra, ICDM 2016: under async and n-softsync the server never waits for a
 particular learner, under hardsync it waits for all λ; Omnivore: a group is synchronous
 inside, so it stands or falls as one):
 
 * A leader whose process dies is seen at once: its TCP connection closes and the pending
-  receive fails (measured: 0.03 s after SIGKILL). A leader silent for ``timeout_s`` after
+  receive fails. A leader silent for ``timeout_s`` after
   the server's last reply to it is lost too (its channel closes, so if it wakes up its
   next push fails and it raises :class:`ServerLost`). Without a barrier the server logs
   the rank through ``log`` and goes on; the protocol needs no change: n-softsync keeps
