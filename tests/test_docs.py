@@ -256,6 +256,24 @@ def test_cli_reference_has_every_command():
     assert "--num-processes" in text
 
 
+def test_api_page_lists_every_public_name():
+    """Each name of ``__all__`` of distsgd, distsgd.torch and distsgd.protocols has its
+    entry on the API page (generated from its docstring when the site is built)."""
+    import distsgd.protocols
+    import distsgd.torch
+
+    page = (DOCS / "reference/api.md").read_text()
+    entries = set(re.findall(r"^::: ([\w.]+)", page, re.M))
+    missing = [
+        f"{module.__name__}.{name}"
+        for module in (distsgd, distsgd.torch, distsgd.protocols)
+        for name in module.__all__
+        if name != "__version__"
+        and not {f"{module.__name__}.{name}", f"distsgd.config.{name}"} & entries
+    ]
+    assert missing == []
+
+
 # ---- what the README and the package say ----------------------------------------------
 
 

@@ -60,7 +60,11 @@ def _value(node: ast.expr, namespace: dict[str, Any]) -> Any:
 
 
 def _number(x: Any) -> str:
-    return "∞" if x == math.inf else f"{x:g}" if isinstance(x, float) else str(x)
+    if x == math.inf:
+        return "∞"
+    if isinstance(x, int) and abs(x) >= 10_000:
+        return f"{x:,}"
+    return f"{x:g}" if isinstance(x, float) else str(x)
 
 
 def _allowed_from_call(call: ast.Call, namespace: dict[str, Any]) -> tuple[str, str] | None:
