@@ -1,7 +1,8 @@
 """A griffe extension: the package's reST markup in docstrings as Markdown on the API page.
 
-``code`` becomes `code`, ``:class:`~distsgd.x.Y``` becomes `Y` and ``Example::`` blocks
-become fenced code, so mkdocstrings renders the docstrings as they read in the source.
+``code`` becomes `code`, ``:class:`~distsgd.x.Y``` becomes `Y`, ``Example::`` blocks
+become fenced code and ``docs/protocols.md §2`` a link to that section, so mkdocstrings
+renders the docstrings as they read in the source.
 """
 
 from __future__ import annotations
@@ -12,12 +13,29 @@ from typing import Any
 import griffe
 
 _ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj):`~?([^`]+)`")
+# The package's docstrings cite the docs as ``docs/protocols.md §2``; on the API page
+# (docs/reference/api.md) such a citation becomes a link that mkdocs checks.
+SECTIONS = {
+    "1": "1-synchronous-sgd-hardsync",
+    "2": "2-rudras-parameter-server-parameter_server",
+    "3": "3-omnivores-compute-groups-compute_groups-and-its-optimizer",
+    "4": "4-crossbows-synchronous-model-averaging-sma",
+    "5": "5-local-sgd-local_sgd-and-the-baselines",
+}
+_CITATION = re.compile(r"docs/([\w-]+)\.md(?: §(\d)(?:[–-]§?\d)?)?")
+
+
+def _link(m: re.Match) -> str:
+    page, section = m.group(1), m.group(2)
+    anchor = f"#{SECTIONS[section]}" if page == "protocols" and section in SECTIONS else ""
+    return f"[{m.group(0)}](../{page}.md{anchor})"
 
 
 def to_markdown(text: str) -> str:
     """reST inline markup and ``::`` literal blocks of ``text`` as Markdown."""
     text = _ROLE.sub(lambda m: "`" + m.group(1).rsplit(".", 1)[-1] + "`", text)
     text = text.replace("``", "`")
+    text = _CITATION.sub(_link, text)
     lines = text.splitlines()
     out: list[str] = []
     i = 0
