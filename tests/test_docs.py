@@ -205,6 +205,27 @@ def test_shell_block_commands_parse(block, monkeypatch):
             assert (cwd / script).is_file(), f"{block.name}: {script} does not exist"
 
 
+INLINE = re.compile(r"`(?:python3? -m )?distsgd ((?:train|tune|report|export|calibrate) [^`]+)`")
+
+
+def test_inline_command_lines_parse():
+    """A command written in the prose (`` `distsgd train --resume RUN --set k=v` ``) parses
+    too, and its ``--set`` settings exist; placeholders such as RUN stand for paths."""
+    checked = 0
+    for page in PAGES:
+        text = re.sub(r"\s*\n\s*", " ", page.read_text())
+        for m in INLINE.finditer(text):
+            args = shlex.split(m.group(1))
+            try:
+                ns = build_parser().parse_args(args)
+            except SystemExit:
+                pytest.fail(f"{page.name}: `distsgd {m.group(1)}` does not parse")
+            if getattr(ns, "set", None):
+                distsgd.api.resolve_config(None, ns.set)
+            checked += 1
+    assert checked >= 5
+
+
 def test_a_renamed_setting_fails_the_shell_check():
     """The check above can fail: a setting that does not exist is refused."""
     with pytest.raises(ValueError, match="protocol.num_learnerz"):
@@ -302,6 +323,8 @@ def test_readme_is_one_short_page_linking_into_the_docs():
     assert len(readme.splitlines()) <= 250
     links = re.findall(r"\]\((docs/[^)#]+)", readme)
     assert links and all((ROOT / link).is_file() for link in links), links
+    for script in ("scripts/demo.sh", "scripts/test.sh"):  # the two commands
+        assert f"bash {script}\n" in readme and (ROOT / script).is_file()
 
 
 def test_no_docstring_or_message_cites_spec_md():
