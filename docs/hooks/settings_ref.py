@@ -250,7 +250,7 @@ def cli_markdown() -> str:
     from distsgd.cli import build_parser
 
     parser = build_parser()
-    parser.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=92)
+    parser.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=84)
     parts = ["```text\n" + parser.format_help().rstrip() + "\n```\n"]
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name, command in sub.choices.items():
