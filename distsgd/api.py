@@ -537,7 +537,8 @@ def fit(
             and on targets that are not class labels: give ``"loss"`` or your own).
         metric_direction: ``"max"`` or ``"min"``, required for a user metric; None: the
             config's ``train.metric_direction``.
-        config, overrides: the rest of the run, as for :func:`train`.
+        config: the rest of the run, as for :func:`train`.
+        overrides: ``section.key=value`` settings on top of ``config``, as for :func:`train`.
         out_dir: run directory (default ``runs/<time>-<protocol>``).
         progress: show a progress bar.
         tune: tune while training, as :func:`train` with ``tune=True``.

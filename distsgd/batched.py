@@ -1,7 +1,7 @@
 """k model replicas as one batched forward/backward ("several learners per device").
 
 Crossbow trains k replicas of a model on one device at once, each on its own small
-minibatch (Koliousis et al., VLDB 2019, arXiv:1901.02244, §3–4; SPEC.md §4). On a CPU
+minibatch (Koliousis et al., VLDB 2019, arXiv:1901.02244, §3–4; docs/protocols.md §4). On a CPU
 the gain comes from replacing k small computations by one larger one. This module holds
 the batched forms of the zoo's models; :meth:`distsgd.engine.GradientEngine.replica_gradients`
 picks one by :func:`choose_path`.
@@ -40,11 +40,9 @@ __all__ = ["PATHS", "choose_path", "batched_logits", "supports"]
 
 PATHS = ("auto", "loop", "grouped", "bmm", "vmap")
 
-# What bench/replicas_throughput.py measured on this machine (cnn, grouped path, k = 2…16,
-# b = 4…32, bench/results/replicas_throughput.md): the batched path was faster than k
-# separate learners in every cell (mean ratio 1.39 to 6.09 over 3 seeds). b > 32 was not
-# measured; there one replica's computation is larger and may use the cores well on its
-# own, so the rule keeps the one-by-one path (an assumption, not a measurement).
+# The batched path is faster than k separate learners for the cnn at k = 2…16, b = 4…32
+# (docs/benchmarks.md). Above b = 32 one replica's computation is larger and may use the
+# cores well on its own, so the rule keeps the one-by-one path there (not measured).
 BATCHED_MAX_BATCH = 32
 
 
@@ -72,9 +70,9 @@ def choose_path(model: nn.Module, k: int, b: int) -> str:
     BatchNorm or Dropout and for models outside the built-in zoo (a user's model may hold
     layers ``vmap`` cannot batch, e.g. recurrent ones); otherwise ``grouped`` for ``cnn``, ``bmm`` for ``mlp`` and
     ``vmap`` for any other model. The rule is static (no timing at run time) so that a
-    run is reproducible bit for bit; ``bench/results/replicas_throughput.md`` measured the
-    ``grouped`` path faster than k separate learners for cnn at every k in 2…16 and b in
-    4…32; b > 32 and the ``bmm`` / ``vmap`` paths are not covered by that benchmark.
+    run is reproducible bit for bit. The ``grouped`` path's speed against k separate
+    learners (cnn, k in 2…16, b in 4…32) is on docs/benchmarks.md; b > 32 and the ``bmm``
+    / ``vmap`` paths are not measured there.
     """
     zoo = type(model) in (MLP, CNN, LeNet, ResNet20)
     if k == 1 or b > BATCHED_MAX_BATCH or not zoo or not supports(model, "vmap"):
@@ -130,7 +128,7 @@ def _cnn_logits(model: CNN, params: list[Tensor], x: Tensor) -> Tensor:
         model.features[4],
     )
     # channels-last (NHWC) layout: the CPU's grouped convolutions and max-pooling are
-    # faster on it (bench/results/replicas_throughput.md); the maths is unchanged
+    # faster on it (docs/benchmarks.md); the maths is unchanged
     h = x.transpose(0, 1).reshape(b, k * x.shape[2], *x.shape[3:])
     h = h.contiguous(memory_format=torch.channels_last)
     # max-pool before ReLU, as the module does (models.CNN)

@@ -342,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
         "rungs of tune.first_rung × tune.probe_seconds, the best continue to the full "
         "length), the winning probe continues as the run, re-optimised when the training "
         "loss flattens (a check every tune.check_epochs); the time to the target counts "
-        "every probe ([tune] settings; decisions.jsonl, probes/; README: 'Tuning inside "
-        "the run')",
+        "every probe ([tune] settings; decisions.jsonl, probes/; the docs' tuning page, "
+        "docs/tuning.md)",
     )
     t.add_argument(
         "--quiet",

@@ -212,7 +212,7 @@ def _check_toml_value(setting: str, value: Any) -> None:
 
 @dataclass
 class ProtocolConfig:
-    """Synchronisation protocol and the layout of learners (SPEC.md §1–§5).
+    """Synchronisation protocol and the layout of learners (docs/protocols.md §1–§5).
 
     Attributes:
         name: ``hardsync`` (all-reduce S-SGD, §1), ``parameter_server`` (Rudra, §2),
@@ -239,7 +239,7 @@ class ProtocolConfig:
             (SGD momentum: needs ``optimizer.name = "sgd"``).
         replicas_per_device: k learners sharing one device (SMA, local SGD), in
             [1, 65536]; must divide λ.
-            ``"auto"``: Crossbow's auto-tuner chooses k (SPEC.md §4; simulated seconds on
+            ``"auto"``: Crossbow's auto-tuner chooses k (docs/protocols.md §4; simulated seconds on
             the simulated runtime, the slowest rank's wall seconds on ``dist``): the run starts with
             k = 1, so ``num_learners`` is then the number of devices, and λ grows to
             devices × k as replicas are added (see :mod:`distsgd.replicas`).
@@ -250,13 +250,13 @@ class ProtocolConfig:
             SGD the tuner observes averaging periods, so this counts averaging periods of
             H iterations (and the uncounted first one is a period too).
         autotune_max_replicas: with ``"auto"``: the largest k tried, in [1, 1024].
-        autotune_rule: with ``"auto"``: ``"crossbow"`` (SPEC §4: continue while the total
+        autotune_rule: with ``"auto"``: ``"crossbow"`` (docs/protocols.md §4: go on while the total
             throughput gain of an added replica is above the threshold) or ``"marginal"``
             (continue while the added replica contributes more than the threshold of an
             average replica's throughput, (k − 1) × gain; follows slowly rising curves),
             see :mod:`distsgd.replicas`.
         alpha: SMA correction weight α, in [0, 1]. 0 means 1/λ over all
-            learners (SPEC §4: with μ_z = 0 the new z is then the mean of the replicas).
+            learners (docs/protocols.md §4: with μ_z = 0 the new z is the mean of the replicas).
         central_momentum: SMA Polyak momentum μ_z on the central model, in [0, 1).
         average_every: local SGD averaging period H, in iterations, in [1, 1000000].
     """
@@ -444,7 +444,7 @@ def _probe_coordinate_wise(make: OptimizerFactory) -> bool:
 class OptimizerConfig:
     """The optimizer that applies the protocol's updates, and its base learning rate.
 
-    What it steps (SPEC.md §1–§5): hardsync / plain the shared weights; the parameter
+    What it steps (docs/protocols.md §1–§5): hardsync / plain the shared weights; the parameter
     server and compute groups the server's weights (``protocol.server_optimizer = "sgd"``;
     ``"adagrad"`` is Rudra's own AdaGrad server and needs ``name = "sgd"``); SMA and local
     SGD each replica's weights (one optimizer over the stack of replicas, each replica's
@@ -1008,14 +1008,13 @@ class TrainConfig:
         max_seconds: budget in wall seconds of training (0: no limit), in [0, 1e9].
         max_virtual_seconds: budget in simulated seconds on the virtual clock of the
             ``sim`` runtime (0: no limit), in [0, 1e12]; the run stops at the first tick
-            that reaches it.
-            The tuner's probes use it for equal-time probes (SPEC.md §3).
+            that reaches it. The tuner's probes use it for equal-time probes
+            (docs/protocols.md §3).
         eval_every_samples: evaluate the model every this many training samples (0: once
             per epoch), in [0, 1e12].
-        eval_batch_size: batch size of evaluation, in samples, in [1, 1048576] (the
-            metric does not depend
-            on it, being a sample-weighted mean; 128: the fastest of 64 … 1024 for the
-            ``cnn`` on 2 CPU cores, bench/results/eval_cost.md).
+        eval_batch_size: batch size of evaluation, in samples, in [1, 1048576] (the metric
+            does not depend on it, being a sample-weighted mean; default 128, the fastest
+            measured for the ``cnn`` on 2 CPU cores: docs/benchmarks.md).
         eval_samples: test samples that intermediate evaluations score (0: the whole test
             set), in [0, 1e12]: a fixed, seeded subset (:func:`distsgd.engine.eval_subset_indices`,
             drawn with ``seed``), the same at every evaluation, on every runtime and rank
@@ -1048,8 +1047,8 @@ class TrainConfig:
             so of its convolutions' activations: ``"channels_last"`` (NHWC), the faster
             layout of the CPU's oneDNN convolutions and max-pooling; ``"contiguous"``
             (NCHW, PyTorch's default); ``"auto"`` (default): channels_last for the
-            built-in ``cnn`` and ``lenet`` (a training step ran 1.30–1.52× and 1.03–1.44×
-            faster here), contiguous for every other model: ``resnet20``'s float32
+            built-in ``cnn`` and ``lenet`` (faster for them: docs/benchmarks.md),
+            contiguous for every other model: ``resnet20``'s float32
             gradients were 1000× less accurate in channels-last on torch 2.13's CPU
             kernels, and a user's forward that flattens with ``.view`` fails on
             channels-last activations (use ``reshape``/``flatten`` before asking for
@@ -1447,13 +1446,13 @@ def fit_layout(
 
     * ``hardsync``: λ = n (one learner per process);
     * ``sma`` / ``local_sgd``: n devices of k = ``replicas_per_device`` replicas,
-      λ = n·k (Crossbow's k learners per device, SPEC §4; with ``"auto"``, λ = n: the
+      λ = n·k (Crossbow's k learners per device, docs/protocols.md §4; ``"auto"``: λ = n, the
       run starts at k = 1);
     * ``parameter_server`` / ``compute_groups``: λ = n − ``dist.num_servers``;
       compute groups: g = the largest divisor of the new λ that is <= the old g
-      (Omnivore's groups must partition the learners, SPEC §3); n-softsync: a fully
+      (Omnivore's groups must partition the learners, docs/protocols.md §3); n-softsync: a fully
       asynchronous n = λ stays n = λ, otherwise n = the largest divisor of the new λ
-      that is <= the old n (Rudra's n must divide λ, SPEC §2).
+      that is <= the old n (Rudra's n must divide λ, docs/protocols.md §2).
 
     Args:
         protocol: the configured protocol section.
@@ -1496,7 +1495,7 @@ def _check_list(key: str, value: Any, kind: type, minimum: float, maximum: float
 
 @dataclass
 class TuneConfig:
-    """Settings of ``distsgd tune``, the Omnivore optimizer (SPEC.md §3) and its joint search.
+    """Settings of ``distsgd tune``: Omnivore's optimizer (docs/protocols.md §3), a joint search.
 
     Attributes:
         budget_s: search budget in wall seconds, in (0, 1e7] (``--budget`` overrides it); the search
@@ -1543,24 +1542,20 @@ class TuneConfig:
             (the cold start's Omnivore grid; a steady-state round): every probe first runs
             this fraction of ``probe_seconds``, then the best ``promote`` continue from
             their own checkpoints to ``probe_seconds`` and the best of those wins (1: every
-            probe runs ``probe_seconds``, no second rung); in (0, 1]. Default ½: with the default
-            ``probe_seconds`` first rungs of 1 s and chains of 2 s; on
-            ``bench/tune_online_vs_ddp.py`` that cold start took 9.7 s of wall against
-            13.9 s for first rungs of 1 s and chains of 4 s (¼ of 4 s)
-            (``bench/results/tune_online``).
+            probe runs ``probe_seconds``, no second rung); in (0, 1]. Default ½: with the
+            default ``probe_seconds`` first rungs of 1 s and chains of 2 s
+            (docs/benchmarks.md compares other lengths).
         promote: ``--tune`` only: probes of the cold start's first rung that continue to
             the second, in [1, 1000]; the next larger η than the best at g = 1 (that did not diverge)
             continues too where they leave it out (short probes prefer smaller η). The
             joint search's probes are not in the halving: they run the full length, and
             one that leads continues to twice it, as the grid's winner does.
         steady_promote: ``--tune`` only: probes of a steady-state round's first rung that
-            continue to the second, in [1, 1000] (1: the best first rung continues as the run, no
-            second rung). From a trained model the rungs agree: in the 6 steady-state
-            rounds of two runs of ``bench/tune_online_vs_ddp.py`` the best first rung (¼
-            of the probe) had the effective rate η / (1 − μ) of the round's winner at the
-            full length, while from the initial model a smaller batch led the first rung
-            and lost the second on every seed (``bench/results/tune_online``; hence the
-            joint search's probes run the full length).
+            continue to the second, in [1, 1000] (1: the best first rung continues as the
+            run, no second rung). From a trained model the best first rung has the effective
+            rate η / (1 − μ) of the round's winner at the full length; from the initial model
+            a smaller batch can lead the first rung and lose the second (hence the joint
+            search's probes run the full length; docs/benchmarks.md).
         steady_rounds: ``--tune`` only: steady-state re-optimisations per run at most, in
             [0, 20] (0:
             none; the cold start's winner trains to the end without checks).
@@ -1571,10 +1566,8 @@ class TuneConfig:
             since the run's start; it compares with the last evaluation at or before one
             span back, so where iterations do not divide the span and the check before
             fell a few samples past its multiple, with the evaluation before that: up to
-            two spans, as at most checks of ``bench/tune_online_vs_ddp.py``). A quarter
-            epoch re-optimised (and so stepped η) where the swept-best constant-η run of
-            that bench gains most from a step; one epoch checked too late
-            (``bench/results/tune_online``).
+            two spans). Default ¼: where one η/10 step gains most on Fashion-MNIST's
+            ``cnn`` (docs/benchmarks.md).
     """
 
     budget_s: float = 600.0

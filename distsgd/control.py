@@ -54,7 +54,7 @@ class RunOptions:
         continues: the run directory's ``checkpoint.pt`` is another run's (copied there),
             resumed under this run's config: its weights, momentum buffer, protocol
             counters, data positions and clocks continue; momentum μ and batch size b are
-            this config's (Omnivore's steady state changes them mid-run, SPEC.md §3).
+            this config's (Omnivore's steady state changes them mid-run, docs/protocols.md §3).
         record: rank 0 records the events an observer would hear into the run directory
             (:class:`RunRecorder`; real processes, whose observer is in another process).
     """

@@ -850,7 +850,7 @@ class ShardedSampler:
       permutation are skipped that epoch);
     * the union over the λ learners of step s is exactly batch s of one learner with
       batch λ·b and the same seed — hardsync over λ learners × b computes the same
-      gradient as one learner with batch λ·b (Rudra's μ·λ equivalence, SPEC.md).
+      gradient as one learner with batch λ·b (Rudra's μ·λ equivalence, docs/protocols.md).
 
     The sampler keeps the permutations of the two most recently used epochs (asynchronous
     learners may be one epoch apart) and recomputes any other.

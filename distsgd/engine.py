@@ -5,7 +5,7 @@ contiguous buffer of P float32 values, and whose gradients land in a second buff
 same layout (with ``train.memory_format = "channels_last"``, convolution kernels of more
 than one input channel are copies in NHWC order, see :class:`GradientEngine`). Computing a learner's gradient at weights ``w`` is then one copy into the
 buffer, one forward/backward, and one copy out: no per-parameter Python loop on the hot
-path (DESIGN.md, performance notes).
+path.
 """
 
 from __future__ import annotations
@@ -388,12 +388,9 @@ def resolve_memory_format(setting: str, model: nn.Module) -> str:
     ``lenet`` (:class:`~distsgd.models.CNN`, :class:`~distsgd.models.LeNet`), contiguous
     for every other model. A user's model stays contiguous unless asked: channels-last
     activations are not contiguous tensors, so a forward that calls ``.view`` on them
-    (a common way to flatten) fails. Measured on 2 CPU cores
-    (torch 2.13), forward + backward in channels-last against NCHW: ``cnn`` 1.30–1.52×,
-    ``lenet`` 1.03–1.44×, ``resnet20`` 1.25–1.97× faster at b = 8–128
-    (bench/results/efficiency/efficiency.md); but ``resnet20``'s float32 gradients were
-    off from float64 by up to 2e-3 (of entries up to 0.9) in channels-last, against 1e-6
-    in NCHW, in 3 of 4 seeds (float64 agrees in both layouts). See
+    (a common way to flatten) fails. ``resnet20`` stays contiguous: its float32
+    gradients are less accurate in channels-last on torch's CPU kernels (float64 agrees
+    in both layouts). Speed and accuracy of each layout: docs/benchmarks.md. See
     :class:`~distsgd.config.TrainConfig`.
 
     Raises:
@@ -649,7 +646,7 @@ class GradientEngine:
     ) -> tuple[Tensor, list[float]]:
         """Gradients of k replicas, each at its own weights on its own minibatch.
 
-        This is the hot path of "several learners per device" (Crossbow, SPEC.md §4): SMA
+        This is the hot path of "several learners per device" (Crossbow, docs/protocols.md §4): SMA
         and local SGD replicas call it once per iteration for all replicas they hold, and
         it computes them as one batched forward/backward where that is faster (see
         :mod:`distsgd.batched`: grouped convolutions for ``cnn``, batched matrix products

@@ -6,7 +6,7 @@ runtime and how it fits N of them, which role each rank plays, whether the run s
 lost rank, the one-line label of its layout, and SMA's α = 0 rule. No other module
 dispatches on ``protocol.name``: they ask :func:`spec_for`.
 
-Sources of the rules: SPEC.md §1 (hardsync), §2 (Rudra's parameter server: n must divide
+Sources of the rules: docs/protocols.md §1 (hardsync), §2 (Rudra's parameter server: n must divide
 λ), §3 (Omnivore's compute groups: g must divide λ), §4 (Crossbow's SMA: k learners per
 device, α = 1/λ over all learners), §5 (local SGD).
 
@@ -65,7 +65,7 @@ def optimizer_arguments(o: OptimizerConfig) -> dict[str, Any]:
 
 def sma_alpha(alpha: float, num_learners: int) -> float:
     """SMA's correction weight: ``alpha``, or 1/λ over all learners of all devices when it
-    is 0 (SPEC §4: with μ_z = 0 the new central model is then the mean of the replicas).
+    is 0 (docs/protocols.md §4: with μ_z = 0 the new central model is the replicas' mean).
 
     Args:
         alpha: ``protocol.alpha`` in [0, 1].
@@ -146,12 +146,12 @@ class ProtocolSpec:
 
     def replica_settings(self, p: ProtocolConfig, k: int) -> dict[str, float]:
         """Protocol arguments that follow k when the replicas per device change (the
-        auto-tuner, SPEC §4): passed to ``protocol.set_replicas_per_device(k, ...)``."""
+        auto-tuner, docs/protocols.md §4): to ``protocol.set_replicas_per_device(k, ...)``."""
         return {}
 
 
 class _HardSync(ProtocolSpec):
-    """SPEC §1: λ learners, one mean gradient per step; DDP on real processes."""
+    """docs/protocols.md §1: λ learners, one mean gradient per step; DDP on real processes."""
 
     name = "hardsync"
 
@@ -180,7 +180,7 @@ class _Served(ProtocolSpec):
     reads = ProtocolSpec.reads | {"staleness_lr", "server_optimizer"}
 
     def check_optimizer(self, p: ProtocolConfig, o: OptimizerConfig) -> None:
-        """Rudra's AdaGrad server (SPEC §2) is its own optimizer, without momentum (Rudra
+        """Rudra's AdaGrad server (docs/protocols.md §2) is its own optimizer, no momentum (Rudra
         retunes its learning rate instead).
 
         Raises:
@@ -226,7 +226,7 @@ class _Served(ProtocolSpec):
 
 
 class _ParameterServer(_Served):
-    """SPEC §2: Rudra's parameter server, n-softsync (n divides λ), async or hardsync."""
+    """Rudra's parameter server: n-softsync (n | λ), async or hardsync (docs/protocols.md §2)."""
 
     name = "parameter_server"
     reads = _Served.reads | {"mode", "softsync"}
@@ -273,13 +273,13 @@ class _ParameterServer(_Served):
 
 
 class _ComputeGroups(_Served):
-    """SPEC §3: Omnivore's g compute groups (g divides λ), asynchronous across groups."""
+    """Omnivore's g compute groups (g divides λ), asynchronous across (docs/protocols.md §3)."""
 
     name = "compute_groups"
     reads = _Served.reads | {"num_groups", "momentum_compensation"}
 
     def check_optimizer(self, p: ProtocolConfig, o: OptimizerConfig) -> None:
-        """The server's rules, and: Omnivore's momentum compensation (SPEC §3) lowers SGD
+        """The server's rules, and Omnivore's momentum compensation (docs/protocols.md §3): SGD
         momentum, so it needs SGD.
 
         Raises:
@@ -333,7 +333,7 @@ _AUTOTUNE_SETTINGS = frozenset(
 
 
 class _Replicated(ProtocolSpec):
-    """k learners per device (Crossbow, SPEC §4): one process per device."""
+    """k learners per device (Crossbow, docs/protocols.md §4): one process per device."""
 
     replicated = True
     reads = ProtocolSpec.reads | {"replicas_per_device"} | _AUTOTUNE_SETTINGS
@@ -371,7 +371,7 @@ class _Replicated(ProtocolSpec):
 
 
 class _SMA(_Replicated):
-    """SPEC §4: Crossbow's synchronous model averaging with a central model."""
+    """docs/protocols.md §4: Crossbow's synchronous model averaging with a central model."""
 
     name = "sma"
     reads = _Replicated.reads | {"alpha", "central_momentum"}
@@ -392,7 +392,7 @@ class _SMA(_Replicated):
 
 
 class _LocalSGD(_Replicated):
-    """SPEC §5: local steps, model averaging every H iterations."""
+    """docs/protocols.md §5: local steps, model averaging every H iterations."""
 
     name = "local_sgd"
     reads = _Replicated.reads | {"average_every"}

@@ -1,6 +1,6 @@
 """Crossbow's auto-tuner of learners (replicas) per device.
 
-Rule (SPEC.md §4; Koliousis et al., "Crossbow: Scaling Deep Learning with Small Batch
+Rule (docs/protocols.md §4; Koliousis et al., "Crossbow: Scaling Deep Learning with Small Batch
 Sizes on Multi-GPU Servers", VLDB 2019, arXiv:1901.02244, §4.3): start with one learner
 per device; at every measurement interval compare the throughput with the previous one;
 if it improved by more than a threshold (10%), add one learner per device (a copy of an
@@ -8,7 +8,7 @@ existing replica), otherwise remove the last one added and stop.
 
 Two stopping rules (``rule``):
 
-* ``"crossbow"`` (default, SPEC.md §4): continue while the total throughput improves by
+* ``"crossbow"`` (default, docs/protocols.md §4): continue while the total throughput improves by
   more than ``threshold``: T(k) / T(k−1) − 1 > threshold.
 * ``"marginal"``: continue while the replica just added contributes more than
   ``threshold`` of what an average replica contributed before it:

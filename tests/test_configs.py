@@ -1,5 +1,5 @@
 """Every ready config in configs/ is valid and runs (shrunk to synthetic data here; the
-full runs on Fashion-MNIST are in the README's figures)."""
+full runs on Fashion-MNIST are on the docs' benchmarks page)."""
 
 from pathlib import Path
 

@@ -1,11 +1,11 @@
 """Synchronisation protocols as pure update rules on flat parameter vectors (sans-IO).
 
-* :class:`HardSync` — synchronous SGD / plain loop (SPEC.md §1).
+* :class:`HardSync` — synchronous SGD / plain loop (docs/protocols.md §1).
 * :class:`ParameterServer` — Rudra hardsync / n-softsync / async with staleness-dependent
-  learning rates (SPEC.md §2).
-* :class:`ComputeGroups` — Omnivore compute groups (SPEC.md §3).
-* :class:`SMA` — Crossbow synchronous model averaging (SPEC.md §4).
-* :class:`LocalSGD` — local SGD with periodic averaging (SPEC.md §5).
+  learning rates (docs/protocols.md §2).
+* :class:`ComputeGroups` — Omnivore compute groups (docs/protocols.md §3).
+* :class:`SMA` — Crossbow synchronous model averaging (docs/protocols.md §4).
+* :class:`LocalSGD` — local SGD with periodic averaging (docs/protocols.md §5).
 
 Each applies a torch.optim optimizer to one flat weight vector ``[P]`` (hardsync, the
 parameter server's and the compute groups' server) or to a replica stack ``[λ, P]`` (SMA,

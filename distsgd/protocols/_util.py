@@ -23,9 +23,9 @@ __all__ = [  # re-exported for the protocol modules
 ]
 
 STALENESS_LR = ("none", "softsync", "measured", "per_gradient")
-"""Rudra's staleness-dependent learning rates (SPEC.md §2), see :class:`ParameterServer`."""
+"""Rudra's staleness-dependent learning rates (docs/protocols.md §2); :class:`ParameterServer`."""
 SERVER_OPTIMIZERS = ("sgd", "adagrad")
-"""The parameter server's update rules (SPEC.md §2), see :class:`ParameterServer`:
+"""The parameter server's update rules (docs/protocols.md §2), see :class:`ParameterServer`:
 ``"sgd"`` is the protocol's optimizer (torch.optim.SGD, or the ``make_optimizer``
 factory's), ``"adagrad"`` Rudra's AdaGrad server."""
 
@@ -253,7 +253,7 @@ def regroup_replicas(
     alike.
 
     Growing appends to each device copies of that device's last replica (weights and
-    per-replica optimizer state: "a copy of an existing replica", Crossbow, SPEC.md §4);
+    per-replica optimizer state: "a copy of an existing replica", Crossbow, docs/protocols.md §4);
     shrinking drops each device's last replicas. Optimizer state of the stack's shape
     (SGD's momentum buffer; Adam's exp_avg and exp_avg_sq) is regrouped with the rows;
     other state (Adam's scalar ``step`` tensor, shared by all replicas) is copied as it

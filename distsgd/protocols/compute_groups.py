@@ -1,6 +1,6 @@
 """Omnivore compute groups: synchronous inside a group, asynchronous across groups.
 
-Rule (SPEC.md §3; Hadjis, Zhang, Mitliagkas, Iter, Ré, "Omnivore: An Optimizer for
+Rule (docs/protocols.md §3; Hadjis, Zhang, Mitliagkas, Iter, Ré, "Omnivore: An Optimizer for
 Multi-device Deep Learning on CPUs and GPUs", arXiv:1606.04487, compute groups). The λ
 learners form g groups of λ/g consecutive learners (group j = learners
 ``j·λ/g … (j+1)·λ/g − 1``). The workers of this protocol are the groups::
@@ -60,7 +60,7 @@ __all__ = ["ComputeGroups"]
 
 
 class ComputeGroups(AsynchronousProtocol):
-    """Omnivore compute groups over a parameter server (SPEC.md §3).
+    """Omnivore compute groups over a parameter server (docs/protocols.md §3).
 
     Workers are the groups (``num_workers == num_groups``); ``Update.clock`` holds
     ``(group, version_pulled)`` pairs.

@@ -1,6 +1,6 @@
 """Synchronous SGD (hardsync, S-SGD): one update per iteration with the mean gradient.
 
-Rule (SPEC.md §1; the synchronous baseline of Gupta, Zhang, Wang, "Model Accuracy and
+Rule (docs/protocols.md §1; the synchronous baseline of Gupta, Zhang, Wang, "Model Accuracy and
 Runtime Tradeoff in Distributed Deep Learning", ICDM 2016, arXiv:1509.04210, §3 "hardsync")::
 
     every learner l computes g_l = ∇ℓ(w; B_l) on the same weights w
@@ -51,7 +51,7 @@ __all__ = ["HardSync"]
 
 
 class HardSync(SynchronousProtocol):
-    """Hardsync / plain SGD on one shared weight vector (SPEC.md §1).
+    """Hardsync / plain SGD on one shared weight vector (docs/protocols.md §1).
 
     Args:
         initial: initial weights, shape ``[P]``, floating point (copied).

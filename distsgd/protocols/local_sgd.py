@@ -1,6 +1,6 @@
 """Local SGD: independent replica steps with periodic model averaging.
 
-Rule (SPEC.md §5; Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019,
+Rule (docs/protocols.md §5; Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019,
 arXiv:1805.09767, Algorithm 1; Lin, Stich, Patel, Jaggi, "Don't Use Large Mini-Batches,
 Use Local SGD", ICLR 2020, arXiv:1808.07217 — post-local SGD runs this after a hardsync
 phase)::
@@ -59,7 +59,7 @@ __all__ = ["LocalSGD"]
 
 
 class LocalSGD(SynchronousProtocol):
-    """Local SGD with model averaging every ``average_every`` iterations (SPEC.md §5).
+    """Local SGD with model averaging every ``average_every`` iterations (docs/protocols.md §5).
 
     Args:
         initial: initial weights, shape ``[P]``, floating point; every replica starts here.
@@ -187,7 +187,7 @@ class LocalSGD(SynchronousProtocol):
 
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
         """Change k, the replicas on each device, between iterations (Crossbow's auto-tuner,
-        SPEC.md §4): growing appends to each device copies of its last replica (weights
+        docs/protocols.md §4): growing appends to each device copies of its last replica (weights
         and optimizer state), shrinking drops each device's last replicas.
         ``num_learners`` becomes ``num_devices · k``. Called right after an averaging
         step, every replica kept or added equals the average.

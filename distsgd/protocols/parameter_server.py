@@ -1,6 +1,6 @@
 """Rudra's parameter server: hardsync, n-softsync and async SGD with staleness accounting.
 
-Rule (SPEC.md §2; Gupta, Zhang, Wang, "Model Accuracy and Runtime Tradeoff in Distributed
+Rule (docs/protocols.md §2; Gupta, Zhang, Wang, "Model Accuracy and Runtime Tradeoff in Distributed
 Deep Learning: A Systematic Study", ICDM 2016, arXiv:1509.04210, §3 synchronisation
 protocols and staleness-dependent learning rate). The server holds w and a version i
 (updates applied so far). A learner pulls (w, i), computes Δ, pushes (Δ, i_pulled)::
@@ -83,7 +83,7 @@ __all__ = ["ParameterServer"]
 
 
 class ParameterServer(AsynchronousProtocol):
-    """Rudra parameter server with n-softsync / async / hardsync (SPEC.md §2).
+    """Rudra parameter server with n-softsync / async / hardsync (docs/protocols.md §2).
 
     Workers are the learners (``num_workers == num_learners``).
 

@@ -1,6 +1,6 @@
 """Crossbow's synchronous model averaging (SMA) with hierarchical synchronisation.
 
-Rule (SPEC.md §4; Koliousis, Watcharapichat, Weidlich, Mai, Costa, Pietzuch, "Crossbow:
+Rule (docs/protocols.md §4; Koliousis, Watcharapichat, Weidlich, Mai, Costa, Pietzuch, "Crossbow:
 Scaling Deep Learning with Small Batch Sizes on Multi-GPU Servers", VLDB 2019,
 arXiv:1901.02244, Algorithm 1). λ replicas w_j, a central average model z and its
 previous value z_prev; each iteration, synchronously::
@@ -68,7 +68,7 @@ __all__ = ["SMA"]
 
 
 class SMA(SynchronousProtocol):
-    """Crossbow SMA over ``num_learners`` replicas on ``num_devices`` devices (SPEC.md §4).
+    """Crossbow SMA: ``num_learners`` replicas on ``num_devices`` devices (docs/protocols.md §4).
 
     Args:
         initial: initial weights, shape ``[P]``, floating point; every replica and z start
@@ -245,7 +245,7 @@ class SMA(SynchronousProtocol):
     def set_replicas_per_device(self, replicas_per_device: int, alpha: float | None = None) -> None:
         """Change k, the replicas on each device, at a synchronisation point.
 
-        Crossbow's auto-tuner (SPEC.md §4; Koliousis et al., VLDB 2019, §4.3) adds one
+        Crossbow's auto-tuner (docs/protocols.md §4; Koliousis et al., VLDB 2019, §4.3) adds one
         learner per device as a copy of an existing replica and removes the last one added
         when throughput stops improving. Growing appends to each device copies of its last
         replica (weights and local optimizer state); shrinking drops each device's last

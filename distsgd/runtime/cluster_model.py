@@ -60,9 +60,8 @@ class ClusterModel:
             (``cluster.allreduce_latency_s``); None: ``latency_s``.
         allreduce_bandwidth_gbps: the all-reduce's own bandwidth, Gb/s, 0 infinite
             (``cluster.allreduce_bandwidth_gbps``); None: ``bandwidth_gbps``. gloo's
-            all-reduce reduces and copies as it goes, so per byte it is not a send: on
-            loopback here 421,642 values took 0.54 ms as one send and 1.85 ms as an
-            all-reduce of two processes (``bench/results/dist/fidelity.md``).
+            all-reduce reduces and copies as it goes, so per byte it is not a send
+            (:mod:`distsgd.runtime.netcal` fits the two apart).
         t_iteration: a synchronous device's seconds per iteration beyond its gradients
             (``cluster.seconds_per_iteration``): the protocol's update of the flat weights
             and the runtime loop's own work (DDP wrapper, minibatch draw), added once per
@@ -135,7 +134,7 @@ def device_seconds(replicas: int, batch_size: int | float, cluster: ClusterModel
     gradients: ``t(1)·replica_ratio(k) + t_iteration`` with measured ``replica_ratios``,
     else ``t(1) + (k − 1)·t_replica + t_iteration``, with
     ``t(1) = t_batch + b·t_sample`` (the simulated runtime's
-    :meth:`~distsgd.runtime.sim.DeviceProfile.device_seconds`; Crossbow, SPEC §4);
+    :meth:`~distsgd.runtime.sim.DeviceProfile.device_seconds`; Crossbow, docs/protocols.md §4);
     k = 1 is :func:`compute_seconds` plus ``t_iteration``."""
     t1 = compute_seconds(batch_size, cluster)
     if cluster.replica_ratios:

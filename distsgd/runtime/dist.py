@@ -1,7 +1,7 @@
 """The ``dist`` runtime: every protocol on real processes through torch.distributed (c10d).
 
-The same protocol objects as the simulated cluster run here (DESIGN.md, Runtimes); only
-the transport differs. Rank layout and rules (SPEC.md §1–§5):
+The same protocol objects as the simulated cluster run here (docs/real-processes.md); only
+the transport differs. Rank layout and rules (docs/protocols.md §1–§5):
 
 * synchronous protocols (:class:`~distsgd.protocols.SynchronousProtocol`) run in lock
   step and carry out the all-reduce each iteration names
@@ -499,7 +499,7 @@ def _ddp(engine: GradientEngine) -> DistributedDataParallel:
 def device_protocol(cfg: RunConfig, replicas: int, initial: Tensor) -> SynchronousProtocol:
     """The synchronous protocol object of one device (a rank of the dist runtime, a
     drop-in process) holding ``replicas`` of ``cfg``'s learners, starting from ``initial``
-    ``[P]``; SMA's α = 0 still means 1 / (all learners of all devices) (SPEC §4), not
+    ``[P]``; SMA's α = 0 still means 1 / (all learners of all devices) (docs/protocols.md §4), not
     1 / ``replicas``."""
     p = cfg.protocol
     local = cfg.replace(

@@ -233,7 +233,7 @@ def _cached_device(
         + (f"; measured now and added to it: {', '.join(added)}" if added else ""),
         file=sys.stderr,
     )
-    warn_spread(prof, path)  # every run that uses it (a user's review: only the first said)
+    warn_spread(prof, path)  # every run that uses it, not only the one that measured it
     return prof
 
 

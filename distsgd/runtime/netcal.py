@@ -20,9 +20,8 @@ thread each. For each message size
   one message is half the round trip;
 * all-reduce (sum) of the same buffer by both ranks, after a barrier and ``compute_s``
   (10 ms) of matrix products on each rank: a synchronous iteration's all-reduce follows
-  its gradient's computation, and after it the same all-reduce of 421,642 values took
-  1.8–3.1 ms on this machine where back to back it took 1.2–1.85 ms (gloo's threads and
-  the caches are cold; the DDP hardsync runs waited ~3 ms per iteration in it); each
+  its gradient's computation, and after it an all-reduce takes longer than back to back
+  (gloo's threads and the caches are cold, as in a training loop); each
   repeat counts the rank that arrived last (the shorter of the two times: the earlier
   rank's also holds its wait for the other), the figure is their median.
 
@@ -32,10 +31,8 @@ a buffer of B = 32 P bits gives one row of a linear least-squares problem in
 ``(latency_s, 1 / bandwidth)``: a message ``t = latency_s + B / bw``, an all-reduce over
 m = 2 ``t = 2 latency_s + B / bw``. The messages and the all-reduces are fitted apart
 (``cluster.allreduce_latency_s`` / ``allreduce_bandwidth_gbps``): gloo's all-reduce
-reduces and copies as it goes, and on loopback here it took 3.4× a send of the same
-421,642 values (1.85 vs 0.54 ms), which one shared bandwidth cannot fit (it predicted
-1.21 ms for that all-reduce, and the synchronous rows' seconds per iteration were
-under-predicted). Negative solutions are clipped (latency to 0, bandwidth to infinity,
+reduces and copies as it goes, so per byte it costs several sends, which one shared
+bandwidth cannot fit (docs/benchmarks.md). Negative solutions are clipped (latency to 0, bandwidth to infinity,
 i.e. ``bandwidth_gbps = 0``).
 """
 
@@ -165,8 +162,8 @@ def _worker(
     rank = dist.get_rank()
     other = 1 - rank
     # products of 512 × 512 floats (3 MB in use, as a small model's gradient): the
-    # all-reduce then finds the caches cold, as after a gradient; after 128 × 128 products
-    # (200 KB) the 421,642-value all-reduce took 1.22 ms here, after these 1.6–2.2 ms
+    # all-reduce then finds the caches cold, as after a gradient (after 128 × 128
+    # products, 200 KB, the caches stay warm and it looks faster than in training)
     a = torch.randn(512, 512)
     out: list[dict[str, Any]] = []
     try:

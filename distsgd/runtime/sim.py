@@ -3,7 +3,7 @@
 Every learner has a device profile (seconds per minibatch) and every message crosses a
 network with a latency and a bandwidth. Gradients are real: each is computed with the
 model on the learner's own minibatch at the weights that learner actually holds, so
-staleness arises from timing exactly as it would on a cluster (DESIGN.md, Runtimes).
+staleness arises from timing exactly as it would on a cluster (docs/simulated-cluster.md).
 
 Timing model (all in virtual seconds):
 
@@ -234,7 +234,7 @@ def calibrate_server(
     statistic: Callable[[list[float]], float] = statistics.median,
 ) -> float:
     """Seconds the parameter server works on one push on this machine: the protocol's
-    :meth:`~AsynchronousProtocol.push` (buffer or apply the update, SPEC §2–3) and the
+    :meth:`~AsynchronousProtocol.push` (buffer or apply it, docs/protocols.md §2–3) and the
     copy of the weights for the reply (:meth:`~AsynchronousProtocol.pull`), as the server
     process does between receiving a gradient and sending the weights back (the messages
     themselves are charged by the network model). Workers push in turn, so a barrier or

@@ -256,7 +256,7 @@ class Context:
         bn_data: Iterable[Any] | None = None,
     ) -> ServeResult:
         """Server rank: apply the learners' pushes in arrival order until every learner
-        has left (Rudra's parameter server, SPEC.md §2, or Omnivore's compute groups, §3:
+        has left (Rudra's parameter server, docs/protocols.md §2, or Omnivore's groups, §3:
         the same protocol object and c10d transport as ``distsgd train``).
 
         The protocol (``protocol.mode``/``softsync``/``staleness_lr``/

@@ -1,5 +1,5 @@
 """Flat vectors of a list of tensors, and back: the communication helpers of the drop-in
-(one contiguous buffer per collective or push, DESIGN.md performance notes)."""
+(one contiguous buffer per collective or push, no per-parameter loop)."""
 
 from __future__ import annotations
 

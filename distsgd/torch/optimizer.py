@@ -27,7 +27,7 @@ __all__ = ["DistributedOptimizer"]
 class DistributedOptimizer:
     """Wraps the user's ``torch.optim`` optimizer so that ``step()`` runs the protocol.
 
-    Rules per ``ctx.protocol`` (SPEC.md; W learner ranks, γ the optimizer's current
+    Rules per ``ctx.protocol`` (docs/protocols.md; W learner ranks, γ the optimizer's current
     ``lr`` of its first param group, P the parameters' total size):
 
     * ``hardsync`` (§1): the gradients are mean-all-reduced, then the user's optimizer

@@ -29,7 +29,8 @@ class Sampler(torch.utils.data.Sampler[int]):
             ``num_learners`` and ``learner`` given.
         batch_size: b, the DataLoader's batch size (the shard is cut in steps of λ·b).
         seed: base seed of the permutations (default: the context's ``seed``, else 0).
-        num_learners, learner: λ and l without a context.
+        num_learners: λ, without a context.
+        learner: l, this learner's index in ``[0, λ)``, without a context.
 
     Raises:
         ValueError: a server rank's context (it draws no data), a count that is not a

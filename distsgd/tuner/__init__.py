@@ -1,4 +1,4 @@
-"""The tuner: Omnivore's optimizer and its performance model (SPEC.md §3), ``distsgd tune``.
+"""The tuner: Omnivore's optimizer, its performance model (docs/protocols.md §3), ``distsgd tune``.
 
 * :mod:`distsgd.tuner.perf_model` — time to accuracy = HE × SE, pure numerics (numpy);
 * :mod:`distsgd.tuner.omnivore` — the search: cold start, pruning, HE rule, steady state,

@@ -1,7 +1,7 @@
-"""Omnivore's optimizer and the joint search beyond it (SPEC.md §3).
+"""Omnivore's optimizer and the joint search beyond it (docs/protocols.md §3).
 
 The search of Omnivore's public optimizer (Hadjis, Zhang, Mitliagkas, Iter, Ré,
-arXiv:1606.04487, §4 "optimizer"), as SPEC.md §3 states it:
+arXiv:1606.04487, §4 "optimizer"), as docs/protocols.md §3 states it:
 
 * **Cold start** (:meth:`OmnivoreSearch.cold_start`): group counts g = 1, 2, 4, … (g
   divides λ, up to ``tune.max_groups``). At g = 1 probe μ = 0.9 with every η of
@@ -23,7 +23,7 @@ arXiv:1606.04487, §4 "optimizer"), as SPEC.md §3 states it:
   The incumbent (whose long run made the snapshot) is probed first and never pruned; when
   it could not be probed it is kept, since nothing can be compared with it.
 
-Choices where the paper is silent: g = 1 is probed as ``hardsync`` (all-reduce, SPEC §1;
+Choices where the paper is silent: g = 1 is probed as ``hardsync`` (docs/protocols.md §1;
 it equals compute groups with g = 1); across group counts the lowest score wins and ties
 within the buffer prefer fewer groups (less asynchrony); the steady state's tie buffer is
 the same setting as the cold start's.
@@ -193,10 +193,9 @@ class ProbeResult:
         or more than :data:`EXPLODED_FACTOR` times ``reference`` (nats; default the
         chain's first loss, the loss at the snapshot it started from; ``distsgd train
         --tune`` gives the initial model's, so that a probe from a well-trained snapshot
-        is not judged against its tiny loss). Such a probe is pruned as a NaN is (issue
-        18, found by a user's review: η = 10 scored 1.6e26 after its first rung and counted
-        as stable, so it won a cold start of η ∈ {10, 5} and set the rate ceiling of the
-        steady state). Returns whether the probe is diverged now."""
+        is not judged against its tiny loss). Such a probe is pruned as a NaN is: a loss
+        of 1e26 must not count as stable, win a cold start and set the rate ceiling of the
+        steady state. Returns whether the probe is diverged now."""
         chain = self.earlier_losses + self.losses
         if self.diverged or not chain:
             return self.diverged
@@ -335,7 +334,7 @@ def cold_start_grid(
 
     Returns:
         (grid, pruned) where pruned lists ((η, μ), reason) for the structural pruning
-        rules of SPEC.md §3 (NaN pruning happens while probing).
+        rules of docs/protocols.md §3 (NaN pruning happens while probing).
     """
     if g == 1 or prev is None:
         grid = [(lr, settings.cold_momentum) for lr in sorted(settings.lrs, reverse=True)]
@@ -410,7 +409,7 @@ def pair_scores(results: list[ProbeResult]) -> int:
 
 def pick_best(results: list[ProbeResult], tie_buffer: float) -> ProbeResult | None:
     """The lowest score; scores within ``tie_buffer`` (relative) of it tie, and ties
-    prefer larger η, then larger μ (SPEC.md §3). None if every probe diverged."""
+    prefer larger η, then larger μ (docs/protocols.md §3). None if every probe diverged."""
     ok = [r for r in results if not math.isnan(r.score)]
     if not ok:
         return None
@@ -438,7 +437,7 @@ class OmnivoreSearch:
         stop_descending: at g = 1, stop going down the η grid once a probe scores worse
             than the larger η before it by more than ``tie_buffer`` (the score taken as
             unimodal in log η; :func:`worse_than_above`). For ``--tune``, whose probes
-            are paid by the run; the offline search probes the whole grid (SPEC.md §3).
+            are paid by the run; the offline search probes the whole grid (docs/protocols.md §3).
     """
 
     def __init__(
@@ -686,9 +685,8 @@ class OmnivoreSearch:
 def skip_unfit(cands: list[Candidate], num_train: int, log: DecisionLog) -> list[Candidate]:
     """``cands`` whose iteration fits in ``num_train`` training samples: λ·b samples (λ the
     candidate's learners, for SMA devices × k), which a run refuses above the training
-    set's size; the others are left out with one ``joint`` decision (a user's review: a
-    ``tune.batch_sizes`` entry of 2000 with λ = 2 on 3000 samples ended ``--tune`` with
-    that error mid-search, and ``--resume`` replayed it)."""
+    set's size; the others are left out with one ``joint`` decision (rather than ending
+    the search with that error, which ``--resume`` would replay)."""
     too_big = [c for c in cands if c.num_learners * c.batch_size > num_train]
     if too_big:
         log(
@@ -712,7 +710,7 @@ def joint_candidates(
       (n = λ is compute groups with g = λ), with the chosen η and μ and Rudra's α0/n rule;
     * SMA with k ∈ {2, 4} replicas per device on the same λ devices (λ·k learners), at
       batch sizes <= b, with η of g = 1, no replica momentum and the central model's
-      Polyak momentum μ_z (Crossbow, SPEC §4).
+      Polyak momentum μ_z (Crossbow, docs/protocols.md §4).
 
     Asynchronous candidates (compute groups, n-softsync) at or above an (η, μ) that gave
     NaN at the same kind (:func:`nan_applies`) are left out, as in the cold start.

@@ -1,114 +1,27 @@
 """``distsgd train CONFIG --tune``: Omnivore's optimizer inside the training run.
 
-Omnivore (Hadjis et al., arXiv:1606.04487, §4 "optimizer") tunes while it trains: a short
-cold start from the initial model, training with the winner, re-optimisation from the
-current model at steady state; its speed-ups are end to end, optimizer time included.
-:class:`OnlineTune` is that, on the ``sim`` and ``dist`` runtimes (issue 18):
+Omnivore (Hadjis et al., arXiv:1606.04487, §4 "optimizer"; docs/protocols.md §3) tunes
+while it trains; :class:`OnlineTune` does so on the ``sim`` and ``dist`` runtimes, each
+probe an ordinary run (``probes/NNN-…``) that ends with a full checkpoint:
 
-1. **Cold start** from the initial model: Omnivore's grid (groups g, η, μ;
-   :class:`~distsgd.tuner.omnivore.OmnivoreSearch` with its pruning and HE rule; at g = 1
-   the descent through η stops once a probe scores worse than the larger η before it,
-   ``stop_descending``) by successive halving (below), then the joint search's best
-   ``tune.extra_probes`` (protocol family, batch) where the layout allows, each to the
-   full probe length against the grid's winner (a hardsync one that differs from it only
-   in batch and η continues its first rung, ``probes/NNN-joint-…``:
-   :meth:`OnlineTune._branch_point`), a leader confirmed at twice it
-   (:meth:`OnlineTune.cold_start`). Every
-   probe is an ordinary run
-   (``probes/NNN-…``) that ends with a full checkpoint (weights, momentum, protocol
-   state, data position, clocks).
-2. **The winner continues as the run**: its probe's checkpoint is resumed
-   (:meth:`Trainer.run(resume=True) <distsgd.trainer.Trainer.run>`, exact) with the run's
-   own stop rule and evaluations, so the samples it trained count towards the run.
-3. **Steady state**: every ``tune.check_epochs`` epochs (default ¼; at each multiple
-   since the run's start) :func:`~distsgd.plateau.steady_state_due` decides from the
-   evaluations recorded so far (never a later one) whether the training loss has
-   flattened over that span. The run checks it
-   itself (:attr:`RunOptions.steady_check_samples <distsgd.control.RunOptions>`,
-   :mod:`distsgd.plateau`): a segment (``train/NN-…``) is one launch that trains until
-   the first check where the rule is due (``stop_reason = "steady_state"``) or the run
-   ends; each check the run reports (:class:`~distsgd.control.RunObserver`) is a decision
-   (``keep training`` / ``re-optimise``).
-   At a due check every (μ, η) of ``tune.momenta`` × {η, η/10} (the incumbent first; a
-   lower effective rate only from the top decade of stable rates; on hardsync one (η, μ)
-   per effective rate, a decade down at most: :func:`steady_grid`) is probed from the
-   segment's checkpoint, and the best (:func:`pick_best`; ranked at the first rung with
-   ``tune.steady_promote`` = 1) continues. A round's probes share the snapshot and the
-   layout, so they draw the same minibatches in the same order: each is scored by its
-   mean training loss over the iterations all of them trained
-   (:func:`~distsgd.tuner.omnivore.pair_scores`, a paired comparison), not its own last
-   ``tune.score_window`` (in the 38 rounds of ``bench/tune_online_vs_ddp.py`` on record
-   that window kept the incumbent's η 5 times, the paired mean stepped to η/10 in every
-   one; a b = 32 run that kept η 0.05 in both its rounds trained to 300,032 samples,
-   runs of its seed that stepped at the first to 105,024; a departure from SPEC §3's
-   last-10 score, which the cold start keeps: at a due check the loss is flat by the
-   rule's premise, so the span's mean estimates the same level with less noise); after ``tune.steady_rounds`` (default 2)
-   re-optimisations one segment trains to the end without checks. The checks, their
-   decisions and the stop points are those of segments of ``tune.check_epochs`` each,
-   each a launch (issue 18), and the same training, bit for bit (a resumed checkpoint
-   continues exactly), without a relaunch for a check that keeps training. A check reads
-   the training loss only: its evaluation scores the ``train.eval_samples`` subset as any
-   other (it scored the whole test set, as a launched segment's last evaluation did:
-   1.1-1.5 s more per check on Fashion-MNIST). Where a time limit and a check fall on
-   the same evaluation the time limit ends the run (the segments checked there first,
-   then trained on beyond it).
+1. **Cold start** (:meth:`OnlineTune.cold_start`): Omnivore's grid
+   (:class:`~distsgd.tuner.omnivore.OmnivoreSearch`) by successive halving (Jamieson &
+   Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR 2018), then the joint search's best
+   ``tune.extra_probes``, a leader confirmed at twice the probe length.
+2. **The winner continues as the run**: its checkpoint is resumed exactly, so its samples
+   count.
+3. **Steady state**: every ``tune.check_epochs`` the run checks
+   (:func:`~distsgd.plateau.steady_state_due`) whether the training loss has flattened; at
+   a due check it probes :func:`steady_grid` from the segment's checkpoint, scores the
+   round's probes by :func:`~distsgd.tuner.omnivore.pair_scores` and continues with the
+   best, at most ``tune.steady_rounds`` times.
 
-**Probe length rule.** With a time budget T on the runtime's clock (``train.
-max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real processes; also the seconds
-of ``train.max_epochs`` / ``max_samples`` at hardsync's rate on the cluster model of the
-run's device profile, on real processes a prediction of their wall, so that the probes
-cannot use up a run limited by samples), a probe lasts
-``min(tune.probe_seconds, PROBE_SHARE · T / n)`` with n = :func:`planned_probes` the
-cold start's planned work in probes of full length; without one, ``tune.probe_seconds``.
-**Successive halving** (Jamieson & Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR
-2018) in the cold start's Omnivore grid and every steady-state round: each probe runs a
-first rung of ``tune.first_rung`` · that length, the ``tune.promote`` (steady state:
-``tune.steady_promote``; 1: none, the best first rung continues as the run) best, and in
-the cold start the next larger η than the best at g = 1 where they leave it out (short
-probes prefer smaller η: :func:`~distsgd.tuner.omnivore.next_larger_lr`), continue from
-their own checkpoints to the full length (``probes/NNN-cold2-…`` / ``NNN-steady2-…``,
-whose decision names the first rung in ``continues``) and the best of those continues as
-the run. A joint probe (full length, after the grid's halving) that beats the grid's
-winner by more than ``tune.tie_buffer`` is confirmed: both continue to twice the length
-(``NNN-cold3-…``; short probes favour a smaller batch) and the better there continues. So
-n = :func:`planned_probes` = m · r + min(promote + 1, m) · (1 − r) + e with m =
-``len(tune.lrs)``, e = ``tune.extra_probes`` and r = ``tune.first_rung`` (r = 1: no
-second rung and no confirmation, n = m + e; a joint probe that continues the winner's
-first rung costs 1 − r of its 1); it leaves out the grids of g ≥ 2 and a
-confirmation, so the cold start can take more than ``PROBE_SHARE · T``. The continued chain
-(first rung, second rung, segment) trains exactly as one run would, so only the probes
-that did not continue are overhead.
-**Too small a budget**: when that is below ``MIN_PROBE_FRACTION · tune.probe_seconds``,
-probes last ``MIN_PROBE_FRACTION · tune.probe_seconds`` (at most ``PROBE_SHARE · T``,
-with no second rung) and the cold start runs only as
-many as ``PROBE_SHARE · T`` holds (at least one), largest η first; the run says so before
-it starts (a decision and a warning line) and trains with the best of them to the end,
-with no steady-state round (a round would cost more than the whole budget).
-
-**Time counted from the run's start.** ``summary.json`` of the run directory is the last
-segment's, with ``time_to_target_s`` = wall seconds from the start of ``--tune`` (setup
-and every probe included) to the evaluation that reached the target;
-``time_to_target_virtual_s`` (``sim``) = the continued chain's simulated seconds plus
-those of every probe that did not continue; ``tuning_wall_s`` = ``total_wall_s`` less the
-segments' wall (setup and all probes; after a resume also each session's setup and what
-the interruption lost), ``tuning_share`` = ``tuning_wall_s`` / ``total_wall_s``. The clock
-goes on across a resume: each session's end is kept in ``tune_clock.json``, and the next
-one starts from it (a session killed without a chance to write it counts up to its last
-completed probe or segment). Each ``metrics.jsonl`` record
-gets ``total_wall_s`` (and on ``sim`` ``total_virtual_s``) on the same clock.
-
-**Real processes.** On ``dist`` every probe and segment runs on one
-:class:`~distsgd.launch.RankPool`: the ranks start once for the whole run and train each
-probe and segment as a fresh launch would (a fresh process group each), so a probe costs
-no process start (4–6 s a launch on 2 cores: interpreter, ``import torch``, the data, the
-first ``torch.optim.SGD``'s import of ``torch._dynamo``). A probe or segment that fails
-ends the pool's ranks; the next one starts fresh ranks.
-
-**Resume** (``distsgd train --resume RUN``): the procedure is replayed; a probe or
-segment whose run directory completed is read back instead of run again, one cut short
-is run again. On ``sim`` every measurement is simulated, so the decisions are the same;
-on ``dist`` the decisions up to the interrupted probe are the recorded ones, that probe
-and later ones are measured again on the wall clock and may differ.
+A probe lasts ``min(tune.probe_seconds, PROBE_SHARE · T / n)`` for a time budget T and
+n = :func:`planned_probes`, at least ``MIN_PROBE_FRACTION · tune.probe_seconds``. The time
+to the target counts from the run's start, every probe included; on ``dist`` every probe
+and segment runs on one :class:`~distsgd.launch.RankPool`. ``distsgd train --resume``
+replays the procedure, reading back what completed. What each step does, what it costs
+and what ``summary.json`` and ``decisions.jsonl`` hold: docs/tuning.md.
 """
 
 from __future__ import annotations
@@ -207,13 +120,10 @@ def steady_grid(
     not diverge.
 
     Why the floor: the round ranks its probes by their loss a few seconds on, and a lower
-    rate always wins that race (short-horizon bias, Wu et al., ICLR 2018). A step from a
-    rate already a decade below the highest stable one stalled ``--tune`` short of its
-    target: on ``bench/tune_online_vs_ddp.py``'s job (seed 1, cold start η 0.01, μ 0.9 of
-    a grid whose highest stable rate was 1.0) two rounds took the effective rate to 0.01
-    and the run stayed at 0.87-0.895 test accuracy for 10 epochs; one step from 0.5 or 1.0
-    gained most (``bench/results/tune_online/check_epochs.md``, ``step_bound.md``). Omnivore's
-    η grid is in decades: the floor keeps the run in the top two.
+    rate always wins that race (short-horizon bias, Wu et al., ICLR 2018), and a step from
+    a rate already a decade below the highest stable one can stall the run short of its
+    target (docs/benchmarks.md). Omnivore's η grid is in decades: the floor keeps the run
+    in the top two.
 
     ``one_per_rate`` (synchronous SGD, no implicit momentum): one (η, μ) per effective
     rate, the first in the order above (the incumbent's μ, else the larger μ), and no rate
@@ -413,8 +323,8 @@ class OnlineTune:
         seconds of the run's sample budget (``train.max_epochs`` / ``max_samples``) at
         hardsync's rate on the cluster model of the run's device profile (on real
         processes a prediction of their wall seconds), so the probes cannot use up a run
-        limited by samples (issue 18: the winning probe trained all 3 epochs and the run
-        continued for none; on ``dist`` too, found by a fresh-user review)."""
+        limited by samples (a winning probe must not train the whole sample budget and
+        leave the run nothing to continue)."""
         t = self.cfg.train
         budget = t.max_virtual_seconds if self.simulated else t.max_seconds
         samples = [int(math.ceil(t.max_epochs * self.num_train))] if t.max_epochs else []
@@ -650,12 +560,9 @@ class OnlineTune:
         scored over their chains' last losses; returns (the joint's, the grid's).
 
         From the initial model a smaller batch leads short probes (more updates in the
-        same time) and the run then pays its lower samples per second: on
-        ``bench/tune_online_vs_ddp.py`` a b = 32 joint probe beat the b = 64 grid winner
-        at 2 s in 6 of 12 cold starts and those runs took 1.18x DDP's wall on average
-        (1.03x for the other 6), while at 4 s it had won 3 of 18. The grid's chain
-        continues as the run if it wins, so the confirmation costs only the loser's
-        extra length."""
+        same time) and the run then pays its lower samples per second (docs/benchmarks.md).
+        The grid's chain continues as the run if it wins, so the confirmation costs only
+        the loser's extra length."""
         until = 2 * self.probe_s
         out = []
         for r in (joint, grid):
@@ -684,9 +591,8 @@ class OnlineTune:
 
         The joint probes are left out of the halving: from the initial model a smaller
         batch leads a short first rung (more updates in the same time) and loses at the
-        full length (the b = 32 probe of ``bench/tune_online_vs_ddp.py`` was promoted in
-        all 18 cold starts on record and won 3), and its η comes from the grid's winner
-        after its second rung rather than from its noisier first rung."""
+        full length, and its η comes from the grid's winner after its second rung rather
+        than from its noisier first rung."""
         search = OmnivoreSearch(
             self.chains.probe,
             self.settings,
@@ -727,9 +633,8 @@ class OnlineTune:
                 best = better
         results = search.results + second + third
         self._count_overhead(results, best)
-        # per layout: a rate at another batch is not one at this batch (users' reviews: a
-        # losing b = 100 joint probe at η scaled 12.5x took the b = 8 run's steady-state
-        # rounds away, and, compared per sample, a losing b = 8 probe those of a b = 64 run)
+        # per layout: a rate at another batch is not one at this batch (a losing joint
+        # probe at another batch, its η scaled, must not set this run's ceiling)
         self.rate_ceilings: dict[pm.Layout, float] = {}
         for r in (r for r in results if not r.diverged):
             key, rate = r.candidate.layout(), effective_rate(r.candidate.lr, r.candidate.momentum)
@@ -808,10 +713,9 @@ class OnlineTune:
         state: :func:`_set_batch`). None: ``cand`` starts from the initial model.
 
         From a common snapshot the two compare at the same clock as from the start, and
-        the first rung's seconds are not trained again (on ``bench/tune_online_vs_ddp.py``
-        a joint probe from the initial model cost 2 of the cold start's 5 training s);
-        a smaller batch's lead over the first seconds from the initial model (more
-        updates) is also left out of the comparison."""
+        the first rung's seconds are not trained again; a smaller batch's lead over the
+        first seconds from the initial model (more updates) is also left out of the
+        comparison."""
         if best.run_dir not in self.chains.first_rung:
             return None  # no halving: best is a full-length first rung
         root = self.chains.chain(best)[-1]
@@ -830,7 +734,7 @@ class OnlineTune:
         return max(own, self.rate_ceilings.get(current.layout(), own))
 
     def _steady_grid(self, current: Candidate) -> list[tuple[float, float]]:
-        # hardsync only: compute groups add asynchrony's implicit momentum (SPEC.md §3),
+        # hardsync only: compute groups add asynchrony's implicit momentum (docs/protocols.md §3),
         # so one explicit η / (1 − μ) is not one rate there
         return steady_grid(
             current.lr,
@@ -1066,8 +970,8 @@ def train_tuned(
         if not is_tuning_run(out_dir):
             raise ConfigError(f"cannot resume: {out_dir} does not hold a run of --tune")
         done = Path(out_dir) / "summary.json"  # written when the run ended
-        if done.exists():  # nothing to resume: its summary as it is (a user's review: a
-            return json.loads(done.read_text())  # resume added its setup to the walls)
+        if done.exists():  # nothing to resume: its summary as it is (a resume would add
+            return json.loads(done.read_text())  # its setup to the walls)
         config = RunConfig.from_toml(Path(out_dir) / STATE_FILE)
     elif config is None:
         raise ConfigError("distsgd train --tune needs a config (or resume=RUN_DIR)")

@@ -1,6 +1,6 @@
 """The tuner's performance model: time to accuracy = HE × SE (pure numerics, numpy only).
 
-Omnivore (Hadjis, Zhang, Mitliagkas, Iter, Ré, arXiv:1606.04487, SPEC.md §3) splits the
+Omnivore (Hadjis, Zhang, Mitliagkas, Iter, Ré, arXiv:1606.04487, docs/protocols.md §3) splits the
 time a configuration needs to reach a target accuracy into
 
 * **hardware efficiency** HE — seconds per iteration (one update of the central model),
@@ -73,7 +73,7 @@ FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")
 
 @dataclass(frozen=True)
 class Layout:
-    """A protocol family and its layout (SPEC.md notation).
+    """A protocol family and its layout (docs/protocols.md notation).
 
     Attributes:
         family: ``hardsync`` (§1), ``compute_groups`` (§3, g groups), ``softsync`` (§2,
@@ -127,18 +127,18 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
     J(m) the straggler factor:
 
     * hardsync: ``J(λ)·(t_c + t_iteration) + AR(λ)`` (every learner, then one
-      all-reduce; SPEC §1; ``t_iteration``: its update of the weights and loop work);
+      all-reduce; docs/protocols.md §1; ``t_iteration``: its update of the weights and loop work);
     * SMA, k replicas per device: ``J(λ/k)·D(k) + AR(λ/k)`` with the device time
       ``D(k)`` of :func:`device_seconds` (t(1) times the measured t(k)/t(1), or
       ``t_batch + b·t_sample + (k − 1)·t_replica``, plus ``t_iteration``; a
       device computes its k learners as one batched computation; devices all-reduce
-      their corrections; Crossbow, SPEC §4);
+      their corrections; Crossbow, docs/protocols.md §4);
     * compute groups: a group's cycle is ``2m + J(λ/g)·t_c + AR(λ/g) + t_server`` (the
       server's work on its push before the reply) and the g groups run
       concurrently, so ``max(cycle / g, t_server)``: HE falls about as ``1/g`` until the
-      parameter server saturates at ``t_server`` per push (Omnivore, SPEC §3);
+      parameter server saturates at ``t_server`` per push (Omnivore, docs/protocols.md §3);
     * n-softsync: every learner cycles in ``2m + t_c + t_server``; λ pushes per cycle and c = λ/n
-      pushes per update give ``max(cycle / n, c·t_server)`` (Rudra, SPEC §2).
+      pushes per update give ``max(cycle / n, c·t_server)`` (Rudra, docs/protocols.md §2).
 
     With ``cluster.cores`` > 0 (every process on one machine) t_c, D(k) and t_server are
     stretched by :func:`~distsgd.runtime.cluster_model.core_stretch` of the busy

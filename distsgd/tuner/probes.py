@@ -127,7 +127,7 @@ def check_runtime(runtime: str) -> None:
 
 def check_optimizer_searchable(cfg: RunConfig) -> None:
     """Raise ConfigError when the base config names what the tuner would silently replace:
-    an ``optimizer.name`` other than ``"sgd"`` (Omnivore's search, SPEC §3, and the joint
+    an ``optimizer.name`` other than ``"sgd"`` (Omnivore's search, docs/protocols.md §3, and joint
     search probe SGD's η × μ grids) or a torch scheduler in ``schedule.kind`` (the plan
     sets the schedule: η constant, or one step the tuner searches)."""
     if not cfg.optimizer.is_sgd:
@@ -152,7 +152,7 @@ def candidate_config(base: RunConfig, cand: Candidate) -> RunConfig:
     with g groups and Rudra's α0/n learning-rate rule off (momentum is what Omnivore
     tunes); ``softsync`` → ``parameter_server`` in n-softsync with ``staleness_lr =
     softsync`` (α0/n); ``sma`` → ``sma`` with k replicas per device and ``alpha = 0``,
-    which the config reads as α = 1/λ over all λ learners (SPEC §4).
+    which the config reads as α = 1/λ over all λ learners (docs/protocols.md §4).
     """
     p = base.protocol
     common = {

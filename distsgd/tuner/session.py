@@ -1,4 +1,4 @@
-"""One ``distsgd tune`` as a session of phases (SPEC.md §3; README "distsgd tune").
+"""One ``distsgd tune`` as a session of phases (docs/protocols.md §3; docs/tuning.md).
 
 :class:`TuneSession` runs the phases in order, one method each; every decision goes to
 ``decisions.jsonl`` with its reason, and what a phase finds goes into the session's
@@ -557,11 +557,11 @@ class TuneSession:
                 f"output directory {str(out)!r} already holds a tune; choose another --out"
             )
         if (out / "summary.json").exists() or (out / "checkpoint.pt").exists():
-            raise ConfigError(  # a user's review: the tune wrote beside a run's checkpoint
+            raise ConfigError(  # a tune must not write beside a run's checkpoint
                 f"output directory {str(out)!r} already holds a training run; choose another --out"
             )
         inside = enclosing_tuner_dir(out)
-        if inside is not None:  # a fresh-user review: a tune wrote into another's probes/
+        if inside is not None:  # nor into another tuner's probes/
             raise ConfigError(
                 f"--out {str(out)!r} is not allowed: it is inside the tuner's directory "
                 f"{str(inside)!r} (its probes and segments); choose another --out"

@@ -1,4 +1,4 @@
-"""Where the plan steps its learning rate (beyond Omnivore; README "Where to step η").
+"""Where the plan steps its learning rate (beyond Omnivore; docs/tuning.md, step 5).
 
 Omnivore's steady state steps η wherever the long run happened to end, a point set by the
 budget. The tuner instead tries a run at the lower η from several of the long run's

@@ -1,7 +1,7 @@
 """``distsgd tune``: find the configuration that reaches the target accuracy soonest.
 
 :func:`tune` runs the phases of a :class:`~distsgd.tuner.session.TuneSession` in order
-(SPEC.md §3; every decision goes to ``decisions.jsonl`` with its reason): setup, Omnivore's
+(docs/protocols.md §3; each decision goes to ``decisions.jsonl`` with why): setup, Omnivore's
 cold start, the joint search beyond Omnivore, the long run of the best configuration,
 Omnivore's steady state, where to step the learning rate
 (:mod:`~distsgd.tuner.step_search`), the plan and its predicted time to accuracy HE · SE

@@ -13,9 +13,9 @@ and *every* rank of the default process group must call :func:`run_server` or
 :func:`run_learner` (they first create the point-to-point process groups, collectively).
 
 Roles (Rudra: Gupta, Zhang, Wang, ICDM 2016, arXiv:1509.04210, parameter server and
-learners; SPEC.md §2). ``PSLayout.worker_groups[w]`` are the learner ranks of protocol
+learners; docs/protocols.md §2). ``PSLayout.worker_groups[w]`` are the learner ranks of protocol
 worker ``w``. With one rank each it is a learner of the parameter server; with several it
-is an Omnivore compute group (Hadjis et al., arXiv:1606.04487; SPEC.md §3): every member
+is an Omnivore compute group (Hadjis et al., arXiv:1606.04487; docs/protocols.md §3): every member
 computes a gradient on the same pulled weights, the gradients are mean-all-reduced in the
 group's process subgroup (synchronous inside the group), and only the leader (``[0]``)
 talks to the server(s); it broadcasts the pulled weights to the members.
@@ -30,7 +30,7 @@ the barrier get LAST (their push was applied). A learner therefore computes one 
 more than was applied. Which server versions were pulled, and when, is all the protocol
 needs: staleness σ = version applied to − version pulled.
 
-Sharding (Rudra-adv, ICDM 2016; SPEC.md §2). With S server ranks, shard ``k`` owns the
+Sharding (Rudra-adv, ICDM 2016; docs/protocols.md §2). With S server ranks, shard ``k`` owns the
 slice ``shard_bounds(P, S)[k]`` of the flat parameters and runs its own protocol object
 built on that slice; ``server_ranks[0]`` is the coordinator (``on_push``, stop, central
 weights). A leader pushes the slices *in shard order*, each after the previous shard's
@@ -82,12 +82,12 @@ closure"). One group per pair confines a timeout to the silent learner's channel
 server waits for each leader in a thread (one blocking receive at a time, armed after
 each reply) that hands messages to the server loop through a queue.
 
-Faults (issue 4; Rudra ICDM 2016: under async and n-softsync the server never waits for a
+Faults (Rudra, ICDM 2016: under async and n-softsync the server never waits for a
 particular learner, under hardsync it waits for all λ; Omnivore: a group is synchronous
 inside, so it stands or falls as one):
 
 * A leader whose process dies is seen at once: its TCP connection closes and the pending
-  receive fails (measured: 0.03 s after SIGKILL). A leader silent for ``timeout_s`` after
+  receive fails. A leader silent for ``timeout_s`` after
   the server's last reply to it is lost too (its channel closes, so if it wakes up its
   next push fails and it raises :class:`ServerLost`). Without a barrier the server logs
   the rank through ``log`` and goes on; the protocol needs no change: n-softsync keeps
