@@ -254,14 +254,14 @@ def load_checked(path: str | Path) -> Any:
     """
     path = Path(path)
     data = path.read_bytes()
-    side = digest_path(path)
-    if side.exists():
+    sides = [p for p in (digest_path(path), _pending_digest_path(path)) if p.exists()]
+    if sides:
         actual = hashlib.sha256(data).hexdigest()
-        expected = _recorded_digest(side)
-        if actual != expected and actual != _recorded_digest(_pending_digest_path(path)):
+        recorded = [_recorded_digest(p) for p in sides]
+        if actual not in recorded:
             raise ChecksumMismatch(
-                f"{path} does not match its checksum {side.name} (sha256 {actual[:16]}…, "
-                f"recorded {expected[:16] or 'nothing'}…): the file is corrupt or was "
+                f"{path} does not match its checksum {sides[0].name} (sha256 {actual[:16]}…, "
+                f"recorded {recorded[0][:16] or 'nothing'}…): the file is corrupt or was "
                 "changed after distsgd wrote it"
             )
     return _load_weights_only(data, path)

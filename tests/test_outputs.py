@@ -109,6 +109,26 @@ def test_a_kill_at_any_step_of_a_checkpoint_write_leaves_a_resumable_pair(
     assert not list(between.glob("*.tmp"))
 
 
+def test_a_kill_during_the_first_write_leaves_no_file_or_a_checked_one(finished_run, tmp_path):
+    """No previous pair: the file appears with its complete pending digest, which is
+    checked (a flipped byte is refused, not loaded unchecked)."""
+    state = torch.load(finished_run / "checkpoint.pt", weights_only=True)
+    for step in range(50):
+        path = tmp_path / f"first-{step}" / "checkpoint.pt"
+        path.parent.mkdir()
+        killed = _save_killed_at(step, state, path)
+        if path.exists():
+            assert load_checkpoint_file(path, "resume")["trainer"] == state["trainer"]
+            raw = bytearray(path.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            path.write_bytes(bytes(raw))
+            with pytest.raises(ValueError, match="does not match its checksum"):
+                load_checkpoint_file(path, "resume")
+        if not killed:
+            break
+    assert not killed
+
+
 def test_a_digest_that_matches_neither_name_is_still_refused(run_copy, capsys):
     """The pending digest is accepted only when it is the file's own."""
     ckpt = run_copy / "checkpoint.pt"
