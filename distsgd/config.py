@@ -105,7 +105,10 @@ class DataConfig:
             called as ``function(**kwargs)``; it returns ``(train, eval)``, each a
             map-style ``torch.utils.data.Dataset`` of ``(input, target)`` tensor pairs or a
             pair of tensors ``(inputs [N, ...], targets [N, ...])``; ``eval`` may be None
-            (the metric is then measured on the training set). "" (default): ``dataset``.
+            (the metric is then measured on the training set). A split that is empty or
+            holds NaN or infinity is refused before the run writes anything (every sample
+            of tensors; the first two items of a map-style data set, whose others are
+            read as it trains). "" (default): ``dataset``.
         kwargs: keyword arguments of ``factory`` (a TOML table ``[data.kwargs]``).
         collate: import path of the function that makes a batch of a map-style data
             set's items (list of ``(input, target)`` → ``(inputs, targets)``); "" (default):
