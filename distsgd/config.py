@@ -105,7 +105,10 @@ class DataConfig:
             called as ``function(**kwargs)``; it returns ``(train, eval)``, each a
             map-style ``torch.utils.data.Dataset`` of ``(input, target)`` tensor pairs or a
             pair of tensors ``(inputs [N, ...], targets [N, ...])``; ``eval`` may be None
-            (the metric is then measured on the training set). "" (default): ``dataset``.
+            (the metric is then measured on the training set). A split that is empty or
+            holds NaN or infinity is refused before the run writes anything (every sample
+            of tensors; the first two items of a map-style data set, whose others are
+            read as it trains). "" (default): ``dataset``.
         kwargs: keyword arguments of ``factory`` (a TOML table ``[data.kwargs]``).
         collate: import path of the function that makes a batch of a map-style data
             set's items (list of ``(input, target)`` → ``(inputs, targets)``); "" (default):
@@ -742,7 +745,8 @@ class ScheduleConfig:
 
         Raises:
             ConfigError: a torch scheduler that fails at this step (e.g. OneCycleLR past
-                its ``total_steps``).
+                its ``total_steps``), or sets a rate outside [0, ``MAX_LR``] (past the
+                steps :meth:`check_rates` checked before the run).
         """
         lr = base_lr
         if self.kind == "step":
@@ -753,13 +757,15 @@ class ScheduleConfig:
             steps = self.scheduler_steps(epoch)
             try:
                 lr = self._replay.lr(base_lr, steps)
-            except USER_CODE_FAILURES as e:  # the user's class may raise anything
+            except (Exception, SystemExit) as e:  # the user's class (a Ctrl-C interrupts)
                 raise ConfigError(
                     f"schedule.kind = {self.kind!r} with schedule.kwargs = {self.kwargs!r} "
                     f"is not allowed: expected a scheduler that takes {steps} steps (epoch "
                     f"{epoch:.4g} at schedule.steps_per_epoch = {self.steps_per_epoch:g}; "
                     f"{_one_line(e)})"
                 ) from None
+            if not 0.0 <= lr <= MAX_LR:
+                raise self._rate_error(base_lr, steps, f"sets lr = {lr:g}")
         if self.warmup_epochs > 0 and epoch < self.warmup_epochs:
             lr *= 0.1 + 0.9 * epoch / self.warmup_epochs
         return lr
@@ -789,15 +795,17 @@ class ScheduleConfig:
             else:
                 error = ""
             if error or not 0.0 <= lr <= MAX_LR:
-                what = f"fails at scheduler step {step} ({error})"
-                if not error:
-                    what = f"sets lr = {lr:g} at scheduler step {step}"
-                raise ConfigError(
-                    f"schedule.kind = {self.kind!r} with schedule.kwargs = {self.kwargs!r} "
-                    f"is not allowed: from optimizer.lr = {base_lr:g} it {what}, epoch "
-                    f"{step / self.steps_per_epoch:.4g} of the run (schedule.steps_per_epoch"
-                    f" = {self.steps_per_epoch:g}); expected rates in [0, {MAX_LR:g}]"
+                raise self._rate_error(
+                    base_lr, step, f"fails ({error})" if error else f"sets lr = {lr:g}"
                 )
+
+    def _rate_error(self, base_lr: float, step: int, what: str) -> ConfigError:
+        return ConfigError(
+            f"schedule.kind = {self.kind!r} with schedule.kwargs = {self.kwargs!r} is not "
+            f"allowed: from optimizer.lr = {base_lr:g} it {what} at scheduler step {step}, "
+            f"epoch {step / self.steps_per_epoch:.4g} of the run (schedule.steps_per_epoch = "
+            f"{self.steps_per_epoch:g}); expected rates in [0, {MAX_LR:g}]"
+        )
 
 
 @dataclass

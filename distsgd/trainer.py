@@ -259,12 +259,12 @@ class Trainer:
         # config.toml records the layout train.memory_format = "auto" resolved to
         cfg = cfg.replace(train=replace(cfg.train, memory_format=self.engine.memory_format))
         check_on_data(self.engine, self.dataset, cfg, self.code)
+        initial = self._start_weights(self.engine.initial_weights())  # before measuring
         # calibration (a throwaway model, dropout in its steps) draws nothing from the run's
         # generators
         device = self.engine.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self.cfg, self.profile_calibrated = kind.calibrate(cfg, self.dataset, self.code)
-        initial = self._start_weights(self.engine.initial_weights())
         self.runtime = kind.build(self.cfg, self.engine, self.dataset, initial)
         self.protocol = self.runtime.protocol
         self.is_writer = self.runtime.is_writer

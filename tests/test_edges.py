@@ -181,6 +181,16 @@ def test_a_scheduler_whose_rate_grows_past_the_largest_lr_is_refused():
     ScheduleConfig(kind=EXPONENTIAL, kwargs={"gamma": 0.5}).check_rates(0.05, math.inf)
 
 
+def test_a_rate_past_the_checked_steps_is_refused_when_the_run_reaches_it():
+    """check_rates looks at the first MAX_SCHEDULE_CHECK_STEPS steps of a run without a
+    budget in samples; a rate that leaves the range later stops the run then, naming the
+    schedule (gamma = 1.01 from 0.05 passes 1000 after about 995 steps)."""
+    sched = ScheduleConfig(kind=EXPONENTIAL, kwargs={"gamma": 1.01}, steps_per_epoch=100)
+    assert sched.lr_at(0.05, 9.0) == pytest.approx(0.05 * 1.01**900)
+    with pytest.raises(ConfigError, match=r"it sets lr = 1007.07 at scheduler step 996,"):
+        sched.lr_at(0.05, 9.96)
+
+
 def test_cli_negative_gamma_is_one_line_before_the_run_directory(capsys, tmp_path):
     """gamma = -1 gave "lr = -0.05 is not allowed" naming no setting, after the run
     directory was written."""
