@@ -71,7 +71,8 @@ def test_a_wrong_interface_name_is_refused_in_one_line(monkeypatch):
 
 
 def test_unset_interface_is_the_route_to_the_master(monkeypatch):
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # recorded, so prepare_rank's is undone
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -169,7 +169,9 @@ def init(
 
     Raises:
         ConfigError: an unknown setting, a bad value, or a layout the world size cannot
-            hold (one line naming the setting and what is allowed), on every rank.
+            hold (one line naming the setting and what is allowed), on every rank; a
+            ``GLOO_SOCKET_IFNAME`` or ``MASTER_ADDR`` this host cannot use
+            (:func:`distsgd.runtime.network.prepare_rank`).
     """
     info = process_info()
     world = info.world_size if info is not None else 1
