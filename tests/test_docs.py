@@ -267,7 +267,8 @@ def test_settings_reference_lists_every_setting_with_its_meaning():
     assert [k for k, (_, doc) in rows.items() if not doc] == []
     text = hook.settings_markdown()
     assert all(f"`{key}`" in text for key in expected)
-    assert "`protocol.num_learners` | `4` | integer ≥ 1 |" in text
+    assert "`protocol.num_learners` | `4` | integer [1, 65,536] |" in text
+    assert "`cluster.latency_s` | `5e-05` | number [0, 60] |" in text  # bounds inclusive
 
 
 def test_docstring_citations_link_to_sections_that_exist():

@@ -90,7 +90,7 @@ def _allowed_from_call(call: ast.Call, namespace: dict[str, Any]) -> tuple[str, 
         if lo is None and hi is None:
             return None
         lo_br = "[" if kw.get("min_inclusive", True) else "("
-        hi_br = "]" if kw.get("max_inclusive", func == "check_int") else ")"
+        hi_br = "]" if kw.get("max_inclusive", True) else ")"
         if hi is None or hi == math.inf:
             rng = ("≥ " if lo_br == "[" else "> ") + _number(lo)
         else:
