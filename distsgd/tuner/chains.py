@@ -28,9 +28,18 @@ from distsgd.metrics import write_json
 from distsgd.tuner.omnivore import Candidate, ProbeResult
 from distsgd.tuner.probes import ProbeRunner, RunClock, candidate_config, safe_name
 
-__all__ = ["ProbeChains", "Heard", "start_dir", "run_summary", "START_FILES"]
+__all__ = ["ProbeChains", "Heard", "start_dir", "run_summary", "continuing"]
 
-START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
+_START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
+
+
+def continuing(start: Path, run_dir: Path) -> None:
+    """Make ``run_dir`` (new) hold ``start``'s checkpoint and evaluation records, so that a
+    run resuming there continues ``start``."""
+    run_dir.mkdir(parents=True)
+    for name in _START_FILES:
+        if (start / name).exists():
+            shutil.copy2(start / name, run_dir / name)
 
 
 class Heard(RunObserver):
@@ -186,10 +195,7 @@ class ProbeChains:
 
     def _run_probe(self, cfg: RunConfig, run_dir: Path, start: Path | None) -> None:
         if start is not None:
-            run_dir.mkdir(parents=True)
-            for name in START_FILES:
-                if (start / name).exists():
-                    shutil.copy2(start / name, run_dir / name)
+            continuing(start, run_dir)
         options = RunOptions(evaluate=False, continues=start is not None, record=True)
         self.runner.run(cfg, run_dir, options, RunObserver(), resume=start is not None)
 

@@ -50,7 +50,7 @@ from distsgd.metrics import read_metrics, write_json
 from distsgd.plateau import FLAT_GAIN, steady_state_due
 from distsgd.rundir import RunDirClaim
 from distsgd.tuner import perf_model as pm
-from distsgd.tuner.chains import START_FILES, Heard, ProbeChains, run_summary, start_dir
+from distsgd.tuner.chains import Heard, ProbeChains, continuing, run_summary, start_dir
 from distsgd.tuner.omnivore import (
     Candidate,
     DecisionLog,
@@ -429,10 +429,7 @@ class OnlineTune:
         else:
             if seg.exists():
                 shutil.rmtree(seg)
-            seg.mkdir(parents=True)
-            for name in START_FILES:
-                if (start / name).exists():
-                    shutil.copy2(start / name, seg / name)
+            continuing(start, seg)
             begin = self.elapsed()
             self._bar(f"train {cand.label()}")
             self.runner.run(cfg, seg, options, RunObserver(), resume=True, progress=self.progress)
