@@ -515,6 +515,44 @@ def test_exit_while_the_heartbeat_is_in_a_store_call_is_not_an_abort(how):
     assert "terminate called" not in done.stderr
 
 
+# ---- the launcher's heartbeat watch ------------------------------------------------------------
+def test_the_watch_kills_only_a_rank_whose_heartbeat_stopped(monkeypatch):
+    """RankWatch over 4 stand-in ranks (no processes; os.kill recorded): rank 0 beats at
+    every poll, rank 1 beat once and stopped, rank 2 has not started beating, rank 3
+    stopped after leaving its run on purpose. Only rank 1 is killed, by SIGKILL, and
+    named; a rank is judged by its own timeout_s, published beside its counter."""
+    from types import SimpleNamespace
+
+    from distsgd.runtime import launch as rlaunch
+
+    killed, lines = [], []
+    monkeypatch.setattr(rlaunch.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(rlaunch, "BEAT_POLL_S", 0.0)
+    store = rendezvous_store("127.0.0.1", 0, world_size=1, timeout_s=5)
+    running = SimpleNamespace(poll=lambda: None)
+    handlers = {
+        r: SimpleNamespace(proc=SimpleNamespace(poll=running.poll, pid=100 + r)) for r in range(4)
+    }
+    ranks = rlaunch.Ranks(
+        4, "127.0.0.1", store.port, store, "", SimpleNamespace(subprocess_handlers=handlers)
+    )
+    prefix = rlaunch.namespace(run="1")
+    for r in range(4):
+        store.set(f"{prefix}timeout_s/{r}", "0.2")
+    for r in (1, 3):
+        store.add(f"{prefix}beat/{r}", 1)
+    store.set(f"{prefix}left/3", "1")
+    watch = rlaunch.RankWatch(ranks, prefix, lambda r, line: lines.append(line))
+    deadline = time.monotonic() + GENEROUS_S
+    while not watch.hung and time.monotonic() < deadline:
+        store.add(f"{prefix}beat/0", 1)
+        watch.poll()
+        time.sleep(0.02)
+    assert killed == [(101, signal.SIGKILL)] and list(watch.hung) == [1]
+    assert lines == [lines[0]] and "rank 1 (pid 101) stopped making progress" in lines[0]
+    del store
+
+
 # ---- lost_ranks under torchrun ----------------------------------------------------------------
 @pytest.mark.parametrize(
     "error, lost",
