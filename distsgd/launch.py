@@ -693,11 +693,7 @@ def run_worker(
     def report(kind: str, e: BaseException, status: int) -> int:
         print(f"distsgd[rank {rank}]: {kind}: {e}", file=sys.stderr)
         if outcome is not None:
-            found = {"kind": kind, "message": str(e)}
-            silent = getattr(e, "silent_ranks", None)
-            if silent:  # peers whose heartbeat had stopped when this rank lost contact
-                found["silent_ranks"] = list(silent)
-            outcome.write_text(json.dumps(found))
+            outcome.write_text(json.dumps({"kind": kind, "message": str(e)}))
         return status
 
     try:

@@ -31,8 +31,12 @@ rank stopped                   what happens                                     
 =============================  ====================================================  =======
 async / n-softsync learner     the server drops it after T of silence and serves     run
                                the others to the stop rule                           goes on
-compute group leader           as a learner: the server drops the group; its         run
-                               members see the leader's connections close            goes on
+compute group leader           the server drops the group after T; its members see   run goes
+                               the leader's connections close. The server's send to  on, or
+                               the stopped leader can block for T, and the other     fails by
+                               groups' members wait T in their broadcast: they may   2T + 12
+                               be lost too, and with every learner lost the run
+                               fails naming the stopped rank
 compute group member           the group's all-reduce times out (T): the group is    run
                                lost, the server goes on with the others              goes on
 server (coordinator, shard)    the learners wait for its heartbeat T, then end       2T + 12
