@@ -28,7 +28,12 @@ from typing import Any
 import torch
 
 from distsgd.checks import ConfigError, check_choice, check_float, check_int, fail
-from distsgd.factories import USER_CODE_FAILURES, failure_text, is_import_path
+from distsgd.factories import (
+    USER_CODE_FAILURES,
+    failure_text,
+    is_import_path,
+    search_current_directory,
+)
 from distsgd.layout import PROTOCOL_SETTINGS, PROTOCOLS, fitted, spec_for
 from distsgd.protocols import SERVER_OPTIMIZERS, STALENESS_LR, OptimizerFactory
 
@@ -387,6 +392,7 @@ def _import_class(key: str, path: Any, base: type, what: str) -> type:
     module_name, _, attr = path.partition(":") if isinstance(path, str) else ("", "", "")
     if not module_name or not attr:
         fail(key, path, f"an import path 'module:Class' of {what}")
+    search_current_directory()
     try:
         obj = importlib.import_module(module_name)
     except USER_CODE_FAILURES as e:  # the user's module may raise anything while importing

@@ -25,13 +25,30 @@ from typing import Any
 
 from distsgd.checks import ConfigError
 
-__all__ = ["USER_CODE_FAILURES", "failure_text", "is_import_path", "resolve", "resolve_callable"]
+__all__ = [
+    "USER_CODE_FAILURES",
+    "failure_text",
+    "is_import_path",
+    "resolve",
+    "resolve_callable",
+    "search_current_directory",
+]
 
 USER_CODE_FAILURES: tuple[type[BaseException], ...] = (Exception, SystemExit, KeyboardInterrupt)
 """What a call into the user's code (importing its module, a factory, a collate function,
 a loss, a metric) may raise that is a failure of that code: any exception, and
 ``SystemExit`` (``sys.exit()`` in a factory or a module's body) and ``KeyboardInterrupt``
 raised by it, which would otherwise end the run silently or as an interruption."""
+
+
+def search_current_directory() -> None:
+    """Put the current directory first on ``sys.path`` unless it (or ``""``) is there, so
+    that a user's import path resolves against it whether distsgd was started as
+    ``python -m distsgd`` (which puts it there) or as the ``distsgd`` console script
+    (which puts the script's folder there instead)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def failure_text(error: BaseException) -> str:
@@ -70,9 +87,7 @@ def resolve(setting: str, path: str) -> Any:
             "PYTHONPATH, a colon, then the function or class)"
         )
     module_name, attr = path.split(":")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
+    search_current_directory()
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

@@ -322,3 +322,28 @@ def test_factory_settings_and_kwargs_round_trip_and_bad_values_are_one_line(tmp_
         with pytest.raises(ConfigError, match=message) as e:
             RunConfig.from_dict(raw)
         assert "\n" not in str(e.value)
+
+
+def test_an_optimizer_and_a_scheduler_of_the_current_directory_import_from_the_console_script(
+    tmp_path, monkeypatch
+):
+    """The ``distsgd`` console script puts its own folder, not the current directory, first
+    on ``sys.path``: the user's optimizer and scheduler classes resolve against the current
+    directory all the same, as factories do (they were refused with ModuleNotFoundError)."""
+    import sys
+
+    (tmp_path / "cwd_optim.py").write_text(
+        "import torch\n"
+        "class MySGD(torch.optim.SGD):\n"
+        "    pass\n"
+        "class Late(torch.optim.lr_scheduler.StepLR):\n"
+        "    def __init__(self, optimizer):\n"
+        "        super().__init__(optimizer, step_size=1)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_optim", raising=False)
+    cfg = RunConfig.from_dict(
+        {"optimizer": {"name": "cwd_optim:MySGD"}, "schedule": {"kind": "cwd_optim:Late"}}
+    )
+    assert cfg.optimizer.name == "cwd_optim:MySGD"
