@@ -114,6 +114,12 @@ __all__ = [
 
 POOL_STOP = "stop"  # the file in the jobs folder that ends the ranks waiting for a run
 _POLL_S = 0.1
+# a rank's outcome kinds that the launcher raises again as the run's own error (one line)
+_RERAISED: dict[str, type[Exception]] = {
+    "config": ConfigError,
+    "diverged": TrainingDiverged,
+    "write": OutputWriteError,
+}
 _POOL_POLL_S = 0.02  # a pooled run's end: a short run's wall is not padded by the poll
 
 
@@ -316,6 +322,8 @@ class _Watch:
                 )
                 continue
             self._lose(r, code)
+            if report.get("kind") in _RERAISED:
+                continue  # the run's error, printed once by whoever called the launcher
             # a rank that lost a peer itself says so on its own line
             goes_on = self.fatal_since is None and report.get("kind") != "lost"
             print(
@@ -567,11 +575,7 @@ def _outcome(
     hung: set[int] | frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
 
-    for kind, exc in (
-        ("config", ConfigError),
-        ("diverged", TrainingDiverged),
-        ("write", OutputWriteError),
-    ):
+    for kind, exc in _RERAISED.items():
         for r in sorted(errors):
             if errors[r]["kind"] == kind:
                 raise exc(errors[r]["message"])
@@ -691,7 +695,8 @@ def run_worker(
     rank = os.environ.get("RANK", "?")
 
     def report(kind: str, e: BaseException, status: int) -> int:
-        print(f"distsgd[rank {rank}]: {kind}: {e}", file=sys.stderr)
+        if outcome is None or kind not in _RERAISED:  # else the launcher prints it once
+            print(f"distsgd[rank {rank}]: {kind}: {e}", file=sys.stderr)
         if outcome is not None:
             outcome.write_text(json.dumps({"kind": kind, "message": str(e)}))
         return status

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from distsgd.runtime import factory, profiles
 from tests.conftest import small_config
 
 ZOO = "tests.user_project.zoo"
+REPO = Path(__file__).resolve().parents[1]
 TABULAR = {
     "model": {"factory": f"{ZOO}:tabular_mlp", "kwargs": {"hidden": 16}},
     "data": {"factory": f"{ZOO}:tabular"},
@@ -377,3 +381,24 @@ def test_a_model_that_does_not_fit_fails_in_one_line_before_the_device_is_calibr
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "forward on a batch of the data" in err and not measured
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.slow
+def test_a_factory_that_exits_on_real_processes_is_one_line(tmp_path):
+    """A data factory that calls sys.exit inside every rank of a dist run: the run ends
+    with the one line of the sim runtime and exit status 2, no rank's own copy of it and
+    no launcher line per rank."""
+    out = tmp_path / "r"
+    r = subprocess.run(
+        [sys.executable, "-m", "distsgd", "train", "--runtime", "dist", "--quiet"]
+        + ["--set", f"data.factory={ZOO}:exits", "--set", "protocol.num_learners=2"]
+        + ["--set", "protocol.batch_size=16", "--set", "train.max_samples=256"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert len(err) == 1 and "raised SystemExit: 0" in err[0], r.stderr
