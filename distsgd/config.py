@@ -34,7 +34,7 @@ from distsgd.factories import (
     is_import_path,
     search_current_directory,
 )
-from distsgd.layout import PROTOCOL_SETTINGS, PROTOCOLS, fitted, spec_for
+from distsgd.layout import PROTOCOL_SETTINGS, PROTOCOLS, fitted, protocols_with, spec_for
 from distsgd.protocols import SERVER_OPTIMIZERS, STALENESS_LR, OptimizerFactory
 
 __all__ = [
@@ -309,11 +309,12 @@ class ProtocolConfig:
                     self.replicas_per_device,
                     "an integer >= 1 or 'auto' (an integer at most 65536)",
                 )
-        elif self.name not in ("sma", "local_sgd"):
+        elif self.name not in PROTOCOLS or not spec_for(self.name).replicated:
             fail(
                 "protocol.replicas_per_device",
                 self.replicas_per_device,
-                f"an integer: 'auto' needs protocol.name 'sma' or 'local_sgd', not {self.name!r}",
+                f"an integer: 'auto' needs protocol.name {protocols_with('replicated')}, "
+                f"not {self.name!r}",
             )
         check_float(
             "protocol.autotune_threshold", self.autotune_threshold, 0.0, 10.0, min_inclusive=False

@@ -45,6 +45,7 @@ __all__ = [
     "ProtocolSpec",
     "build_protocol",
     "optimizer_arguments",
+    "protocols_with",
     "sma_alpha",
     "spec_for",
 ]
@@ -86,6 +87,7 @@ class ProtocolSpec:
         name: ``protocol.name``.
         replicated: k learners per device (``protocol.replicas_per_device``, Crossbow).
         has_server: ``dist.num_servers`` server ranks come before the learner ranks.
+        drop_in: ``distsgd.torch`` runs it (one model per process).
         reads: the ``protocol.*`` settings (names without the section) that the protocol
             may read; :meth:`settings` narrows them to one config's mode.
     """
@@ -93,6 +95,7 @@ class ProtocolSpec:
     name: ClassVar[str]
     replicated: ClassVar[bool] = False
     has_server: ClassVar[bool] = False
+    drop_in: ClassVar[bool] = True
     reads: ClassVar[frozenset[str]] = frozenset({"name", "num_learners", "batch_size"})
 
     def settings(self, p: ProtocolConfig) -> frozenset[str]:
@@ -163,6 +166,7 @@ class _Plain(_HardSync):
     """One learner: the plain training loop."""
 
     name = "plain"
+    drop_in = False
 
     def validate(self, p: ProtocolConfig) -> None:
         if p.num_learners != 1:
@@ -422,6 +426,13 @@ PROTOCOLS = tuple(_SPECS)
 PROTOCOL_SETTINGS = frozenset().union(*(s.reads for s in _SPECS.values()))
 """The ``protocol.*`` settings some protocol reads (a setting outside it is read by none
 that this module knows, e.g. one added later: a run's ``config.toml`` keeps it)."""
+
+
+def protocols_with(flag: str) -> str:
+    """The names of the protocols whose spec sets ``flag`` (e.g. ``"replicated"``), for a
+    message: ``"'sma' or 'local_sgd'"``."""
+    names = [repr(n) for n, s in _SPECS.items() if getattr(s, flag)]
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def spec_for(protocol: ProtocolConfig | str) -> ProtocolSpec:

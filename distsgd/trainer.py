@@ -81,7 +81,6 @@ from distsgd.metrics import (
 from distsgd.objectives import reached as target_reached
 from distsgd.plateau import next_check, steady_state_due
 from distsgd.protocols._util import with_momentum
-from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.replicas import ReplicaAutoTuner
 from distsgd.rundir import RunDirClaim
 from distsgd.runtime.base import Tick, TrainingDiverged
@@ -479,7 +478,7 @@ class Trainer:
             "eval": c["evals"],
             "samples": samples,
             "epoch": samples / self.dataset.num_train,
-            "iterations": self._iterations(),
+            "iterations": self.protocol.iteration,
             "virtual_s": self._simulated_s(),  # None on real processes: wall_s is their clock
             "wall_s": c["train_wall_s"],
             "eval_wall_s": c["eval_wall_s"],
@@ -532,12 +531,6 @@ class Trainer:
         """Seconds on the simulated cluster's virtual clock; None on real processes, whose
         clock is the wall (``train_wall_s``)."""
         return self.runtime.clock_s if self.runtime.clock == "simulated" else None
-
-    def _iterations(self) -> int:
-        proto = self.protocol
-        if isinstance(proto, AsynchronousProtocol):
-            return proto.version
-        return proto.iteration
 
     def _lr(self) -> float:
         epoch = self.runtime.samples / self.dataset.num_train
@@ -756,7 +749,7 @@ class Trainer:
         listens = type(self.observer).on_losses is not RunObserver.on_losses
         if tick.losses and self.is_writer and listens:
             point = LossPoint(
-                iterations=self._iterations(),
+                iterations=self.protocol.iteration,
                 samples=self.runtime.samples,
                 train_wall_s=self.counters["train_wall_s"],
                 clock_s=self.runtime.clock_s,
@@ -962,7 +955,7 @@ class Trainer:
             ),
             "samples": rt.samples,
             "epochs": rt.samples / self.dataset.num_train,
-            "iterations": self._iterations(),
+            "iterations": self.protocol.iteration,
             "train_wall_s": wall,
             "eval_wall_s": c["eval_wall_s"],
             "virtual_s": simulated_s,  # None on real processes (their clock is the wall)

@@ -87,6 +87,9 @@ class SynchronousProtocol(ABC):
     """
 
     num_learners: int
+    served: ClassVar[bool] = False
+    """False: lock step (:meth:`exchange_step`); a runtime serves a protocol with True
+    from a parameter server (:class:`AsynchronousProtocol`'s interface)."""
     shares_weights: ClassVar[bool] = False
     """True: every learner computes on ``learner_weights(0)`` and the iteration's exchange
     is the mean gradient (:meth:`apply_mean_gradient`)."""
@@ -208,6 +211,8 @@ class AsynchronousProtocol(ABC):
 
     num_workers: int
     num_learners: int
+    served: ClassVar[bool] = True
+    """True: a runtime serves it from a parameter server (pull / push)."""
     barrier: bool = False
     """True: a worker that pushed pulls again only once the update is applied (hardsync
     through the server; :meth:`can_pull`)."""
@@ -221,6 +226,11 @@ class AsynchronousProtocol(ABC):
     @abstractmethod
     def version(self) -> int:
         """Updates applied so far."""
+
+    @property
+    def iteration(self) -> int:
+        """Updates applied so far (:attr:`version`; a synchronous protocol's iterations)."""
+        return self.version
 
     @property
     @abstractmethod

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from distsgd.data import Dataset, LearnerStream, Split
 from distsgd.engine import GradientEngine
+from distsgd.layout import protocols_with
 
 __all__ = [
     "Runtime",
@@ -144,7 +145,7 @@ class Runtime(abc.ABC):
             RuntimeError: the protocol holds no replicas.
         """
         raise RuntimeError(
-            "replicas per device can change only for protocols 'sma' and 'local_sgd'"
+            f"replicas per device can change only for protocols {protocols_with('replicated')}"
         )
 
     # ---- decisions every rank takes together (identity in one process) -----------------

@@ -72,7 +72,7 @@ import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distsgd.config import ConfigError, RunConfig, required_processes, resolve_device
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs
-from distsgd.layout import build_protocol, sma_alpha, spec_for
+from distsgd.layout import build_protocol, protocols_with, sma_alpha, spec_for
 from distsgd.protocols.base import AllReduce, AsynchronousProtocol, SynchronousProtocol
 from distsgd.runtime import ps
 from distsgd.runtime.base import (
@@ -460,8 +460,7 @@ def calibrate_iteration(
         dist=dataclasses.replace(cfg.dist, num_processes=0),
     )
     plain, stepped = make_engine(), make_engine()
-    proto = build_protocol(solo, stepped.initial_weights())
-    assert isinstance(proto, SynchronousProtocol) and proto.shares_weights
+    proto = cast(SynchronousProtocol, build_protocol(solo, stepped.initial_weights()))
     stream = LearnerStream(ShardedSampler(dataset.num_train, 1, p.batch_size, 0), 0)
     x0, y0 = dataset.train.batch(torch.arange(min(p.batch_size, dataset.num_train)))
     w = plain.initial_weights()
@@ -508,9 +507,7 @@ def device_protocol(cfg: RunConfig, replicas: int, initial: Tensor) -> Synchrono
         ),
         dist=dataclasses.replace(cfg.dist, num_processes=0),
     )
-    protocol = build_protocol(local, initial)
-    assert isinstance(protocol, SynchronousProtocol)
-    return protocol
+    return cast(SynchronousProtocol, build_protocol(local, initial))
 
 
 def all_reduce(exchange: AllReduce, world_size: int, group: Any = None) -> Tensor:
@@ -549,13 +546,11 @@ class SyncDistRuntime(_DistBase):
         self.num_learners = p.num_learners
         self.replicated = spec_for(p).replicated
         self.k = p.initial_replicas_per_device if self.replicated else 1  # "auto": k = 1
-        proto = (
+        self.protocol = (
             device_protocol(cfg, self.k, initial)
             if self.replicated
-            else build_protocol(cfg, initial)
+            else cast(SynchronousProtocol, build_protocol(cfg, initial))
         )
-        assert isinstance(proto, SynchronousProtocol)
-        self.protocol = proto
         self.learners = [self.rank * self.k + j for j in range(self.k)]
         self.replicas_per_device = self.k
         self.sampler = ShardedSampler(
@@ -588,7 +583,7 @@ class SyncDistRuntime(_DistBase):
         """
         if not self.replicated:
             raise RuntimeError(
-                "replicas per device can change only for protocols 'sma' and 'local_sgd'"
+                "replicas per device can change only for protocols " + protocols_with("replicated")
             )
         if not isinstance(replicas_per_device, int) or replicas_per_device < 1:
             raise ValueError(
@@ -801,13 +796,12 @@ class PSDistRuntime(_DistBase):
         # gloo from there (learners stage their gradients, ps.HostStaging), and a learner's
         # engine copies pulled weights onto its device
         initial = initial.cpu()
-        self.full_protocol = build_protocol(cfg, initial)
+        self.full_protocol = cast(AsynchronousProtocol, build_protocol(cfg, initial))
         if s > 1 and self.is_server:
             lo, hi = ps.shard_bounds(initial.numel(), s)[self.rank]
-            self.protocol = build_protocol(cfg, initial[lo:hi].clone())
+            self.protocol = cast(AsynchronousProtocol, build_protocol(cfg, initial[lo:hi].clone()))
         else:
             self.protocol = self.full_protocol
-        assert isinstance(self.protocol, AsynchronousProtocol)
         self.pushes = [0] * len(groups)  # per worker: pushes handled (= minibatches drawn)
         self.events: list[str] = []  # what the server logged (lost learners)
         self._lr = cfg.optimizer.lr

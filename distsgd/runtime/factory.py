@@ -23,6 +23,7 @@ import sys
 import warnings
 from datetime import datetime
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -168,8 +169,7 @@ def _server_seconds(cfg: RunConfig, engine: GradientEngine) -> float:
                 cfg.protocol, name="parameter_server", mode="async", replicas_per_device=1
             )
         )
-    proto = build_protocol(cfg, engine.initial_weights())
-    assert isinstance(proto, AsynchronousProtocol)
+    proto = cast(AsynchronousProtocol, build_protocol(cfg, engine.initial_weights()))
     return calibrate_server(proto, cfg.optimizer.lr)
 
 

@@ -61,7 +61,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -400,7 +400,7 @@ class SimRuntime(Runtime):
         self._rng = torch.Generator().manual_seed(seed * 7919 + 17)
         self.virtual_time = 0.0
         self.samples = 0
-        self.is_async = isinstance(protocol, AsynchronousProtocol)
+        self.is_async = protocol.served
         self._push_order: deque[tuple[int, int]] | None = None  # replay_push_order
         self._fuse = not engine.has_batch_statistics
         self._network = cm.ClusterModel(
@@ -542,8 +542,7 @@ class SimRuntime(Runtime):
         """One iteration: every device computes, then the protocol's all-reduce over all
         of them (one process holds every learner: :meth:`AllReduce.reduce_here`), charged
         as a ring all-reduce among the devices."""
-        proto = self.protocol
-        assert isinstance(proto, SynchronousProtocol)
+        proto = cast(SynchronousProtocol, self.protocol)
         lam, k = self.num_learners, self.replicas_per_device
         step = proto.iteration
         device_s = [self.device_compute_seconds(d) for d in range(lam // k)]
@@ -570,8 +569,7 @@ class SimRuntime(Runtime):
         return self.protocol.members(worker)  # type: ignore[union-attr]
 
     def _init_async(self) -> None:
-        proto = self.protocol
-        assert isinstance(proto, AsynchronousProtocol)
+        proto = cast(AsynchronousProtocol, self.protocol)
         nw = proto.num_workers
         self._pulled = torch.empty(nw, self.engine.num_parameters, device=self.engine.device)
         self._pulled_version = [0] * nw
@@ -594,8 +592,7 @@ class SimRuntime(Runtime):
         self._seq += 1
 
     def _advance_async(self, lr: float) -> Tick:
-        proto = self.protocol
-        assert isinstance(proto, AsynchronousProtocol)
+        proto = cast(AsynchronousProtocol, self.protocol)
         arrived, _, worker = self._next_push()
         # the server takes pushes in arrival order, one at a time: it is free from the
         # moment it finished the previous one (the clock's reading)

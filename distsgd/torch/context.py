@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from distsgd.config import ConfigError, RunConfig, fit_layout
 from distsgd.engine import GradientEngine
-from distsgd.layout import build_protocol, spec_for
+from distsgd.layout import PROTOCOLS, build_protocol, protocols_with, spec_for
 from distsgd.metrics import save_checked
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.runtime import ps
@@ -60,8 +60,6 @@ SETTINGS: dict[str, str] = {
     "seed": "train",
 }
 """``init``'s keyword settings and the config section each belongs to."""
-
-DROP_IN_PROTOCOLS = ("hardsync", "local_sgd", "sma", "parameter_server", "compute_groups")
 
 
 @dataclass
@@ -112,10 +110,9 @@ def _raw_config(protocol: str, config: RunConfig | str | Path | None, settings: 
 def _resolve(raw: dict, world_size: int) -> RunConfig:
     """The run's config with λ fitted to ``world_size`` processes (one model each)."""
     p = raw["protocol"]
-    if p["name"] not in DROP_IN_PROTOCOLS:
+    if p["name"] not in PROTOCOLS or not spec_for(p["name"]).drop_in:
         raise ConfigError(
-            f"protocol = {p['name']!r} is not allowed: expected one of "
-            + ", ".join(repr(n) for n in DROP_IN_PROTOCOLS)
+            f"protocol = {p['name']!r} is not allowed: expected {protocols_with('drop_in')}"
         )
     if p.get("replicas_per_device", 1) != 1:
         raise ConfigError(
@@ -293,8 +290,7 @@ class Context:
             raise RuntimeError(f"serve() is for server ranks; rank {self.rank} is a {self.role}")
         layout = self.layout
         params = _parameters(model)
-        protocol = build_protocol(self.config, flatten(params))
-        assert isinstance(protocol, AsynchronousProtocol)
+        protocol = cast(AsynchronousProtocol, build_protocol(self.config, flatten(params)))
         if self.server_state is not None:
             protocol.load_state_dict(self.server_state)
         order: list[tuple[int, int]] = []
