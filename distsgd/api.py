@@ -40,13 +40,16 @@ from distsgd import launch
 from distsgd.config import (
     ConfigError,
     ConfigWarning,
+    LocalRanks,
     RunConfig,
     apply_override,
     check_device,
     check_local_processes,
     check_nesting,
     check_schedule,
+    read_toml,
     schedule_conflicts,
+    set_setting,
 )
 from distsgd.data import load_dataset
 from distsgd.engine import UserCode, check_user_code, config_for_data
@@ -133,9 +136,12 @@ def _check_overrides(overrides: Any) -> None:
 def resolve_config(
     config: RunConfig | str | Path | dict[str, Any] | None,
     overrides: list[str] | None = None,
+    *,
+    num_processes: int | None = None,
 ) -> RunConfig:
     """The run's config: a RunConfig, a TOML path, a nested dict, or None for the default
-    run, with ``section.key=value`` overrides (TOML values) applied on top.
+    run, with ``dist.num_processes = num_processes`` (``--num-processes``; the layout is
+    then fitted to it) and ``section.key=value`` overrides (TOML values) applied on top.
 
     Raises:
         ConfigError: a bad setting, value or file, or overrides that are not a list of
@@ -143,14 +149,16 @@ def resolve_config(
     """
     _check_overrides(overrides)
     if isinstance(config, RunConfig):
-        if not overrides:
+        if not overrides and num_processes is None:
             return config
         raw = config.to_dict()
     elif isinstance(config, dict):
         check_nesting(config)  # before the copy walks it
         raw = copy.deepcopy(config)  # the caller's dict is left as it was
     else:
-        return RunConfig.from_toml(config, overrides)
+        raw = read_toml(config)
+    if num_processes is not None:
+        set_setting(raw, "dist.num_processes", num_processes, f"--num-processes {num_processes}")
     for item in overrides or []:
         apply_override(raw, item)
     return RunConfig.from_dict(raw)
@@ -240,6 +248,7 @@ def run(
     faults: RankFaults | None = None,
     code: UserCode | None = None,
     tune: bool = False,
+    ranks: LocalRanks | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` into the run directory ``out``: on the simulated cluster in this
     process (``runtime = "sim"``), or on real processes started by the launcher
@@ -249,11 +258,12 @@ def run(
     simulated runtime only).
 
     Before anything starts: a ``dist`` run on this machine is refused when its processes
-    cannot fit it (:func:`~distsgd.config.check_local_processes`); schedule settings the
+    cannot fit it (:func:`~distsgd.config.check_local_processes`; ``ranks``: its result,
+    when the caller checked them already); schedule settings the
     budget contradicts are warned about (:class:`~distsgd.config.ConfigWarning`, once,
-    on rank 0); the launching process of a ``dist`` run claims ``out`` for the run's life
-    (:class:`~distsgd.rundir.RunDirClaim`) before any rank starts (a ``sim`` run, and
-    rank 0 under torchrun, claim it in the trainer).
+    on rank 0); this process claims ``out`` for the run's life
+    (:class:`~distsgd.rundir.RunDirClaim`) before any work and passes the claim down to
+    the trainer or the ranks (under torchrun, rank 0 claims it).
 
     ``tune``: tune while training (Omnivore's optimizer inside the run,
     :func:`distsgd.tuner.online.train_tuned`); with ``resume``, a tuning run continues
@@ -290,18 +300,20 @@ def run(
             )
         return train_tuned(cfg, out, progress=progress, resume=resume, code=code)
     _warn_schedule(cfg)
-    if cfg.runtime == "sim":
-        return Trainer(cfg, out, progress, code=code).run(resume=resume)
-    if launch.under_launcher():  # torchrun: this process is a rank; rank 0 claims `out`
+    if cfg.runtime == "dist" and launch.under_launcher():  # a rank: rank 0 claims `out`
         return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)
-    check_local_processes(cfg)
-    check_user_code(cfg)  # one line here, not one failure per rank
-    claim = RunDirClaim.acquire(out, new_run=not resume)  # checked once, for every rank
+    if cfg.runtime == "dist":
+        ranks = ranks or check_local_processes(cfg)
+        check_user_code(cfg)  # one line here, not one failure per rank
+    claim = RunDirClaim.acquire(out, new_run=not resume)  # the run's, held for its life
     try:
-        return launch.run(cfg, out, resume=resume, progress=progress, faults=faults)
+        if cfg.runtime == "sim":
+            return Trainer(cfg, out, progress, code=code).run(resume=resume, dir_claimed=True)
+        return launch.run(
+            cfg, out, resume=resume, progress=progress, faults=faults, dir_claimed=True, ranks=ranks
+        )
     finally:
-        if claim is not None:
-            claim.release()
+        claim.release()
 
 
 def _warn_schedule(cfg: RunConfig) -> None:

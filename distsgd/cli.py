@@ -129,13 +129,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.resume:
             raise ValueError("--runtime cannot be used with --resume (the run keeps its runtime)")
         args.set = [f"runtime={args.runtime}", *args.set]
-    if args.num_processes is not None:
-        if args.resume:
-            raise ValueError(
-                "--num-processes cannot be used with --resume (a run resumes on the "
-                "processes it was started with)"
-            )
-        args.set = [f"dist.num_processes={args.num_processes}", *args.set]
+    if args.num_processes is not None and args.resume:
+        raise ValueError(
+            "--num-processes cannot be used with --resume (a run resumes on the "
+            "processes it was started with)"
+        )
     if args.resume:
         if args.tune:
             raise ValueError("--tune cannot be used with --resume (a run of --tune resumes as one)")
@@ -149,10 +147,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         out_dir = Path(args.resume)
         summary = api.train(resume=args.resume, overrides=args.set, progress=not args.quiet)
     else:
-        cfg = api.resolve_config(args.config, args.set)
+        cfg = api.resolve_config(args.config, args.set, num_processes=args.num_processes)
         _check_num_processes(args.num_processes, cfg.runtime)
+        ranks = None
         if cfg.runtime == "dist" and not under_launcher():  # before the layout is announced
-            check_local_processes(cfg)
+            ranks = check_local_processes(cfg)
             if args.tune:  # and the tuner's own limit on processes: one line, nothing else
                 tuning.tune_layout(cfg)
         if cfg.layout_changes and os.environ.get("RANK", "0") == "0":  # once under torchrun
@@ -163,7 +162,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             )
         out_dir = Path(args.out) if args.out else api.default_out_dir(cfg)
         args.out_dir = out_dir
-        summary = api.run(cfg, out_dir, progress=not args.quiet, tune=args.tune)
+        summary = api.run(cfg, out_dir, progress=not args.quiet, tune=args.tune, ranks=ranks)
     if summary:  # a dist rank other than 0 under torchrun returns {}
         _print_summary(summary, out_dir)
     return 0
@@ -183,9 +182,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     overrides = list(args.set)
     if args.runtime:
         overrides.append(f"runtime={args.runtime}")
-    if args.num_processes is not None:
-        overrides.append(f"dist.num_processes={args.num_processes}")
-    cfg = api.resolve_config(args.config, overrides)
+    cfg = api.resolve_config(args.config, overrides, num_processes=args.num_processes)
     _check_num_processes(args.num_processes, cfg.runtime)
     out = Path(args.out) if args.out else Path("runs") / ("tune-" + Path(args.config).stem)
     args.out_dir = out
@@ -289,6 +286,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _add_set(parser: argparse.ArgumentParser, text: str = "override a setting") -> None:
+    """``--set KEY=VALUE`` (repeatable) on a subcommand's parser."""
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="distsgd",
@@ -303,13 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="TOML config (default: Fashion-MNIST cnn, hardsync, target 90%%)",
     )
-    t.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a setting, e.g. --set optimizer.lr=0.05 (repeatable)",
-    )
+    _add_set(t, "override a setting, e.g. --set optimizer.lr=0.05 (repeatable)")
     t.add_argument("--out", default=None, help="run directory (default runs/<time>-<protocol>)")
     t.add_argument(
         "--resume",
@@ -381,9 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="profile file to write, for cluster.profile = FILE in a config (default: this "
         "machine's profile cache, replacing its entry: recalibration)",
     )
-    c.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting"
-    )
+    _add_set(c)
     c.set_defaults(func=_cmd_calibrate)
     u = sub.add_parser(
         "tune",
@@ -407,9 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the CPU cores of this machine)",
     )
     u.add_argument("--out", default=None, help="tune directory (default runs/tune-<config>)")
-    u.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting"
-    )
+    _add_set(u)
     u.add_argument(
         "--verify", action="store_true", help="train the plan afterwards and add the measured point"
     )

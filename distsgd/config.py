@@ -45,6 +45,9 @@ __all__ = [
     "check_nesting",
     "check_schedule",
     "check_local_processes",
+    "read_toml",
+    "set_setting",
+    "LocalRanks",
     "resolve_device",
     "resolved_device_setting",
     "schedule_conflicts",
@@ -878,8 +881,7 @@ class ClusterConfig:
             (async, n-softsync; not compute groups of several learners) with every rank on
             one machine (``cores`` > 0): the server's wall seconds per push
             measured on processes while the run's other learners compute on the same cores
-            (as ``bench/dist_bench.py`` measures it: async, one learner
-            at batch 1, λ − 1 processes computing beside it). Where > 0 it replaces the
+            (async, one learner at batch 1, λ − 1 processes computing beside it). Where > 0 it replaces the
             server's time per push, charged as measured, not stretched by the cores'
             sharing (the wait for a core is in it), while ``seconds_per_push`` (its work
             measured alone) still counts as the server's demand for a core in the stretch
@@ -1367,9 +1369,23 @@ def local_process_limit(cfg: RunConfig) -> tuple[int, str]:
     return max(1, min(by_cores, by_memory)), why
 
 
-def check_local_processes(cfg: RunConfig) -> None:
-    """Refuse a ``dist`` run whose ranks cannot fit this machine (one machine only; under
-    torchrun the ranks are spread by the launcher).
+@dataclass(frozen=True)
+class LocalRanks:
+    """The ranks of a ``dist`` run on this machine, checked against
+    :func:`local_process_limit` by :func:`check_local_processes`.
+
+    Attributes:
+        count: processes (ranks) the run starts.
+        why: what in the layout needs them (:meth:`~distsgd.layout.ProtocolSpec.processes`).
+    """
+
+    count: int
+    why: str
+
+
+def check_local_processes(cfg: RunConfig) -> LocalRanks:
+    """The ranks of ``cfg`` on this machine; a ``dist`` run whose ranks cannot fit it is
+    refused (one machine only; under torchrun the ranks are spread by the launcher).
 
     Raises:
         ConfigError: the processes the run needs (``dist.num_processes``, or what the
@@ -1379,7 +1395,7 @@ def check_local_processes(cfg: RunConfig) -> None:
     n, why_n = required_processes(cfg.protocol, cfg.dist)
     limit, why_limit = local_process_limit(cfg)
     if n <= limit:
-        return
+        return LocalRanks(n, why_n)
     if cfg.dist.num_processes:
         key, value, need = "dist.num_processes", cfg.dist.num_processes, ""
     else:  # 0: what the protocol needs
@@ -1754,28 +1770,7 @@ class RunConfig:
         Raises:
             ConfigError: unreadable file, bad TOML, unknown key or disallowed value.
         """
-        raw: dict[str, Any] = {}
-        if path is not None:
-            p = Path(path)
-            try:
-                raw = tomllib.loads(p.read_text())
-            except RecursionError:  # tomllib parses nested arrays and tables recursively
-                raise ConfigError(
-                    f"config file {str(p)!r} is not allowed: its tables and lists are nested "
-                    f"too deep to read; expected at most {MAX_NESTING} levels"
-                ) from None
-            except FileNotFoundError:
-                raise ConfigError(f"config file {str(p)!r} does not exist") from None
-            except IsADirectoryError:
-                raise ConfigError(
-                    f"config file {str(p)!r} is a directory, not a TOML file"
-                ) from None
-            except OSError as e:
-                raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
-            except UnicodeDecodeError:
-                raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        raw = read_toml(path)
         for item in overrides or []:
             apply_override(raw, item)
         return cls.from_dict(raw)
@@ -2054,6 +2049,35 @@ def _bare_or_toml(word: str) -> Any:
         return word
 
 
+def read_toml(path: str | Path | None) -> dict[str, Any]:
+    """The raw config dict of the TOML file ``path`` (None: ``{}``, the defaults).
+
+    Raises:
+        ConfigError: the file is missing, unreadable, not UTF-8 or not valid TOML, or nests
+            deeper than :data:`MAX_NESTING` can be read.
+    """
+    if path is None:
+        return {}
+    p = Path(path)
+    try:
+        return tomllib.loads(p.read_text())
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise ConfigError(
+            f"config file {str(p)!r} is not allowed: its tables and lists are nested "
+            f"too deep to read; expected at most {MAX_NESTING} levels"
+        ) from None
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {str(p)!r} is a directory, not a TOML file") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+
+
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one ``section.key=value`` override to a raw config dict in place.
 
@@ -2072,12 +2096,21 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. optimizer.lr=0.05")
-    value = _override_value(item, text.strip())
+    set_setting(raw, key, _override_value(item, text.strip()), f"--set {item!r}")
+
+
+def set_setting(raw: dict[str, Any], key: str, value: Any, given: str) -> None:
+    """Set ``key`` (``section.key``) of a raw config dict to ``value`` in place.
+
+    Raises:
+        ConfigError: a part of ``key`` names a value, not a section (the message starts
+            with ``given``, what the user typed).
+    """
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
         nxt = node.setdefault(part, {})
         if not isinstance(nxt, dict):
-            raise ConfigError(f"--set {item!r}: {part} is not a section")
+            raise ConfigError(f"{given}: {part} is not a section")
         node = nxt
     node[parts[-1]] = value

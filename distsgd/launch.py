@@ -75,7 +75,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from distsgd.config import METRICS, ConfigError, RunConfig, required_processes
+from distsgd.config import METRICS, ConfigError, LocalRanks, RunConfig, required_processes
 from distsgd.control import RunOptions
 from distsgd.data import keep_loaded
 from distsgd.layout import spec_for
@@ -155,14 +155,19 @@ def run(
     progress: bool = False,
     faults: RankFaults | None = None,
     options: RunOptions | None = None,
+    dir_claimed: bool = False,
+    ranks: LocalRanks | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` (runtime ``dist``) to its stop rule on real processes (``faults``:
     injected into the ranks by tests, :class:`~distsgd.runtime.faults.RankFaults`;
-    ``options``: every rank's :class:`~distsgd.control.RunOptions`).
+    ``options``: every rank's :class:`~distsgd.control.RunOptions`; ``dir_claimed``: the
+    caller holds ``out_dir``'s :class:`~distsgd.rundir.RunDirClaim` for the run, else
+    rank 0 claims it).
 
     Under torchrun this process is one rank: it trains (rank 0 writes ``out_dir``) and
-    returns the summary on rank 0, ``{}`` elsewhere. Otherwise it starts
-    ``required_processes`` ranks on this machine and returns rank 0's summary.
+    returns the summary on rank 0, ``{}`` elsewhere. Otherwise it starts the run's ranks
+    on this machine (``ranks``, as the caller checked them, or ``required_processes``)
+    and returns rank 0's summary.
 
     Raises:
         ConfigError: a rank stopped on a user error (its message), or ``out_dir``
@@ -173,9 +178,11 @@ def run(
     """
 
     out = Path(out_dir)
+    kw = {"resume": resume, "progress": progress, "faults": faults, "options": options}
     if under_launcher():
-        return _run_rank(cfg, out, resume=resume, progress=progress, faults=faults, options=options)
-    return _launch_local(cfg, out, resume=resume, progress=progress, faults=faults, options=options)
+        return _run_rank(cfg, out, dir_claimed=dir_claimed, **kw)
+    n = ranks.count if ranks is not None else required_processes(cfg.protocol, cfg.dist)[0]
+    return _launch_local(cfg, out, n, dir_claimed=dir_claimed, **kw)
 
 
 def _run_rank(
@@ -186,6 +193,7 @@ def _run_rank(
     progress: bool,
     faults: RankFaults | None,
     options: RunOptions | None,
+    dir_claimed: bool,
 ) -> dict[str, Any]:
     """This process's rank under torchrun: train; on rank 0, a failed run's
     ``summary.json`` names the ranks it lost (``lost_ranks``), as distsgd's own launcher
@@ -193,7 +201,7 @@ def _run_rank(
     rank = int(os.environ["RANK"])
     trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults, options=options)
     try:
-        return trainer.run(resume=resume)
+        return trainer.run(resume=resume, dir_claimed=dir_claimed)
     except RuntimeError as e:
         lost = lost_ranks(e)
         summary_path = out / "summary.json"
@@ -234,11 +242,12 @@ class _Jobs:
         faults: RankFaults | None,
         options: RunOptions | None,
         last: bool,
+        dir_claimed: bool = False,
     ) -> Callable[[int], Path]:
         """Hand the next run to the ranks; returns where rank r reports its outcome."""
         self.number += 1
         job = {"config": cfg.to_toml(), "out": str(out.resolve()), "resume": resume}
-        job |= {"progress": progress, "last": last}
+        job |= {"progress": progress, "last": last, "dir_claimed": dir_claimed}
         job["faults"] = faults.to_json() if faults is not None else ""
         job["options"] = options.to_json() if options is not None else None
         part = self.folder / f"run{self.number}.json.part"
@@ -357,13 +366,14 @@ class _Watch:
 def _launch_local(
     cfg: RunConfig,
     out: Path,
+    n: int,
     *,
     resume: bool,
     progress: bool,
     faults: RankFaults | None,
     options: RunOptions | None = None,
+    dir_claimed: bool = False,
 ) -> dict[str, Any]:
-    n, _ = required_processes(cfg.protocol, cfg.dist)
     d = cfg.dist
     with tempfile.TemporaryDirectory(prefix="distsgd-launch-") as tmp:
         # The rendezvous store is hosted here, as torchrun's agent hosts it, so that a free
@@ -371,7 +381,14 @@ def _launch_local(
         ranks = Ranks.rendezvous(n, d.master_addr, d.master_port, d.timeout_s, f"{tmp}/logs")
         jobs = _Jobs(Path(tmp))
         outcome = jobs.submit(
-            cfg, out, resume=resume, progress=progress, faults=faults, options=options, last=True
+            cfg,
+            out,
+            resume=resume,
+            progress=progress,
+            faults=faults,
+            options=options,
+            last=True,
+            dir_claimed=dir_claimed,
         )
         watch = _Watch(_start(ranks, jobs), cfg, outcome, jobs.prefix())
         try:
@@ -389,8 +406,7 @@ class RankPool:
     """Ranks on this machine kept alive from one ``dist`` run to the next, for a caller
     that trains many short runs with the same number of processes (``distsgd train
     --tune``'s probes and segments, ``distsgd tune``'s probes): a run then costs no
-    process start (interpreter, torch, the first optimizer's ``torch._dynamo`` import:
-    4–6 s a launch on 2 cores).
+    process start (interpreter, torch, the first optimizer's ``torch._dynamo`` import).
 
     Each run is :func:`run`'s, rank for rank: every rank joins a fresh process group (its
     store keys under ``run<N>/``, :func:`distsgd.runtime.launch.store_namespace`), trains
@@ -681,8 +697,10 @@ def run_worker(
     faults: RankFaults | None = None,
     options: RunOptions | None = None,
     outcome: Path | None = None,
+    dir_claimed: bool = False,
 ) -> int:
-    """One rank's run: train, and report how it ended.
+    """One rank's run: train, and report how it ended (``dir_claimed``: the launcher
+    holds the run directory's claim).
 
     Returns the exit status: 0 done, 1 diverged or another error, 2 a user error, 3 a
     peer lost, 74 a file of the run directory could not be written, 130 stopped by
@@ -703,7 +721,8 @@ def run_worker(
 
     try:
         cfg = RunConfig.from_dict(tomllib.loads(config_toml))
-        Trainer(cfg, out_dir, progress=progress, faults=faults, options=options).run(resume=resume)
+        trainer = Trainer(cfg, out_dir, progress=progress, faults=faults, options=options)
+        trainer.run(resume=resume, dir_claimed=dir_claimed)
         if outcome is not None:
             outcome.write_text(json.dumps({"kind": "done", "message": ""}))
         return 0
@@ -768,6 +787,7 @@ def main() -> int:
                     faults=faults,
                     options=RunOptions.from_json(job["options"]),
                     outcome=jobs / f"run{number}-rank{rank}.json",
+                    dir_claimed=job["dir_claimed"],
                 )
                 if code != 0 or job["last"]:
                     return code

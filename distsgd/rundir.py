@@ -127,20 +127,7 @@ def check_out_path(out_dir: str | Path, option: str = "--out") -> None:
     """
     out = Path(out_dir)
     check_path_names(out, option)
-    for node in (out, *out.parents):
-        if _exists(node):
-            if not node.is_dir():
-                what = "is a file" if node == out else f"lies under {str(node)!r}, a file"
-                raise ConfigError(
-                    f"{option} {str(out)!r} {what}: expected a directory (new, or a run's)"
-                )
-            if not os.access(node, os.W_OK | os.X_OK):
-                raise ConfigError(
-                    f"{option} {str(out)!r} is not writable: {str(node)!r} does not allow "
-                    "this process to create files; choose a writable directory"
-                )
-            _probe_create(node, option, out, directory=node != out)
-            return
+    _check_folder(out, out, option, "a directory (new, or a run's)")
 
 
 def check_out_file(path: str | Path, option: str = "--out") -> None:
@@ -155,14 +142,22 @@ def check_out_file(path: str | Path, option: str = "--out") -> None:
     check_path_names(path, option)
     if path.is_dir():
         raise ConfigError(f"{option} {str(path)!r} is a directory: expected a file name")
-    folder = path.parent
+    _check_folder(path, path.parent, option, "a file in a directory")
+
+
+def _check_folder(path: Path, folder: Path, option: str, expected: str) -> None:
+    """The nearest existing folder at or above ``folder`` (where ``path`` goes) is a
+    directory in which this process can create ``path``'s missing folders or files.
+
+    Raises:
+        ConfigError: ``path`` or a folder above it is a file (``expected``: what ``path``
+            should be), or that folder is not writable or takes no new entries.
+    """
     for node in (folder, *folder.parents):
         if _exists(node):
             if not node.is_dir():
-                raise ConfigError(
-                    f"{option} {str(path)!r} lies under {str(node)!r}, a file: expected a "
-                    "file in a directory"
-                )
+                what = "is a file" if node == path else f"lies under {str(node)!r}, a file"
+                raise ConfigError(f"{option} {str(path)!r} {what}: expected {expected}")
             if not os.access(node, os.W_OK | os.X_OK):
                 raise ConfigError(
                     f"{option} {str(path)!r} is not writable: {str(node)!r} does not allow "
@@ -206,8 +201,8 @@ class RunDirClaim:
     it and nothing else was written.
 
     Who holds it: the process that owns the run directory: the one running a ``sim`` run;
-    the launching process of a ``dist`` run on one machine (its rank 0 finds the claim
-    held by its parent and goes on); rank 0 under torchrun.
+    the launching process of a ``dist`` run on one machine (it tells its ranks so,
+    ``dir_claimed``); rank 0 under torchrun or of ranks whose launcher holds no claim.
 
     Example::
 
@@ -225,18 +220,13 @@ class RunDirClaim:
         self._created = created  # the folders the claim made, deepest first
 
     @classmethod
-    def acquire(
-        cls, out_dir: str | Path, *, new_run: bool = False, parent_may_hold: bool = False
-    ) -> RunDirClaim | None:
+    def acquire(cls, out_dir: str | Path, *, new_run: bool = False) -> RunDirClaim:
         """Check ``out_dir`` (:func:`check_out_path`), create it if missing and claim it.
 
         Args:
             out_dir: the run directory.
             new_run: a new run goes there: once claimed, a directory holding a run's
                 files is refused (as :func:`check_new_run_dir`; the claim is released).
-            parent_may_hold: a claim held by this process's parent on this host is the
-                run's own (a rank started by the local launcher, which checked the
-                directory when it claimed it): return None.
 
         Raises:
             ConfigError: ``out_dir`` cannot be created or written, holds a run
@@ -263,8 +253,6 @@ class RunDirClaim:
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
-                if parent_may_hold and _is_parent(holder):
-                    return None
                 raise ConfigError(
                     f"output directory {str(out)!r} is in use by another run "
                     f"({_describe_holder(holder)}); wait for it to end or choose another "
@@ -331,10 +319,6 @@ def _read_holder(fd: int) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
-
-
-def _is_parent(holder: dict[str, Any]) -> bool:
-    return holder.get("pid") == os.getppid() and holder.get("host") == socket.gethostname()
 
 
 def _describe_holder(holder: dict[str, Any]) -> str:

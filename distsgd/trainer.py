@@ -369,9 +369,6 @@ class Trainer:
         save_checked(state, self.out_dir / "checkpoint.pt")
         save_checked(state["eval_model"], self.out_dir / "model.pt")
 
-    def _load_checkpoint(self) -> None:
-        self._apply_checkpoint(self._read_checkpoint())
-
     def _read_checkpoint(self) -> dict[str, Any]:
         path = self.out_dir / "checkpoint.pt"
         state = load_checkpoint_file(path, "resume")
@@ -546,8 +543,12 @@ class Trainer:
             budgets.append(t.max_samples)
         return min(budgets) if budgets else None
 
-    def run(self, resume: bool = False) -> dict[str, Any]:
+    def run(self, resume: bool = False, *, dir_claimed: bool = False) -> dict[str, Any]:
         """Train to the stop rule; returns the summary (also written to summary.json).
+
+        The writer claims the run directory for the run's life
+        (:class:`~distsgd.rundir.RunDirClaim`) unless ``dir_claimed``: the caller (the
+        launching process of a dist run) holds the claim.
 
         On the dist runtime every rank calls this: every rank builds, the writer (rank 0,
         the coordinating server for parameter-server protocols) checks the run directory
@@ -557,9 +558,10 @@ class Trainer:
         serve (returning ``{}``).
         """
         self._claim: RunDirClaim | None = None
+        self._dir_claimed = dir_claimed
         try:
             self._kind = runtime_kind(self.cfg, self.faults)
-            if self._kind.single_process:
+            if self._kind.single_process and not dir_claimed:
                 # the claim first (held for the run's life; a run that fails to start
                 # removes it, and the directory if it made it): no work before it
                 self._claim = RunDirClaim.acquire(self.out_dir, new_run=not resume)
@@ -585,16 +587,13 @@ class Trainer:
 
     def _start(self, resume: bool) -> dict[str, Any] | None:
         """The writer claims the run directory for the run's life (if it has not yet, and
-        unless the launcher, its parent process, holds the claim) and checks it, or reads
-        the checkpoint to resume; every rank of the run gets the checkpoint, or the same
-        error."""
+        unless the caller holds the claim) and checks it, or reads the checkpoint to
+        resume; every rank of the run gets the checkpoint, or the same error."""
         start: tuple[str, Any] = ("ok", None)
         if self.is_writer:
             try:
-                if self._claim is None:  # the launcher's claim (checked) is the run's
-                    self._claim = RunDirClaim.acquire(
-                        self.out_dir, new_run=not resume, parent_may_hold=True
-                    )
+                if self._claim is None and not self._dir_claimed:
+                    self._claim = RunDirClaim.acquire(self.out_dir, new_run=not resume)
                 if resume:
                     start = ("ok", self._read_checkpoint())
                     saved = dict(start[1]["trainer"])

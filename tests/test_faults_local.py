@@ -143,8 +143,8 @@ def test_a_dist_run_is_claimed_by_its_launcher_and_its_rank_0_writes_under_it(
     tmp_path, capsys, monkeypatch
 ):
     """The launching process holds the directory before any rank starts (a second run is
-    refused naming it); rank 0, its child, finds the claim its parent's and writes the
-    run; the claim is gone when the run has ended."""
+    refused naming it); rank 0, told the launcher holds it, writes the run; the claim is
+    gone when the run has ended."""
     from distsgd import launch
 
     cfg = write_config(tmp_path, protocol={"num_learners": 2, "batch_size": 16})
@@ -280,6 +280,37 @@ def test_dist_process_count_beyond_this_machine_is_one_line_exit_2(
     assert "protocol.num_learners = 64 is not allowed on this machine" in err
     assert "the run needs 64 processes" in err
     assert not out.exists()
+
+
+def test_a_dist_runs_ranks_and_claim_are_derived_once_and_passed_to_the_launcher(
+    tmp_path, capsys, monkeypatch
+):
+    """``distsgd train --runtime dist --num-processes 3``: the processes are checked once
+    on the way down, the launcher starts the count checked, and is told the directory is
+    claimed (its ranks take no claim of their own)."""
+    from distsgd import api, cli
+    from distsgd.config import check_local_processes
+
+    checks, launched = [], {}
+
+    def counted(cfg):
+        checks.append(cfg.dist.num_processes)
+        return check_local_processes(cfg)
+
+    def launch_local(cfg, out, n, **kwargs):
+        launched.update(n=n, claimed=kwargs["dir_claimed"], held=(out / "run.lock").exists())
+        raise distsgd.ConfigError("stopped before any rank starts")
+
+    monkeypatch.setattr(cli, "check_local_processes", counted)
+    monkeypatch.setattr(api, "check_local_processes", counted)
+    monkeypatch.setattr("distsgd.launch._launch_local", launch_local)
+    cfg = write_config(tmp_path, protocol={"num_learners": 2, "batch_size": 16})
+    out = tmp_path / "run"
+    argv = ["train", cfg, "--runtime", "dist", "--num-processes", "3", "--out", str(out)]
+    assert main([*argv, "--quiet"]) == 2
+    assert "stopped before any rank starts" in capsys.readouterr().err
+    assert checks == [3]
+    assert launched == {"n": 3, "claimed": True, "held": True}
 
 
 def test_the_process_limit_counts_the_memory_of_each_ranks_dataset(monkeypatch):
