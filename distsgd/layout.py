@@ -26,15 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import Tensor
 
 from distsgd.checks import fail
-from distsgd.protocols import (
-    SMA,
-    AsynchronousProtocol,
-    ComputeGroups,
-    HardSync,
-    LocalSGD,
-    ParameterServer,
-    SynchronousProtocol,
-)
+from distsgd.protocols import SMA, ComputeGroups, HardSync, LocalSGD, ParameterServer, Protocol
 
 if TYPE_CHECKING:  # the config imports this module: types only
     from distsgd.config import DistConfig, OptimizerConfig, ProtocolConfig, RunConfig
@@ -49,8 +41,6 @@ __all__ = [
     "sma_alpha",
     "spec_for",
 ]
-
-Protocol = SynchronousProtocol | AsynchronousProtocol
 
 
 def optimizer_arguments(o: OptimizerConfig) -> dict[str, Any]:

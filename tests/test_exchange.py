@@ -263,3 +263,20 @@ def test_protocol_interface_contract_names_every_protocol_module():
         if m.name not in ("base", "_util")
     }
     assert set(contract["forbidden_modules"]) == modules
+
+
+@pytest.mark.parametrize(
+    "name", ["hardsync", "plain", "sma", "local_sgd", "parameter_server", "compute_groups"]
+)
+def test_each_protocol_declares_the_family_its_spec_lays_out(name):
+    """A runtime picks lock step or a parameter server by what the protocol declares
+    (``served``): it must agree with its spec's layout (server ranks or none), and the
+    protocol's progress (``iteration``) starts at 0 in both families."""
+    from distsgd.layout import build_protocol, spec_for
+    from tests.conftest import small_config
+
+    lam = 4
+    cfg = small_config(protocol={"name": name, "num_learners": 1 if name == "plain" else lam})
+    proto = build_protocol(cfg, W0.clone())
+    assert proto.served == spec_for(name).has_server
+    assert proto.iteration == 0

@@ -29,7 +29,14 @@ They know nothing of the config: :func:`distsgd.layout.build_protocol` makes the
 from __future__ import annotations
 
 from ._util import SERVER_OPTIMIZERS, STALENESS_LR, OptimizerFactory
-from .base import AllReduce, AsynchronousProtocol, SynchronousProtocol, Update, make_sgd
+from .base import (
+    AllReduce,
+    AsynchronousProtocol,
+    Protocol,
+    SynchronousProtocol,
+    Update,
+    make_sgd,
+)
 from .compute_groups import ComputeGroups
 from .hardsync import HardSync
 from .local_sgd import LocalSGD
@@ -46,6 +53,7 @@ __all__ = [
     "HardSync",
     "LocalSGD",
     "ParameterServer",
+    "Protocol",
     "SMA",
     "SynchronousProtocol",
     "Update",

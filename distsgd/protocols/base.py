@@ -29,7 +29,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["AllReduce", "SynchronousProtocol", "AsynchronousProtocol", "Update", "make_sgd"]
+__all__ = [
+    "AllReduce",
+    "Protocol",
+    "SynchronousProtocol",
+    "AsynchronousProtocol",
+    "Update",
+    "make_sgd",
+]
 
 
 def make_sgd(
@@ -72,7 +79,39 @@ class AllReduce:
         return self.payload.mean(0) if self.mean else self.payload.sum(0)
 
 
-class SynchronousProtocol(ABC):
+class Protocol(ABC):
+    """What every protocol offers its runtime: its learners, its family (:attr:`served`),
+    its progress, its evaluation model and its state."""
+
+    num_learners: int
+    served: ClassVar[bool]
+    """True: a runtime serves it from a parameter server (:class:`AsynchronousProtocol`'s
+    pull / push); False: lock step (:class:`SynchronousProtocol`'s exchange_step)."""
+
+    @property
+    @abstractmethod
+    def iteration(self) -> int:
+        """Iterations (synchronous) or updates (parameter server) applied so far."""
+
+    @abstractmethod
+    def eval_weights(self) -> Tensor:
+        """The model this protocol defines for evaluation, shape ``[P]``."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot (tensors cloned) of all state; survives ``torch.load(weights_only=True)``."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; continuing is then bit-identical to never saving.
+
+        Raises:
+            ValueError: ``state`` comes from another protocol class or configuration, or a
+                tensor in it has the wrong shape.
+        """
+
+
+class SynchronousProtocol(Protocol):
     """Lock-step protocol over ``num_learners`` learners.
 
     Each iteration the runtime computes, for every learner ``l``, the mean-loss gradient of
@@ -86,10 +125,7 @@ class SynchronousProtocol(ABC):
     gradient buckets during backward) and hand it to :meth:`apply_mean_gradient`.
     """
 
-    num_learners: int
-    served: ClassVar[bool] = False
-    """False: lock step (:meth:`exchange_step`); a runtime serves a protocol with True
-    from a parameter server (:class:`AsynchronousProtocol`'s interface)."""
+    served = False
     shares_weights: ClassVar[bool] = False
     """True: every learner computes on ``learner_weights(0)`` and the iteration's exchange
     is the mean gradient (:meth:`apply_mean_gradient`)."""
@@ -156,27 +192,10 @@ class SynchronousProtocol(ABC):
         :meth:`eval_weights` is the run's model on every process."""
         return None
 
-    @abstractmethod
-    def eval_weights(self) -> Tensor:
-        """The model this protocol defines for evaluation, shape ``[P]``."""
-
     @property
     def iteration(self) -> int:
         """Iterations applied so far."""
         return self._iteration  # type: ignore[attr-defined]
-
-    @abstractmethod
-    def state_dict(self) -> dict[str, Any]:
-        """A snapshot (tensors cloned) of all state; survives ``torch.load(weights_only=True)``."""
-
-    @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; continuing is then bit-identical to never saving.
-
-        Raises:
-            ValueError: ``state`` comes from another protocol class or configuration, or a
-                tensor in it has the wrong shape.
-        """
 
 
 @dataclass
@@ -202,7 +221,7 @@ class Update:
     scales: list[float] = field(default_factory=list)
 
 
-class AsynchronousProtocol(ABC):
+class AsynchronousProtocol(Protocol):
     """A parameter server (Rudra ICDM 2016 §3): learners pull, compute and push at their pace.
 
     ``workers`` are the units that pull and push: learners for the parameter server,
@@ -210,9 +229,7 @@ class AsynchronousProtocol(ABC):
     """
 
     num_workers: int
-    num_learners: int
-    served: ClassVar[bool] = True
-    """True: a runtime serves it from a parameter server (pull / push)."""
+    served = True
     barrier: bool = False
     """True: a worker that pushed pulls again only once the update is applied (hardsync
     through the server; :meth:`can_pull`)."""
@@ -278,16 +295,3 @@ class AsynchronousProtocol(ABC):
     @abstractmethod
     def eval_weights(self) -> Tensor:
         """The server's current weights, shape ``[P]``."""
-
-    @abstractmethod
-    def state_dict(self) -> dict[str, Any]:
-        """A snapshot (tensors cloned) of all state; survives ``torch.load(weights_only=True)``."""
-
-    @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; continuing is then bit-identical to never saving.
-
-        Raises:
-            ValueError: ``state`` comes from another protocol class or configuration, or a
-                tensor in it has the wrong shape.
-        """

@@ -69,7 +69,7 @@ from torch import Tensor
 from distsgd.config import ClusterConfig, ConfigError, ConfigWarning, TrainConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs, first_line
-from distsgd.protocols.base import AsynchronousProtocol, SynchronousProtocol
+from distsgd.protocols.base import AsynchronousProtocol, Protocol, SynchronousProtocol
 from distsgd.runtime import cluster_model as cm
 from distsgd.runtime.base import (
     Runtime,
@@ -372,7 +372,7 @@ class SimRuntime(Runtime):
 
     def __init__(
         self,
-        protocol: SynchronousProtocol | AsynchronousProtocol,
+        protocol: Protocol,
         engine: GradientEngine,
         dataset: Dataset,
         *,
