@@ -401,8 +401,7 @@ def keep_loaded() -> Iterator[None]:
     ``mnist``, ``cifar10``) is read and normalised once per process, per name and
     directory: later :func:`load_dataset` calls share its tensors (distsgd only indexes
     them, never writes them in place). For a process that trains many short runs: a
-    :class:`~distsgd.launch.RankPool` rank, ``--tune``'s probes on ``sim`` (Fashion-MNIST:
-    0.23 s a run on 2 cores). The kept tensors are dropped when the outermost block ends.
+    :class:`~distsgd.launch.RankPool` rank, ``--tune``'s probes on ``sim``. The kept tensors are dropped when the outermost block ends.
     User factories and ``synthetic`` are loaded every time."""
     global _keeping
     _keeping += 1

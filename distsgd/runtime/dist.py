@@ -193,13 +193,6 @@ def process_info() -> ProcessInfo | None:
     )
 
 
-def threads_per_process(cfg: RunConfig, info: ProcessInfo) -> int:
-    """``train.num_threads`` if set, else this process's share of the machine's cores."""
-    if cfg.train.num_threads:
-        return cfg.train.num_threads
-    return max(1, (os.cpu_count() or 1) // max(info.local_world_size, 1))
-
-
 # NCCL for CUDA tensors, gloo for CPU ones: the bookkeeping collectives (stop flags, loss
 # sums, heartbeats) and the parameter server's point-to-point messages stay on gloo.
 NCCL_WITH_GLOO = "cpu:gloo,cuda:nccl"
