@@ -26,9 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from distsgd.metrics import read_metrics
 
 __all__ = ["Run", "load_run", "make_report", "plot_curves", "plot_staleness"]
@@ -200,6 +197,10 @@ def _points(run: Run, xkey: str, ykey: str, scale: float) -> tuple[list[float], 
 
 
 def _figure(width_in: float, height_in: float) -> Any:
+    # imported here: matplotlib costs a command that draws nothing a second of start-up
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width_in, height_in), dpi=100)
     FigureCanvasAgg(fig)
     return fig

@@ -1,3 +1,9 @@
+import contextlib
+import io
+import os
+import signal
+import subprocess
+
 import pytest
 import torch
 
@@ -77,3 +83,26 @@ def _profile_cache(tmp_path_factory):
     patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("profile-cache")))
     yield
     patch.undo()
+
+
+def cli_in_process(*argv: str, cwd=None) -> subprocess.CompletedProcess:
+    """``distsgd ARGV`` run by :func:`distsgd.cli.main` in this process, as a finished
+    process would report it: exit status, stdout and stderr (an exception that escapes
+    ``main`` fails the test, as a traceback would). Cheaper than a process per case, which
+    pays torch's import; the suite keeps real processes where the process is the point."""
+    from distsgd.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    old_cwd, old_sigterm = os.getcwd(), signal.getsignal(signal.SIGTERM)
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        os.chdir(old_cwd)
+        signal.signal(signal.SIGTERM, old_sigterm)
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())

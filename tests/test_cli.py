@@ -13,11 +13,14 @@ from tqdm import tqdm
 from distsgd.cli import _one_line_config_warning
 from distsgd.config import ConfigWarning
 
+from .conftest import cli_in_process
+
 REPO = str(Path(__file__).resolve().parents[1])
 
 
-def run_cli(*args, cwd=None):
-    # Run this checkout's package, whatever copy is installed.
+def run_cli_process(*args, cwd=None):
+    """``distsgd ARGS`` in a real process of this checkout's package, whatever copy is
+    installed."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     return subprocess.run(
         [sys.executable, "-m", "distsgd", *args],
@@ -55,13 +58,22 @@ def run_cli(*args, cwd=None):
     ],
 )
 def test_user_errors_exit_2_with_one_line(tmp_path, args, fragment):
-    r = run_cli("train", *args, "--out", str(tmp_path / "r"), cwd=tmp_path)
+    r = cli_in_process("train", *args, "--out", str(tmp_path / "r"), cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("distsgd: error:")
     assert fragment in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_a_user_error_in_a_real_process_is_one_line_exit_2(tmp_path):
+    r = run_cli_process("train", "--set", "optimizer.lr=-1", "--out", str(tmp_path / "r"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "distsgd: error: optimizer.lr = -1 is not allowed: expected a number in (0.0, 1000.0]"
+    ]
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow
@@ -89,13 +101,13 @@ max_epochs = 2
 num_threads = 1
 """
     )
-    r = run_cli("train", str(cfg), "--out", str(tmp_path / "run"), "--quiet")
+    r = run_cli_process("train", str(cfg), "--out", str(tmp_path / "run"), "--quiet")
     assert r.returncode == 0, r.stderr
     assert "to target" in r.stdout and "staleness" in r.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["reached"] is True
     # resume a finished run with a bigger budget
-    r2 = run_cli(
+    r2 = run_cli_process(
         "train",
         "--resume",
         str(tmp_path / "run"),
@@ -113,15 +125,15 @@ num_threads = 1
 def test_non_utf8_config_and_config_with_resume(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_bytes(b"\xff\xfe[protocol]")
-    r = run_cli("train", str(bad))
+    r = cli_in_process("train", str(bad))
     assert r.returncode == 2 and "not UTF-8" in r.stderr and str(bad) in r.stderr
-    r = run_cli("train", str(bad), "--resume", str(tmp_path))
+    r = cli_in_process("train", str(bad), "--resume", str(tmp_path))
     assert r.returncode == 2 and "do not pass a config" in r.stderr
 
 
 @pytest.mark.parametrize("args", [["train", "--bogus"], [], ["train", "a.toml", "b.toml"]])
 def test_usage_errors_are_one_line(args):
-    r = run_cli(*args)
+    r = cli_in_process(*args)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr
 

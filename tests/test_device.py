@@ -7,7 +7,6 @@ import hashlib
 import inspect
 import io
 import json
-import os
 import subprocess
 import sys
 import tomllib
@@ -40,7 +39,7 @@ from distsgd.runtime.dist import (
     collective_backend,
     ddp_no_forward_buffer_sync,
 )
-from tests.conftest import small_config
+from tests.conftest import cli_in_process, small_config
 
 REPO = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -123,17 +122,7 @@ def test_backend_choice(monkeypatch):
 
 # ---- refusals reach the user as one line, nothing written --------------------------------
 def _run_cli(tmp_path, *args):
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "distsgd", "train", *args, "--out", str(tmp_path / "r")],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,  # far above the second it takes: the run stops before loading data
-        env=env,
-    )
+    return cli_in_process("train", *args, "--out", str(tmp_path / "r"), cwd=tmp_path)
 
 
 @no_cuda

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +17,7 @@ from distsgd.data import MapSplit, TensorSplit
 from distsgd.engine import build_engine, eval_subset, eval_subset_indices
 from distsgd.metrics import read_metrics
 from distsgd.report import make_report
-from tests.conftest import small_config
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import cli_in_process, small_config
 
 
 def _engine_and_split(num_samples: int = 300) -> tuple[distsgd.engine.GradientEngine, TensorSplit]:
@@ -125,14 +121,7 @@ def test_a_subset_reaching_the_target_is_decided_by_the_whole_set(tmp_path, monk
 
 
 def test_bad_eval_samples_is_one_line_exit_2(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "distsgd", "train", "--set", "train.eval_samples=-1"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        timeout=120,  # a budget far above the import and the config check
-    )
+    r = cli_in_process("train", "--set", "train.eval_samples=-1", cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "train.eval_samples = -1" in lines[0] and ">= 0" in lines[0]

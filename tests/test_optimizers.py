@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import pickle
-import subprocess
-import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,9 +28,8 @@ from distsgd.config import (
 from distsgd.layout import build_protocol
 from distsgd.protocols import SMA, ComputeGroups, HardSync, LocalSGD, ParameterServer
 from distsgd.tuner.tune import tune
-from tests.conftest import small_config
+from tests.conftest import cli_in_process, small_config
 
-REPO = Path(__file__).resolve().parents[1]
 ADAMW = "torch.optim:AdamW"
 ADAMW_KWARGS = {"betas": [0.9, 0.95], "weight_decay": 0.01}
 P = 7
@@ -515,18 +510,8 @@ def test_tune_refuses_another_optimizer_or_a_torch_scheduler(tmp_path):
 
 
 def test_cli_bad_optimizer_is_one_line_exit_2(tmp_path):
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
     argv = ["train", "--set", "optimizer.name=torch.optim:Adafactor", "--out", str(tmp_path / "r")]
-    r = subprocess.run(
-        [sys.executable, "-m", "distsgd", *argv],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-        env=env,
-    )
+    r = cli_in_process(*argv, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("distsgd: error: optimizer.name")

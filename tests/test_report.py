@@ -2,10 +2,7 @@
 event files written during training."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ from distsgd.cli import main
 from distsgd.config import ConfigError
 from distsgd.metrics import TENSORBOARD_TAGS, TensorBoardWriter, read_metrics
 from distsgd.report import load_run, make_report, plot_staleness
-from tests.conftest import small_config
+from tests.conftest import cli_in_process, small_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROTOCOLS = {
@@ -50,6 +47,16 @@ def check_png(path: Path, min_height: int, min_width: int) -> tuple[int, int]:
     assert height >= min_height and width >= min_width
     assert image[..., :3].std() > 0.01  # not a blank canvas
     return height, width
+
+
+@pytest.fixture
+def no_drawing(monkeypatch):
+    """Figures are built but not rendered (an empty file is written): for tests of the
+    report's text, which drawing does not change; rendering is most of a report's time."""
+    from matplotlib.figure import Figure
+
+    monkeypatch.setattr(Figure, "tight_layout", lambda self, *a, **k: None)
+    monkeypatch.setattr(Figure, "savefig", lambda self, fname, *a, **k: Path(fname).touch())
 
 
 def test_report_of_three_protocols(runs, tmp_path):
@@ -98,7 +105,7 @@ def test_load_run(runs):
     assert run.is_asynchronous and not load_run(runs["hs"]).is_asynchronous
 
 
-def test_labels_are_made_unique(runs, tmp_path):
+def test_labels_are_made_unique(runs, tmp_path, no_drawing):
     copy = tmp_path / "again"
     shutil.copytree(runs["hs"], copy)
     copy2 = tmp_path / "more"
@@ -109,7 +116,7 @@ def test_labels_are_made_unique(runs, tmp_path):
     assert labels[1] == "hardsync λ=2 b=32 seed=0 (again)"
 
 
-def test_same_run_twice_and_out_that_is_a_file_are_errors(runs, tmp_path):
+def test_same_run_twice_and_out_that_is_a_file_are_errors(runs, tmp_path, no_drawing):
     with pytest.raises(ValueError, match="given twice"):
         make_report([runs["hs"], Path(str(runs["hs"]) + "/")], tmp_path / "r")
     afile = tmp_path / "afile"
@@ -162,16 +169,7 @@ def test_cli_report_default_out_and_missing_dir(runs, tmp_path, monkeypatch, cap
     missing = tmp_path / "no-such-run"
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
-    repo = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "distsgd", "report", str(missing)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=120,
-    )
+    proc = cli_in_process("report", str(missing), cwd=cwd)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and str(missing) in lines[0] and "Traceback" not in proc.stderr
@@ -253,7 +251,7 @@ def test_report_of_a_lower_is_better_metric_names_it(tmp_path):
     assert (tmp_path / "rep" / "curves.png").stat().st_size > 0
 
 
-def test_report_header_says_a_tuning_runs_times_include_the_tuning(runs, tmp_path):
+def test_report_header_says_a_tuning_runs_times_include_the_tuning(runs, tmp_path, no_drawing):
     # issue 18: a run of --tune (74.73 s to target from its start, tuning included) was
     # headed "wall seconds of training only (evaluation excluded)"
     tuned = tmp_path / "tuned"
@@ -273,7 +271,7 @@ def test_report_header_says_a_tuning_runs_times_include_the_tuning(runs, tmp_pat
     assert "training only" not in only and "runs of `--tune`" in only
 
 
-def test_runs_charged_another_work_per_iteration_are_flagged_as_not_comparable(runs, tmp_path):
+def test_runs_charged_another_work_per_iteration_are_flagged_as_not_comparable(runs, tmp_path, no_drawing):
     # the summary records every device figure the simulated seconds depend on (found by
     # fresh-user reviews: seconds_per_iteration, the server's figures and cores were
     # missing, and the note named two figures)

@@ -3,11 +3,7 @@
 unchanged, the auto rule, bad value)."""
 
 import copy
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +12,7 @@ from distsgd.config import ConfigWarning
 from distsgd.data import TensorSplit
 from distsgd.engine import GradientEngine, resolve_memory_format
 from distsgd.models import build_model
-
-REPO = str(Path(__file__).resolve().parents[1])
+from tests.conftest import cli_in_process
 
 
 def small_cnn_engine(compile: str, memory_format: str = "contiguous") -> GradientEngine:
@@ -60,15 +55,8 @@ def test_failed_compilation_warns_once_and_computes_eagerly(monkeypatch):
 
 
 def test_bad_compile_value_is_one_line_exit_2(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run(
-        [sys.executable, "-m", "distsgd", "train", "--set", "train.compile=fast"]
-        + ["--out", str(tmp_path / "r")],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-        env=env,
+    r = cli_in_process(
+        "train", "--set", "train.compile=fast", "--out", str(tmp_path / "r"), cwd=tmp_path
     )
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]

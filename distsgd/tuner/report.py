@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from distsgd.tuner import perf_model as pm
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["write_report", "write_tune_json", "clean_state"]
 
@@ -81,6 +82,9 @@ def _shape_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _subplots(ncols: int = 1, *, figsize: tuple[float, float]) -> tuple[Figure, Any]:
     """A figure of its own (no pyplot state: the Agg canvas) and its ``ncols`` axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # a second of start-up
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=figsize, dpi=100)
     FigureCanvasAgg(fig)
     return fig, fig.subplots(1, ncols)
