@@ -8,7 +8,9 @@ later rung continues) under the candidate's μ and batch (:attr:`RunOptions.cont
 a full checkpoint; what the run heard (its training losses) is recorded beside it
 (:class:`~distsgd.control.RunRecorder`). A completed probe leaves ``online_probe.json``
 (its wall and the run's clock at its end) and is read back instead of run again after an
-interruption (resume); one cut short is run again.
+interruption (resume); one cut short is run again. :class:`ProbeRounds`: what a round of
+probes shares, successive halving's second rung (Jamieson & Talwalkar, AISTATS 2016; Li et
+al., Hyperband, JMLR 2018) among it.
 """
 
 from __future__ import annotations
@@ -18,17 +20,19 @@ import json
 import math
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from distsgd.config import RunConfig
+from distsgd.config import ConfigWarning, OnlineTuneSettings, RunConfig
 from distsgd.control import LossPoint, RunObserver, RunOptions, replay
 from distsgd.metrics import write_json
-from distsgd.tuner.omnivore import Candidate, ProbeResult
-from distsgd.tuner.probes import ProbeRunner, RunClock, candidate_config, safe_name
+from distsgd.tuner.budget import RunBudget
+from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult, pair_scores
+from distsgd.tuner.probes import ProbeRunner, RunClock, candidate_config, run_limits, safe_name
 
-__all__ = ["ProbeChains", "Heard", "start_dir", "run_summary", "continuing"]
+__all__ = ["ProbeChains", "ProbeRounds", "Heard", "start_dir", "run_summary", "continuing"]
 
 _START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
 
@@ -118,20 +122,8 @@ class ProbeChains:
 
     def _probe_config(self, cand: Candidate, limit_s: float) -> RunConfig:
         cfg = candidate_config(self.cfg, cand)
-        key = "max_virtual_seconds" if self.simulated else "max_seconds"
-        train = dataclasses.replace(
-            cfg.train,
-            **{
-                "max_virtual_seconds": 0.0,
-                "max_seconds": 0.0,
-                key: limit_s,
-                "stop_at_target": False,
-                "eval_every_samples": self._eval_every(),
-                "checkpoint_every_evals": 0,
-                "tensorboard": False,
-            },
-        )
-        return cfg.replace(train=train)
+        limits = run_limits(self.simulated, limit_s, eval_every_samples=self._eval_every())
+        return cfg.replace(train=dataclasses.replace(cfg.train, **limits))
 
     def _eval_every(self) -> int:
         return self.cfg.train.eval_every_samples or self.num_train
@@ -242,3 +234,102 @@ class ProbeChains:
         cont.mark_exploded(self.loss0)  # over the whole chain
         self.first_rung[cont.run_dir] = r
         return cont
+
+
+class ProbeRounds:
+    """What the cold start's and a steady-state round's probes share.
+
+    Args:
+        chains: the run's probes and their chains.
+        log: the decision log.
+        settings: ``[tune]`` (its ``probe_seconds`` a first rung's length).
+        budget: the run's probe lengths.
+
+    Attributes:
+        overhead_clock_s: clock seconds of probes that did not continue as the run.
+    """
+
+    def __init__(
+        self,
+        chains: ProbeChains,
+        log: DecisionLog,
+        settings: OnlineTuneSettings,
+        budget: RunBudget,
+    ) -> None:
+        self.chains, self.log, self.settings, self.budget = chains, log, settings, budget
+        self.clock = chains.clock
+        self.overhead_clock_s = 0.0
+
+    def count_overhead(self, results: list[ProbeResult], winner: ProbeResult) -> None:
+        """Clock seconds of the probes that did not continue as the run (the winner and
+        the probes its chain continues) count as tuning overhead."""
+        kept = {r.run_dir for r in self.chains.chain(winner)}
+        for r in results:
+            if r.run_dir not in kept and r.virtual_s:
+                self.overhead_clock_s += r.virtual_s[-1]
+
+    def second_rung(
+        self, phase: str, results: list[ProbeResult], larger: ProbeResult | None = None
+    ) -> list[ProbeResult]:
+        """Successive halving's second rung: the ``tune.promote`` (cold start) or
+        ``tune.steady_promote`` (steady state) best of a round's first-rung probes (lowest
+        score; ties prefer larger η, then μ), and ``larger`` (cold start: the next larger
+        η than the best at g = 1, :func:`~distsgd.tuner.omnivore.next_larger_lr`) where
+        they leave it out, continue from their own checkpoints until ``probe_s`` after the
+        round's start on the runtime's clock, scored over the chain's last
+        ``tune.score_window`` losses (steady state: over the iterations every chain of
+        the round trained, :func:`~distsgd.tuner.omnivore.pair_scores`). Returns the
+        continued probes ([] with no second rung, or a steady state that promotes one)."""
+        cold = phase == "cold start"
+        promote = self.settings.promote if cold else self.settings.steady_promote
+        probe_s, rung_s = self.budget.probe_s, self.budget.rung_s
+        if rung_s >= probe_s or (not cold and promote == 1):
+            return []
+        ok = [r for r in results if not math.isnan(r.score)]
+        ok.sort(key=lambda r: (r.score, -r.candidate.lr, -r.candidate.momentum))
+        kind = "cold2" if cold else "steady2"
+        chosen = ok[:promote]
+        extra = larger is not None and cold and all(r is not larger for r in chosen)
+        firsts = chosen + ([larger] if extra else [])
+        out = []
+        for r in firsts:
+            round_start = self.chains.start_of(start_dir(r.snapshot))[0]
+            out.append(self.chains.continue_from(r, round_start + probe_s, kind))
+        if not cold:
+            pair_scores(out)  # one snapshot, one layout: the same minibatches
+        for r, cont in zip(firsts, out, strict=True):
+            self.log(
+                phase,
+                f"continue {r.candidate.label()} to {probe_s:.4g} s: "
+                + ("NaN" if cont.diverged else f"score {cont.score:.4f}"),
+                (
+                    "successive halving: "
+                    + ("the best" if promote == 1 else f"one of the {promote} best")
+                    + f" first-rung scores ({r.score:.4f} after {rung_s:.4g} "
+                    f"{self.clock.name} s)"
+                    if r is not larger or not extra
+                    else f"the next larger η than the best at g=1 (first rung {r.score:.4f} "
+                    f"after {rung_s:.4g} {self.clock.name} s): short probes prefer "
+                    "smaller η (short-horizon bias), so it gets a second-rung chance"
+                )
+                + ", continued from its own checkpoint",
+                score=None if cont.diverged else cont.score,
+            )
+        return out
+
+    def warn_short_probes(self, results: list[ProbeResult], phase: str = "cold start") -> None:
+        """A warning (and a decision) when a round's probes trained fewer iterations than
+        ``tune.score_window``: their scores then average fewer minibatch losses (none with
+        fewer than two such probes: nothing is ranked)."""
+        window = self.settings.score_window
+        counts = [len(r.losses) for r in results if not r.diverged]
+        if len(counts) < 2 or min(counts) >= window:
+            return
+        line = (
+            f"probes of {self.budget.rung_s:.4g} {self.clock.name} s trained as few as "
+            f"{min(counts)} iteration(s), fewer than tune.score_window = {window}: their "
+            "scores average that many minibatch losses and rank the candidates by noise; "
+            "raise tune.probe_seconds (or tune.first_rung) or the time budget"
+        )
+        warnings.warn(line, ConfigWarning, stacklevel=3)
+        self.log(phase, "warning: probes too short to score", line, echo=False)
