@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.config import ConfigWarning, OnlineTuneSettings, RunConfig
-from distsgd.control import LossPoint, RunObserver, RunOptions, replay
+from distsgd.control import RunObserver, RunOptions, replay
 from distsgd.metrics import write_json
+from distsgd.tuner import probes as pr
 from distsgd.tuner.budget import RunBudget
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult, pair_scores
-from distsgd.tuner.probes import ProbeRunner, RunClock, candidate_config, run_limits, safe_name
+from distsgd.tuner.probes import ProbeRunner, ResultLosses, RunClock, run_summary
 
-__all__ = ["ProbeChains", "ProbeRounds", "Heard", "start_dir", "run_summary", "continuing"]
+__all__ = ["ProbeChains", "ProbeRounds", "steady_checks", "start_dir", "continuing", "run_once"]
 
 _START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
 
@@ -46,36 +47,38 @@ def continuing(start: Path, run_dir: Path) -> None:
             shutil.copy2(start / name, run_dir / name)
 
 
-class Heard(RunObserver):
-    """What a run's recorder kept (:func:`~distsgd.control.replay`): its losses and
-    steady-state checks, in order."""
-
+class _Checks(RunObserver):
     def __init__(self) -> None:
-        self.losses: list[LossPoint] = []
         self.checks: list[dict[str, Any]] = []
-
-    @classmethod
-    def of(cls, run_dir: Path) -> Heard:
-        heard = cls()
-        replay(run_dir, heard)
-        return heard
-
-    def on_losses(self, point: LossPoint) -> None:
-        self.losses.append(point)
 
     def on_steady_check(self, check: dict[str, Any]) -> None:
         self.checks.append(check)
 
 
+def steady_checks(run_dir: Path) -> list[dict[str, Any]]:
+    """The steady-state checks a run made, in order, as its recorder kept them
+    (:func:`~distsgd.control.replay`)."""
+    heard = _Checks()
+    replay(run_dir, heard)
+    return heard.checks
+
+
+def run_once(note: Path, catch_up: Callable[[float], None]) -> dict[str, Any] | None:
+    """The record ``note`` of a run that completed in ``note``'s directory before an
+    interruption (the run's wall clock caught up to its end), else None: run it (again),
+    its directory emptied."""
+    if note.exists():
+        saved = json.loads(note.read_text())
+        catch_up(saved["end_elapsed_s"])
+        return saved
+    if note.parent.exists():
+        shutil.rmtree(note.parent)  # cut short: run it again
+    return None
+
+
 def start_dir(snapshot: str) -> Path | None:
     """The run directory a probe started from (None: the initial model)."""
     return None if snapshot == "initial" else Path(snapshot)
-
-
-def run_summary(run_dir: Path) -> dict[str, Any]:
-    """A run directory's ``summary.json`` ({} when it has none)."""
-    path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 class ProbeChains:
@@ -121,8 +124,8 @@ class ProbeChains:
         self.loss0: float | None = None
 
     def _probe_config(self, cand: Candidate, limit_s: float) -> RunConfig:
-        cfg = candidate_config(self.cfg, cand)
-        limits = run_limits(self.simulated, limit_s, eval_every_samples=self._eval_every())
+        cfg = pr.candidate_config(self.cfg, cand)
+        limits = pr.run_limits(self.simulated, limit_s, eval_every_samples=self._eval_every())
         return cfg.replace(train=dataclasses.replace(cfg.train, **limits))
 
     def _eval_every(self) -> int:
@@ -155,31 +158,22 @@ class ProbeChains:
         self.count += 1
         kind = kind or ("cold" if start is None else "steady")
         until_clock_s = clock0 + self.rung_s if until_clock_s is None else until_clock_s
-        run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
+        run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{pr.safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.score_window)
         result.run_dir = str(run_dir)
-        note = run_dir / "online_probe.json"
-        if note.exists():  # completed before an interruption: read it back
-            saved = json.loads(note.read_text())
-            self.catch_up(saved["end_elapsed_s"])
-        else:
-            if run_dir.exists():
-                shutil.rmtree(run_dir)  # cut short: run it again
+        saved = run_once(run_dir / "online_probe.json", self.catch_up)
+        if saved is None:
             t0 = time.perf_counter()
             self.bar(f"probe {cand.label()}")
             self._run_probe(self._probe_config(cand, until_clock_s), run_dir, start)
             saved = {"wall_s": time.perf_counter() - t0, "end_elapsed_s": self.elapsed()}
-            write_json(note, saved)
+            write_json(run_dir / "online_probe.json", saved)
         result.wall_s = saved["wall_s"]
         s = run_summary(run_dir)
         result.diverged = s.get("status") == "diverged"
         result.train_wall_s = float(s.get("train_wall_s") or 0.0)
         result.samples = int(s.get("samples") or 0)
-        for point in Heard.of(run_dir).losses:
-            clock = point.clock_s if self.simulated else point.train_wall_s
-            result.losses.append(point.loss)
-            result.iterations.append(point.iterations - iters0)
-            result.virtual_s.append(clock - clock0)
+        replay(run_dir, ResultLosses(result, self.simulated, iters0, clock0))
         if start is None and result.losses and self.loss0 is None:
             self.loss0 = result.losses[0]  # the initial model's loss: the scale of "blew up"
         result.mark_exploded(self.loss0)

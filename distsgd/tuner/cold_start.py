@@ -9,17 +9,10 @@ import functools
 from pathlib import Path
 
 from distsgd.config import ConfigError
+from distsgd.tuner import omnivore as om
 from distsgd.tuner import perf_model as pm
 from distsgd.tuner.chains import ProbeRounds
-from distsgd.tuner.omnivore import (
-    Candidate,
-    OmnivoreSearch,
-    ProbeResult,
-    next_larger_lr,
-    pick_best,
-    probe_joint,
-    rank_joint,
-)
+from distsgd.tuner.omnivore import Candidate, OmnivoreSearch, ProbeResult
 from distsgd.tuner.setup import RunLayout
 from distsgd.tuner.steady import effective_rate
 
@@ -91,15 +84,15 @@ class ColdStart:
             )
         self.rounds.warn_short_probes(search.results)
         g1 = search.best_by_g.get(1)
-        larger = next_larger_lr(search.results, g1) if g1 is not None else None
+        larger = om.next_larger_lr(search.results, g1) if g1 is not None else None
         second = self.rounds.second_rung("cold start", search.results, larger)
         for g in {r.candidate.g for r in second}:  # the joint search builds on these
             search.best_by_g[g] = (
-                pick_best([r for r in second if r.candidate.g == g], tie) or search.best_by_g[g]
+                om.pick_best([r for r in second if r.candidate.g == g], tie) or search.best_by_g[g]
             )
-        best = pick_best(second, tie) or best
+        best = om.pick_best(second, tie) or best
         extra = self._joint(search, best)
-        better = pick_best(extra, tie)
+        better = om.pick_best(extra, tie)
         third: list[ProbeResult] = []
         if better is not None and better.score < best.score * (1 - tie):
             if second and not self.budget.max_probes:  # halving: confirm at twice the length
@@ -165,11 +158,11 @@ class ColdStart:
         ref = best.candidate
         noise = s.noise_scale or float(ref.layout().num_learners * ref.batch_size)
         measured_he = not self.chains.simulated
-        ranked = rank_joint(
+        ranked = om.rank_joint(
             search, ref, s, self.cluster, noise, self.num_train, self.log, measured_he
         )
         probe = functools.partial(self._probe, best)
-        return probe_joint(ranked, s.extra_probes, search, best, self.log, probe, self.budget)
+        return om.probe_joint(ranked, s.extra_probes, search, best, self.log, probe, self.budget)
 
     def _probe(self, best: ProbeResult, _: float, cand: Candidate) -> tuple[ProbeResult, str, str]:
         """One joint probe (:data:`~distsgd.tuner.omnivore.JointProbeFn` with ``best``

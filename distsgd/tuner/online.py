@@ -28,10 +28,17 @@ from distsgd.metrics import read_metrics, write_json
 from distsgd.plateau import steady_state_due
 from distsgd.rundir import RunDirClaim
 from distsgd.tuner.budget import RunBudget, run_time_budget
-from distsgd.tuner.chains import Heard, ProbeChains, ProbeRounds, continuing, run_summary
+from distsgd.tuner.chains import ProbeChains, ProbeRounds, continuing, run_once, steady_checks
 from distsgd.tuner.cold_start import ColdStart
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult
-from distsgd.tuner.probes import ProbeRunner, RunClock, candidate_config, check_tunable, safe_name
+from distsgd.tuner.probes import (
+    ProbeRunner,
+    RunClock,
+    candidate_config,
+    check_tunable,
+    run_summary,
+    safe_name,
+)
 from distsgd.tuner.setup import cluster_model, fixed_base, tune_layout
 from distsgd.tuner.steady import SteadyState, effective_rate, steady_grid
 
@@ -116,12 +123,8 @@ class RunSegments:
         note = seg / "online_segment.json"
         cfg = candidate_config(self.cfg, cand)
         options = RunOptions(steady_check_samples=check_every, continues=True, record=True)
-        if note.exists():
-            saved = json.loads(note.read_text())
-            self.catch_up(saved["end_elapsed_s"])
-        else:
-            if seg.exists():
-                shutil.rmtree(seg)
+        saved = run_once(note, self.catch_up)
+        if saved is None:
             continuing(start, seg)
             begin = self.elapsed()
             self.bar(f"train {cand.label()}")
@@ -374,7 +377,7 @@ class OnlineTune:
                     else "tune.steady_rounds = 0: no steady-state re-optimisation",
                 )
             seg, ends = segments.train(cand, start, every if more else 0, rounds.overhead_clock_s)
-            for check in Heard.of(seg).checks:
+            for check in steady_checks(seg):
                 self.steady.log_check(check, rounds_done)
             if ends:
                 return seg

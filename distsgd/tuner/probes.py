@@ -50,6 +50,9 @@ from distsgd.trainer import Trainer
 from distsgd.tuner.omnivore import Candidate, ProbeResult
 
 __all__ = [
+    "ResultLosses",
+    "run_summary",
+    "run_limits",
     "candidate_config",
     "Prober",
     "check_runtime",
@@ -237,10 +240,10 @@ def run_limits(simulated: bool, clock_s: float = 0.0, **train: Any) -> dict[str,
     return {**limits, **off, "tensorboard": False, **train}
 
 
-def _status(run_dir: Path) -> str | None:
-    """``status`` of the run's ``summary.json`` (None without one)."""
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    """A run directory's ``summary.json`` ({} when it has none)."""
     path = run_dir / "summary.json"
-    return json.loads(path.read_text()).get("status") if path.exists() else None
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 _ASCII = str.maketrans({"λ": "lam", "η": "eta", "μ": "mu"})
@@ -367,15 +370,14 @@ class ProbeRunner:
         except TrainingDiverged:
             diverged = True
         except launch.DistRunFailed as e:
-            if _status(run_dir) != "completed":
+            if run_summary(run_dir).get("status") != "completed":
                 raise
             notes.append(f"completed; afterwards {e}")
         final = last.weights
         if not self.simulated:
             replay(run_dir, observer)
             final = recorded_final_weights(run_dir)
-        summary_path = run_dir / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary = run_summary(run_dir)
         completed = not diverged and summary.get("status") == "completed"
         return RunEnd(diverged, summary, final if completed else None, notes)
 
@@ -459,7 +461,7 @@ class Prober:
             cfg = cfg.replace(train=dataclasses.replace(cfg.train, initial_weights=path))
         t0 = time.perf_counter()
         end = self.runner.run(
-            cfg, run_dir, options, _Losses(result, wall_clock=not self.simulated), weights=weights
+            cfg, run_dir, options, ResultLosses(result, self.simulated), weights=weights
         )
         result.wall_s = time.perf_counter() - t0
         result.diverged, result.notes = end.diverged, end.notes
@@ -522,9 +524,7 @@ class Prober:
         result, final = self.run(cand, snapshot, train, kind="long_run")
         if final is not None:
             self.snapshots[name] = final
-        summary_path = Path(result.run_dir) / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        return LongRun(result, summary)
+        return LongRun(result, run_summary(Path(result.run_dir)))
 
     def eval_snapshot(self, long_run: ProbeResult, eval_index: int, name: str) -> None:
         """Make the model of ``long_run``'s evaluation number ``eval_index`` (its
@@ -536,14 +536,19 @@ class Prober:
         self.snapshots[name] = load_checked(eval_weights_file(long_run.run_dir, eval_index))
 
 
-class _Losses(RunObserver):
-    """Appends each tick's loss, iterations and clock (the runtime's; ``wall_clock``: wall
-    seconds of training) to a probe's result."""
+class ResultLosses(RunObserver):
+    """Appends each tick's loss, iterations and clock (the runtime's: simulated seconds on
+    ``sim``, wall seconds of training on real processes) to a probe's result, counted from
+    ``iterations0`` and ``clock0_s`` (where the probe started)."""
 
-    def __init__(self, result: ProbeResult, wall_clock: bool) -> None:
-        self.result, self.wall_clock = result, wall_clock
+    def __init__(
+        self, result: ProbeResult, simulated: bool, iterations0: int = 0, clock0_s: float = 0.0
+    ) -> None:
+        self.result, self.simulated = result, simulated
+        self.iterations0, self.clock0_s = iterations0, clock0_s
 
     def on_losses(self, point: LossPoint) -> None:
         self.result.losses.append(point.loss)
-        self.result.iterations.append(point.iterations)
-        self.result.virtual_s.append(point.train_wall_s if self.wall_clock else point.clock_s)
+        self.result.iterations.append(point.iterations - self.iterations0)
+        clock = point.clock_s if self.simulated else point.train_wall_s
+        self.result.virtual_s.append(clock - self.clock0_s)

@@ -24,16 +24,9 @@ from tqdm import tqdm
 
 from distsgd.config import ConfigError, OfflineTuneSettings, RunConfig
 from distsgd.rundir import check_out_path, enclosing_tuner_dir
+from distsgd.tuner import omnivore as om
 from distsgd.tuner import perf_model as pm
-from distsgd.tuner.omnivore import (
-    Candidate,
-    DecisionLog,
-    OmnivoreSearch,
-    ProbeResult,
-    pick_best,
-    probe_joint,
-    rank_joint,
-)
+from distsgd.tuner.omnivore import Candidate, DecisionLog, OmnivoreSearch, ProbeResult
 from distsgd.tuner.plan import PLAN_EVAL_EVERY
 from distsgd.tuner.probes import LongRun, Prober, check_tunable
 from distsgd.tuner.report import clean_state, tune_json, write_report, write_tune_json
@@ -250,7 +243,7 @@ class TuneSession:
         st.noise_scale = s.noise_scale or float(pm.samples_per_iteration(ref.layout()))
         if s.extra_probes <= 0:
             return
-        st.ranked = rank_joint(
+        st.ranked = om.rank_joint(
             self.search,
             ref,
             s,
@@ -273,8 +266,8 @@ class TuneSession:
         )
         probe = functools.partial(self._joint_probe, ref, ref_time)
         n = s.extra_probes
-        extra = probe_joint(st.ranked, n, self.search, chosen, self.log, probe, self.costs)
-        better = pick_best(extra, s.tie_buffer)
+        extra = om.probe_joint(st.ranked, n, self.search, chosen, self.log, probe, self.costs)
+        better = om.pick_best(extra, s.tie_buffer)
         if better is not None and better.score < chosen.score * (1 - s.tie_buffer):
             self.log(
                 "joint",

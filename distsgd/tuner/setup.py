@@ -187,24 +187,6 @@ def fixed_base(
     return FixedBase(cfg, ds, engine, build_s)
 
 
-def _fixed_profile(
-    cfg: RunConfig, num_processes: int = 1
-) -> tuple[RunConfig, torch.Tensor, int, dict[str, float], int]:
-    """:func:`fixed_base` with the seeded initial weights ``[P]``; also times loading the
-    data (``build_s``) and one evaluation on the test set (``eval_s``), wall seconds, for
-    the budget (:mod:`distsgd.tuner.budget`). Returns (config, initial weights, P,
-    timings, training samples)."""
-    base = fixed_base(cfg, num_processes)
-    cfg, ds, engine, build_s = base.cfg, base.dataset, base.engine, base.build_s
-    initial = engine.initial_weights()
-    # one evaluation, timed on a part of the test set and scaled to all of it
-    n = min(ds.num_test, 2 * cfg.train.eval_batch_size)
-    t0 = time.perf_counter()
-    engine.evaluation_sums(initial, ds.test, cfg.train.eval_batch_size, 0, n)
-    timings = {"build_s": build_s, "eval_s": (time.perf_counter() - t0) * ds.num_test / n}
-    return cfg, initial, engine.num_parameters, timings, ds.num_train
-
-
 def _or_messages(value: float | None) -> float:
     """A fitted all-reduce term, or -1 (the messages' value) where none was fitted."""
     return -1.0 if value is None else value
@@ -294,7 +276,11 @@ class TuneSetup:
 
 
 def fix_setup(config: RunConfig, out: Path) -> TuneSetup:
-    """``distsgd tune``'s set-up measurements (:class:`TuneSetup`).
+    """``distsgd tune``'s set-up measurements (:class:`TuneSetup`): :func:`fixed_base` with
+    the seeded initial weights ``[P]``, the wall seconds of loading the data and building
+    the model (``build_s``) and of one evaluation on the test set (``eval_s``), on ``dist``
+    the network, on ``sim`` the simulator's wall speed, for the budget
+    (:mod:`distsgd.tuner.budget`).
 
     Raises:
         ConfigError: the layout errors of :func:`tune_layout`; a budget below the set-up
@@ -302,7 +288,14 @@ def fix_setup(config: RunConfig, out: Path) -> TuneSetup:
     t0 = time.perf_counter()
     settings = config.tune
     layout = tune_layout(config)
-    cfg, initial, num_params, timings, num_train = _fixed_profile(config, layout.num_processes)
+    base = fixed_base(config, layout.num_processes)
+    cfg, ds, engine = base.cfg, base.dataset, base.engine
+    initial, num_params, num_train = engine.initial_weights(), engine.num_parameters, ds.num_train
+    # one evaluation, timed on a part of the test set and scaled to all of it
+    n, t_eval = min(ds.num_test, 2 * cfg.train.eval_batch_size), time.perf_counter()
+    engine.evaluation_sums(initial, ds.test, cfg.train.eval_batch_size, 0, n)
+    eval_s = (time.perf_counter() - t_eval) * ds.num_test / n
+    timings = {"build_s": base.build_s, "eval_s": eval_s}
     network = None
     if cfg.runtime == "dist":
         cfg, network = _measured_network(cfg, num_params, timings)
