@@ -23,7 +23,7 @@ import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -60,6 +60,9 @@ __all__ = [
     "TrainConfig",
     "DistConfig",
     "TuneConfig",
+    "TuneSearchSettings",
+    "OfflineTuneSettings",
+    "OnlineTuneSettings",
     "RunConfig",
     "fit_layout",
     "PROTOCOLS",
@@ -1525,12 +1528,11 @@ def _check_list(key: str, value: Any, kind: type, minimum: float, maximum: float
 
 
 @dataclass
-class TuneConfig:
-    """Settings of ``distsgd tune``: Omnivore's optimizer (docs/protocols.md §3), a joint search.
+class TuneSearchSettings:
+    """``[tune]`` settings both tuners read (``distsgd tune`` and ``distsgd train --tune``):
+    Omnivore's optimizer (docs/protocols.md §3) and the joint search.
 
     Attributes:
-        budget_s: search budget in wall seconds, in (0, 1e7] (``--budget`` overrides it); the search
-            stops probing when it is spent and plans with what it has.
         probe_seconds: length of every probe, in (0, 1e5]: simulated seconds on the virtual clock of the
             ``sim`` runtime (equal-time probes in simulated time), wall seconds on real
             processes.
@@ -1554,54 +1556,10 @@ class TuneConfig:
         batch_sizes: per-learner batch sizes of the joint search, each in [1, 65536].
         extra_probes: unprobed configurations of the joint search probed, best predicted
             first (0: Omnivore's search only), in [0, 1000].
-        segment_fraction: share of the budget for the long run of the best configuration
-            (Omnivore's "run for a long period with snapshots") before steady state; with
-            steady state's share (``TUNE_STEADY_SHARE``) it must leave the search a
-            positive share: in [0, 0.85).
         noise_scale: B_noise of the batch-size law in samples (0: estimate from probes),
             in [0, 1e12].
-        step_points: evaluations of the long run from which the tuner first tries a
-            learning-rate step to the steady-state η (η/10 when the long run reached the
-            target), each by a run to the target from that evaluation's snapshot, before
-            it bisects around the soonest; the plan steps at the one that reaches the
-            target soonest, in [0, 20] (0: no step search; a long run that stopped before the target
-            still tries its end, as Omnivore's steady state does).
-        step_margin: an evaluation qualifies as a step point when its test accuracy is at
-            least the target minus this margin (and below the target), in (0, 1].
-        first_rung: ``distsgd train --tune`` only: successive halving (Jamieson &
-            Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR 2018) of each probe round
-            (the cold start's Omnivore grid; a steady-state round): every probe first runs
-            this fraction of ``probe_seconds``, then the best ``promote`` continue from
-            their own checkpoints to ``probe_seconds`` and the best of those wins (1: every
-            probe runs ``probe_seconds``, no second rung); in (0, 1]. Default ½: with the
-            default ``probe_seconds`` first rungs of 1 s and chains of 2 s
-            (docs/benchmarks.md compares other lengths).
-        promote: ``--tune`` only: probes of the cold start's first rung that continue to
-            the second, in [1, 1000]; the next larger η than the best at g = 1 (that did not diverge)
-            continues too where they leave it out (short probes prefer smaller η). The
-            joint search's probes are not in the halving: they run the full length, and
-            one that leads continues to twice it, as the grid's winner does.
-        steady_promote: ``--tune`` only: probes of a steady-state round's first rung that
-            continue to the second, in [1, 1000] (1: the best first rung continues as the
-            run, no second rung). From a trained model the best first rung has the effective
-            rate η / (1 − μ) of the round's winner at the full length; from the initial model
-            a smaller batch can lead the first rung and lose the second (hence the joint
-            search's probes run the full length; docs/benchmarks.md).
-        steady_rounds: ``--tune`` only: steady-state re-optimisations per run at most, in
-            [0, 20] (0:
-            none; the cold start's winner trains to the end without checks).
-        check_epochs: ``--tune`` only: epochs, in (0, 100], between the run's steady-state
-            checks, and
-            the span over which each check asks whether the training loss fell by 10% or
-            more (:func:`distsgd.plateau.steady_state_due`; a check at each multiple of it
-            since the run's start; it compares with the last evaluation at or before one
-            span back, so where iterations do not divide the span and the check before
-            fell a few samples past its multiple, with the evaluation before that: up to
-            two spans). Default ¼: where one η/10 step gains most on Fashion-MNIST's
-            ``cnn`` (docs/benchmarks.md).
     """
 
-    budget_s: float = 600.0
     probe_seconds: float = 2.0
     score_window: int = 10
     lrs: list[float] = field(default_factory=lambda: [0.1, 0.01, 0.001, 0.0001])
@@ -1613,18 +1571,9 @@ class TuneConfig:
     families: list[str] = field(default_factory=lambda: list(TUNE_FAMILIES))
     batch_sizes: list[int] = field(default_factory=lambda: [16, 32, 64])
     extra_probes: int = 3
-    segment_fraction: float = 0.35
     noise_scale: float = 0.0
-    step_points: int = 3
-    step_margin: float = 0.03
-    first_rung: float = 0.5
-    promote: int = 1
-    steady_promote: int = 1
-    steady_rounds: int = 2
-    check_epochs: float = 0.25
 
     def __post_init__(self) -> None:
-        check_float("tune.budget_s", self.budget_s, 0.0, 1e7, min_inclusive=False)
         check_float("tune.probe_seconds", self.probe_seconds, 0.0, 1e5, min_inclusive=False)
         check_int("tune.score_window", self.score_window, 1, 1_000_000)
         _check_list("tune.lrs", self.lrs, float, 1e-8, 10.0)
@@ -1643,6 +1592,40 @@ class TuneConfig:
             )
         _check_list("tune.batch_sizes", self.batch_sizes, int, 1, 65536)
         check_int("tune.extra_probes", self.extra_probes, 0, 1000)
+        check_float("tune.noise_scale", self.noise_scale, 0.0, 1e12)
+
+
+@dataclass
+class OfflineTuneSettings(TuneSearchSettings):
+    """``[tune]`` settings only ``distsgd tune`` reads: its wall-clock budget, the long run and
+    the learning-rate step search.
+
+    Attributes:
+        budget_s: search budget in wall seconds, in (0, 1e7] (``--budget`` overrides it); the search
+            stops probing when it is spent and plans with what it has.
+        segment_fraction: share of the budget for the long run of the best configuration
+            (Omnivore's "run for a long period with snapshots") before steady state; with
+            steady state's share (``TUNE_STEADY_SHARE``) it must leave the search a
+            positive share: in [0, 0.85).
+        step_points: evaluations of the long run from which the tuner first tries a
+            learning-rate step to the steady-state η (η/10 when the long run reached the
+            target), each by a run to the target from that evaluation's snapshot, before
+            it bisects around the soonest; the plan steps at the one that reaches the
+            target soonest, in [0, 20] (0: no step search; a long run that stopped before the target
+            still tries its end, as Omnivore's steady state does).
+        step_margin: an evaluation qualifies as a step point when its test accuracy is at
+            least the target minus this margin (and below the target), in (0, 1].
+    """
+
+    READ_BY: ClassVar[str] = "``distsgd tune``"
+    budget_s: float = 600.0
+    segment_fraction: float = 0.35
+    step_points: int = 3
+    step_margin: float = 0.03
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_float("tune.budget_s", self.budget_s, 0.0, 1e7, min_inclusive=False)
         check_float("tune.segment_fraction", self.segment_fraction, 0.0, 0.9)
         if self.segment_fraction >= 1 - TUNE_STEADY_SHARE:
             fail(
@@ -1651,14 +1634,68 @@ class TuneConfig:
                 f"a number >= 0 and < {1 - TUNE_STEADY_SHARE:g} (steady state takes "
                 f"{TUNE_STEADY_SHARE:g} of the budget; the search needs a positive share)",
             )
-        check_float("tune.noise_scale", self.noise_scale, 0.0, 1e12)
         check_int("tune.step_points", self.step_points, 0, 20)
         check_float("tune.step_margin", self.step_margin, 0.0, 1.0, min_inclusive=False)
+
+
+@dataclass
+class OnlineTuneSettings(TuneSearchSettings):
+    """``[tune]`` settings only ``distsgd train --tune`` reads: successive halving and steady
+    state.
+
+    Attributes:
+        first_rung: successive halving (Jamieson &
+            Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR 2018) of each probe round
+            (the cold start's Omnivore grid; a steady-state round): every probe first runs
+            this fraction of ``probe_seconds``, then the best ``promote`` continue from
+            their own checkpoints to ``probe_seconds`` and the best of those wins (1: every
+            probe runs ``probe_seconds``, no second rung); in (0, 1]. Default ½: with the
+            default ``probe_seconds`` first rungs of 1 s and chains of 2 s
+            (docs/benchmarks.md compares other lengths).
+        promote: probes of the cold start's first rung that continue to
+            the second, in [1, 1000]; the next larger η than the best at g = 1 (that did not diverge)
+            continues too where they leave it out (short probes prefer smaller η). The
+            joint search's probes are not in the halving: they run the full length, and
+            one that leads continues to twice it, as the grid's winner does.
+        steady_promote: probes of a steady-state round's first rung that
+            continue to the second, in [1, 1000] (1: the best first rung continues as the
+            run, no second rung). From a trained model the best first rung has the effective
+            rate η / (1 − μ) of the round's winner at the full length; from the initial model
+            a smaller batch can lead the first rung and lose the second (hence the joint
+            search's probes run the full length; docs/benchmarks.md).
+        steady_rounds: steady-state re-optimisations per run at most, in [0, 20] (0:
+            none; the cold start's winner trains to the end without checks).
+        check_epochs: epochs, in (0, 100], between the run's steady-state checks, and the
+            span over which each check asks whether the training loss fell by 10% or
+            more (:func:`distsgd.plateau.steady_state_due`; a check at each multiple of it
+            since the run's start; it compares with the last evaluation at or before one
+            span back, so where iterations do not divide the span and the check before
+            fell a few samples past its multiple, with the evaluation before that: up to
+            two spans). Default ¼: where one η/10 step gains most on Fashion-MNIST's
+            ``cnn`` (docs/benchmarks.md).
+    """
+
+    READ_BY: ClassVar[str] = "``distsgd train --tune``"
+    first_rung: float = 0.5
+    promote: int = 1
+    steady_promote: int = 1
+    steady_rounds: int = 2
+    check_epochs: float = 0.25
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         check_float("tune.first_rung", self.first_rung, 0.0, 1.0, min_inclusive=False)
         check_int("tune.promote", self.promote, 1, 1000)
         check_int("tune.steady_promote", self.steady_promote, 1, 1000)
         check_int("tune.steady_rounds", self.steady_rounds, 0, 20)
         check_float("tune.check_epochs", self.check_epochs, 0.0, 100.0, min_inclusive=False)
+
+
+@dataclass
+class TuneConfig(OnlineTuneSettings, OfflineTuneSettings):
+    """The ``[tune]`` table: :class:`TuneSearchSettings` (both tuners),
+    :class:`OfflineTuneSettings` (``distsgd tune``) and :class:`OnlineTuneSettings`
+    (``distsgd train --tune``), one flat table of their keys."""
 
 
 _SECTIONS: dict[str, type] = {

@@ -1,3 +1,4 @@
+import dataclasses
 import tomllib
 from dataclasses import asdict
 from pathlib import Path
@@ -9,6 +10,7 @@ from distsgd.config import (
     DistConfig,
     ProtocolConfig,
     RunConfig,
+    TuneConfig,
     apply_override,
     fit_layout,
     required_processes,
@@ -347,3 +349,26 @@ def test_an_optimizer_and_a_scheduler_of_the_current_directory_import_from_the_c
         {"optimizer": {"name": "cwd_optim:MySGD"}, "schedule": {"kind": "cwd_optim:Late"}}
     )
     assert cfg.optimizer.name == "cwd_optim:MySGD"
+
+
+def test_tune_settings_split_by_reader_keep_one_flat_table():
+    from distsgd.config import OfflineTuneSettings, OnlineTuneSettings, TuneSearchSettings
+
+    # each [tune] key belongs to one piece: both tuners, distsgd tune or train --tune
+    def own(cls):
+        return set(cls.__annotations__) - {"READ_BY"}
+
+    shared, offline, online = (
+        own(TuneSearchSettings),
+        own(OfflineTuneSettings),
+        own(OnlineTuneSettings),
+    )
+    assert not shared & offline and not shared & online and not offline & online
+    assert {f.name for f in dataclasses.fields(TuneConfig)} == shared | offline | online
+    assert offline == {"budget_s", "segment_fraction", "step_points", "step_margin"}
+    # the flat [tune] keys of every piece still load, and every range check still runs
+    cfg = RunConfig.from_dict({"tune": {"budget_s": 30, "first_rung": 0.25, "lrs": [0.1]}})
+    assert (cfg.tune.budget_s, cfg.tune.first_rung, cfg.tune.lrs) == (30, 0.25, [0.1])
+    for key, bad in (("budget_s", 0), ("first_rung", 0), ("score_window", 0)):
+        with pytest.raises(ConfigError, match=f"tune.{key} = 0 is not allowed"):
+            RunConfig.from_dict({"tune": {key: bad}})

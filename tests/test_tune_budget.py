@@ -9,7 +9,7 @@ import pytest
 from distsgd.cli import main
 from distsgd.tuner import perf_model as pm
 from distsgd.tuner import tune as tune_module
-from distsgd.tuner.budget import TuneBudget, first_probe_estimate
+from distsgd.tuner.budget import RunBudget, TuneBudget, first_probe_estimate
 from distsgd.tuner.session import TuneSession
 
 from .conftest import small_config
@@ -165,3 +165,24 @@ def test_first_probe_estimate_counts_the_simulators_wall_time_not_the_profiles(t
     assert train_s >= iterations * 10e-6
     assert session.fixed.timings["train_samples_per_s"] > 0
     session.bar.close()
+
+
+def test_both_tuners_answer_the_search_budget_through_one_interface():
+    # distsgd tune: the first probe may use the whole budget, later ones must end by the
+    # search's share (0.5 of 100 s here); the reason names what is spent
+    clock = FakeClock()
+    costs = TuneBudget(100.0, 0.35, 0.15, first_probe_s=60.0, eval_s=0.0, clock=clock)
+    assert costs.search_spent(0) is None
+    spent = costs.search_spent(1)
+    assert (
+        spent
+        == "search budget spent: a probe is expected to take 60.0 s, 50.0 s left to the search"
+    )
+    # train --tune: a budget too small for the full cold start caps the probes' count
+    settings = small_config(tune={"lrs": [0.1, 0.01], "probe_seconds": 1.0}).tune
+    run = RunBudget.of(settings, 0.1, "train.max_virtual_seconds")
+    assert run.max_probes == 1 and run.steady_rounds == 0 and run.rung_s == run.probe_s
+    assert run.search_spent(0) is None and run.search_spent(1) == "the budget's probes are spent"
+    unlimited = RunBudget.of(settings, 0.0, "train.max_virtual_seconds")
+    assert unlimited.max_probes == 0 and unlimited.search_spent(10**6) is None
+    assert unlimited.rung_s == 0.5 * unlimited.probe_s == 0.5  # tune.first_rung's default

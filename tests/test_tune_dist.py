@@ -23,6 +23,7 @@ from distsgd.tuner.omnivore import (
     rank_candidates,
 )
 from distsgd.tuner.perf_model import ClusterModel, seconds_per_iteration
+from distsgd.tuner.setup import RunLayout
 from distsgd.tuner.tune import tune_layout
 
 from .conftest import small_config
@@ -233,7 +234,7 @@ def _one_line_exit_2(capsys, argv):
 def test_tune_refuses_more_processes_than_cores_and_families_it_cannot_probe(
     tmp_path, capsys, monkeypatch
 ):
-    monkeypatch.setattr("distsgd.tuner.session.os.cpu_count", lambda: 2)
+    monkeypatch.setattr("distsgd.tuner.setup.os.cpu_count", lambda: 2)
     base = small_config(protocol={"num_learners": 2, "batch_size": 16})
     cfg = tmp_path / "base.toml"
     cfg.write_text(base.to_toml())
@@ -253,7 +254,7 @@ def test_tune_refuses_more_processes_than_cores_and_families_it_cannot_probe(
     assert not out.exists()
     # 0 (and no flag) means what the base protocol needs: 2 learners of hardsync
     zero = RunConfig.from_toml(cfg, ["runtime=dist", "dist.num_processes=0"])
-    assert tune_layout(zero) == (2, 2, 1)
+    assert tune_layout(zero) == RunLayout(num_processes=2, num_learners=2, ps_learners=1)
     # a layout that needs more than the cores, the count not set: the message names the
     # protocol's need, not a value the user never gave (found by a fresh user)
     ps = ["--set", "protocol.name=parameter_server", "--set", "protocol.num_learners=4"]

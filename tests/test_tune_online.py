@@ -10,6 +10,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,18 +24,21 @@ from distsgd.metrics import load_checked, read_metrics, write_json
 from distsgd.plateau import next_check
 from distsgd.rundir import RunDirClaim
 from distsgd.trainer import Trainer
-from distsgd.tuner import online, probes, session
+from distsgd.tuner import budget, online, probes, setup
 from distsgd.tuner import perf_model as pm
-from distsgd.tuner.chains import ProbeChains
+from distsgd.tuner.chains import ProbeChains, ProbeRounds
+from distsgd.tuner.cold_start import ColdStart
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult, pair_scores
 from distsgd.tuner.online import (
     OnlineTune,
+    RunSegments,
     effective_rate,
     steady_grid,
     steady_state_due,
     train_tuned,
 )
 from distsgd.tuner.probes import candidate_config, safe_name
+from distsgd.tuner.steady import SteadyState
 
 from .conftest import small_config
 
@@ -263,7 +267,7 @@ def test_a_batch_beyond_the_training_set_is_refused_before_anything_is_written(
     """A second review: the run's own λ·b above the training set failed after measuring
     the device and left a directory that --resume replayed the error from."""
     measured = []
-    monkeypatch.setattr(session, "with_device_profile", lambda *a, **k: measured.append(1))
+    monkeypatch.setattr(setup, "with_device_profile", lambda *a, **k: measured.append(1))
     cfg = tmp_path / "c.toml"
     cfg.write_text(tiny_config().replace(protocol=dataclasses.replace(
         tiny_config().protocol, batch_size=2048)).to_toml())  # fmt: skip
@@ -285,7 +289,7 @@ def test_tune_measures_the_device_at_the_threads_a_run_of_its_config_uses(tmp_pa
         threads.append(torch.get_num_threads())
         return cfg, False
 
-    monkeypatch.setattr(session, "with_device_profile", profile)
+    monkeypatch.setattr(setup, "with_device_profile", profile)
     torch.set_num_threads(2)
     OnlineTune(tiny_config(num_threads=1), tmp_path / "r", progress=False)._setup(False)
     assert threads == [1]
@@ -307,7 +311,7 @@ class _EchoingTqdm:
 def test_a_budget_too_small_says_so_and_trains_with_the_best_probe(tmp_path, monkeypatch):
     # 0.2 · 0.1 s for 3 planned probes is below ¼ of tune.probe_seconds (0.05 s): one
     # probe of 0.0125 s fits, and the run trains with it
-    assert online.probe_seconds_for(0.05, 0.1, 3) == (0.0125, 1)
+    assert budget.probe_seconds_for(0.05, 0.1, 3) == (0.0125, 1)
     with pytest.warns(ConfigWarning, match="too small for the full cold start") as said:
         s = OnlineTune(tiny_config(max_virtual_seconds=0.1), tmp_path / "r", progress=False).run()
     assert s["num_probes"] == 1 and s["samples"] > 0
@@ -351,10 +355,13 @@ def test_on_real_processes_the_sample_budget_sizes_the_probes_too(tmp_path):
     cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, probe_seconds=100.0))
     tune = OnlineTune(cfg, tmp_path / "r", progress=False)
     tune._setup(resume=False)
-    layout = Candidate("hardsync", tune.num_learners, cfg.protocol.batch_size, 0.1, 0.0).layout()
+    layout = Candidate(
+        "hardsync", tune.layout.num_learners, cfg.protocol.batch_size, 0.1, 0.0
+    ).layout()
     per_sample = pm.seconds_per_iteration(layout, tune.cluster) / pm.samples_per_iteration(layout)
-    assert tune._time_budget_s() == pytest.approx(3 * 1024 * per_sample)
-    assert tune.max_probes and tune.probe_s < 100.0 and tune.steady_rounds == 0
+    assert tune.budget.time_budget_s == pytest.approx(3 * 1024 * per_sample)
+    b = tune.budget
+    assert b.max_probes and b.probe_s < 100.0 and b.steady_rounds == 0
 
 
 def test_probes_leave_a_run_limited_by_epochs_most_of_its_samples(tmp_path):
@@ -387,15 +394,15 @@ def test_a_second_rung_equals_a_full_length_probe_and_first_rung_1_has_none(tmp_
     # probe_seconds fixed by the budget: the same probe length with and without halving
     cfg = tiny_config(max_virtual_seconds=2.0)
     cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, probe_seconds=0.02, first_rung=1.0))
-    assert online.planned_probes(cfg.tune) == 3.0
+    assert budget.planned_probes(cfg.tune) == 3.0
     halved = dataclasses.replace(cfg.tune, first_rung=0.25, promote=2)
     # 2 first rungs, at most 2 second rungs (of the grid's 2), the joint probe full length
-    assert online.planned_probes(halved) == pytest.approx(2 * 0.25 + 2 * 0.75 + 1)
+    assert budget.planned_probes(halved) == pytest.approx(2 * 0.25 + 2 * 0.75 + 1)
     # 3 first rungs: the promoted 2 and the next larger η than the best at g = 1
     three = dataclasses.replace(halved, lrs=[0.1, 0.01, 0.001])
-    assert online.planned_probes(three) == pytest.approx(3 * 0.25 + 3 * 0.75 + 1)
+    assert budget.planned_probes(three) == pytest.approx(3 * 0.25 + 3 * 0.75 + 1)
     one = dataclasses.replace(three, promote=1, extra_probes=0)
-    assert online.planned_probes(one) == pytest.approx(3 * 0.25 + 2 * 0.75)
+    assert budget.planned_probes(one) == pytest.approx(3 * 0.25 + 2 * 0.75)
     full = OnlineTune(cfg, tmp_path / "full", progress=False)
     full.run()
     names = [p.name for p in (tmp_path / "full" / "probes").iterdir()]
@@ -412,7 +419,7 @@ def test_a_second_rung_equals_a_full_length_probe_and_first_rung_1_has_none(tmp_
     # its own losses only)
     half = OnlineTune(cfg.replace(tune=halved), tmp_path / "half", progress=False)
     half.run()
-    assert half.probe_s == full.probe_s == 0.02 and half.rung_s == 0.005
+    assert half.budget.probe_s == full.budget.probe_s == 0.02 and half.budget.rung_s == 0.005
     cold = next(
         d for d in decisions(tmp_path / "half") if d["decision"].startswith("continue with")
     )
@@ -488,7 +495,7 @@ def test_a_joint_probe_that_leads_is_confirmed_at_twice_the_length(
     third = sorted(p.name for p in (run / "probes").iterdir() if "-cold3-" in p.name)
     assert len(third) == 2 and "b=16" in third[0] and "b=32" in third[1]
     confirm = [d for d in decisions(run) if "confirmation" in d["reason"]]
-    twice = f"to {2 * tune.probe_s:.4g} s"
+    twice = f"to {2 * tune.budget.probe_s:.4g} s"
     assert len(confirm) == 2 and all(twice in d["decision"] for d in confirm)
     won = next(d for d in decisions(run) if d["decision"].startswith("continue with"))
     assert "twice the probe length" in won["reason"]
@@ -621,7 +628,9 @@ def test_a_probe_whose_loss_blows_up_without_nan_diverged(tmp_path, monkeypatch,
     assert any(x["decision"] == "probe hardsync λ=1 b=32 η=0.1 μ=0.9: NaN" for x in d)
     won = next(x for x in d if x["decision"].startswith("continue with"))
     assert "η=0.1 " not in won["decision"] and s["lr"] != 0.1
-    assert tune._rate_ceiling(Candidate("hardsync", 1, 32, 0.01, 0.9)) < effective_rate(0.1, 0.9)
+    assert tune.steady.rate_ceiling(Candidate("hardsync", 1, 32, 0.01, 0.9)) < effective_rate(
+        0.1, 0.9
+    )
     # every cold-start probe blown up: the documented refusal, one line, exit 2
     _exploding(monkeypatch, {0.1, 0.01})
     cfg = tmp_path / "c.toml"
@@ -664,11 +673,13 @@ def test_a_check_line_says_what_it_compared_and_reads_right_for_a_rise(tmp_path,
     # a fresh-user review: "rose by 11% …: less than the rule's 10%" read as a contradiction
     tune = OnlineTune(tiny_config(), tmp_path / "r", progress=False)
     tune._setup(resume=False)
-    tune.log = DecisionLog()
+    log = DecisionLog()
+    chains = SimpleNamespace(clock=probes.RunClock.of(True))
+    steady = SteadyState(ProbeRounds(chains, log, tune.settings, tune.budget), {}, tune.num_train)
     used = [{"samples": 0, "train_loss": then}, {"samples": 512, "train_loss": now}]
     due = (then - now) / then < 0.1
-    tune._log_check({"due": due, "used": used}, rounds=0)
-    (line,) = [d for d in tune.log.entries if d["phase"] == "steady state"]
+    steady.log_check({"due": due, "used": used}, rounds=0)
+    (line,) = [d for d in log.entries if d["phase"] == "steady state"]
     assert line["reason"].startswith("training loss " + says)
     assert line["reason"].endswith("the rule's 10% fall between evaluations at least 1 epoch apart")
 
@@ -797,7 +808,7 @@ def test_a_losing_larger_batch_probe_leaves_the_steady_state_its_rounds(tmp_path
     s = tune.run()
     assert list(run.glob("probes/*-joint-*b=320*")) and s["batch_size"] == 32
     assert list(run.glob("probes/*-steady-*"))  # the winner's round was not taken away
-    assert tune._rate_ceiling(Candidate("hardsync", 1, 32, 0.1, 0.9)) == pytest.approx(
+    assert tune.steady.rate_ceiling(Candidate("hardsync", 1, 32, 0.1, 0.9)) == pytest.approx(
         effective_rate(0.1, 0.9)
     )
     # λ·b = 2048 > 1024 training samples: left out with a decision, not a failed run
@@ -829,7 +840,7 @@ def test_a_losing_smaller_batch_rate_leaves_a_larger_batch_winner_its_rounds(tmp
     s = tune.run()
     assert s["batch_size"] == 320
     winner = Candidate("hardsync", 1, 320, 0.1, 0.9)
-    assert tune._rate_ceiling(winner) == pytest.approx(effective_rate(0.1, 0.9))
+    assert tune.steady.rate_ceiling(winner) == pytest.approx(effective_rate(0.1, 0.9))
     assert not [d for d in decisions(run) if "a decade or more below" in d["reason"]]
 
 
@@ -851,14 +862,14 @@ def test_a_winner_a_decade_below_the_highest_stable_rate_trains_without_rounds(
 ):
     # the cold start's highest stable rate raised 100-fold: the winner may not step down,
     # and tune.momenta holds no higher rate, so no checks and no steady-state probes
-    cold_start = OnlineTune.cold_start
+    cold_start = ColdStart.run
 
     def high_ceiling(self):
         best = cold_start(self)
         self.rate_ceilings = {k: 100 * v for k, v in self.rate_ceilings.items()}
         return best
 
-    monkeypatch.setattr(OnlineTune, "cold_start", high_ceiling)
+    monkeypatch.setattr(ColdStart, "run", high_ceiling)
     run = tmp_path / "r"
     s = OnlineTune(tiny_config(), run, progress=False).run()
     assert not list(run.glob("probes/*-steady*"))  # the tiny run re-optimises otherwise
@@ -883,20 +894,20 @@ def test_steady_rounds_0_trains_the_cold_start_winner_to_the_end(tmp_path):
     assert steady[0]["reason"] == "tune.steady_rounds = 0: no steady-state re-optimisation"
 
 
-class PerEpochSegments(OnlineTune):
+class PerEpochSegments(RunSegments):
     """The procedure before the run checked steady state itself (issue 18): every epoch a
     segment of its own, each a launch (``Trainer.run(resume=True)`` of the previous one's
     checkpoint, stopping at the epoch's end by its sample budget), the rule applied by the
     tuner to that segment's ``metrics.jsonl`` at its end. Its checks are handed to the run
     loop as the new segment's ``plateau_checks.jsonl`` (the same decisions are logged)."""
 
-    def _segment(self, cand, start, check_every):
+    def train(self, cand, start, check_every, overhead_clock_s):
         user, checks = self.cfg.train, []
-        budget = [int(math.ceil(user.max_epochs * self.num_train))] if user.max_epochs else []
+        budget = [math.ceil(user.max_epochs * self.cfg.data.num_train)] if user.max_epochs else []
         budget += [user.max_samples] if user.max_samples else []
         while True:
-            self.segments += 1
-            seg = self.out / "train" / f"{self.segments:02d}-{safe_name(cand.label())}"
+            self.count += 1
+            seg = self.out / "train" / f"{self.count:02d}-{safe_name(cand.label())}"
             seg.mkdir(parents=True)
             for name in ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl"):
                 if (start / name).exists():
@@ -911,7 +922,7 @@ class PerEpochSegments(OnlineTune):
             saved = {
                 "begin_elapsed_s": begin,
                 "end_elapsed_s": self.elapsed(),
-                "overhead_clock_s": self.overhead_clock_s,
+                "overhead_clock_s": overhead_clock_s,
                 "start": str(start),
             }
             write_json(seg / "online_segment.json", saved)
@@ -947,14 +958,15 @@ def _strip_segment_names(decs):
     return out
 
 
-def test_one_launch_stops_and_decides_as_the_per_epoch_segments_did(tmp_path):
+def test_one_launch_stops_and_decides_as_the_per_epoch_segments_did(tmp_path, monkeypatch):
     # 6 epochs, evaluations every 300 samples (not at the epochs' ends): the rule is due at
     # the end of epoch 2; the round steps the rate a decade down to the highest stable
     # rate's tenth, so no round is left and the run trains to the end without checks
     cfg = small_config(train={"target": 0.0, "max_epochs": 6, "eval_every_samples": 300}, tune=TUNE)
     new, old = tmp_path / "one_launch", tmp_path / "per_epoch"
     OnlineTune(cfg, new, progress=False).run()
-    PerEpochSegments(cfg, old, progress=False).run()
+    monkeypatch.setattr(online, "RunSegments", PerEpochSegments)
+    OnlineTune(cfg, old, progress=False).run()
     # the same decisions: the same checks at the same points from the same evaluations, the
     # same probes and scores
     steady = [

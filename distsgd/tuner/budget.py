@@ -33,11 +33,38 @@ long run the rest. Every phase ends at B at the latest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
+from typing import Protocol
 
-__all__ = ["TuneBudget", "first_probe_estimate"]
+from distsgd.config import OnlineTuneSettings, RunConfig
+from distsgd.tuner import perf_model as pm
+
+__all__ = [
+    "SearchBudget",
+    "TuneBudget",
+    "RunBudget",
+    "first_probe_estimate",
+    "probe_seconds_for",
+    "planned_probes",
+    "run_time_budget",
+    "PROBE_SHARE",
+    "MIN_PROBE_FRACTION",
+]
+
+PROBE_SHARE = 0.2  # share of a --tune run's time budget its cold start's probes may take
+MIN_PROBE_FRACTION = 0.25  # shortest --tune probe, as a fraction of tune.probe_seconds
+
+
+class SearchBudget(Protocol):
+    """What the cold start and the joint search ask of a tuner's budget (``distsgd tune``:
+    :class:`TuneBudget`; ``distsgd train --tune``: :class:`RunBudget`)."""
+
+    def search_spent(self, probed: int) -> str | None:
+        """None while another search probe may start after ``probed`` probes; else why
+        not (one line for the decision log)."""
 
 
 def first_probe_estimate(
@@ -171,6 +198,15 @@ class TuneBudget:
         :attr:`search_end`."""
         return self.may_probe(self.search_end if probed_any else None)
 
+    def search_spent(self, probed: int) -> str | None:
+        """:class:`SearchBudget`: :meth:`may_search_probe`, with what is spent."""
+        if self.may_search_probe(probed > 0):
+            return None
+        return (
+            f"search budget spent: a probe is expected to take {self.expected_probe_s():.1f} "
+            f"s, {max(self.left(self.search_end), 0):.1f} s left to the search"
+        )
+
     # ---- phases after the search ---------------------------------------------------------
     def reserve_s(self) -> float:
         """Seconds the first long run leaves for the later phases: steady state's share and
@@ -223,3 +259,143 @@ class TuneBudget:
             default=0.0,
         )
         return t if t > 0 and t >= shortest else 0.0
+
+
+def probe_seconds_for(
+    settings_probe_s: float, budget_s: float, planned: float
+) -> tuple[float, int]:
+    """``--tune``'s cold-start probe length: ``min(settings_probe_s, PROBE_SHARE ·
+    budget_s / planned)``, at least ``MIN_PROBE_FRACTION · settings_probe_s``.
+
+    Args:
+        settings_probe_s: ``tune.probe_seconds``, seconds on the runtime's clock.
+        budget_s: the run's time budget T on the same clock (0: none).
+        planned: n, the cold start's planned probes in probes of full length
+            (:func:`planned_probes`).
+
+    Returns:
+        ``(probe_seconds, max_probes)``; ``max_probes`` 0 means no limit.
+    """
+    if budget_s <= 0:
+        return settings_probe_s, 0
+    share = PROBE_SHARE * budget_s
+    length = min(settings_probe_s, share / max(planned, 1))
+    floor = MIN_PROBE_FRACTION * settings_probe_s
+    if length >= floor:
+        return length, 0
+    floor = min(floor, share)  # one probe never takes more than the probes' share of T
+    return floor, max(1, int(share // floor))
+
+
+def planned_probes(settings: OnlineTuneSettings) -> float:
+    """``--tune``'s planned cold-start work in probes of ``tune.probe_seconds``: m =
+    ``len(tune.lrs)`` first-rung probes of ``tune.first_rung`` = r of it each, at most
+    ``min(tune.promote + 1, m)`` of them (the promoted and the next larger η than the best
+    at g = 1) continued by the rest, and ``tune.extra_probes`` = e of full length: m · r +
+    min(promote + 1, m) · (1 − r) + e (m + e with no second rung). The grids of g ≥ 2 and
+    a confirmation (up to 2 more probes) are left out, so the cold start can take more
+    than ``PROBE_SHARE`` of the budget."""
+    m, extra = len(settings.lrs), settings.extra_probes
+    r = settings.first_rung
+    return m * r + min(settings.promote + 1, m) * (1 - r) + extra if r < 1 else float(m + extra)
+
+
+def run_time_budget(
+    cfg: RunConfig, num_train: int, num_learners: int, cluster: pm.ClusterModel
+) -> tuple[float, str]:
+    """A ``--tune`` run's time budget T on the runtime's clock (0: none) and where it comes
+    from: ``train.max_virtual_seconds`` on ``sim``, ``train.max_seconds`` on real
+    processes, or less: the seconds of the run's sample budget (``train.max_epochs`` /
+    ``max_samples``) at hardsync's rate on λ = ``num_learners`` on ``cluster`` (on real
+    processes a prediction of their wall seconds), so the probes cannot use up a run
+    limited by samples."""
+    t, simulated = cfg.train, cfg.runtime == "sim"
+    limit = "train.max_virtual_seconds" if simulated else "train.max_seconds"
+    budget = t.max_virtual_seconds if simulated else t.max_seconds
+    by_epochs = int(math.ceil(t.max_epochs * num_train)) if t.max_epochs else 0
+    samples = [n for n in (by_epochs, t.max_samples) if n]
+    if not samples:
+        return budget, limit
+    layout = pm.Layout("hardsync", num_learners, cfg.protocol.batch_size)
+    per_sample_s = pm.seconds_per_iteration(layout, cluster) / pm.samples_per_iteration(layout)
+    by_samples = min(samples) * per_sample_s
+    if budget > 0 and budget <= by_samples:
+        return budget, limit
+    which = (
+        f"train.max_epochs = {t.max_epochs:g}"
+        if not t.max_samples or (by_epochs and by_epochs <= t.max_samples)
+        else f"train.max_samples = {t.max_samples}"
+    )
+    return by_samples, f"{which} at hardsync's predicted rate on this device profile" + (
+        "" if simulated else f": a prediction; a smaller {limit} takes its place"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunBudget:
+    """The probes a ``distsgd train --tune`` run may spend (:class:`SearchBudget`): a probe
+    lasts ``min(tune.probe_seconds, PROBE_SHARE · T / n)`` for a time budget T and n =
+    :func:`planned_probes`, at least ``MIN_PROBE_FRACTION · tune.probe_seconds``; below
+    that the cold start runs at most ``max_probes`` probes, without second rungs or
+    steady-state rounds.
+
+    Attributes:
+        time_budget_s: T on the runtime's clock (0: none; :func:`run_time_budget`).
+        source: where T comes from, for the decisions that name it.
+        planned: n, in probes of full length.
+        probe_s: a full probe's length on the runtime's clock.
+        max_probes: the most probes (0: no limit).
+        rung_s: a first rung's length (``tune.first_rung`` of ``probe_s``; ``probe_s``
+            without successive halving).
+        steady_rounds: steady-state rounds at most.
+    """
+
+    time_budget_s: float
+    source: str
+    planned: float
+    probe_s: float
+    max_probes: int
+    rung_s: float
+    steady_rounds: int
+
+    @classmethod
+    def of(cls, settings: OnlineTuneSettings, time_budget_s: float, source: str) -> RunBudget:
+        """The budget of a run with time budget ``time_budget_s`` (0: none)."""
+        planned = planned_probes(settings)
+        probe_s, max_probes = probe_seconds_for(settings.probe_seconds, time_budget_s, planned)
+        halving = settings.first_rung < 1 and not max_probes
+        rung_s = probe_s * settings.first_rung if halving else probe_s
+        steady_rounds = 0 if max_probes else settings.steady_rounds
+        return cls(time_budget_s, source, planned, probe_s, max_probes, rung_s, steady_rounds)
+
+    def rule(self) -> str:
+        """How the probe length was chosen, for the set-up's decision."""
+        budget = self.time_budget_s
+        if budget <= 0:
+            return "tune.probe_seconds (the run has no time budget)"
+        rule = (
+            f"min(tune.probe_seconds, {PROBE_SHARE:g} · {budget:.4g} s / "
+            f"{self.planned:g} planned probes of full length); the budget: " + self.source
+        )
+        if self.max_probes:
+            rule += (
+                f", below the shortest allowed, so min({MIN_PROBE_FRACTION:g} · "
+                f"tune.probe_seconds, {PROBE_SHARE:g} · {budget:g} s)"
+            )
+        return rule
+
+    def too_small(self) -> str:
+        """The line that says the budget is too small for the full cold start."""
+        return (
+            f"the budget {self.time_budget_s:.4g} s ({self.source}) is too small for the full "
+            f"cold start: probes of {self.probe_s:.4g} s (the shortest allowed: "
+            f"min({MIN_PROBE_FRACTION:g} · tune.probe_seconds, {PROBE_SHARE:g} · the "
+            f"budget)), at most {self.max_probes}; the run trains with the best of them to "
+            "the end, without steady-state rounds"
+        )
+
+    def search_spent(self, probed: int) -> str | None:
+        """:class:`SearchBudget`: at most ``max_probes`` probes (0: no limit)."""
+        if self.max_probes and probed >= self.max_probes:
+            return "the budget's probes are spent"
+        return None

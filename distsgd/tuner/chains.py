@@ -8,7 +8,9 @@ later rung continues) under the candidate's μ and batch (:attr:`RunOptions.cont
 a full checkpoint; what the run heard (its training losses) is recorded beside it
 (:class:`~distsgd.control.RunRecorder`). A completed probe leaves ``online_probe.json``
 (its wall and the run's clock at its end) and is read back instead of run again after an
-interruption (resume); one cut short is run again.
+interruption (resume); one cut short is run again. :class:`ProbeRounds`: what a round of
+probes shares, successive halving's second rung (Jamieson & Talwalkar, AISTATS 2016; Li et
+al., Hyperband, JMLR 2018) among it.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ import json
 import math
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from distsgd.config import RunConfig
-from distsgd.control import LossPoint, RunObserver, RunOptions, replay
+from distsgd.config import ConfigWarning, OnlineTuneSettings, RunConfig
+from distsgd.control import RunObserver, RunOptions, replay
 from distsgd.metrics import write_json
-from distsgd.tuner.omnivore import Candidate, ProbeResult
-from distsgd.tuner.probes import ProbeRunner, RunClock, candidate_config, safe_name
+from distsgd.tuner import probes as pr
+from distsgd.tuner.budget import RunBudget
+from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult, pair_scores
+from distsgd.tuner.probes import ProbeRunner, ResultLosses, RunClock, run_summary
 
-__all__ = ["ProbeChains", "Heard", "start_dir", "run_summary", "continuing"]
+__all__ = ["ProbeChains", "ProbeRounds", "steady_checks", "start_dir", "continuing", "run_once"]
 
 _START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
 
@@ -42,36 +47,38 @@ def continuing(start: Path, run_dir: Path) -> None:
             shutil.copy2(start / name, run_dir / name)
 
 
-class Heard(RunObserver):
-    """What a run's recorder kept (:func:`~distsgd.control.replay`): its losses and
-    steady-state checks, in order."""
-
+class _Checks(RunObserver):
     def __init__(self) -> None:
-        self.losses: list[LossPoint] = []
         self.checks: list[dict[str, Any]] = []
-
-    @classmethod
-    def of(cls, run_dir: Path) -> Heard:
-        heard = cls()
-        replay(run_dir, heard)
-        return heard
-
-    def on_losses(self, point: LossPoint) -> None:
-        self.losses.append(point)
 
     def on_steady_check(self, check: dict[str, Any]) -> None:
         self.checks.append(check)
 
 
+def steady_checks(run_dir: Path) -> list[dict[str, Any]]:
+    """The steady-state checks a run made, in order, as its recorder kept them
+    (:func:`~distsgd.control.replay`)."""
+    heard = _Checks()
+    replay(run_dir, heard)
+    return heard.checks
+
+
+def run_once(note: Path, catch_up: Callable[[float], None]) -> dict[str, Any] | None:
+    """The record ``note`` of a run that completed in ``note``'s directory before an
+    interruption (the run's wall clock caught up to its end), else None: run it (again),
+    its directory emptied."""
+    if note.exists():
+        saved = json.loads(note.read_text())
+        catch_up(saved["end_elapsed_s"])
+        return saved
+    if note.parent.exists():
+        shutil.rmtree(note.parent)  # cut short: run it again
+    return None
+
+
 def start_dir(snapshot: str) -> Path | None:
     """The run directory a probe started from (None: the initial model)."""
     return None if snapshot == "initial" else Path(snapshot)
-
-
-def run_summary(run_dir: Path) -> dict[str, Any]:
-    """A run directory's ``summary.json`` ({} when it has none)."""
-    path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 class ProbeChains:
@@ -117,21 +124,9 @@ class ProbeChains:
         self.loss0: float | None = None
 
     def _probe_config(self, cand: Candidate, limit_s: float) -> RunConfig:
-        cfg = candidate_config(self.cfg, cand)
-        key = "max_virtual_seconds" if self.simulated else "max_seconds"
-        train = dataclasses.replace(
-            cfg.train,
-            **{
-                "max_virtual_seconds": 0.0,
-                "max_seconds": 0.0,
-                key: limit_s,
-                "stop_at_target": False,
-                "eval_every_samples": self._eval_every(),
-                "checkpoint_every_evals": 0,
-                "tensorboard": False,
-            },
-        )
-        return cfg.replace(train=train)
+        cfg = pr.candidate_config(self.cfg, cand)
+        limits = pr.run_limits(self.simulated, limit_s, eval_every_samples=self._eval_every())
+        return cfg.replace(train=dataclasses.replace(cfg.train, **limits))
 
     def _eval_every(self) -> int:
         return self.cfg.train.eval_every_samples or self.num_train
@@ -163,31 +158,22 @@ class ProbeChains:
         self.count += 1
         kind = kind or ("cold" if start is None else "steady")
         until_clock_s = clock0 + self.rung_s if until_clock_s is None else until_clock_s
-        run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
+        run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{pr.safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.score_window)
         result.run_dir = str(run_dir)
-        note = run_dir / "online_probe.json"
-        if note.exists():  # completed before an interruption: read it back
-            saved = json.loads(note.read_text())
-            self.catch_up(saved["end_elapsed_s"])
-        else:
-            if run_dir.exists():
-                shutil.rmtree(run_dir)  # cut short: run it again
+        saved = run_once(run_dir / "online_probe.json", self.catch_up)
+        if saved is None:
             t0 = time.perf_counter()
             self.bar(f"probe {cand.label()}")
             self._run_probe(self._probe_config(cand, until_clock_s), run_dir, start)
             saved = {"wall_s": time.perf_counter() - t0, "end_elapsed_s": self.elapsed()}
-            write_json(note, saved)
+            write_json(run_dir / "online_probe.json", saved)
         result.wall_s = saved["wall_s"]
         s = run_summary(run_dir)
         result.diverged = s.get("status") == "diverged"
         result.train_wall_s = float(s.get("train_wall_s") or 0.0)
         result.samples = int(s.get("samples") or 0)
-        for point in Heard.of(run_dir).losses:
-            clock = point.clock_s if self.simulated else point.train_wall_s
-            result.losses.append(point.loss)
-            result.iterations.append(point.iterations - iters0)
-            result.virtual_s.append(clock - clock0)
+        replay(run_dir, ResultLosses(result, self.simulated, iters0, clock0))
         if start is None and result.losses and self.loss0 is None:
             self.loss0 = result.losses[0]  # the initial model's loss: the scale of "blew up"
         result.mark_exploded(self.loss0)
@@ -242,3 +228,102 @@ class ProbeChains:
         cont.mark_exploded(self.loss0)  # over the whole chain
         self.first_rung[cont.run_dir] = r
         return cont
+
+
+class ProbeRounds:
+    """What the cold start's and a steady-state round's probes share.
+
+    Args:
+        chains: the run's probes and their chains.
+        log: the decision log.
+        settings: ``[tune]`` (its ``probe_seconds`` a first rung's length).
+        budget: the run's probe lengths.
+
+    Attributes:
+        overhead_clock_s: clock seconds of probes that did not continue as the run.
+    """
+
+    def __init__(
+        self,
+        chains: ProbeChains,
+        log: DecisionLog,
+        settings: OnlineTuneSettings,
+        budget: RunBudget,
+    ) -> None:
+        self.chains, self.log, self.settings, self.budget = chains, log, settings, budget
+        self.clock = chains.clock
+        self.overhead_clock_s = 0.0
+
+    def count_overhead(self, results: list[ProbeResult], winner: ProbeResult) -> None:
+        """Clock seconds of the probes that did not continue as the run (the winner and
+        the probes its chain continues) count as tuning overhead."""
+        kept = {r.run_dir for r in self.chains.chain(winner)}
+        for r in results:
+            if r.run_dir not in kept and r.virtual_s:
+                self.overhead_clock_s += r.virtual_s[-1]
+
+    def second_rung(
+        self, phase: str, results: list[ProbeResult], larger: ProbeResult | None = None
+    ) -> list[ProbeResult]:
+        """Successive halving's second rung: the ``tune.promote`` (cold start) or
+        ``tune.steady_promote`` (steady state) best of a round's first-rung probes (lowest
+        score; ties prefer larger η, then μ), and ``larger`` (cold start: the next larger
+        η than the best at g = 1, :func:`~distsgd.tuner.omnivore.next_larger_lr`) where
+        they leave it out, continue from their own checkpoints until ``probe_s`` after the
+        round's start on the runtime's clock, scored over the chain's last
+        ``tune.score_window`` losses (steady state: over the iterations every chain of
+        the round trained, :func:`~distsgd.tuner.omnivore.pair_scores`). Returns the
+        continued probes ([] with no second rung, or a steady state that promotes one)."""
+        cold = phase == "cold start"
+        promote = self.settings.promote if cold else self.settings.steady_promote
+        probe_s, rung_s = self.budget.probe_s, self.budget.rung_s
+        if rung_s >= probe_s or (not cold and promote == 1):
+            return []
+        ok = [r for r in results if not math.isnan(r.score)]
+        ok.sort(key=lambda r: (r.score, -r.candidate.lr, -r.candidate.momentum))
+        kind = "cold2" if cold else "steady2"
+        chosen = ok[:promote]
+        extra = larger is not None and cold and all(r is not larger for r in chosen)
+        firsts = chosen + ([larger] if extra else [])
+        out = []
+        for r in firsts:
+            round_start = self.chains.start_of(start_dir(r.snapshot))[0]
+            out.append(self.chains.continue_from(r, round_start + probe_s, kind))
+        if not cold:
+            pair_scores(out)  # one snapshot, one layout: the same minibatches
+        for r, cont in zip(firsts, out, strict=True):
+            self.log(
+                phase,
+                f"continue {r.candidate.label()} to {probe_s:.4g} s: "
+                + ("NaN" if cont.diverged else f"score {cont.score:.4f}"),
+                (
+                    "successive halving: "
+                    + ("the best" if promote == 1 else f"one of the {promote} best")
+                    + f" first-rung scores ({r.score:.4f} after {rung_s:.4g} "
+                    f"{self.clock.name} s)"
+                    if r is not larger or not extra
+                    else f"the next larger η than the best at g=1 (first rung {r.score:.4f} "
+                    f"after {rung_s:.4g} {self.clock.name} s): short probes prefer "
+                    "smaller η (short-horizon bias), so it gets a second-rung chance"
+                )
+                + ", continued from its own checkpoint",
+                score=None if cont.diverged else cont.score,
+            )
+        return out
+
+    def warn_short_probes(self, results: list[ProbeResult], phase: str = "cold start") -> None:
+        """A warning (and a decision) when a round's probes trained fewer iterations than
+        ``tune.score_window``: their scores then average fewer minibatch losses (none with
+        fewer than two such probes: nothing is ranked)."""
+        window = self.settings.score_window
+        counts = [len(r.losses) for r in results if not r.diverged]
+        if len(counts) < 2 or min(counts) >= window:
+            return
+        line = (
+            f"probes of {self.budget.rung_s:.4g} {self.clock.name} s trained as few as "
+            f"{min(counts)} iteration(s), fewer than tune.score_window = {window}: their "
+            "scores average that many minibatch losses and rank the candidates by noise; "
+            "raise tune.probe_seconds (or tune.first_rung) or the time budget"
+        )
+        warnings.warn(line, ConfigWarning, stacklevel=3)
+        self.log(phase, "warning: probes too short to score", line, echo=False)

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distsgd.config import TuneConfig
 from distsgd.tuner.perf_model import (
@@ -57,6 +57,9 @@ from distsgd.tuner.perf_model import (
     scale_iterations,
     seconds_per_iteration,
 )
+
+if TYPE_CHECKING:
+    from distsgd.tuner.budget import SearchBudget
 
 __all__ = [
     "Candidate",
@@ -836,15 +839,15 @@ def probe_joint(
     against: ProbeResult,
     log: DecisionLog,
     probe: JointProbeFn,
-    skip: Callable[[], str | None],
+    budget: SearchBudget,
 ) -> list[ProbeResult]:
     """Probe the ``count`` best of ``ranked`` (each added to ``search.results``), each
-    compared at equal time with ``against`` in its decision; ``skip()`` gives the reason
-    to leave a candidate out (None: probe it). Returns the probes run."""
+    compared at equal time with ``against`` in its decision; a candidate is left out where
+    ``budget.search_spent`` gives a reason. Returns the probes run."""
     extra = []
     ref = against.candidate
     for t_pred, cand in ranked[:count]:
-        why = skip()
+        why = budget.search_spent(len(search.results))
         if why is not None:
             log("joint", f"skip {cand.label()}", why)
             continue

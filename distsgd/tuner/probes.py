@@ -34,7 +34,7 @@ import torch
 
 from distsgd import launch
 from distsgd.checks import fail
-from distsgd.config import ConfigError, RunConfig, required_processes
+from distsgd.config import ConfigError, RunConfig
 from distsgd.control import (
     LossPoint,
     RunObserver,
@@ -50,11 +50,15 @@ from distsgd.trainer import Trainer
 from distsgd.tuner.omnivore import Candidate, ProbeResult
 
 __all__ = [
+    "ResultLosses",
+    "run_summary",
+    "run_limits",
     "candidate_config",
     "Prober",
     "check_runtime",
     "safe_name",
     "check_optimizer_searchable",
+    "check_tunable",
     "RunClock",
     "LongRun",
 ]
@@ -145,6 +149,35 @@ def check_optimizer_searchable(cfg: RunConfig) -> None:
         )
 
 
+def check_tunable(config: RunConfig) -> None:
+    """Refuse what the search cannot tune, in one line: a runtime without probes
+    (:func:`check_runtime`), an optimizer or schedule it does not search
+    (:func:`check_optimizer_searchable`), a lower-is-better metric.
+
+    The plan maps the target to a training loss through a line fitted between the metric
+    and the training loss near the target (``1 − metric = e0 + s · loss``, accuracy-like
+    metrics: higher is better, :class:`~distsgd.tuner.perf_model.ErrorVsLoss`), and its
+    learning-rate step qualifies evaluations within ``tune.step_margin`` of the target in
+    the metric's units. A metric whose direction is ``min`` (a loss, perplexity) is not
+    covered by that model.
+
+    Raises:
+        ConfigError: the runtime, optimizer or schedule above; ``train.metric`` is
+            lower-is-better.
+    """
+    check_runtime(config.runtime)
+    t = config.train
+    direction = t.metric_direction or ("max" if t.metric == "accuracy" else "min")
+    if direction != "max":
+        raise ConfigError(
+            f"train.metric = {t.metric!r} is not allowed for distsgd tune: its direction is "
+            "'min', and the tuner's time-to-target model covers higher-is-better metrics "
+            "(accuracy, or a user metric with train.metric_direction = 'max'); train it "
+            "with distsgd train"
+        )
+    check_optimizer_searchable(config)
+
+
 def candidate_config(base: RunConfig, cand: Candidate) -> RunConfig:
     """``base`` with the candidate's protocol, layout, η and μ (schedule constant).
 
@@ -196,10 +229,21 @@ def candidate_config(base: RunConfig, cand: Candidate) -> RunConfig:
     )
 
 
-def _status(run_dir: Path) -> str | None:
-    """``status`` of the run's ``summary.json`` (None without one)."""
+def run_limits(simulated: bool, clock_s: float = 0.0, **train: Any) -> dict[str, Any]:
+    """``train.*`` settings of a tuner's run: ``clock_s`` seconds on the runtime's clock
+    (simulated seconds on ``sim``, wall seconds of training on real processes; 0: no
+    limit), no stop at the target, no evaluations, checkpoints or TensorBoard; then
+    ``train``."""
+    key = "max_virtual_seconds" if simulated else "max_seconds"
+    limits = {"max_seconds": 0.0, "max_virtual_seconds": 0.0, key: clock_s}
+    off = {"stop_at_target": False, "eval_every_samples": 0, "checkpoint_every_evals": 0}
+    return {**limits, **off, "tensorboard": False, **train}
+
+
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    """A run directory's ``summary.json`` ({} when it has none)."""
     path = run_dir / "summary.json"
-    return json.loads(path.read_text()).get("status") if path.exists() else None
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 _ASCII = str.maketrans({"λ": "lam", "η": "eta", "μ": "mu"})
@@ -261,14 +305,22 @@ class ProbeRunner:
 
     Args:
         simulated: the ``sim`` runtime (else ``dist``).
+        num_processes: ``dist``: the processes every run needs
+            (:func:`~distsgd.tuner.setup.tune_layout`), the pool's ranks.
         keep_ranks: ``dist``: run on one pool of ranks (else a launch per run).
         code: the user's objects (``sim`` only, as for any run).
     """
 
     def __init__(
-        self, simulated: bool, *, keep_ranks: bool = True, code: UserCode | None = None
+        self,
+        simulated: bool,
+        *,
+        num_processes: int = 1,
+        keep_ranks: bool = True,
+        code: UserCode | None = None,
     ) -> None:
         self.simulated = simulated
+        self.num_processes = num_processes
         self.keep_ranks = keep_ranks
         self.code = code
         self._pool: launch.RankPool | None = None
@@ -318,15 +370,14 @@ class ProbeRunner:
         except TrainingDiverged:
             diverged = True
         except launch.DistRunFailed as e:
-            if _status(run_dir) != "completed":
+            if run_summary(run_dir).get("status") != "completed":
                 raise
             notes.append(f"completed; afterwards {e}")
         final = last.weights
         if not self.simulated:
             replay(run_dir, observer)
             final = recorded_final_weights(run_dir)
-        summary_path = run_dir / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary = run_summary(run_dir)
         completed = not diverged and summary.get("status") == "completed"
         return RunEnd(diverged, summary, final if completed else None, notes)
 
@@ -336,10 +387,8 @@ class ProbeRunner:
         if not self.keep_ranks:
             launch.run(cfg, run_dir, resume=resume, progress=progress, options=options)
             return
-        n = required_processes(cfg.protocol, cfg.dist)[0]
-        if self._pool is None or self._pool.num_processes != n:
-            self.close()
-            self._pool = launch.RankPool(n)
+        if self._pool is None:
+            self._pool = launch.RankPool(self.num_processes)
         self._pool.run(cfg, run_dir, resume=resume, progress=progress, options=options)
 
 
@@ -354,6 +403,7 @@ class Prober:
         initial: the cold-start snapshot's weights ``[P]``.
         keep_ranks: ``dist``: run every probe and long run on one pool of ranks (no
             process start per run); :meth:`close` ends them.
+        num_processes: ``dist``: the processes every run needs.
     """
 
     def __init__(
@@ -364,10 +414,15 @@ class Prober:
         score_window: int,
         initial: torch.Tensor,
         keep_ranks: bool = False,
+        num_processes: int = 1,
     ) -> None:
         check_runtime(base.runtime)
         self.base = base
-        self.runner = ProbeRunner(base.runtime == "sim", keep_ranks=keep_ranks)
+        self.simulated = base.runtime == "sim"  # the probes run on the simulated cluster
+        self.clock = RunClock.of(self.simulated)  # the clock of the probes' records
+        self.runner = ProbeRunner(
+            self.simulated, num_processes=num_processes, keep_ranks=keep_ranks
+        )
         self.out_dir = Path(out_dir)
         self.probe_seconds = probe_seconds
         self.score_window = score_window
@@ -377,30 +432,6 @@ class Prober:
     def close(self) -> None:
         """End the pool's ranks (``keep_ranks``), if any were started."""
         self.runner.close()
-
-    @property
-    def simulated(self) -> bool:
-        """Whether the probes run on the simulated cluster (``sim`` runtime)."""
-        return self.base.runtime == "sim"
-
-    @property
-    def clock(self) -> RunClock:
-        """The clock of the probes' records."""
-        return RunClock.of(self.simulated)
-
-    def _train_settings(self, seconds: float) -> dict[str, Any]:
-        key = "max_virtual_seconds" if self.simulated else "max_seconds"
-        return {
-            "max_epochs": 0.0,
-            "max_samples": 0,
-            "max_seconds": 0.0,
-            "max_virtual_seconds": 0.0,
-            key: seconds,
-            "stop_at_target": False,
-            "eval_every_samples": 0,
-            "checkpoint_every_evals": 0,
-            "tensorboard": False,
-        }
 
     def run(
         self,
@@ -430,7 +461,7 @@ class Prober:
             cfg = cfg.replace(train=dataclasses.replace(cfg.train, initial_weights=path))
         t0 = time.perf_counter()
         end = self.runner.run(
-            cfg, run_dir, options, _Losses(result, wall_clock=not self.simulated), weights=weights
+            cfg, run_dir, options, ResultLosses(result, self.simulated), weights=weights
         )
         result.wall_s = time.perf_counter() - t0
         result.diverged, result.notes = end.diverged, end.notes
@@ -451,7 +482,8 @@ class Prober:
 
     def __call__(self, cand: Candidate, snapshot: str) -> ProbeResult:
         """One equal-time probe (the :data:`~distsgd.tuner.omnivore.ProbeFn` interface)."""
-        result, _ = self.run(cand, snapshot, self._train_settings(self.probe_seconds))
+        train = run_limits(self.simulated, self.probe_seconds, max_epochs=0.0, max_samples=0)
+        result, _ = self.run(cand, snapshot, train)
         return result
 
     def long_run(
@@ -479,23 +511,20 @@ class Prober:
         max_seconds = wall_seconds
         if max_clock_s > 0 and not self.simulated:
             max_seconds = min(wall_seconds, max_clock_s)
-        train = {
-            "max_epochs": self.base.train.max_epochs if max_epochs is None else max_epochs,
-            "max_samples": 0,
-            "max_seconds": max_seconds,
-            "max_virtual_seconds": max_clock_s if self.simulated else 0.0,
-            "stop_at_target": True,
-            "eval_every_samples": eval_every_samples,
-            "checkpoint_every_evals": 0,
-            "tensorboard": False,
-            "save_eval_weights": save_eval_weights,
-        }
+        train = run_limits(
+            self.simulated,
+            max_epochs=self.base.train.max_epochs if max_epochs is None else max_epochs,
+            max_samples=0,
+            max_seconds=max_seconds,
+            max_virtual_seconds=max_clock_s if self.simulated else 0.0,
+            stop_at_target=True,
+            eval_every_samples=eval_every_samples,
+            save_eval_weights=save_eval_weights,
+        )
         result, final = self.run(cand, snapshot, train, kind="long_run")
         if final is not None:
             self.snapshots[name] = final
-        summary_path = Path(result.run_dir) / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        return LongRun(result, summary)
+        return LongRun(result, run_summary(Path(result.run_dir)))
 
     def eval_snapshot(self, long_run: ProbeResult, eval_index: int, name: str) -> None:
         """Make the model of ``long_run``'s evaluation number ``eval_index`` (its
@@ -507,14 +536,19 @@ class Prober:
         self.snapshots[name] = load_checked(eval_weights_file(long_run.run_dir, eval_index))
 
 
-class _Losses(RunObserver):
-    """Appends each tick's loss, iterations and clock (the runtime's; ``wall_clock``: wall
-    seconds of training) to a probe's result."""
+class ResultLosses(RunObserver):
+    """Appends each tick's loss, iterations and clock (the runtime's: simulated seconds on
+    ``sim``, wall seconds of training on real processes) to a probe's result, counted from
+    ``iterations0`` and ``clock0_s`` (where the probe started)."""
 
-    def __init__(self, result: ProbeResult, wall_clock: bool) -> None:
-        self.result, self.wall_clock = result, wall_clock
+    def __init__(
+        self, result: ProbeResult, simulated: bool, iterations0: int = 0, clock0_s: float = 0.0
+    ) -> None:
+        self.result, self.simulated = result, simulated
+        self.iterations0, self.clock0_s = iterations0, clock0_s
 
     def on_losses(self, point: LossPoint) -> None:
         self.result.losses.append(point.loss)
-        self.result.iterations.append(point.iterations)
-        self.result.virtual_s.append(point.train_wall_s if self.wall_clock else point.clock_s)
+        self.result.iterations.append(point.iterations - self.iterations0)
+        clock = point.clock_s if self.simulated else point.train_wall_s
+        self.result.virtual_s.append(clock - self.clock0_s)

@@ -14,6 +14,7 @@ Figures:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -26,7 +27,9 @@ from distsgd.tuner import perf_model as pm
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["write_report", "write_tune_json", "clean_state"]
+    from distsgd.tuner.session import TuneSession
+
+__all__ = ["write_report", "write_tune_json", "clean_state", "tune_json"]
 
 _COLORS = {
     "hardsync": "tab:blue",
@@ -453,3 +456,53 @@ def write_tune_json(out_dir: str | Path, state: dict[str, Any]) -> Path:
     path = Path(out_dir) / "tune.json"
     path.write_text(json.dumps(state, indent=1, default=_json_default))
     return path
+
+
+def tune_json(session: TuneSession) -> dict[str, Any]:
+    """Everything a tune found, as ``tune.json`` keeps it (its keys are a file format:
+    ``segments`` are the runs the prediction fits)."""
+    fixed, st, costs, cfg = session.fixed, session.state, session.costs, session.cfg
+    chosen, plan = st.chosen_candidate, st.plan
+    assert plan is not None
+    return {
+        "config": str(fixed.config.name),
+        "runtime": cfg.runtime,
+        "clock": session.clock.name,
+        "budget_s": session.settings.budget_s,
+        "budget_costs": {
+            "first_probe_expected_s": costs.first_probe_s,
+            "probe_wall_s_max": costs.expected_probe_s(),
+            "eval_s": costs.eval_s,
+            "slack": "one step's overrun of its expected cost, plus writing the plan and report",
+        },
+        "tuning_wall_s": costs.elapsed(),
+        "target": cfg.train.target,
+        "metric": cfg.train.metric,
+        "num_learners": fixed.layout.num_learners,
+        "num_processes": fixed.layout.num_processes if cfg.runtime == "dist" else None,
+        "network": None if fixed.network is None else dataclasses.asdict(fixed.network),
+        "device_profile": {
+            "seconds_per_batch": cfg.cluster.seconds_per_batch,
+            "seconds_per_sample": cfg.cluster.seconds_per_sample,
+        },
+        "noise_scale": st.noise_scale,
+        "chosen": dataclasses.asdict(chosen),
+        "chosen_label": chosen.label(),
+        "plan_name": plan.name,
+        "plan_schedule": dataclasses.asdict(plan.schedule),
+        "steady_state": None if st.steady is None else st.steady.label(),
+        "prediction": st.prediction,
+        "segments": [r.to_json() for r in st.plan_runs],
+        "long_run": (
+            None
+            if st.long_run is None
+            else {**st.long_run.result.to_json(), "summary": st.long_run.summary}
+        ),
+        "step_at": st.step_at,
+        "step_runs": st.step_runs,
+        "probes": [r.to_json() for r in session.search.results],
+        "best_by_g": {str(g): r.candidate.label() for g, r in session.search.best_by_g.items()},
+        "ranking": [{"label": c.label(), "predicted_relative": t} for t, c in st.ranked],
+        "extrapolation": st.extrapolation,
+        "decisions": len(session.log.entries),
+    }

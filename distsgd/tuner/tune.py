@@ -31,11 +31,13 @@ from distsgd import launch
 from distsgd.config import ConfigError, RunConfig, check_device
 from distsgd.trainer import Trainer
 from distsgd.tuner import perf_model as pm
+from distsgd.tuner.longrun import LongRuns
 from distsgd.tuner.plan import _MIN_EVALS as MIN_PREDICTION_EVALS
 from distsgd.tuner.plan import PLAN_EVAL_EVERY, predict_plan
 from distsgd.tuner.probes import RunClock
 from distsgd.tuner.report import write_report, write_tune_json
-from distsgd.tuner.session import TuneSession, TuneSetup, cluster_model, tune_layout
+from distsgd.tuner.session import TuneSession
+from distsgd.tuner.setup import TuneSetup, cluster_model, tune_layout
 
 __all__ = ["tune", "tune_layout", "parse_budget", "predict_plan", "verify_plan", "cluster_model"]
 
@@ -98,17 +100,17 @@ def tune(
             written so far stay in ``out_dir``, no plan is written.
     """
     check_device(config)  # before any probe starts or anything is written
-    check_tunable(config)
     session = TuneSession.setup(
         config, out_dir, budget_s=budget_s, progress=progress, check=check_prediction_budget
     )
     try:
         session.cold_start()
         session.joint_search()
-        session.long_run()
-        session.steady_state()
-        session.learning_rate_step()
-        session.plan()
+        after = LongRuns(session)
+        after.long_run()
+        after.steady_state()
+        after.learning_rate_step()
+        after.plan()
         saved = session.report()
     finally:
         session.bar.close()  # also when interrupted: the caller's line is not drawn over
@@ -127,7 +129,7 @@ def estimated_samples_per_s(fixed: TuneSetup) -> float:
     cfg = fixed.cfg
     if "train_samples_per_s" in fixed.timings:
         return fixed.timings["train_samples_per_s"]
-    layout = pm.Layout("hardsync", fixed.num_learners, cfg.protocol.batch_size)
+    layout = pm.Layout("hardsync", fixed.layout.num_learners, cfg.protocol.batch_size)
     samples = pm.samples_per_iteration(layout)
     if cfg.runtime == "sim":
         return samples / pm.compute_seconds(samples, fixed.cluster)
@@ -165,30 +167,6 @@ def check_prediction_budget(fixed: TuneSetup) -> None:
         f"about {samples_per_s:.0f} samples/s and {costs.eval_s:.2f} s per evaluation, while "
         "the search and steady state keep their shares of the budget)"
     )
-
-
-def check_tunable(config: RunConfig) -> None:
-    """Refuse what the search cannot tune, in one line.
-
-    The plan maps the target to a training loss through a line fitted between the metric
-    and the training loss near the target (``1 − metric = e0 + s · loss``, accuracy-like
-    metrics: higher is better, :class:`~distsgd.tuner.perf_model.ErrorVsLoss`), and its
-    learning-rate step qualifies evaluations within ``tune.step_margin`` of the target in
-    the metric's units. A metric whose direction is ``min`` (a loss, perplexity) is not
-    covered by that model.
-
-    Raises:
-        ConfigError: ``train.metric`` is lower-is-better.
-    """
-    t = config.train
-    direction = t.metric_direction or ("max" if t.metric == "accuracy" else "min")
-    if direction != "max":
-        raise ConfigError(
-            f"train.metric = {t.metric!r} is not allowed for distsgd tune: its direction is "
-            "'min', and the tuner's time-to-target model covers higher-is-better metrics "
-            "(accuracy, or a user metric with train.metric_direction = 'max'); train it "
-            "with distsgd train"
-        )
 
 
 def verify_plan(tune_dir: Path, progress: bool = True) -> dict[str, Any]:

@@ -31,8 +31,20 @@ def rst_to_markdown(text: str) -> str:
 
 
 def attribute_docs(cls: type) -> dict[str, str]:
-    """The ``Attributes:`` entries of ``cls``'s docstring (Google style), name → text."""
-    doc = inspect.getdoc(cls) or ""
+    """The ``Attributes:`` entries of the docstrings of ``cls`` and its dataclass bases
+    (Google style), name → text; a base's ``READ_BY`` (who alone reads its settings)
+    starts each of its entries."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            only = vars(base).get("READ_BY")
+            for name, text in _own_attribute_docs(base).items():
+                out[name] = f"{rst_to_markdown(only)} only: {text}" if only else text
+    return out
+
+
+def _own_attribute_docs(cls: type) -> dict[str, str]:
+    doc = cls.__doc__ and inspect.cleandoc(cls.__doc__) or ""
     out: dict[str, str] = {}
     lines = doc.splitlines()
     try:
@@ -105,7 +117,16 @@ def _allowed_from_call(call: ast.Call, namespace: dict[str, Any]) -> tuple[str, 
 
 
 def allowed_values(cls: type, namespace: dict[str, Any]) -> dict[str, str]:
-    """Dotted key → allowed values, from the checks in ``cls.__post_init__``."""
+    """Dotted key → allowed values, from the checks in the ``__post_init__`` of ``cls``
+    and of its dataclass bases."""
+    out: dict[str, str] = {}
+    for base in cls.__mro__:
+        if dataclasses.is_dataclass(base):
+            out = {**_own_allowed_values(base, namespace), **out}
+    return out
+
+
+def _own_allowed_values(cls: type, namespace: dict[str, Any]) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
