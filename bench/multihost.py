@@ -21,7 +21,9 @@ rank (``train.num_threads = 1``):
 
 The table gives both, their ratio measured / simulated (target 0.8–1.25) and the
 simulated time's terms per iteration (compute, messages or all-reduce, server), so a
-miss shows where the time goes. Run it alone on the machine's lock::
+miss shows where the time goes; the parameter-server rows are simulated again with the
+server's whole time per push measured on processes (:func:`server_on_processes`) in
+place of ``distsgd calibrate``'s apply + copy. Run it alone on the machine's lock::
 
     flock /tmp/distsgd-bench.lock python bench/multihost.py --out bench/results/multihost.md
 
@@ -122,15 +124,19 @@ def measure_link(bed: Any, num_parameters: int, tmp: Path, repeats: int) -> dict
     return network_table(out)
 
 
-def torchrun(bed: Any, cfg: Path, out: Path, port: int, timeout: float) -> dict[str, Any]:
-    """``distsgd train cfg`` by torchrun on every host (rendezvous at h0); rank 0's summary."""
+def torchrun(
+    bed: Any, cfg: Path, out: Path, port: int, timeout: float, num_hosts: int | None = None
+) -> dict[str, Any]:
+    """``distsgd train cfg`` by torchrun on the first ``num_hosts`` hosts (default every
+    host; rendezvous at h0); rank 0's summary."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS"):  # fmt: skip
         env.pop(k, None)
     procs = []
-    for i in range(bed.num_hosts):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(bed.num_hosts),
+    n = num_hosts or bed.num_hosts
+    for i in range(n):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n),
                "--node-rank", str(i), "--nproc-per-node", str(PROCESSES_PER_HOST),
                "--master-addr", "h0", "--master-port", str(port),
                "-m", "distsgd", "train", str(cfg), "--out", str(out), "--quiet"]  # fmt: skip
@@ -195,6 +201,28 @@ def terms(cfg: Any, summary: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def server_on_processes(
+    bed: Any, raw: dict[str, Any], cluster: dict[str, Any], tmp: Path, port: int
+) -> dict[str, float]:
+    """The server's whole time per push on real processes: async, one learner, server
+    and learner on h0 (2 processes, no link), measured seconds per push minus what the
+    simulator charges for the same run without server work (the learner's compute and
+    two local messages; ``cluster.cores = 0``: the two alternate). This holds what
+    ``distsgd calibrate``'s apply + copy leaves out: receiving the push and sending the
+    reply in the server's threads and the hand-over to its loop."""
+    one = json.loads(json.dumps(raw))
+    one["protocol"] = {"name": "parameter_server", "mode": "async", "num_learners": 1,
+                       "batch_size": raw["protocol"]["batch_size"]}  # fmt: skip
+    cfg = write_config({**one, "runtime": "dist"}, tmp / "server.toml")
+    real = torchrun(bed, cfg, tmp / "server-dist", port, timeout=600, num_hosts=1)
+    free = {**cluster, "cores": 0, "seconds_per_push": 0.0}
+    sim, _ = simulate(one, real["samples"], free, tmp / "server-sim")
+    measured = real["train_wall_s"] / real["iterations"]
+    without = sim["virtual_s"] / sim["iterations"]
+    return {"measured_s": measured, "simulated_without_server_s": without,
+            "seconds_per_push": max(measured - without, 0.0)}  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="markdown file to write")
@@ -235,6 +263,10 @@ def main() -> int:
               f" µs/sample, push {(prof.seconds_per_push or 0) * 1e3:.3f} ms; local {local}",
               flush=True)  # fmt: skip
         port = 29500
+        base_cluster = {"profile": str(profile), "jitter": 0.0, "cores": cores,
+                        "processes_per_host": PROCESSES_PER_HOST, **local}  # fmt: skip
+        server = server_on_processes(bed, first, base_cluster, tmp, port)
+        print(f"server on processes: {server}", flush=True)
         for name in args.links:
             delay, rate = LINKS[name]
             for h in range(bed.num_hosts):
@@ -252,9 +284,12 @@ def main() -> int:
                     print(str(e)[-3000:], file=sys.stderr, flush=True)
                     rows.append({"link": name, "protocol": proto, "failed": True})
                     continue
-                cluster = {"profile": str(profile), "jitter": 0.0, "cores": cores,
-                           "processes_per_host": PROCESSES_PER_HOST, **link, **local}  # fmt: skip
+                cluster = {**base_cluster, **link}
                 sim, parts = simulate(raw, real["samples"], cluster, tmp / f"sim-{port}")
+                served = {**cluster, "seconds_per_push": server["seconds_per_push"]}
+                sim2 = sim
+                if proto != "hardsync":
+                    sim2, _ = simulate(raw, real["samples"], served, tmp / f"sim2-{port}")
                 row = {
                     "link": name,
                     "protocol": proto,
@@ -268,10 +303,12 @@ def main() -> int:
                     "terms": parts,
                 }
                 row["ratio"] = row["measured_s"] / row["simulated_s"]
+                row["simulated_server_s"] = sim2["virtual_s"] / sim2["iterations"]
+                row["ratio_server"] = row["measured_s"] / row["simulated_server_s"]
                 rows.append(row)
                 loads.append(row["load"])
                 print(json.dumps(row), flush=True)
-    text = markdown(rows, nets, prof, cores, started, loads, args)
+    text = markdown(rows, nets, prof, cores, started, loads, server)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
@@ -286,7 +323,7 @@ def _st(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
-def markdown(rows, nets, prof, cores, started, loads, args) -> str:
+def markdown(rows, nets, prof, cores, started, loads, server) -> str:
     cmd = "flock /tmp/distsgd-bench.lock python bench/multihost.py " + " ".join(
         shlex.quote(a) for a in sys.argv[1:]
     )
@@ -302,6 +339,12 @@ def markdown(rows, nets, prof, cores, started, loads, args) -> str:
         f"{(prof.seconds_per_iteration or 0) * 1e3:.2f} ms/iteration beyond the gradient, "
         f"server {(prof.seconds_per_push or 0) * 1e3:.3f} ms/push.",
         "",
+        "The server's whole time per push on processes (async, 1 learner, both on h0, "
+        f"{server['measured_s'] * 1e3:.2f} ms per push measured − "
+        f"{server['simulated_without_server_s'] * 1e3:.2f} ms simulated without server "
+        f"work): {server['seconds_per_push'] * 1e3:.2f} ms; the last columns charge it as "
+        "`cluster.seconds_per_push` in place of the apply + copy.",
+        "",
         "| network (netcal fit) | latency | bandwidth | all-reduce latency | all-reduce bandwidth |",
         "|---|---|---|---|---|",
     ]
@@ -316,12 +359,13 @@ def markdown(rows, nets, prof, cores, started, loads, args) -> str:
         "",
         "| link | protocol | iterations | measured s/it | simulated s/it | measured / "
         "simulated | staleness measured | simulated | terms (ms): compute, message local / "
-        "link, all-reduce link, server |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "link, all-reduce link, server | simulated s/it, server on processes | measured / "
+        "simulated |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("failed"):
-            out.append(f"| {r['link']} | {r['protocol']} | failed (see the log) |||||||")
+            out.append(f"| {r['link']} | {r['protocol']} | failed (see the log) |||||||||")
             continue
         t = r["terms"]
         parts = (f"{_ms(t['compute'])}, {_ms(t['message_local'])} / {_ms(t['message_link'])}, "
@@ -330,7 +374,8 @@ def markdown(rows, nets, prof, cores, started, loads, args) -> str:
         out.append(
             f"| {r['link']} | {r['protocol']} | {r['iterations']} | {_ms(r['measured_s'])} ms "
             f"| {_ms(r['simulated_s'])} ms | {r['ratio']:.2f}{ok} | "
-            f"{_st(r['measured_staleness'])} | {_st(r['simulated_staleness'])} | {parts} |"
+            f"{_st(r['measured_staleness'])} | {_st(r['simulated_staleness'])} | {parts} | "
+            f"{_ms(r['simulated_server_s'])} ms | {r['ratio_server']:.2f} |"
         )
     return "\n".join(out) + "\n"
 
