@@ -104,3 +104,22 @@ def test_host_settings_are_checked(key, value):
     with pytest.raises(ConfigError, match=rf"cluster.{key} = .* is not allowed") as e:
         small_config(cluster={key: value})
     assert "\n" not in str(e.value)
+
+
+def test_a_learner_is_local_only_when_every_server_shard_shares_its_host():
+    """S = 2 shards (ranks 0, 1) and one learner (rank 2): 2 processes per host put the
+    learner alone on host 1 (the link's messages, as with every process alone); 3 put all
+    on one host (local messages)."""
+
+    def run(**cluster):
+        cfg = small_config(
+            protocol={**ASYNC, "num_learners": 1, "batch_size": 32},
+            cluster={"jitter": 0.0, "seconds_per_push": 1e-3, **LINK, **LOCAL, **cluster},
+            train={"max_samples": 320, "evaluate": False, "max_epochs": 0},
+            dist={"num_servers": 2},
+        )
+        return simulate_ticks(cfg)[0].clock_s
+
+    apart, alone, together = run(processes_per_host=2), run(), run(processes_per_host=3)
+    assert apart == alone
+    assert together < alone
