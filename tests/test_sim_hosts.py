@@ -89,6 +89,12 @@ def test_cores_are_each_hosts_own():
     free, _, _ = _run(hs, latency_s=0.0, bandwidth_gbps=0)
     assert per_host.clock_s == pytest.approx(2 * free.clock_s, rel=1e-9)
     assert shared.clock_s == pytest.approx(4 * free.clock_s, rel=1e-9)
+    # SMA, k = 2 replicas per device: 4 devices (ranks 0 … 3), 2 on each host
+    sma = {"name": "sma", "num_learners": 8, "replicas_per_device": 2}
+    no_net = {"latency_s": 0.0, "bandwidth_gbps": 0, "local_latency_s": 0.0}
+    per_host, _, _ = _run(sma, processes_per_host=2, cores=1, **no_net)
+    free, _, _ = _run(sma, **no_net)
+    assert per_host.clock_s == pytest.approx(2 * free.clock_s, rel=1e-9)
 
 
 @pytest.mark.parametrize(

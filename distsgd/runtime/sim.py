@@ -507,7 +507,8 @@ class SimRuntime(Runtime):
         device's) stretch from the busy processes on its host, the server's busy fraction
         counted on the shards' hosts, the server's push stretched as on its host."""
         cores = self.cluster.cores
-        hosts = [self.host(self._learner_rank(u)) for u in range(units)]
+        # units: parameter-server learners (rank S + l) or synchronous devices (rank d)
+        hosts = [self.host(self._learner_rank(u) if self.is_async else u) for u in range(units)]
         busy = {h: float(hosts.count(h)) for h in hosts}
         if self.is_async:
             each = pushers == self.num_learners
