@@ -909,7 +909,22 @@ class ClusterConfig:
             parameter server's work stretch by ``max(1, busy / cores)``
             (:func:`distsgd.runtime.cluster_model.core_stretch`; for a parameter server
             ``busy = learners + the server's busy fraction``,
-            :func:`~distsgd.runtime.cluster_model.server_core_stretch`).
+            :func:`~distsgd.runtime.cluster_model.server_core_stretch`). With
+            ``processes_per_host`` > 0 these are each host's cores, shared by the
+            processes on that host only.
+        processes_per_host: ranks on each host, in [0, 4096], placed as the launchers
+            place them: rank r runs on host ``r // processes_per_host`` (ranks: the
+            ``dist.num_servers`` server shards first, then the learners; one rank per
+            device for SMA and local SGD). A message between two processes on one host
+            takes ``local_latency_s + 32 P / (local_bandwidth_gbps · 1e9)``, an all-reduce
+            among processes of one host the ring formula with the local terms; across
+            hosts the link's (``latency_s``, ``bandwidth_gbps``, ``allreduce_*``). 0
+            (default): every process is a host of its own, so every message crosses the
+            link.
+        local_latency_s: one-way latency of a message inside a host (loopback, shared
+            memory), seconds, in [0, 60]; read with ``processes_per_host`` > 0.
+        local_bandwidth_gbps: bandwidth of a message inside a host in Gb/s, in [1e-6, 1e6];
+            0 means infinite; read with ``processes_per_host`` > 0.
         profile: path of a profile file written by ``distsgd calibrate --out`` (a device
             measured elsewhere, e.g. a GPU node): the device profile comes from it instead
             of being calibrated here; "" (default): calibrate on this machine, through
@@ -932,6 +947,9 @@ class ClusterConfig:
     allreduce_latency_s: float = -1.0
     allreduce_bandwidth_gbps: float = -1.0
     cores: int = 0
+    processes_per_host: int = 0
+    local_latency_s: float = 50e-6
+    local_bandwidth_gbps: float = 10.0
 
     def __post_init__(self) -> None:
         for key in (
@@ -984,6 +1002,16 @@ class ClusterConfig:
                 "0 (infinite) or in [1e-6, 1e6], or -1 for bandwidth_gbps",
             )
         check_int("cluster.cores", self.cores, 0, 65536)
+        check_int("cluster.processes_per_host", self.processes_per_host, 0, 4096)
+        check_float("cluster.local_latency_s", self.local_latency_s, 0.0, 60.0)
+        if not _number(self.local_bandwidth_gbps) or not (
+            self.local_bandwidth_gbps == 0 or 1e-6 <= self.local_bandwidth_gbps <= 1e6
+        ):
+            fail(
+                "cluster.local_bandwidth_gbps",
+                self.local_bandwidth_gbps,
+                "0 (infinite) or in [1e-6, 1e6]",
+            )
         if not isinstance(self.profile, str):
             fail("cluster.profile", self.profile, 'a path of a profile file, or "" to calibrate')
 

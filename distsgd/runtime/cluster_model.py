@@ -25,6 +25,8 @@ __all__ = [
     "compute_seconds",
     "core_stretch",
     "device_seconds",
+    "host_of",
+    "server_busy_fraction",
     "server_core_stretch",
     "server_push_seconds",
     "replica_ratio",
@@ -161,6 +163,13 @@ def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
     return 2 * (m - 1) * lat + 2 * (m - 1) / m * transfer
 
 
+def host_of(rank: int, processes_per_host: int) -> int:
+    """The host of ``rank`` when the launchers place ``processes_per_host`` ranks on each
+    host in rank order (``torchrun --nproc-per-node``: node rank ``r // n``); with
+    ``processes_per_host <= 0`` every rank is a host of its own."""
+    return rank if processes_per_host <= 0 else rank // processes_per_host
+
+
 def straggler_factor(m: int, jitter: float) -> float:
     """Expected slowest of m compute times relative to the mean: ``1 + s · z_m``.
 
@@ -203,10 +212,26 @@ def server_core_stretch(
     if cluster.cores <= 0 or learners < 1:
         return 1.0
     n = learners if pushers is None else pushers
-    waited = server_push_seconds(1.0, cluster, each_learner_pushes=n == learners)
-    cycle = 2 * cluster.message_seconds + compute_seconds(batch_size, cluster) + waited
-    u = min(1.0, n * cluster.t_server / cycle) if cycle > 0 else 0.0
+    u = server_busy_fraction(n, batch_size, cluster, each_learner_pushes=n == learners)
     return core_stretch(learners + u, cluster.cores)
+
+
+def server_busy_fraction(
+    pushers: int,
+    batch_size: int | float,
+    cluster: ClusterModel,
+    each_learner_pushes: bool = True,
+    message_s: float | None = None,
+) -> float:
+    """The fraction of the time a parameter server wants a core (first order, steady
+    state): ``min(1, pushers · t_server / c)`` with each worker's cycle
+    ``c = 2m + t_c + t_s`` (``m``: ``message_s``, default the cluster's
+    ``message_seconds``; ``t_s``: :func:`server_push_seconds` unstretched); 0 when the
+    cycle is 0 (see :func:`server_core_stretch`)."""
+    m = cluster.message_seconds if message_s is None else message_s
+    waited = server_push_seconds(1.0, cluster, each_learner_pushes=each_learner_pushes)
+    cycle = 2 * m + compute_seconds(batch_size, cluster) + waited
+    return min(1.0, pushers * cluster.t_server / cycle) if cycle > 0 else 0.0
 
 
 def server_push_seconds(

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 
 from distsgd.runtime.rendezvous import rendezvous_store
 
-__all__ = ["NetworkProfile", "calibrate_network", "fit_network"]
+__all__ = ["NetworkProfile", "calibrate_network", "default_sizes", "fit_network", "measure_link"]
 
 
 @dataclass
@@ -159,6 +158,12 @@ def _worker(
     (an all-reduce's: of the later-arriving rank's time in each repeat)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return _measure(sizes, repeats, compute_s)
+
+
+def _measure(sizes: list[int], repeats: int, compute_s: float) -> list[dict[str, Any]]:
+    """The timings of :func:`_worker` in a process group of two ranks already made;
+    destroys the group at the end."""
     rank = dist.get_rank()
     other = 1 - rank
     # products of 512 × 512 floats (3 MB in use, as a small model's gradient): the
@@ -233,8 +238,7 @@ def calibrate_network(
         ConfigError: ``master_addr`` is no address of this machine.
     """
     if sizes is None:
-        sizes = sorted({1, max(1, num_parameters // 16), max(1, num_parameters // 4)})
-        sizes.append(num_parameters)
+        sizes = default_sizes(num_parameters)
     # hosted here, as torchrun's agent hosts it, listening on master_addr only (launch.py)
     store = rendezvous_store(master_addr, 0, world_size=2, timeout_s=timeout_s)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -274,8 +278,89 @@ def calibrate_network(
     return fit_network(measurements)
 
 
-if __name__ == "__main__":  # pragma: no cover - manual use: python -m distsgd.runtime.netcal P
-    prof = calibrate_network(int(sys.argv[1]) if len(sys.argv) > 1 else 431_080)
+def default_sizes(num_parameters: int) -> list[int]:
+    """Message sizes timed by default: 1 value and P/16, P/4, P values of float32."""
+    sizes = sorted({1, max(1, num_parameters // 16), max(1, num_parameters // 4)})
+    return sorted({*sizes, num_parameters})
+
+
+def measure_link(
+    rank: int,
+    master_addr: str,
+    num_parameters: int,
+    *,
+    port: int = 29400,
+    sizes: list[int] | None = None,
+    repeats: int = 20,
+    timeout_s: float = 60.0,
+    compute_s: float = 0.01,
+) -> NetworkProfile | None:
+    """Measure the link between two hosts: run this with ``rank`` 0 on the host whose
+    address is ``master_addr`` and with ``rank`` 1 on the other (one process each, one
+    torch thread); the same operations and fit as :func:`calibrate_network`.
+
+    Rank 0 hosts the rendezvous store on ``master_addr:port`` only; gloo's interface is
+    the one that routes to ``master_addr`` (:func:`distsgd.runtime.network.prepare_rank`).
+
+    Returns:
+        Rank 0: the fitted :class:`NetworkProfile` (``cluster.latency_s``,
+        ``bandwidth_gbps``, ``allreduce_*`` of the simulated cluster's link); rank 1: None.
+
+    Raises:
+        ValueError: ``rank`` not 0 or 1.
+        ConfigError: ``master_addr`` unreachable, or not an address of rank 0's host.
+        RuntimeError: from gloo, when the other rank does not join within ``timeout_s``.
+    """
+    from distsgd.runtime.network import prepare_rank
+
+    if rank not in (0, 1):
+        raise ValueError(f"rank = {rank!r} is not allowed: expected 0 or 1")
+    os.environ.update(MASTER_ADDR=master_addr, WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+    prepare_rank(1, log=False)
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = rendezvous_store(master_addr, port, world_size=2, timeout_s=timeout_s)
+    else:
+        store = dist.TCPStore(master_addr, port, world_size=2, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    found = _measure(sizes or default_sizes(num_parameters), repeats, compute_s)
+    return fit_network(found) if rank == 0 else None
+
+
+def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual use
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m distsgd.runtime.netcal",
+        description="Fit the simulated cluster's network: two processes on this machine "
+        "(the local terms), or with --rank one process on each of two hosts (the link).",
+    )
+    ap.add_argument("num_parameters", nargs="?", type=int, default=431_080, metavar="P")
+    ap.add_argument("--rank", type=int, default=None, help="0 or 1: measure a link")
+    ap.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address")
+    ap.add_argument("--port", type=int, default=29400)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=None, help="write the fit as a [cluster] TOML table")
+    a = ap.parse_args(argv)
+    if a.rank is None:
+        prof = calibrate_network(a.num_parameters, repeats=a.repeats, master_addr=a.master_addr)
+    else:
+        found = measure_link(
+            a.rank, a.master_addr, a.num_parameters, port=a.port, repeats=a.repeats
+        )
+        if found is None:
+            return
+        prof = found
+    _print(prof)
+    if a.out:
+        keys = [o.replace("cluster.", "", 1).replace("=", " = ", 1) for o in prof.overrides()]
+        if a.rank is None:  # two processes on one machine: a host's local terms
+            keys = [f"local_{k}" for k in keys[:2]]
+        with open(a.out, "w") as f:
+            f.write("[cluster]\n" + "\n".join(keys) + "\n")
+
+
+def _print(prof: NetworkProfile) -> None:  # pragma: no cover - manual use
     for m in prof.measurements:
         print(f"{m['op']:10s} {m['num_values']:>9d} values {m['seconds'] * 1e3:8.3f} ms")
     print(f"latency {prof.latency_s * 1e6:.1f} µs, bandwidth {prof.bandwidth_gbps:.3f} Gbit/s")
@@ -286,3 +371,7 @@ if __name__ == "__main__":  # pragma: no cover - manual use: python -m distsgd.r
             f"all-reduce: latency {prof.allreduce_latency_s * 1e6:.1f} µs, bandwidth "
             f"{prof.allreduce_bandwidth_gbps:.3f} Gbit/s"
         )
+
+
+if __name__ == "__main__":  # pragma: no cover - python -m distsgd.runtime.netcal --help
+    _main()

@@ -24,6 +24,15 @@ Timing model (all in virtual seconds):
 * one message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``;
 * ring all-reduce over m participants: ``2(m−1) · latency_s + 2(m−1)/m · 32 P / bw``
   (with ``cluster.allreduce_latency_s`` / ``allreduce_bandwidth_gbps`` where set);
+* hosts (``cluster.processes_per_host`` = n > 0): rank r runs on host ``r // n`` (the
+  server shards are ranks 0 … S−1 and learner l is rank S + l; a synchronous device d is
+  rank d), as the launchers place ranks. A message between a worker (a compute group's
+  first learner) and the server is charged with ``local_latency_s`` /
+  ``local_bandwidth_gbps`` when every shard shares the worker's host, else with the
+  link's terms above; an all-reduce whose participants share one host is the ring
+  formula with the local terms, else the link's. With ``cores`` > 0 each host has
+  ``cores`` cores, shared by its own processes only (a parameter server's busy
+  fraction counted on its host). n = 0: every process is a host of its own;
 * the parameter server's work on one push (apply the protocol, copy the weights for the
   reply): ``seconds_per_push``; the server serves pushes one at a time, in arrival order;
 * processes sharing cores (``cluster.cores`` > 0, every rank on one machine): compute,
@@ -363,6 +372,8 @@ class SimRuntime(Runtime):
         seed: seeds data order, timing jitter and the BatchNorm recalibration slice.
         bn_recalibration_samples: ``train.bn_recalibration_samples``, samples over which
             :meth:`evaluate` recomputes BatchNorm statistics.
+        num_servers: S server shards (ranks 0 … S−1) of a parameter-server protocol,
+            for placing ranks on hosts (``cluster.processes_per_host``); >= 1.
 
     Raises:
         TrainingDiverged: from :meth:`advance`, when a loss is NaN or infinite.
@@ -383,8 +394,10 @@ class SimRuntime(Runtime):
         replicas_per_device: int = 1,
         seed: int = 0,
         bn_recalibration_samples: int = TrainConfig.bn_recalibration_samples,
+        num_servers: int = 1,
     ) -> None:
         self.protocol = protocol
+        self.num_servers = num_servers
         self.engine = engine
         self.dataset = dataset
         self.batch_size = batch_size
@@ -412,12 +425,53 @@ class SimRuntime(Runtime):
             allreduce_latency_s=cluster.allreduce_network[0],
             allreduce_bandwidth_gbps=cluster.allreduce_network[1],
         )
+        self._local = dataclasses.replace(
+            self._network,
+            latency_s=cluster.local_latency_s,
+            bandwidth_gbps=cluster.local_bandwidth_gbps,
+            allreduce_latency_s=None,
+            allreduce_bandwidth_gbps=None,
+        )
         self.message_s = self._network.message_seconds
+        self._worker_message_s: list[float] = []
+        if self.is_async:
+            self._worker_message_s = [
+                self._message_seconds(w)
+                for w in range(protocol.num_workers)  # type: ignore[union-attr]
+            ]
         self._set_stretch()
         if self.is_async:
             self._init_async()
 
     # ---- timing ------------------------------------------------------------------------
+    def host(self, rank: int) -> int:
+        """The host of ``rank`` (:func:`~distsgd.runtime.cluster_model.host_of` with
+        ``cluster.processes_per_host``)."""
+        return cm.host_of(rank, self.cluster.processes_per_host)
+
+    def _learner_rank(self, learner: int) -> int:
+        """The rank of ``learner`` (a parameter-server learner: after the S shards) or,
+        synchronous, of its device."""
+        if self.is_async:
+            return self.num_servers + learner
+        return learner // self.replicas_per_device
+
+    def _message_seconds(self, worker: int) -> float:
+        """One message between ``worker`` (its first learner) and the server: local when
+        every shard shares its host, else the link's."""
+        here = self.host(self._learner_rank(self._members(worker)[0]))
+        if all(self.host(s) == here for s in range(self.num_servers)):
+            return self._local.message_seconds
+        return self.message_s
+
+    def _allreduce_among(self, learners: list[int]) -> float:
+        """Ring all-reduce among the ranks of ``learners`` (distinct ranks): with the
+        local terms when they share one host, else the link's."""
+        ranks = sorted({self._learner_rank(m) for m in learners})
+        one_host = len({self.host(r) for r in ranks}) == 1
+        model = self._local if one_host and len(ranks) > 1 else self._network
+        return cm.allreduce_seconds(len(ranks), model)
+
     def _set_stretch(self) -> None:
         """The stretch of compute when the cluster's processes share ``cluster.cores``
         cores (wall over CPU time; 1 with ``cores = 0``) and the server's seconds per
@@ -443,6 +497,29 @@ class SimRuntime(Runtime):
         self._push_s = cm.server_push_seconds(
             self._stretch, model, each_learner_pushes=pushers == self.num_learners
         )
+        units = self.num_learners // (1 if self.is_async else self.replicas_per_device)
+        self._stretches = [self._stretch] * units
+        if self.cluster.cores > 0 and self.cluster.processes_per_host > 0:
+            self._set_host_stretch(model, pushers, units)
+
+    def _set_host_stretch(self, model: cm.ClusterModel, pushers: int, units: int) -> None:
+        """Each host's ``cluster.cores`` shared by its own processes: a learner's (or
+        device's) stretch from the busy processes on its host, the server's busy fraction
+        counted on the shards' hosts, the server's push stretched as on its host."""
+        cores = self.cluster.cores
+        # units: parameter-server learners (rank S + l) or synchronous devices (rank d)
+        hosts = [self.host(self._learner_rank(u) if self.is_async else u) for u in range(units)]
+        busy = {h: float(hosts.count(h)) for h in hosts}
+        if self.is_async:
+            each = pushers == self.num_learners
+            mean_message = statistics.fmean(self._worker_message_s)
+            u = cm.server_busy_fraction(pushers, self.batch_size, model, each, mean_message)
+            for s in range(self.num_servers):
+                h = self.host(s)
+                busy[h] = busy.get(h, 0.0) + u / self.num_servers
+            server_stretch = cm.core_stretch(busy[self.host(0)], cores)
+            self._push_s = cm.server_push_seconds(server_stretch, model, each)
+        self._stretches = [cm.core_stretch(busy[h], cores) for h in hosts]
 
     def _jitter(self) -> float:
         s = self.cluster.jitter
@@ -455,7 +532,7 @@ class SimRuntime(Runtime):
     def compute_seconds(self, learner: int) -> float:
         """Virtual seconds for ``learner`` to compute one minibatch (draws jitter)."""
         base = self.profile.compute_seconds(self.batch_size) / self.speeds[learner]
-        return base * self._stretch * self._jitter()
+        return base * self._stretches[learner] * self._jitter()
 
     def device_compute_seconds(self, device: int) -> float:
         """Virtual seconds for ``device`` to compute one synchronous iteration of its k
@@ -464,7 +541,7 @@ class SimRuntime(Runtime):
         k = self.replicas_per_device
         speed = min(self.speeds[device * k : (device + 1) * k])
         base = self.profile.device_seconds(k, self.batch_size) / speed
-        return base * self._stretch * self._jitter()
+        return base * self._stretches[device] * self._jitter()
 
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
         """Change k between synchronous iterations (the auto-tuner): λ becomes
@@ -558,7 +635,7 @@ class SimRuntime(Runtime):
             if exchange is not None:
                 exchange.apply(exchange.reduce_here())
             exchanged = exchange is not None
-        comm = self.allreduce_seconds(lam // k) if exchanged else 0.0
+        comm = self._allreduce_among(list(range(0, lam, k))) if exchanged else 0.0
         self.virtual_time += max(device_s) + comm
         n = lam * self.batch_size
         self.samples += n
@@ -586,8 +663,9 @@ class SimRuntime(Runtime):
         self._pulled_version[worker] = version
         members = self._members(worker)
         compute = max(self.compute_seconds(m) for m in members)
-        compute += self.allreduce_seconds(len(members))
-        arrive = now + self.message_s + compute + self.message_s
+        compute += self._allreduce_among(members)
+        message_s = self._worker_message_s[worker]
+        arrive = now + message_s + compute + message_s
         heapq.heappush(self._events, (arrive, self._seq, worker))
         self._seq += 1
 
