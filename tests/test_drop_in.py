@@ -38,6 +38,7 @@ from distsgd.data import ShardedSampler, load_dataset
 from distsgd.metrics import load_checked
 from distsgd.models import build_model
 from distsgd.protocols import ComputeGroups, ParameterServer
+from distsgd.runtime.base import TrainingDiverged, check_losses
 from distsgd.trainer import Trainer
 from tests.conftest import small_config
 
@@ -78,10 +79,17 @@ def test_sampler_epochs_and_state():
         other.load_state_dict(state)
 
 
-def test_sampler_refuses_a_server_rank():
-    server = SimpleNamespace(learner=None, rank=0, role="server")
-    with pytest.raises(ValueError, match="rank 0 is a server rank: it draws no data"):
-        dsgd.Sampler(64, server, batch_size=4)
+def test_a_server_ranks_sampler_yields_nothing():
+    """Loaders built before the model: the server rank's Sampler is empty, so the
+    usual script order runs there and its loop over the loader does nothing."""
+    server = SimpleNamespace(learner=None, rank=0, role="server", num_learners=2, seed=0)
+    data = TensorDataset(torch.randn(64, 3), torch.zeros(64))
+    sampler = dsgd.Sampler(data, server, batch_size=4)
+    sampler.set_epoch(1)
+    assert len(sampler) == 0 and list(sampler) == []
+    assert list(DataLoader(data, batch_size=4, sampler=sampler)) == []
+    learner = SimpleNamespace(learner=1, rank=2, role="learner", num_learners=2, seed=0)
+    assert len(dsgd.Sampler(data, learner, batch_size=4)) == 32
 
 
 def test_init_takes_a_config_and_fits_lambda_to_the_world(tmp_path):
@@ -93,6 +101,93 @@ def test_init_takes_a_config_and_fits_lambda_to_the_world(tmp_path):
         assert ctx.num_learners == 1 and ctx.learner == 0 and ctx.seed == 3  # world of one
     finally:
         ctx.close()
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that records the rate of each of its steps."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rates: list[float] = []
+
+    def step(self, closure=None):
+        self.rates.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("protocol", ["hardsync", "sma"])
+def test_step_lr_on_the_wrapper_sets_each_steps_rate(protocol):
+    """``StepLR(opt)`` takes the wrapper (a torch.optim.Optimizer whose param_groups are
+    the user's optimizer's): each step applies the scheduled rate, and SMA's protocol
+    sees it (its last γ)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ctx = dsgd.init(protocol)
+    try:
+        inner = _RecordingSGD(model.parameters(), lr=0.4)
+        opt = dsgd.DistributedOptimizer(inner, model, ctx)
+        assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups is inner.param_groups
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            scheduler.step()
+        assert inner.rates == [0.4, 0.4, 0.2, 0.2, 0.1]
+        if protocol == "sma":
+            assert opt.state_dict()["rule"]["protocol"]["last_lr"] == 0.1
+    finally:
+        ctx.close()
+
+
+def test_evaluation_weights_swap_in_the_central_model_and_back():
+    """SMA: within ``evaluation_weights`` the model is z (``eval_weights``), not the
+    replica; afterwards the replica again."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ctx = dsgd.init("sma", alpha=0.3)
+    try:
+        opt = dsgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, ctx)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+        replica, central = _flat(model), opt.eval_weights()
+        assert not torch.equal(replica, central)
+        with opt.evaluation_weights(model):
+            assert torch.equal(_flat(model), central)
+        assert torch.equal(_flat(model), replica)
+    finally:
+        ctx.close()
+
+
+def test_a_nan_loss_stops_the_wrapper_with_the_trainers_message():
+    """The loss given to ``step`` (or returned by its closure) is checked as the
+    trainer checks it: TrainingDiverged, the CLI's message."""
+    model = nn.Linear(4, 2)
+    ctx = dsgd.init("hardsync")
+    try:
+        opt = dsgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, ctx)
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            return loss
+
+        assert torch.is_tensor(opt.step(closure))  # finite: torch's return value
+        with pytest.raises(TrainingDiverged) as raised:
+            opt.step(torch.tensor(float("inf")))
+        assert str(raised.value) == _cli_message(float("inf"), 2, 0, 0.1)
+    finally:
+        ctx.close()
+
+
+def _cli_message(loss: float, step: int, learner: int, lr: float) -> str:
+    """The trainer's divergence message (runtime.base.check_losses) for these values."""
+    with pytest.raises(TrainingDiverged) as raised:
+        check_losses([learner], [loss], lr, None, step)
+    return str(raised.value)
 
 
 # ---- bad input: one line, before anything joins --------------------------------------------
