@@ -56,7 +56,8 @@ def describe(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         for k in keys
         if k != "lr" and (v := first.get(k)) is not None and (accepted is None or k in accepted)
     }
-    return {"name": f"{cls.__module__}:{cls.__qualname__}", "lr": lr, "kwargs": kwargs}
+    module = "torch.optim" if getattr(torch.optim, cls.__name__, None) is cls else cls.__module__
+    return {"name": f"{module}:{cls.__qualname__}", "lr": lr, "kwargs": kwargs}
 
 
 def _keywords(cls: type) -> set[str] | None:
