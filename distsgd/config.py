@@ -1713,7 +1713,12 @@ class RunConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
         """Build from a nested dict (as parsed from TOML). Unknown keys are errors, and so
-        is nesting deeper than :data:`MAX_NESTING` (:func:`check_nesting`)."""
+        is nesting deeper than :data:`MAX_NESTING` (:func:`check_nesting`).
+
+        ``train.target``'s default 0.9 is an accuracy on the built-in tasks: where the
+        model, the data or the metric is the user's (a factory or an import path) and no
+        ``train.target`` is given, the target is 0 (none: no target is reported or stops
+        the run)."""
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a table, got {type(raw).__name__}")
         check_nesting(raw)
@@ -1742,6 +1747,9 @@ class RunConfig:
                     f"{key} is not a setting; known: runtime, name, "
                     + ", ".join(f"[{s}]" for s in _SECTIONS)
                 )
+        train = raw.get("train", {})
+        if "target" not in train and _users_own_task(top):  # no target nobody set
+            top["train"] = dataclasses.replace(top.get("train", TrainConfig()), target=0.0)
         return cls(**top)
 
     @classmethod
@@ -1888,6 +1896,17 @@ class RunConfig:
     def replace(self, **sections: Any) -> RunConfig:
         """A copy with whole sections or top-level fields replaced (validated again)."""
         return dataclasses.replace(self, **sections)
+
+
+def _users_own_task(sections: dict[str, Any]) -> bool:
+    """Whether the model, the data or the metric of these sections is the user's."""
+    model, data = sections.get("model"), sections.get("data")
+    train = sections.get("train")
+    return bool(
+        (model is not None and model.factory)
+        or (data is not None and data.factory)
+        or (train is not None and train.metric not in METRICS)
+    )
 
 
 MAX_NESTING = 32
