@@ -192,6 +192,10 @@ def test_a_nan_loss_stops_the_wrapper_with_the_trainers_message():
         with pytest.raises(TrainingDiverged) as raised:
             opt.step(torch.tensor(float("inf")))
         assert str(raised.value) == _cli_message(float("inf"), 2, 0, 0.1)
+        opt.zero_grad()
+        (model(torch.randn(8, 4)).sum() * float("nan")).backward()
+        with pytest.raises(TrainingDiverged, match="^training gradient became nan at step 3"):
+            opt.step()  # no loss given: the gradients are checked
     finally:
         ctx.close()
 
@@ -677,7 +681,7 @@ def _scenario_user_loop(spec: dict, record: dict) -> None:
                 loss = loss * float("nan")
             loss.backward()
             record["rates"].append(opt.param_groups[0]["lr"])
-            opt.step(loss)
+            opt.step() if spec.get("no_loss") else opt.step(loss)
             scheduler.step()
             if step == spec.get("steps"):
                 break
@@ -1134,15 +1138,17 @@ def test_example_under_torchrun(tmp_path, protocol, processes):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("protocol", ["hardsync", "sma"])
-def test_a_nan_loss_stops_every_synchronous_rank_with_the_cli_message(tmp_path, protocol):
+@pytest.mark.parametrize(("protocol", "no_loss"), [("hardsync", False), ("sma", True)])
+def test_a_nan_loss_stops_every_synchronous_rank_with_the_cli_message(tmp_path, protocol, no_loss):
     """Rank 1's loss turns NaN at step 3: both ranks raise TrainingDiverged from that
-    step with the CLI's message naming learner 1. Before it, StepLR on the wrapper gave
-    each step its rate; the ranks started from equal weights with unequal dropout
-    draws."""
-    spec = {"scenario": "user_loop", "protocol": protocol, "nan_at": [1, 3]}
+    step with the CLI's message naming learner 1 (its gradient where ``step()`` got no
+    loss). Before it, StepLR on the wrapper gave each step its rate; the ranks started
+    from equal weights with unequal dropout draws."""
+    spec = {"scenario": "user_loop", "protocol": protocol, "nan_at": [1, 3], "no_loss": no_loss}
     records = _spawn(spec, 2, tmp_path)
     message = _cli_message(float("nan"), 3, 1, 0.05)
+    if no_loss:
+        message = message.replace("training loss", "training gradient")
     for r in (0, 1):
         assert records[r]["diverged"] == message, records[r]
         assert records[r]["rates"] == [0.1, 0.1, 0.05]

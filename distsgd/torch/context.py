@@ -319,16 +319,19 @@ class Context:
         def on_push(event: ps.PushEvent) -> bool:
             order.append((event.worker, event.pulled_version))
             rates.append(event.losses[0])
-            # each member sent [its rate, its loss, 1 if it gave one] (DistributedOptimizer)
+            # each member sent [its rate, the guard's value, what it is: 0 nothing, 1 its
+            # loss, 2 its gradient's sum] (DistributedOptimizer.step)
             members = [m - len(layout.server_ranks) for m in layout.worker_groups[event.worker]]
-            losses, given = event.losses[1::3], event.losses[2::3]
-            for member, loss, has in zip(members, losses, given, strict=True):
+            values, kinds = event.losses[1::3], event.losses[2::3]
+            for member, value, kind in zip(members, values, kinds, strict=True):
                 steps[member] = steps.get(member, 0) + 1
-                if not has:
+                if not kind:
                     continue
-                last_loss[member] = loss
+                if kind == 1:
+                    last_loss[member] = value
+                what = "training loss" if kind == 1 else "training gradient"
                 try:  # the trainer's divergence guard, its message
-                    check_losses([member], [loss], event.losses[0], None, steps[member])
+                    check_losses([member], [value], event.losses[0], None, steps[member], what)
                 except TrainingDiverged as e:
                     diverged.append(str(e))
                     if self.heartbeats is not None:  # the learners raise it too

@@ -27,6 +27,9 @@ from distsgd.torch.flat import flatten, flatten_grads, write_back
 
 __all__ = ["DistributedOptimizer"]
 
+LOSS, GRADIENT = 1, 2  # what the divergence guard checked: the loss given, or the gradient
+WHAT = {LOSS: "training loss", GRADIENT: "training gradient"}
+
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps the user's ``torch.optim`` optimizer so that ``step()`` runs the protocol.
@@ -208,22 +211,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._rule.step(value)
         return given
 
+    def guard(self, loss: float | None) -> tuple[float, int]:
+        """The divergence guard's input: ``(loss, LOSS)`` when the loop gave one, else
+        ``(sum of the gradients, GRADIENT)`` (non-finite when any gradient is)."""
+        if loss is not None:
+            return loss, LOSS
+        total = sum((p.grad.sum() for p in self.params if p.grad is not None), torch.zeros(()))
+        return float(total), GRADIENT
+
     def check_losses(self, flags: Tensor) -> None:
-        """Raise the divergence of the first learner ``flags`` names: ``[2·W]``, learner
-        l's non-finite loss at ``2l`` (0 when finite) and its step at ``2l + 1``."""
+        """Raise the divergence of the first learner ``flags`` names: ``[3·W]``, learner
+        l's non-finite value at ``3l`` (0 when finite), its step at ``3l + 1`` and what
+        it is (:data:`LOSS`, :data:`GRADIENT`) at ``3l + 2``."""
         values = flags.tolist()
-        for learner in range(len(values) // 2):
-            if not math.isfinite(values[2 * learner]):
-                check_losses(
-                    [learner], [values[2 * learner]], self.lr, None, int(values[2 * learner + 1])
-                )
+        for learner in range(len(values) // 3):
+            value, step, kind = values[3 * learner : 3 * learner + 3]
+            if not math.isfinite(value):
+                check_losses([learner], [value], self.lr, None, int(step), WHAT[int(kind)])
 
     def loss_flags(self, loss: float | None) -> Tensor:
-        """This learner's part of :meth:`check_losses`' ``[2·W]`` (zeros elsewhere)."""
-        flags = torch.zeros(2 * self.ctx.world_size, dtype=torch.float64)
-        if loss is not None and not math.isfinite(loss):
+        """This learner's part of :meth:`check_losses`' ``[3·W]`` (zeros elsewhere)."""
+        flags = torch.zeros(3 * self.ctx.world_size, dtype=torch.float64)
+        value, kind = self.guard(loss)
+        if not math.isfinite(value):
             r = self.ctx.rank
-            flags[2 * r], flags[2 * r + 1] = loss, self._steps
+            flags[3 * r : 3 * r + 3] = torch.tensor([value, self._steps, kind])
         return flags
 
     @contextlib.contextmanager
@@ -614,7 +626,10 @@ class _Pusher(_Rule):
                 return
             raise RuntimeError("step() after close()")
         o = self.o
-        floats = [o.lr, math.nan if loss is None else loss, 0.0 if loss is None else 1.0]
+        value, kind = o.guard(loss)
+        if kind == GRADIENT and math.isfinite(value):
+            value, kind = math.nan, 0  # no loss given, nothing to report
+        floats = [o.lr, value, float(kind)]
         self._grads.put((flatten_grads(o.params), floats))
         self._take(self._weights.get())
         if self.stopped:
