@@ -169,7 +169,8 @@ def init(
         **settings: ``batch_size``, ``mode``, ``softsync``, ``staleness_lr``,
             ``server_optimizer``, ``num_groups``, ``momentum_compensation``, ``alpha``,
             ``central_momentum``, ``average_every`` (as ``protocol.*``); ``momentum``,
-            ``weight_decay``, ``nesterov`` (the server optimizer's); ``timeout_s``;
+            ``weight_decay``, ``nesterov`` (optional: the parameter server runs the
+            learners' optimizer and refuses a value that differs); ``timeout_s``;
             ``seed`` (the Sampler's).
 
     Returns:
@@ -272,9 +273,10 @@ class Context:
         has left (Rudra's parameter server, docs/protocols.md §2, or Omnivore's groups, §3:
         the same protocol object and c10d transport as ``distsgd train``).
 
-        The protocol (``protocol.mode``/``softsync``/``staleness_lr``/
-        ``server_optimizer`` with ``momentum``/``weight_decay``) starts from ``model``'s
-        parameters, which every learner pulls first, and is restored from
+        The protocol (``protocol.mode``/``softsync``/``staleness_lr``), with the
+        optimizer the learners built (its class and hyperparameters:
+        :mod:`distsgd.torch.server_optimizer`; gathered here, a collective with the
+        learners' ``DistributedOptimizer``), starts from ``model``'s parameters, which every learner pulls first, and is restored from
         :meth:`load_state_dict` when one was loaded. Each push carries the base rate α0
         of the learner's optimizer at that moment; the server applies the protocol's
         rule to it (α0/n for ``staleness_lr = "softsync"``, and so on). At the end the
@@ -299,6 +301,10 @@ class Context:
             RuntimeError: this rank is not a server rank.
             ValueError: ``bn_data`` holds no batch.
             ps.LearnerLost: a learner was lost under ``mode = "hardsync"``, or all were.
+            ConfigError: the learners' optimizer cannot run on the server (one line
+                naming what differs; the learners raise it too).
+            TrainingDiverged: a learner's loss (or gradient) was NaN or infinite: the
+                server stops the run (the learners raise it at their next step).
         """
         if not self.is_server or self.layout is None:
             raise RuntimeError(f"serve() is for server ranks; rank {self.rank} is a {self.role}")
