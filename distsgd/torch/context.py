@@ -275,8 +275,8 @@ class Context:
 
         The protocol (``protocol.mode``/``softsync``/``staleness_lr``), with the
         optimizer the learners built (its class and hyperparameters:
-        :mod:`distsgd.torch.server_optimizer`; gathered here, a collective with the
-        learners' ``DistributedOptimizer``), starts from ``model``'s parameters, which every learner pulls first, and is restored from
+        :mod:`distsgd.torch.server_optimizer`; gathered here through the run's
+        store from the learners' ``DistributedOptimizer``), starts from ``model``'s parameters, which every learner pulls first, and is restored from
         :meth:`load_state_dict` when one was loaded. Each push carries the base rate α0
         of the learner's optimizer at that moment; the server applies the protocol's
         rule to it (α0/n for ``staleness_lr = "softsync"``, and so on). At the end the
@@ -310,7 +310,7 @@ class Context:
             raise RuntimeError(f"serve() is for server ranks; rank {self.rank} is a {self.role}")
         layout = self.layout
         params = _parameters(model)
-        built = server_optimizer.gather(None)  # the learners' optimizer (collective)
+        built = server_optimizer.gather(self, None)  # the learners' optimizer
         config = server_optimizer.server_config(self.config, self.optimizer_settings, built)
         protocol = build_protocol(config, flatten(params))
         assert isinstance(protocol, AsynchronousProtocol)

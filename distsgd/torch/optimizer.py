@@ -660,8 +660,8 @@ def _rule_for(owner: DistributedOptimizer) -> _Rule:
     gradient buckets where the learners share weights, else the protocol's exchange."""
     ctx = owner.ctx
     if spec_for(ctx.config.protocol).has_server:
-        # every rank agrees on the server's optimizer, or every rank refuses (collective)
-        built = server_optimizer.gather(server_optimizer.describe(owner.optimizer))
+        # every rank agrees on the server's optimizer, or every rank refuses
+        built = server_optimizer.gather(ctx, server_optimizer.describe(owner.optimizer))
         server_optimizer.server_config(ctx.config, ctx.optimizer_settings, built)
         return _Pusher(owner)
     owner.broadcast_from_rank0()  # every rank's protocol starts from rank 0's weights

@@ -2,8 +2,8 @@
 
 Every learner describes its ``torch.optim`` optimizer (class and hyperparameters) when
 its :class:`~distsgd.torch.DistributedOptimizer` is built; the server rank gathers the
-descriptions in :meth:`~distsgd.torch.Context.serve` (one ``all_gather_object`` over
-the run, on every rank) and builds the same optimizer over the flat central weights
+descriptions in :meth:`~distsgd.torch.Context.serve` (through the run's store; every
+rank reads them all) and builds the same optimizer over the flat central weights
 ``[P]``, as ``distsgd train``'s server builds the ``[optimizer]`` section's
 (:meth:`distsgd.config.OptimizerConfig.optimizer_factory`). ``torch.optim.SGD`` without
 dampening is ``name = "sgd"`` with its momentum, weight decay and Nesterov flag (the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from distsgd.config import ConfigError, OptimizerConfig, RunConfig
 __all__ = ["describe", "gather", "server_config"]
 
 _SGD_ONLY = ("momentum", "weight_decay", "nesterov")
+_KEY = "drop-in/optimizer"  # the run store's key of a learner's description, /<rank>
 
 
 def describe(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -71,10 +73,31 @@ def _keywords(cls: type) -> set[str] | None:
     return {p.name for p in params}
 
 
-def gather(description: dict[str, Any] | None) -> list[dict[str, Any] | None]:
-    """Collective over the run: every rank's description (None on a server rank)."""
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, description)
+def gather(ctx: Any, description: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+    """Every rank's description (None on a server rank): each learner posts its own on
+    the run's store and every rank waits for the learners' for as long as they beat
+    (:meth:`~distsgd.runtime.launch.Heartbeats.wait_for`: a learner loading its data
+    for longer than ``timeout_s`` is not lost). Without heartbeats (no torchrun), one
+    ``all_gather_object``.
+
+    Raises:
+        PeerLost: a learner's heartbeat stopped before it posted its optimizer.
+    """
+    heartbeats = ctx.heartbeats
+    if heartbeats is None:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, description)
+        return out
+    if description is not None:
+        heartbeats.post(f"{_KEY}/{ctx.rank}", json.dumps(description, default=repr))
+    servers = set(ctx.layout.server_ranks) if ctx.layout is not None else set()
+    out = []
+    for r in range(ctx.world_size):
+        if r in servers:
+            out.append(None)
+            continue
+        heartbeats.wait_for(f"{_KEY}/{r}", r)
+        out.append(json.loads(heartbeats.posted(f"{_KEY}/{r}")))
     return out
 
 
