@@ -1014,7 +1014,9 @@ class TrainConfig:
         target: the metric value at which the run stops (time to target is measured to
             it): reached when the metric is ``>=`` it (direction max) or ``<=`` it (min);
             0 disables early stopping. An accuracy target is a fraction in [0, 1]; any
-            other in [-1e12, 1e12].
+            other in [-1e12, 1e12]. The default 0.9 is for the built-in tasks: a config
+            whose model, data or metric is the user's and that sets no target has none
+            (0; :meth:`RunConfig.from_dict`).
         max_epochs: budget in epochs of training samples (0: no limit), in [0, 1000000].
         max_samples: budget in training samples (0: no limit), in [0, 1e12]; a run stops
             at the first iteration (or push) that reaches it, so it may overshoot by less

@@ -153,6 +153,30 @@ def test_step_lr_on_the_wrapper_sets_each_steps_rate(protocol):
         ctx.close()
 
 
+def test_grad_scaler_steps_the_wrapper_as_the_optimizer():
+    """``GradScaler.step(opt)`` takes the wrapper (hardsync, a world of one): the same
+    floats as the scaler on the plain optimizer."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 2), nn.Linear(4, 2)
+    b.load_state_dict(a.state_dict())
+    ctx = dsgd.init("hardsync")
+    try:
+        plain = torch.optim.SGD(a.parameters(), lr=0.1)
+        wrapped = dsgd.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=0.1), b, ctx)
+        scalers = [torch.amp.GradScaler("cpu", init_scale=16.0) for _ in range(2)]
+        initial = _flat(a)
+        for _ in range(3):
+            x = torch.randn(8, 4)
+            for model, opt, scaler in zip((a, b), (plain, wrapped), scalers, strict=True):
+                opt.zero_grad()
+                scaler.scale(model(x).pow(2).mean()).backward()
+                scaler.step(opt)
+                scaler.update()
+        assert torch.equal(_flat(a), _flat(b)) and not torch.equal(_flat(a), initial)
+    finally:
+        ctx.close()
+
+
 def test_evaluation_weights_swap_in_the_central_model_and_back():
     """SMA: within ``evaluation_weights`` the model is z (``eval_weights``), not the
     replica; afterwards the replica again."""
