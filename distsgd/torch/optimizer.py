@@ -72,7 +72,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     :class:`~distsgd.runtime.base.TrainingDiverged` from ``step`` on every rank, the same
     step under hardsync and SMA (the losses ride on that step's all-reduce), at the next
     averaging under local SGD, and under the parameter server once the server has the
-    push (the server's ``serve`` raises it too). A step without a loss is not checked.
+    push (the server's ``serve`` raises it too). A ``step()`` without a loss checks the
+    sum of the gradients instead (after the all-reduce under hardsync), and the message
+    then names the ``training gradient``.
 
     Dropout: once the initial weights are shared (below), each learner of a run of
     several reseeds torch's generators (``torch.manual_seed``) with
@@ -198,7 +200,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             The loss (the closure's, or the one given), as ``torch.optim`` returns it.
 
         Raises:
-            TrainingDiverged: a learner's loss is NaN or infinite (see the class).
+            TrainingDiverged: a learner's loss (or, without one, its gradient) is NaN or
+                infinite (see the class).
         """
         if callable(loss):
             closure, loss = loss, None
