@@ -1048,7 +1048,9 @@ class TrainConfig:
         target: the metric value at which the run stops (time to target is measured to
             it): reached when the metric is ``>=`` it (direction max) or ``<=`` it (min);
             0 disables early stopping. An accuracy target is a fraction in [0, 1]; any
-            other in [-1e12, 1e12].
+            other in [-1e12, 1e12]. The default 0.9 is for the built-in tasks: a config
+            whose model, data or metric is the user's and that sets no target has none
+            (0; :meth:`RunConfig.from_dict`).
         max_epochs: budget in epochs of training samples (0: no limit), in [0, 1000000].
         max_samples: budget in training samples (0: no limit), in [0, 1e12]; a run stops
             at the first iteration (or push) that reaches it, so it may overshoot by less
@@ -1795,7 +1797,12 @@ class RunConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
         """Build from a nested dict (as parsed from TOML). Unknown keys are errors, and so
-        is nesting deeper than :data:`MAX_NESTING` (:func:`check_nesting`)."""
+        is nesting deeper than :data:`MAX_NESTING` (:func:`check_nesting`).
+
+        ``train.target``'s default 0.9 is an accuracy on the built-in tasks: where the
+        model, the data or the metric is the user's (a factory or an import path) and no
+        ``train.target`` is given, the target is 0 (none: no target is reported or stops
+        the run)."""
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a table, got {type(raw).__name__}")
         check_nesting(raw)
@@ -1824,6 +1831,9 @@ class RunConfig:
                     f"{key} is not a setting; known: runtime, name, "
                     + ", ".join(f"[{s}]" for s in _SECTIONS)
                 )
+        train = raw.get("train", {})
+        if "target" not in train and _users_own_task(top):  # no target nobody set
+            top["train"] = dataclasses.replace(top.get("train", TrainConfig()), target=0.0)
         return cls(**top)
 
     @classmethod
@@ -1949,6 +1959,17 @@ class RunConfig:
     def replace(self, **sections: Any) -> RunConfig:
         """A copy with whole sections or top-level fields replaced (validated again)."""
         return dataclasses.replace(self, **sections)
+
+
+def _users_own_task(sections: dict[str, Any]) -> bool:
+    """Whether the model, the data or the metric of these sections is the user's."""
+    model, data = sections.get("model"), sections.get("data")
+    train = sections.get("train")
+    return bool(
+        (model is not None and model.factory)
+        or (data is not None and data.factory)
+        or (train is not None and train.metric not in METRICS)
+    )
 
 
 MAX_NESTING = 32

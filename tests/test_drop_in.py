@@ -12,6 +12,7 @@ each run costs a few seconds, most of it process set-up.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import gc
 import json
 import os
@@ -38,11 +39,24 @@ from distsgd.data import ShardedSampler, load_dataset
 from distsgd.metrics import load_checked
 from distsgd.models import build_model
 from distsgd.protocols import ComputeGroups, ParameterServer
+from distsgd.runtime.base import TrainingDiverged, check_losses
+from distsgd.torch import server_optimizer
 from distsgd.trainer import Trainer
 from tests.conftest import small_config
 
 JOIN_S = 90.0  # generous: no process may outlive its test, but the machine is shared
 PS_LR = 0.03  # the learners' rate under the parameter server
+# the learners' optimizer under the parameter server: (torch.optim class, its settings),
+# and the [optimizer] section of distsgd train that names the same optimizer
+PS_OPTIMIZERS = {
+    "sgd": ("SGD", {"lr": PS_LR, "momentum": 0.9}, {"lr": PS_LR, "momentum": 0.9}),
+    "adadelta": ("Adadelta", {"lr": 1.0}, {"name": "torch.optim:Adadelta", "lr": 1.0}),
+    "adam": (
+        "Adam",
+        {"lr": 1e-3, "betas": (0.8, 0.99)},
+        {"name": "torch.optim:Adam", "lr": 1e-3, "kwargs": {"betas": [0.8, 0.99]}},
+    ),
+}
 
 
 # ---- the sampler ---------------------------------------------------------------------------
@@ -78,10 +92,17 @@ def test_sampler_epochs_and_state():
         other.load_state_dict(state)
 
 
-def test_sampler_refuses_a_server_rank():
-    server = SimpleNamespace(learner=None, rank=0, role="server")
-    with pytest.raises(ValueError, match="rank 0 is a server rank: it draws no data"):
-        dsgd.Sampler(64, server, batch_size=4)
+def test_a_server_ranks_sampler_yields_nothing():
+    """Loaders built before the model: the server rank's Sampler is empty, so the
+    usual script order runs there and its loop over the loader does nothing."""
+    server = SimpleNamespace(learner=None, rank=0, role="server", num_learners=2, seed=0)
+    data = TensorDataset(torch.randn(64, 3), torch.zeros(64))
+    sampler = dsgd.Sampler(data, server, batch_size=4)
+    sampler.set_epoch(1)
+    assert len(sampler) == 0 and list(sampler) == []
+    assert list(DataLoader(data, batch_size=4, sampler=sampler)) == []
+    learner = SimpleNamespace(learner=1, rank=2, role="learner", num_learners=2, seed=0)
+    assert len(dsgd.Sampler(data, learner, batch_size=4)) == 32
 
 
 def test_init_takes_a_config_and_fits_lambda_to_the_world(tmp_path):
@@ -93,6 +114,149 @@ def test_init_takes_a_config_and_fits_lambda_to_the_world(tmp_path):
         assert ctx.num_learners == 1 and ctx.learner == 0 and ctx.seed == 3  # world of one
     finally:
         ctx.close()
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that records the rate of each of its steps."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rates: list[float] = []
+
+    def step(self, closure=None):
+        self.rates.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("protocol", ["hardsync", "sma"])
+def test_step_lr_on_the_wrapper_sets_each_steps_rate(protocol):
+    """``StepLR(opt)`` takes the wrapper (a torch.optim.Optimizer whose param_groups are
+    the user's optimizer's): each step applies the scheduled rate, and SMA's protocol
+    sees it (its last γ)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ctx = dsgd.init(protocol)
+    try:
+        inner = _RecordingSGD(model.parameters(), lr=0.4)
+        opt = dsgd.DistributedOptimizer(inner, model, ctx)
+        assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups is inner.param_groups
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            scheduler.step()
+        assert inner.rates == [0.4, 0.4, 0.2, 0.2, 0.1]
+        if protocol == "sma":
+            assert opt.state_dict()["rule"]["protocol"]["last_lr"] == 0.1
+    finally:
+        ctx.close()
+
+
+def test_grad_scaler_steps_the_wrapper_as_the_optimizer():
+    """``GradScaler.step(opt)`` takes the wrapper (hardsync, a world of one): the same
+    floats as the scaler on the plain optimizer."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 2), nn.Linear(4, 2)
+    b.load_state_dict(a.state_dict())
+    ctx = dsgd.init("hardsync")
+    try:
+        plain = torch.optim.SGD(a.parameters(), lr=0.1)
+        wrapped = dsgd.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=0.1), b, ctx)
+        scalers = [torch.amp.GradScaler("cpu", init_scale=16.0) for _ in range(2)]
+        initial = _flat(a)
+        for _ in range(3):
+            x = torch.randn(8, 4)
+            for model, opt, scaler in zip((a, b), (plain, wrapped), scalers, strict=True):
+                opt.zero_grad()
+                scaler.scale(model(x).pow(2).mean()).backward()
+                scaler.step(opt)
+                scaler.update()
+        assert torch.equal(_flat(a), _flat(b)) and not torch.equal(_flat(a), initial)
+    finally:
+        ctx.close()
+
+
+def test_evaluation_weights_swap_in_the_central_model_and_back():
+    """SMA: within ``evaluation_weights`` the model is z (``eval_weights``), not the
+    replica; afterwards the replica again."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ctx = dsgd.init("sma", alpha=0.3)
+    try:
+        opt = dsgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, ctx)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+        replica, central = _flat(model), opt.eval_weights()
+        assert not torch.equal(replica, central)
+        with opt.evaluation_weights(model):
+            assert torch.equal(_flat(model), central)
+        assert torch.equal(_flat(model), replica)
+    finally:
+        ctx.close()
+
+
+def test_a_nan_loss_stops_the_wrapper_with_the_trainers_message():
+    """The loss given to ``step`` (or returned by its closure) is checked as the
+    trainer checks it: TrainingDiverged, the CLI's message."""
+    model = nn.Linear(4, 2)
+    ctx = dsgd.init("hardsync")
+    try:
+        opt = dsgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, ctx)
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            return loss
+
+        assert torch.is_tensor(opt.step(closure))  # finite: torch's return value
+        with pytest.raises(TrainingDiverged) as raised:
+            opt.step(torch.tensor(float("inf")))
+        assert str(raised.value) == _cli_message(float("inf"), 2, 0, 0.1)
+        opt.zero_grad()
+        (model(torch.randn(8, 4)).sum() * float("nan")).backward()
+        with pytest.raises(TrainingDiverged, match="^training gradient became nan at step 3"):
+            opt.step()  # no loss given: the gradients are checked
+    finally:
+        ctx.close()
+
+
+def test_the_server_optimizer_is_the_learners_or_a_one_line_refusal():
+    """What the server rank builds from the learners' optimizers (no processes: the
+    gathered descriptions are given): SGD is the protocols' SGD, Adadelta its import
+    path with its settings; parameter groups that differ, learners that differ and an
+    ``init`` setting the optimizer does not have are each refused in one line."""
+    model = nn.Linear(3, 2)
+    cfg = small_config(protocol={"name": "parameter_server", "num_learners": 2})
+
+    def config(*optimizers, explicit=()):
+        built = [None] + [server_optimizer.describe(o) for o in optimizers]
+        return server_optimizer.server_config(cfg, set(explicit), built).optimizer
+
+    sgd = config(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5, nesterov=True))
+    assert (sgd.name, sgd.lr, sgd.momentum, sgd.nesterov) == ("sgd", 0.2, 0.5, True)
+    adadelta = config(torch.optim.Adadelta(model.parameters(), lr=1.0, rho=0.8))
+    assert adadelta.name == "torch.optim:Adadelta" and adadelta.kwargs["rho"] == 0.8
+    with pytest.raises(ConfigError, match=r"^optimizer.momentum = 0.9 is not allowed: the server"):
+        config(torch.optim.Adadelta(model.parameters()), explicit=["momentum"])
+    groups = [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.1}]
+    with pytest.raises(ConfigError, match="param group 1 has weight_decay = 0.1 where group 0"):
+        config(torch.optim.SGD(groups, lr=0.1))
+    with pytest.raises(ConfigError, match="the learners built different optimizers: rank 1"):
+        config(
+            torch.optim.Adam(model.parameters(), lr=1e-3),
+            torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.5, 0.9)),
+        )
+
+
+def _cli_message(loss: float, step: int, learner: int, lr: float) -> str:
+    """The trainer's divergence message (runtime.base.check_losses) for these values."""
+    with pytest.raises(TrainingDiverged) as raised:
+        check_losses([learner], [loss], lr, None, step)
+    return str(raised.value)
 
 
 # ---- bad input: one line, before anything joins --------------------------------------------
@@ -458,16 +622,18 @@ def _scenario_sma(spec: dict, record: dict) -> None:
 
 
 def _scenario_ps(spec: dict, record: dict) -> None:
+    name, kwargs, _ = PS_OPTIMIZERS[spec.get("optimizer", "sgd")]
+    sgd = {"momentum": 0.9} if name == "SGD" else {}  # the server's, stated: it agrees
     if spec["mode"] == "groups":  # Omnivore: one compute group of both learners
         settings = {"num_groups": 1}
-        ctx = dsgd.init("compute_groups", momentum=0.9, timeout_s=spec["timeout_s"], **settings)
+        ctx = dsgd.init("compute_groups", timeout_s=spec["timeout_s"], **settings, **sgd)
     else:
         ctx = dsgd.init(
             "parameter_server",
             mode=spec["mode"],
             staleness_lr="softsync",
-            momentum=0.9,
             timeout_s=spec["timeout_s"],
+            **sgd,
         )
     model = _bn_mlp(spec) if spec.get("bn") else _mlp(spec)
     record["role"] = ctx.role
@@ -477,7 +643,7 @@ def _scenario_ps(spec: dict, record: dict) -> None:
             first = torch.utils.data.Subset(_data(spec), range(BN_SAMPLES))
             bn_data = DataLoader(first, batch_size=16)
         result = ctx.serve(model, out_dir=spec["out_dir"], bn_data=bn_data)
-        record.update(result=result.__dict__, weights=_flat(model))
+        record.update(result=result.__dict__, weights=_flat(model), state=ctx.state_dict())
         ctx.close()
         return
     data = _data(spec)
@@ -485,7 +651,7 @@ def _scenario_ps(spec: dict, record: dict) -> None:
     loader = DataLoader(data, batch_size=16, sampler=sampler)
     # not the config's default 0.05: the server must apply the learner's rate
     opt = dsgd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=PS_LR, momentum=0.9), model, ctx
+        getattr(torch.optim, name)(model.parameters(), **kwargs), model, ctx
     )
     kill_at = spec.get("kill", {}).get(ctx.rank)
     stop_at = spec.get("stop", {}).get(ctx.rank)  # SIGSTOP: stays, its heartbeat stops
@@ -512,7 +678,48 @@ def _scenario_lost_rank(spec: dict, record: dict) -> None:
         record.update(error=type(e).__name__, message=str(e), at=time.monotonic())
 
 
+def _scenario_user_loop(spec: dict, record: dict) -> None:
+    """The loop as a user writes it: loaders first, SGD with StepLR on the wrapper,
+    ``step(loss)``; rank ``nan_at[0]`` turns its loss to NaN at step ``nan_at[1]``."""
+    protocol, settings = spec["protocol"], spec.get("settings", {})
+    ctx = dsgd.init(protocol, timeout_s=spec["timeout_s"], **settings)
+    data = _data(spec)
+    sampler = dsgd.Sampler(data, ctx, batch_size=16)  # on the server too: empty there
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    torch.manual_seed(0)
+    model = _mlp(spec)
+    try:
+        if ctx.is_server:
+            record.update(batches=len(list(loader)))
+            record.update(result=ctx.serve(model).__dict__, weights=_flat(model))
+            return
+        opt = dsgd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, ctx)
+        record.update(initial=_flat(model), draw=torch.rand(4))  # weights shared, seeds not
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        record["rates"], step = [], 0
+        for x, y in loader:
+            step += 1
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            if spec.get("nan_at") == [ctx.rank, step]:
+                loss = loss * float("nan")
+            loss.backward()
+            record["rates"].append(opt.param_groups[0]["lr"])
+            opt.step() if spec.get("no_loss") else opt.step(loss)
+            scheduler.step()
+            if step == spec.get("steps"):
+                break
+        with opt.evaluation_weights(model):
+            record["evaluated"] = _flat(model)
+        record["after"] = _flat(model)
+    except TrainingDiverged as e:
+        record["diverged"] = str(e)
+    finally:
+        ctx.close()
+
+
 SCENARIOS = {
+    "user_loop": _scenario_user_loop,
     "ddp": _scenario_ddp,
     "local_sgd": _scenario_local_sgd,
     "sma": _scenario_sma,
@@ -666,12 +873,17 @@ def test_sma_wrapper_matches_the_trainers_sma(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["async", "softsync"])
-def test_parameter_server_run_completes_and_writes_staleness(tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "optimizer"),
+    [("async", "sgd"), ("softsync", "sgd"), ("async", "adadelta"), ("softsync", "adam")],
+)
+def test_parameter_server_run_completes_and_writes_staleness(tmp_path, mode, optimizer):
+    """1 server, 2 learners, one epoch: the server runs the learners' optimizer (SGD with
+    momentum, Adadelta, Adam), and ends with the weights of ``distsgd train`` naming that
+    optimizer, fed the same push order; its checkpoint holds that optimizer's state."""
     out = tmp_path / "ps"
-    records = _spawn(
-        {"scenario": "ps", "mode": mode, "epochs": 1, "out_dir": str(out)}, 3, tmp_path
-    )
+    spec = {"scenario": "ps", "mode": mode, "epochs": 1, "out_dir": str(out)}
+    records = _spawn({**spec, "optimizer": optimizer}, 3, tmp_path)
     server = records[0]
     assert server["role"] == "server"
     steps = records[1]["steps"]
@@ -686,7 +898,10 @@ def test_parameter_server_run_completes_and_writes_staleness(tmp_path, mode):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_pushes"] == 2 * steps and summary["protocol"] == "parameter_server"
     assert 0 < summary["train_loss"] < 2.5  # the learners' losses arrived (ln 10 ≈ 2.3 at start)
-    replayed = _replay_pushes(result["push_order"], mode)
+    state = server["state"]["server"]["optimizer"][0]
+    expected_state = {"sgd": {"momentum_buffer"}, "adadelta": {"square_avg", "acc_delta"}}
+    assert set(state) >= expected_state.get(optimizer, {"exp_avg", "exp_avg_sq"})
+    replayed = _replay_pushes(result["push_order"], mode, optimizer=optimizer)
     assert not torch.equal(server["weights"], _flat(_mlp({"input_shape": _input_shape()})))
     # the same torch ops on the same floats in one process: only the kernels' threading
     # could differ (one thread in both), so 1e-6 is slack on any CPU
@@ -695,7 +910,9 @@ def test_parameter_server_run_completes_and_writes_staleness(tmp_path, mode):
     # central weights: the trainer's engine computes each gradient functionally
     # (torch.func) where the learner ran the module's backward, float32 rounding over 64
     # pushes stays far below 1e-5 on any CPU's kernels (as the SMA equivalence)
-    trainer = _sim_with_push_order(result["push_order"], mode, tmp_path / "sim")
+    trainer = _sim_with_push_order(
+        result["push_order"], mode, tmp_path / "sim", optimizer=optimizer
+    )
     trained = trainer.protocol.eval_weights()
     torch.testing.assert_close(server["weights"], trained, rtol=0, atol=1e-5)
 
@@ -731,7 +948,11 @@ class _ReplayTrainer(Trainer):
 
 
 def _sim_with_push_order(
-    order: list[tuple[int, int]], mode: str, out: Path, num_samples: int = 1024
+    order: list[tuple[int, int]],
+    mode: str,
+    out: Path,
+    num_samples: int = 1024,
+    optimizer: str = "sgd",
 ) -> Trainer:
     """``distsgd train`` (runtime sim, ``num_samples`` samples: one epoch by default,
     the drop-in's settings and initial weights) run to its end replaying ``order``."""
@@ -743,7 +964,7 @@ def _sim_with_push_order(
             "mode": mode,
             "staleness_lr": "softsync",
         },
-        optimizer={"lr": PS_LR, "momentum": 0.9},
+        optimizer=PS_OPTIMIZERS[optimizer][2],
         train={
             "max_epochs": 0,
             "max_samples": num_samples,
@@ -794,20 +1015,30 @@ def test_compute_group_run_matches_its_replay(tmp_path):
     assert int(bn.num_batches_tracked) == BN_SAMPLES // 16
 
 
-def _replay_pushes(order: list[tuple[int, int]], mode: str, bn: bool = False) -> torch.Tensor:
+def _replay_pushes(
+    order: list[tuple[int, int]], mode: str, bn: bool = False, optimizer: str = "sgd"
+) -> torch.Tensor:
     """The parameter server alone, in this process, fed the recorded pushes in the
     recorded order: learner w's k-th push is the gradient of its k-th minibatch (its
     Sampler's order) at the weights of the version it had pulled."""
     shape = _input_shape()
     model = (_bn_mlp if bn else _mlp)({"input_shape": shape})
     initial = _flat(model)
+    lr = PS_LR
     if mode == "groups":
         proto = ComputeGroups(initial, 2, 1, momentum=0.9)
     else:
         softsync = 2 if mode == "async" else 1
+        name, kwargs, _ = PS_OPTIMIZERS[optimizer]
+        sgd = {"momentum": 0.9} if name == "SGD" else {}
+        make = None
+        if not sgd:
+            settings = {k: v for k, v in kwargs.items() if k != "lr"}
+            make = functools.partial(getattr(torch.optim, name), lr=kwargs["lr"], **settings)
         proto = ParameterServer(
-            initial, 2, softsync=softsync, staleness_lr="softsync", momentum=0.9
+            initial, 2, softsync=softsync, staleness_lr="softsync", make_optimizer=make, **sgd
         )
+        lr = kwargs["lr"]
     data = _data({})
     batches = {
         w: iter(
@@ -830,7 +1061,7 @@ def _replay_pushes(order: list[tuple[int, int]], mode: str, bn: bool = False) ->
             F.cross_entropy(model(x), y).backward()
             grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         grad = grads[0] if len(grads) == 1 else (grads[0] + grads[1]) / 2
-        proto.push(worker, grad, pulled, PS_LR)
+        proto.push(worker, grad, pulled, lr)
         at_version[proto.version] = proto.eval_weights()
     return proto.eval_weights()
 
@@ -928,3 +1159,51 @@ def test_example_under_torchrun(tmp_path, protocol, processes):
     if protocol == "async":
         counts = json.loads((tmp_path / "out" / "staleness.json").read_text())["counts"]
         assert sum(counts.values()) == 2 * (8000 // (2 * 32))  # every push of one epoch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("protocol", "no_loss"), [("hardsync", False), ("sma", True)])
+def test_a_nan_loss_stops_every_synchronous_rank_with_the_cli_message(tmp_path, protocol, no_loss):
+    """Rank 1's loss turns NaN at step 3: both ranks raise TrainingDiverged from that
+    step with the CLI's message naming learner 1 (its gradient where ``step()`` got no
+    loss). Before it, StepLR on the wrapper gave each step its rate; the ranks started
+    from equal weights with unequal dropout draws."""
+    spec = {"scenario": "user_loop", "protocol": protocol, "nan_at": [1, 3], "no_loss": no_loss}
+    records = _spawn(spec, 2, tmp_path)
+    message = _cli_message(float("nan"), 3, 1, 0.05)
+    if no_loss:
+        message = message.replace("training loss", "training gradient")
+    for r in (0, 1):
+        assert records[r]["diverged"] == message, records[r]
+        assert records[r]["rates"] == [0.1, 0.1, 0.05]
+    assert torch.equal(records[0]["initial"], records[1]["initial"])
+    assert not torch.equal(records[0]["draw"], records[1]["draw"])
+
+
+@pytest.mark.slow
+def test_parameter_server_gets_the_scheduled_rates_and_evaluation_weights_are_its(tmp_path):
+    """One server, one learner with StepLR on the wrapper: every push carries the
+    scheduled rate; ``evaluation_weights`` gives the learner the server's final
+    weights; the server built its loader first and drew no batch."""
+    spec = {"scenario": "user_loop", "protocol": "parameter_server", "steps": 7}
+    records = _spawn(spec, 2, tmp_path)
+    server, learner = records[0], records[1]
+    assert server["batches"] == 0
+    scheduled = [0.1 * 0.5 ** (k // 2) for k in range(7)]
+    assert learner["rates"] == pytest.approx(scheduled, rel=1e-12)
+    assert server["result"]["push_rates"] == pytest.approx(scheduled, rel=1e-6)  # float32
+    assert torch.equal(learner["evaluated"], server["weights"])
+    assert torch.equal(learner["after"], learner["evaluated"])  # PS: the model holds them
+
+
+@pytest.mark.slow
+def test_a_nan_loss_stops_the_parameter_server_run_on_every_rank(tmp_path):
+    """Async, 2 learners: learner rank 2's loss turns NaN at its step 5; the server and
+    both learners raise TrainingDiverged with the CLI's message, the rate its push
+    carried being the scheduled one."""
+    spec = {"scenario": "user_loop", "protocol": "parameter_server", "nan_at": [2, 5]}
+    spec["settings"] = {"mode": "async"}
+    records = _spawn(spec, 3, tmp_path)
+    message = _cli_message(float("nan"), 5, 1, 0.025)
+    for r in (0, 1, 2):
+        assert records[r]["diverged"] == message, records[r]

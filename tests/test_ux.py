@@ -86,6 +86,23 @@ def test_bar_postfix_names_the_evaluation_and_the_target():
     assert _bar_postfix(no_target, None, None, -1, "max_seconds") == "stopped: train.max_seconds"
 
 
+def test_a_users_own_task_reports_no_target_nobody_set():
+    """The default target 0.9 is the built-in tasks' accuracy: a user's model, data or
+    metric without ``train.target`` has none (no "→ 0.9 target", no "NOT reached");
+    a target the user gives, and a built-in preset's, stay."""
+    zoo = "tests.user_project.zoo"
+    own = {"model": {"factory": f"{zoo}:tabular_mlp"}, "data": {"factory": f"{zoo}:tabular"}}
+    cfg = RunConfig.from_dict(own)
+    assert cfg.train.target == 0.0 and "target" not in _bar_postfix(cfg, record(), 0.9, -1)
+    assert RunConfig.from_dict({**own, "train": {"target": 0.8}}).train.target == 0.8
+    user_metric = {
+        "train": {"metric": "tests.user_project.zoo:error_rate", "metric_direction": "min"}
+    }
+    assert RunConfig.from_dict(user_metric).train.target == 0.0
+    preset = Path(__file__).resolve().parents[1] / "configs" / "hardsync.toml"
+    assert RunConfig.from_toml(preset).train.target == 0.9 and RunConfig().train.target == 0.9
+
+
 def test_bar_postfix_staleness_for_a_parameter_server_and_the_metric_name():
     ps = small_config(protocol={"name": "parameter_server", "mode": "async", "num_learners": 4})
     assert _bar_postfix(ps, record(), 0.9, -1).endswith(", σ 1.25")

@@ -50,16 +50,23 @@ class TrainingDiverged(RuntimeError):
 
 
 def check_losses(
-    learners: list[int], losses: list[float], lr: float, samples: int, step: int | None = None
+    learners: list[int],
+    losses: list[float],
+    lr: float,
+    samples: int | None,
+    step: int | None = None,
+    what: str = "training loss",
 ) -> None:
     """Raise :class:`TrainingDiverged` naming the first of ``learners`` whose loss is NaN
     or infinite, with the base rate ``lr``, the ``samples`` drawn and the ``step`` (None:
-    not named)."""
+    not named); ``what`` the checked value is (the drop-in checks a gradient where its
+    loop gives no loss)."""
     at = "" if step is None else f" at step {step}"
+    drawn = "" if samples is None else f" (sample {samples})"
     for learner, loss in zip(learners, losses, strict=True):
         if not math.isfinite(loss):
             raise TrainingDiverged(
-                f"training loss became {loss}{at} (sample {samples}) on learner {learner} "
+                f"{what} became {loss}{at}{drawn} on learner {learner} "
                 f"with base learning rate {lr:g}; lower optimizer.lr or add a warm-up "
                 "(schedule.warmup_epochs), or check train.loss and the data"
             )

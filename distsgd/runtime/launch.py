@@ -236,9 +236,19 @@ class Heartbeats:
             return 0.0
         return now - seen[1]
 
-    def post(self, name: str) -> None:
-        """Mark ``name`` as done (for the ranks in :meth:`wait_for`)."""
-        self._store.set(self._prefix + name, "1")
+    def post(self, name: str, value: str = "1") -> None:
+        """Mark ``name`` as done (for the ranks in :meth:`wait_for`), with ``value``."""
+        self._store.set(self._prefix + name, value)
+
+    def posted(self, name: str) -> str | None:
+        """The value :meth:`post`-ed under ``name`` by any rank, None when none was (or
+        the store is gone). One or two store round trips."""
+        try:
+            if self._store.check([self._prefix + name]):
+                return self._store.get(self._prefix + name).decode()
+        except (RuntimeError, dist.DistError):
+            pass
+        return None
 
     def wait_for(self, name: str, rank: int) -> None:
         """Wait until ``rank`` has :meth:`post`-ed ``name``, for as long as it beats.

@@ -25,6 +25,7 @@ from distsgd.layout import PROTOCOLS, build_protocol, protocols_with, spec_for
 from distsgd.metrics import save_checked
 from distsgd.protocols.base import AsynchronousProtocol
 from distsgd.runtime import ps
+from distsgd.runtime.base import TrainingDiverged, check_losses
 from distsgd.runtime.dist import (
     Heartbeats,
     ProcessInfo,
@@ -33,6 +34,7 @@ from distsgd.runtime.dist import (
     process_info,
 )
 from distsgd.runtime.network import prepare_rank
+from distsgd.torch import server_optimizer
 from distsgd.torch.flat import flatten, write_back
 
 __all__ = ["SETTINGS", "Context", "ServeResult", "init", "recalibrate_batchnorm"]
@@ -61,6 +63,9 @@ SETTINGS: dict[str, str] = {
 }
 """``init``'s keyword settings and the config section each belongs to."""
 
+DIVERGED_KEY = "drop-in/diverged"
+"""The run store's key under which the server posts a divergence (its message)."""
+
 
 @dataclass
 class ServeResult:
@@ -71,6 +76,8 @@ class ServeResult:
         num_pushes: pushes applied.
         staleness_counts: ``{σ: gradients applied with staleness σ}`` (Rudra's histogram).
         push_order: ``(worker, pulled version)`` of every applied push, in arrival order.
+        push_rates: the base rate α0 each of those pushes carried (the learner's
+            optimizer's ``lr`` at its step: its schedule's).
         lost_ranks: learner ranks the server lost (asynchronous protocols go on without).
         train_loss: mean over the learners of the loss each passed to its last
             ``step(loss)`` (NaN when none did).
@@ -82,6 +89,7 @@ class ServeResult:
     num_pushes: int
     staleness_counts: dict[int, int]
     push_order: list[tuple[int, int]] = field(default_factory=list)
+    push_rates: list[float] = field(default_factory=list)
     lost_ranks: list[int] = field(default_factory=list)
     train_loss: float = float("nan")
     bn_batches: int = 0
@@ -158,7 +166,8 @@ def init(
         **settings: ``batch_size``, ``mode``, ``softsync``, ``staleness_lr``,
             ``server_optimizer``, ``num_groups``, ``momentum_compensation``, ``alpha``,
             ``central_momentum``, ``average_every`` (as ``protocol.*``); ``momentum``,
-            ``weight_decay``, ``nesterov`` (the server optimizer's); ``timeout_s``;
+            ``weight_decay``, ``nesterov`` (optional: the parameter server runs the
+            learners' optimizer and refuses a value that differs); ``timeout_s``;
             ``seed`` (the Sampler's).
 
     Returns:
@@ -186,7 +195,9 @@ def init(
                 "gloo", rank=info.rank, world_size=info.world_size, timeout=timeout
             )
     check_same_config(cfg)
-    return Context(cfg, info)
+    ctx = Context(cfg, info)
+    ctx.optimizer_settings = server_optimizer.explicit_settings(settings, cfg)
+    return ctx
 
 
 class Context:
@@ -225,6 +236,7 @@ class Context:
             # every rank creates every subgroup, in the same order (c10d)
             self.subgroups = [dist.new_group(r) if len(r) > 1 else None for r in groups]
         self.optimizer: Any = None  # the DistributedOptimizer, once built
+        self.optimizer_settings: set[str] = set()  # optimizer.* the user set (init)
         self.server_state: dict[str, Any] | None = None  # protocol state after serve
         self._closed = False
 
@@ -258,9 +270,10 @@ class Context:
         has left (Rudra's parameter server, docs/protocols.md §2, or Omnivore's groups, §3:
         the same protocol object and c10d transport as ``distsgd train``).
 
-        The protocol (``protocol.mode``/``softsync``/``staleness_lr``/
-        ``server_optimizer`` with ``momentum``/``weight_decay``) starts from ``model``'s
-        parameters, which every learner pulls first, and is restored from
+        The protocol (``protocol.mode``/``softsync``/``staleness_lr``), with the
+        optimizer the learners built (its class and hyperparameters:
+        :mod:`distsgd.torch.server_optimizer`; gathered here through the run's
+        store from the learners' ``DistributedOptimizer``), starts from ``model``'s parameters, which every learner pulls first, and is restored from
         :meth:`load_state_dict` when one was loaded. Each push carries the base rate α0
         of the learner's optimizer at that moment; the server applies the protocol's
         rule to it (α0/n for ``staleness_lr = "softsync"``, and so on). At the end the
@@ -285,23 +298,47 @@ class Context:
             RuntimeError: this rank is not a server rank.
             ValueError: ``bn_data`` holds no batch.
             ps.LearnerLost: a learner was lost under ``mode = "hardsync"``, or all were.
+            ConfigError: the learners' optimizer cannot run on the server (one line
+                naming what differs; the learners raise it too).
+            TrainingDiverged: a learner's loss (or gradient) was NaN or infinite: the
+                server stops the run (the learners raise it at their next step).
         """
         if not self.is_server or self.layout is None:
             raise RuntimeError(f"serve() is for server ranks; rank {self.rank} is a {self.role}")
         layout = self.layout
         params = _parameters(model)
-        protocol = cast(AsynchronousProtocol, build_protocol(self.config, flatten(params)))
+        built = server_optimizer.gather(self, None)  # the learners' optimizer
+        config = server_optimizer.server_config(self.config, self.optimizer_settings, built)
+        protocol = cast(AsynchronousProtocol, build_protocol(config, flatten(params)))
         if self.server_state is not None:
             protocol.load_state_dict(self.server_state)
         order: list[tuple[int, int]] = []
+        rates: list[float] = []
         last_loss: dict[int, float] = {}  # learner index: loss of its last push
+        steps: dict[int, int] = {}  # learner index: its pushes so far
+        diverged: list[str] = []
 
         def on_push(event: ps.PushEvent) -> bool:
             order.append((event.worker, event.pulled_version))
-            # each member sent [its rate, its loss] (DistributedOptimizer.step)
-            members = layout.worker_groups[event.worker]
-            for member, loss in zip(members, event.losses[1::2], strict=True):
-                last_loss[member] = loss
+            rates.append(event.losses[0])
+            # each member sent [its rate, the guard's value, what it is: 0 nothing, 1 its
+            # loss, 2 its gradient's sum] (DistributedOptimizer.step)
+            members = [m - len(layout.server_ranks) for m in layout.worker_groups[event.worker]]
+            values, kinds = event.losses[1::3], event.losses[2::3]
+            for member, value, kind in zip(members, values, kinds, strict=True):
+                steps[member] = steps.get(member, 0) + 1
+                if not kind:
+                    continue
+                if kind == 1:
+                    last_loss[member] = value
+                what = "training loss" if kind == 1 else "training gradient"
+                try:  # the trainer's divergence guard, its message
+                    check_losses([member], [value], event.losses[0], None, steps[member], what)
+                except TrainingDiverged as e:
+                    diverged.append(str(e))
+                    if self.heartbeats is not None:  # the learners raise it too
+                        self.heartbeats.post(DIVERGED_KEY, str(e))
+                    return False
             return True
 
         result = ps.run_server(
@@ -313,6 +350,8 @@ class Context:
             timeout_s=self.config.dist.timeout_s,
             log=self.log,
         )
+        if diverged:
+            raise TrainingDiverged(diverged[0])
         write_back(protocol.eval_weights(), params)
         self.server_state = protocol.state_dict()
         bn_batches = 0
@@ -323,6 +362,7 @@ class Context:
             num_pushes=result.num_pushes,
             staleness_counts=dict(sorted(protocol.staleness_counts.items())),
             push_order=order,
+            push_rates=rates,
             lost_ranks=list(result.lost_ranks),
             train_loss=sum(last_loss.values()) / len(last_loss) if last_loss else float("nan"),
             bn_batches=bn_batches,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -17,15 +19,26 @@ from distsgd.config import ConfigError, OptimizerConfig
 from distsgd.layout import spec_for
 from distsgd.protocols.base import AllReduce, SynchronousProtocol
 from distsgd.runtime import ps
+from distsgd.runtime.base import TrainingDiverged, check_losses
 from distsgd.runtime.dist import all_reduce, collective, device_protocol
-from distsgd.torch.context import Context, _parameters
+from distsgd.torch import server_optimizer
+from distsgd.torch.context import DIVERGED_KEY, Context, _parameters
 from distsgd.torch.flat import flatten, flatten_grads, write_back
 
 __all__ = ["DistributedOptimizer"]
 
+LOSS, GRADIENT = 1, 2  # what the divergence guard checked: the loss given, or the gradient
+WHAT = {LOSS: "training loss", GRADIENT: "training gradient"}
 
-class DistributedOptimizer:
+
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps the user's ``torch.optim`` optimizer so that ``step()`` runs the protocol.
+
+    It is a ``torch.optim.Optimizer`` whose ``param_groups``, ``defaults`` and ``state``
+    are the wrapped optimizer's, so an LR scheduler (``StepLR(opt, …)``) or a
+    ``GradScaler`` takes it as it takes the optimizer: the rate a scheduler sets is the
+    rate of the next step, on every protocol (the server's update under the parameter
+    server: each push carries it).
 
     Rules per ``ctx.protocol`` (docs/protocols.md; W learner ranks, γ the optimizer's current
     ``lr`` of its first param group, P the parameters' total size):
@@ -46,10 +59,27 @@ class DistributedOptimizer:
       z are the trainer's (:class:`_Exchanging`).
     * ``parameter_server`` / ``compute_groups`` (§2, §3): ``step()`` pushes the gradient
       with γ as the base rate α0 to the server (:meth:`Context.serve`), which applies the
-      protocol's rule (staleness, softsync's α0/n, its own momentum) in arrival order,
-      and loads the weights pulled back into the model; the user's optimizer is not
-      stepped (the server's is the update rule). A compute group all-reduces its
-      members' gradients first; its leader talks to the server.
+      protocol's rule (staleness, softsync's α0/n) in arrival order with an optimizer of
+      the user's optimizer's class and hyperparameters over the central weights
+      (:mod:`distsgd.torch.server_optimizer`; construction refuses, on every rank, one
+      it cannot run), and loads the weights pulled back into the model; the user's
+      optimizer is not stepped here. A compute group all-reduces its members' gradients
+      first; its leader talks to the server.
+
+    Divergence: the loss passed to ``step(loss)`` (or returned by its closure) is the
+    trainer's divergence guard's input (:func:`~distsgd.runtime.base.check_losses`, the
+    message of ``distsgd train``): a NaN or infinite loss on any learner raises
+    :class:`~distsgd.runtime.base.TrainingDiverged` from ``step`` on every rank, the same
+    step under hardsync and SMA (the losses ride on that step's all-reduce), at the next
+    averaging under local SGD, and under the parameter server once the server has the
+    push (the server's ``serve`` raises it too). A ``step()`` without a loss checks the
+    sum of the gradients instead (after the all-reduce under hardsync), and the message
+    then names the ``training gradient``.
+
+    Dropout: once the initial weights are shared (below), each learner of a run of
+    several reseeds torch's generators (``torch.manual_seed``) with
+    ``torch.initial_seed() + 7919·(l + 1)``, so ranks draw different dropout masks
+    from equal weights.
 
     Buffers (BatchNorm running statistics): floating-point buffers are averaged over
     the ranks wherever the protocol synchronises (every step for hardsync and SMA, every
@@ -95,8 +125,13 @@ class DistributedOptimizer:
                 f"rank {ctx.rank} is a server rank: call ctx.serve(model) there, not "
                 "DistributedOptimizer"
             )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer is a {type(optimizer).__name__}: expected a torch.optim.Optimizer"
+            )
         self.optimizer = optimizer
         self.ctx = ctx
+        self._steps = 0  # step() calls (the divergence guard names the step)
         self.params = _parameters(model)
         self.buffers = (
             [b for b in model.buffers() if b.is_floating_point()]
@@ -107,11 +142,26 @@ class DistributedOptimizer:
         self.bucket_cap_mb = float(bucket_cap_mb)
         self._rule = _rule_for(self)
         ctx.optimizer = self
+        if ctx.num_learners > 1 and ctx.learner is not None:  # weights shared by now
+            torch.manual_seed(torch.initial_seed() + 7919 * (ctx.learner + 1))
 
-    @property
+    @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's parameter groups (an LR scheduler may change them)."""
         return self.optimizer.param_groups
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's defaults."""
+        return self.optimizer.defaults
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """The wrapped optimizer's per-parameter state."""
+        return self.optimizer.state
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.ctx.protocol}, {self.optimizer!r})"
 
     @property
     def lr(self) -> float:
@@ -131,16 +181,83 @@ class DistributedOptimizer:
         self._rule.zero_grad()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, loss: float | Tensor | None = None) -> None:
+    def step(  # type: ignore[override]
+        self,
+        loss: float | Tensor | Callable[[], Any] | None = None,
+        *,
+        closure: Callable[[], Any] | None = None,
+    ) -> Any:
         """One protocol step with the gradients in ``param.grad`` (see the class).
 
         Args:
-            loss: this step's training loss (optional): sent with the push to the
-                server (``ServeResult.train_loss``); the synchronous protocols ignore it.
+            loss: this step's training loss (optional; a callable is taken as
+                ``closure``): the divergence guard's input, and sent with the push to the
+                server (``ServeResult.train_loss``).
+            closure: torch's optimizer closure: called (with grad enabled) before the
+                step; the loss it returns is this step's loss.
+
+        Returns:
+            The loss (the closure's, or the one given), as ``torch.optim`` returns it.
+
+        Raises:
+            TrainingDiverged: a learner's loss (or, without one, its gradient) is NaN or
+                infinite (see the class).
         """
-        if isinstance(loss, Tensor):
-            loss = loss.detach()
-        self._rule.step(float("nan") if loss is None else float(loss))
+        if callable(loss):
+            closure, loss = loss, None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        given = loss
+        value = None if loss is None else float(loss.detach() if isinstance(loss, Tensor) else loss)
+        self._steps += 1
+        self._rule.step(value)
+        return given
+
+    def guard(self, loss: float | None) -> tuple[float, int]:
+        """The divergence guard's input: ``(loss, LOSS)`` when the loop gave one, else
+        ``(sum of the gradients, GRADIENT)`` (non-finite when any gradient is)."""
+        if loss is not None:
+            return loss, LOSS
+        total = sum((p.grad.sum() for p in self.params if p.grad is not None), torch.zeros(()))
+        return float(total), GRADIENT
+
+    def check_losses(self, flags: Tensor) -> None:
+        """Raise the divergence of the first learner ``flags`` names: ``[3·W]``, learner
+        l's non-finite value at ``3l`` (0 when finite), its step at ``3l + 1`` and what
+        it is (:data:`LOSS`, :data:`GRADIENT`) at ``3l + 2``."""
+        values = flags.tolist()
+        for learner in range(len(values) // 3):
+            value, step, kind = values[3 * learner : 3 * learner + 3]
+            if not math.isfinite(value):
+                check_losses([learner], [value], self.lr, None, int(step), WHAT[int(kind)])
+
+    def loss_flags(self, loss: float | None) -> Tensor:
+        """This learner's part of :meth:`check_losses`' ``[3·W]`` (zeros elsewhere)."""
+        flags = torch.zeros(3 * self.ctx.world_size, dtype=torch.float64)
+        value, kind = self.guard(loss)
+        if not math.isfinite(value):
+            r = self.ctx.rank
+            flags[3 * r : 3 * r + 3] = torch.tensor([value, self._steps, kind])
+        return flags
+
+    @contextlib.contextmanager
+    def evaluation_weights(
+        self, model: nn.Module | Iterable[Tensor] | None = None
+    ) -> Iterator[None]:
+        """Within the block the model holds the protocol's model (:meth:`eval_weights`:
+        the central model z under SMA, the ranks' mean under local SGD, the server's
+        weights last pulled under the parameter server, the shared weights under
+        hardsync); on leaving, its own weights again. Collective under local SGD
+        between averagings (every rank enters it). ``model``: the parameters (default:
+        those the optimizer wraps)."""
+        params = self.params if model is None else _parameters(model)
+        own = flatten(params)
+        write_back(self.eval_weights(), params)
+        try:
+            yield
+        finally:
+            write_back(own, params)
 
     def eval_weights(self) -> Tensor:
         """The model the protocol evaluates, shape ``[P]``: the central model z (SMA),
@@ -193,7 +310,7 @@ class _Rule:
     def __init__(self, owner: DistributedOptimizer) -> None:
         self.o = owner
 
-    def step(self, loss: float) -> None:
+    def step(self, loss: float | None) -> None:
         raise NotImplementedError
 
     def zero_grad(self) -> None:
@@ -222,13 +339,17 @@ class _AllReduce(_Rule):
         super().__init__(owner)
         self.buckets = _GradientBuckets(owner)
 
-    def step(self, loss: float) -> None:
+    def step(self, loss: float | None) -> None:
         o = self.o
         self.buckets.reduce_if_not_reduced()
         self.buckets.reduced = False
         if o.buffers:
             write_back(o.average(flatten(o.buffers)), o.buffers)
+        flags = o.loss_flags(loss)  # the ranks' losses meet while the optimizer steps
+        work = o.collective(dist.all_reduce, flags, op=dist.ReduceOp.SUM, async_op=True)
         o.optimizer.step()
+        o.collective(work.wait)
+        o.check_losses(flags)
 
     def close(self) -> None:
         self.buckets.remove()
@@ -393,9 +514,11 @@ class _Exchanging(_Rule):
     def __init__(self, owner: DistributedOptimizer, protocol: SynchronousProtocol) -> None:
         super().__init__(owner)
         self.protocol = protocol
+        self.pending: Tensor | None = None  # a divergence not yet exchanged (local SGD)
 
-    def step(self, loss: float) -> None:
+    def step(self, loss: float | None) -> None:
         o, proto = self.o, self.protocol
+        flags = self.pending if self.pending is not None else o.loss_flags(loss)
         lr = o.lr
         if proto.begin_iteration(lr):
             write_back(proto.learner_weights(0), o.params)
@@ -406,15 +529,23 @@ class _Exchanging(_Rule):
         direction = moved.div_(lr) if lr > 0 else moved.zero_()
         exchange = proto.exchange_step(direction.unsqueeze(0), lr)
         if exchange is not None:
-            exchange.apply(self._all_reduce(exchange))
+            exchange.apply(self._all_reduce(exchange, flags))
+            o.check_losses(flags)
+        elif flags.any():
+            self.pending = flags
         write_back(proto.learner_weights(0), o.params)
 
-    def _all_reduce(self, exchange: AllReduce) -> Tensor:
+    def _all_reduce(self, exchange: AllReduce, flags: Tensor) -> Tensor:
         """:func:`~distsgd.runtime.dist.all_reduce` of ``exchange`` with the model's
-        floating-point buffers appended and averaged (they are taken here)."""
+        floating-point buffers appended and averaged (they are taken here), and the
+        learners' divergence ``flags`` summed (in place)."""
         o = self.o
-        flat = o.with_buffers(exchange.payload.sum(0))
+        flat = torch.cat(
+            [o.with_buffers(exchange.payload.sum(0)), flags.to(exchange.payload.dtype)]
+        )
         o.collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
+        flags.copy_(flat[-flags.numel() :])
+        flat = flat[: -flags.numel()]
         if exchange.mean:
             flat.div_(exchange.payload.shape[0] * o.ctx.world_size)
         else:
@@ -491,14 +622,28 @@ class _Pusher(_Rule):
         self._pulled = payload
         write_back(payload, self.o.params)
 
-    def step(self, loss: float) -> None:
+    def step(self, loss: float | None) -> None:
         if self._closed:
             if self.stopped:
+                self._raise_divergence()
                 return
             raise RuntimeError("step() after close()")
         o = self.o
-        self._grads.put((flatten_grads(o.params), [o.lr, loss]))
+        value, kind = o.guard(loss)
+        if kind == GRADIENT and math.isfinite(value):
+            value, kind = math.nan, 0  # no loss given, nothing to report
+        floats = [o.lr, value, float(kind)]
+        self._grads.put((flatten_grads(o.params), floats))
         self._take(self._weights.get())
+        if self.stopped:
+            self._raise_divergence()
+
+    def _raise_divergence(self) -> None:
+        """The server stopped the run: raise the divergence it posted, if that is why."""
+        heartbeats = self.o.ctx.heartbeats
+        message = heartbeats.posted(DIVERGED_KEY) if heartbeats is not None else None
+        if message is not None:
+            raise TrainingDiverged(message)
 
     def eval_weights(self) -> Tensor:
         return self._pulled.clone()
@@ -518,6 +663,9 @@ def _rule_for(owner: DistributedOptimizer) -> _Rule:
     gradient buckets where the learners share weights, else the protocol's exchange."""
     ctx = owner.ctx
     if spec_for(ctx.config.protocol).has_server:
+        # every rank agrees on the server's optimizer, or every rank refuses
+        built = server_optimizer.gather(ctx, server_optimizer.describe(owner.optimizer))
+        server_optimizer.server_config(ctx.config, ctx.optimizer_settings, built)
         return _Pusher(owner)
     owner.broadcast_from_rank0()  # every rank's protocol starts from rank 0's weights
     sgd = OptimizerConfig(momentum=0.0, weight_decay=0.0, nesterov=False)

@@ -25,16 +25,18 @@ class Sampler(torch.utils.data.Sampler[int]):
 
     Args:
         data: the data set (anything with ``len``) or its number of samples N.
-        ctx: the :class:`~distsgd.torch.Context` of a learner rank, or None with
-            ``num_learners`` and ``learner`` given.
+        ctx: the :class:`~distsgd.torch.Context` of this rank, or None with
+            ``num_learners`` and ``learner`` given. On a server rank (it draws no data)
+            the sampler yields nothing (``len`` 0), so a script may build its loaders
+            before it asks whether the rank serves.
         batch_size: b, the DataLoader's batch size (the shard is cut in steps of λ·b).
         seed: base seed of the permutations (default: the context's ``seed``, else 0).
         num_learners: λ, without a context.
         learner: l, this learner's index in ``[0, λ)``, without a context.
 
     Raises:
-        ValueError: a server rank's context (it draws no data), a count that is not a
-            positive integer, λ·b > N, or ``learner`` outside ``[0, λ)``.
+        ValueError: a count that is not a positive integer, λ·b > N, or ``learner``
+            outside ``[0, λ)``.
     """
 
     def __init__(
@@ -48,13 +50,10 @@ class Sampler(torch.utils.data.Sampler[int]):
         learner: int | None = None,
     ) -> None:
         n = data if isinstance(data, int) else len(data)
+        self.serves = ctx is not None and ctx.learner is None  # a server rank: no data
         if ctx is not None:
-            if ctx.learner is None:
-                raise ValueError(
-                    f"rank {ctx.rank} is a {ctx.role} rank: it draws no data (build the "
-                    "Sampler on learner ranks only)"
-                )
-            num_learners, learner = ctx.num_learners, ctx.learner
+            num_learners = ctx.num_learners
+            learner = 0 if self.serves else ctx.learner
             seed = ctx.seed if seed is None else seed
         if num_learners is None or learner is None:
             raise ValueError("Sampler needs ctx, or num_learners and learner")
@@ -78,12 +77,17 @@ class Sampler(torch.utils.data.Sampler[int]):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        """Samples of this learner per epoch: ``⌊N/(λ·b)⌋·b``, equal on every learner."""
+        """Samples of this learner per epoch: ``⌊N/(λ·b)⌋·b``, equal on every learner
+        (0 on a server rank)."""
+        if self.serves:
+            return 0
         return self._shards.steps_per_epoch * self._shards.batch_size
 
     def indices(self) -> torch.Tensor:
         """This learner's indices for the current epoch, int64 ``[len(self)]``."""
         s = self._shards
+        if self.serves:
+            return torch.zeros(0, dtype=torch.int64)
         used = s.permutation(self.epoch)[: s.samples_per_epoch]
         return used.view(s.steps_per_epoch, s.num_learners, s.batch_size)[:, self.learner].reshape(
             -1
