@@ -72,6 +72,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -183,8 +184,10 @@ class Heartbeats:
         self._store.set(_timeout_key(self._prefix, rank), repr(float(timeout_s)))
         self._seen: dict[int, tuple[int, float]] = {}  # rank: (count, when it moved)
         self._stop = threading.Event()
+        self._last_ack = time.monotonic()  # when the store last answered a beat
         self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
         self._thread.start()
+        threading.Thread(target=self._watch_store, daemon=True, name="store-watchdog").start()
         # A daemon thread still inside a store call when the interpreter exits aborts the
         # process ("terminate called without an active exception", SIGABRT: its return
         # to Python unwinds through pybind11's noexcept GIL guard): stop it before then.
@@ -204,9 +207,30 @@ class Heartbeats:
             key = _beat_key(self._prefix, self.rank)
             while not self._stop.is_set():
                 store.add(key, 1)
+                self._last_ack = time.monotonic()
                 self._stop.wait(self.interval_s)
-        except (RuntimeError, dist.DistError):  # the store is gone: the run is over
+        except (RuntimeError, dist.DistError):  # the store is gone: the watchdog ends us
             return
+
+    def _watch_store(self) -> None:
+        """End this rank (status 1, one line) once the store has not answered a beat for
+        ``timeout_s``: this host is cut off from the run's master host (a partition, the
+        master host gone), so every peer across the cut is lost too, and a collective
+        across it could wait until the cut heals. ``os._exit``: nothing of the run is
+        left to write on this side of the cut (rank 0 shares the store's host)."""
+        while not self._stop.wait(self.interval_s):
+            silence = time.monotonic() - self._last_ack
+            if silence > self.timeout_s and not self._stop.is_set():
+                host = socket.gethostname()
+                master = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+                print(
+                    f"distsgd[rank {self.rank}]: lost the run's store at {master} from host "
+                    f"{host} (no answer for {silence:.0f} s, dist.timeout_s = "
+                    f"{self.timeout_s:g}); its peers are unreachable: stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
 
     def _count(self, rank: int) -> int:
         return int(self._store.add(_beat_key(self._prefix, rank), 0))
