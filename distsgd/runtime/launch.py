@@ -87,7 +87,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
 from distsgd.runtime.faults import describe_exit
-from distsgd.runtime.rendezvous import rendezvous_store
+from distsgd.runtime.rendezvous import rendezvous_store, secret_tag
 
 __all__ = [
     "ENV_JOBS",
@@ -100,6 +100,7 @@ __all__ = [
     "close_ranks",
     "end_with_parent",
     "exit_worker",
+    "join_namespace",
     "rank_environment",
     "rank_sigterm",
     "start_ranks",
@@ -116,15 +117,22 @@ BEAT_POLL_S = 0.5  # how often it reads heartbeats
 
 # ---- the rank side ------------------------------------------------------------------------
 def namespace(restart: str = "0", run: str | None = None) -> str:
-    """The prefix of a run's keys in the rendezvous store: ``distsgd/<restart>/`` and, for
-    the N-th run of a distsgd rank, ``run<N>/`` below it."""
-    return f"distsgd/{restart}/" + (f"run{run}/" if run else "")
+    """The prefix of a run's keys in the rendezvous store: ``distsgd/<tag><restart>/`` and,
+    for the N-th run of a distsgd rank, ``run<N>/`` below it; ``<tag>`` is the run
+    secret's (:func:`~distsgd.runtime.rendezvous.secret_tag`, "" without one)."""
+    return f"distsgd/{secret_tag()}{restart}/" + (f"run{run}/" if run else "")
 
 
 def store_namespace() -> str:
     """This rank's :func:`namespace`: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 under
     distsgd's launchers) and the run number :data:`ENV_RUN`."""
     return namespace(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get(ENV_RUN))
+
+
+def join_namespace() -> str:
+    """The prefix of the join's keys (:func:`~distsgd.runtime.rendezvous.join_run`):
+    ``distsgd/join/<restart>/``, the same for every secret."""
+    return f"distsgd/join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 class PeerLost(RuntimeError):

@@ -1,17 +1,34 @@
 """The run's rendezvous: a c10d TCPStore hosted by this process that listens on
-``dist.master_addr`` only (torch's own TCPStore listens on every interface)."""
+``dist.master_addr`` only (torch's own TCPStore listens on every interface); the run
+secret and the join every rank of a torchrun run passes before its process group is
+made (:func:`join_run`)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
+import hmac
+import os
+import secrets
 import socket
+import time
 from datetime import timedelta
+from pathlib import Path
 
 from torch.distributed import TCPStore
 
 from distsgd.config import ConfigError
 
-__all__ = ["rendezvous_store"]
+__all__ = [
+    "ENV_SECRET",
+    "ENV_SECRET_FILE",
+    "join_run",
+    "post_refusal",
+    "rendezvous_store",
+    "run_secret",
+    "secret_tag",
+]
 
 
 def rendezvous_store(addr: str, port: int, *, world_size: int, timeout_s: float) -> TCPStore:
@@ -76,3 +93,151 @@ def _listen_socket(addr: str, port: int) -> int:
         ) from None
     sock.set_inheritable(False)
     return sock.detach()
+
+
+# ---- the run secret and the join ----------------------------------------------------------
+ENV_SECRET = "DISTSGD_RUN_SECRET"
+ENV_SECRET_FILE = "DISTSGD_RUN_SECRET_FILE"
+_POLL_S = 0.2  # how often rank 0 looks for the other ranks' proofs
+
+
+def run_secret() -> bytes:
+    """The run secret: ``DISTSGD_RUN_SECRET``'s value, else the contents of the file
+    ``DISTSGD_RUN_SECRET_FILE`` names (surrounding whitespace stripped); ``b""`` when
+    neither is set. Never printed.
+
+    Raises:
+        ConfigError: the file cannot be read or is empty (names the variable and the host,
+            not the contents).
+    """
+    if value := os.environ.get(ENV_SECRET):
+        return value.encode()
+    path = os.environ.get(ENV_SECRET_FILE)
+    if not path:
+        return b""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(
+            f"{ENV_SECRET_FILE} = {path!r} is not allowed on host {socket.gethostname()}: "
+            f"cannot read it ({e.strerror or e}); expected a readable file holding the run "
+            "secret"
+        ) from None
+    if not secret:
+        raise ConfigError(
+            f"{ENV_SECRET_FILE} = {path!r} is not allowed on host {socket.gethostname()}: "
+            "the file is empty; expected the run secret in it"
+        )
+    return secret
+
+
+def secret_tag(secret: bytes | None = None) -> str:
+    """The run's key namespace below ``distsgd/``: ``s<HMAC-SHA256(secret)[:32 hex]>/``, or
+    ``""`` without a secret (``secret`` None: :func:`run_secret`). Keys under it cannot be
+    named without the secret."""
+    secret = run_secret() if secret is None else secret
+    if not secret:
+        return ""
+    return "s" + hmac.new(secret, b"distsgd store namespace", hashlib.sha256).hexdigest()[:32] + "/"
+
+
+def _proof(secret: bytes, nonce: str, rank: int) -> str:
+    return hmac.new(secret, f"distsgd join {nonce} {rank}".encode(), hashlib.sha256).hexdigest()
+
+
+def post_refusal(prefix: str, rank: int, message: str, timeout_s: float) -> None:
+    """Tell rank 0 why this rank does not join (``message``, one line), where the store at
+    ``MASTER_ADDR:MASTER_PORT`` answers within ``min(5, timeout_s)`` seconds; else nothing."""
+    with contextlib.suppress(RuntimeError, ValueError, KeyError, OSError):
+        store = TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=min(5.0, timeout_s)),
+        )
+        store.set(f"{prefix}refused/{rank}", f"{socket.gethostname()} {message}")
+
+
+def join_run(prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """The run's join, before the process group is made: every rank proves the run secret
+    (:func:`run_secret`) to rank 0, which admits the run only when every rank did.
+
+    Rank 0 posts a fresh nonce under ``prefix`` (a namespace every rank can name, secret or
+    not); rank r answers ``HMAC(secret, nonce, r)`` with its host name; rank 0 waits up to
+    ``timeout_s`` seconds for every answer (or a refusal, :func:`post_refusal`) and posts a
+    verdict per rank. The secret itself never crosses the network.
+
+    Raises:
+        ConfigError: one line, on every rank that can be told: a rank with another secret
+            (named with its host), a rank that refused its own settings, a rank that did
+            not join within ``timeout_s`` (a host started late, or one that cannot reach
+            ``MASTER_ADDR``), no answer from rank 0.
+    """
+    secret, host = run_secret(), socket.gethostname()
+    master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store = TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=2 * timeout_s + 5),
+        )
+        if rank == 0:
+            _admit(store, prefix, secret, world_size, timeout_s)
+            return
+        nonce = store.get(f"{prefix}nonce").decode()
+        store.set(f"{prefix}proof/{rank}", f"{host} {_proof(secret, nonce, rank)}")
+        verdict = store.get(f"{prefix}verdict/{rank}").decode()
+    except (RuntimeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(
+            f"dist.timeout_s = {timeout_s:g} was not enough for rank {rank} on host {host} "
+            f"to join: no answer from rank 0 at MASTER_ADDR:MASTER_PORT = {master} within "
+            f"2 × timeout_s + 5 s; start every host's torchrun within timeout_s of each other"
+        ) from None
+    if verdict != "ok":
+        raise ConfigError(verdict)
+
+
+def _admit(store: TCPStore, prefix: str, secret: bytes, world_size: int, timeout_s: float) -> None:
+    """Rank 0's side of :func:`join_run`."""
+    nonce = secrets.token_hex(16)
+    store.set(f"{prefix}nonce", nonce)
+    pending, problems, verdicts = set(range(1, world_size)), [], {}
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        for r in sorted(pending):
+            for kind in ("refused", "proof"):
+                if store.check([f"{prefix}{kind}/{r}"]):
+                    other, text = store.get(f"{prefix}{kind}/{r}").decode().split(" ", 1)
+                    pending.discard(r)
+                    if kind == "refused":
+                        problems.append(f"rank {r} on host {other} refused to start: {text}")
+                    elif not hmac.compare_digest(text, _proof(secret, nonce, r)):
+                        verdicts[r] = (
+                            f"{ENV_SECRET} is not allowed on host {other} (rank {r}): rank 0 "
+                            f"refused its proof of the run secret; expected the secret of "
+                            f"rank 0's host (set {ENV_SECRET} or {ENV_SECRET_FILE} alike on "
+                            "every host)"
+                        )
+                        problems.append(
+                            f"rank {r} on host {other} has another run secret than rank 0 "
+                            f"({ENV_SECRET} / {ENV_SECRET_FILE}); it was refused"
+                        )
+                    break
+        if pending:
+            time.sleep(_POLL_S)
+    if pending:
+        late = ", ".join(map(str, sorted(pending)))
+        problems.append(
+            f"dist.timeout_s = {timeout_s:g} was not enough: rank(s) {late} did not join "
+            f"within it (a host started late, or cannot reach MASTER_ADDR); start every "
+            "host's torchrun within timeout_s of each other"
+        )
+    why = "; ".join(problems)
+    for r in range(1, world_size):
+        verdicts.setdefault(r, f"rank 0 refused the run: {why}" if problems else "ok")
+        store.set(f"{prefix}verdict/{r}", verdicts[r])
+    if problems:
+        raise ConfigError(why)
