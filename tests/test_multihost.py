@@ -197,12 +197,12 @@ TIMEOUT_S = 5.0
 END_SLACK_S = 20.0  # torchrun's agent noticing its rank's end, on a loaded machine
 
 
-def start_long_hardsync(bed, tmp_path):  # noqa: F811
+def start_long_hardsync(bed, tmp_path, env: dict[str, str] | None = None):  # noqa: F811
     """Hardsync over h0 and h1 that would train for minutes; returns once rank 0 has
     written a first evaluation (both hosts are in the run)."""
     cfg = write_config(tmp_path, HARDSYNC, timeout_s=TIMEOUT_S, max_epochs=500)
     out = tmp_path / "run"
-    procs = torchrun(bed, train_cmd(cfg, out))
+    procs = torchrun(bed, train_cmd(cfg, out), env=env)
     end = time.monotonic() + JOIN_S
     metrics = out / "metrics.jsonl"
     while time.monotonic() < end and not (metrics.exists() and metrics.read_text().strip()):
@@ -240,11 +240,28 @@ def test_a_partitioned_host_ends_within_the_timeout(bed, tmp_path):  # noqa: F81
     assert "lost the run's store at h0:29500 from host h1" in outputs[1], outputs[1]
 
 
+FOREIGN_CLIENT = """
+from datetime import timedelta
+from torch.distributed import TCPStore
+s = TCPStore("h0", 29500, is_master=False, timeout=timedelta(seconds=20))
+plain = ["distsgd/0/beat/0", "distsgd/0/beat/1", "distsgd/0/timeout_s/0", "distsgd/0/left/0"]
+print("found", [k for k in plain if s.check([k])])
+s.set("distsgd/0/left/1", "1")  # were it the run's key: "rank 1 left on purpose"
+print("wrote", flush=True)
+"""
+
+
 @pytest.mark.slow
 def test_a_killed_host_is_named_in_lost_ranks(bed, tmp_path):  # noqa: F811
-    """kill -9 of everything on h1 mid-run: h0 ends within timeout_s + 5 s (+ slack),
-    names rank 1, and its summary.json lists rank 1 in lost_ranks."""
-    procs, out = start_long_hardsync(bed, tmp_path)
+    """A run with a run secret on both hosts. A client on h1 without the secret finds
+    none of the run's keys under the names they have without it, and its write there
+    (rank 1 "left on purpose") does not reach the run. Then kill -9 of everything on h1:
+    h0 ends within timeout_s + 5 s (+ slack), names rank 1, and its summary.json lists
+    rank 1 in lost_ranks (which the write, had it reached the run, would have emptied)."""
+    procs, out = start_long_hardsync(bed, tmp_path, {**clean_env(), "DISTSGD_RUN_SECRET": "s3"})
+    probe = bed.run(1, [sys.executable, "-c", FOREIGN_CLIENT], env=clean_env(),
+                    capture_output=True, text=True, timeout=JOIN_S)  # fmt: skip
+    assert "found []" in probe.stdout and "wrote" in probe.stdout, probe
     bed.kill_host(1)
     t0 = time.monotonic()
     ends, outputs = ended_after(procs[:1], t0, TIMEOUT_S + 5 + END_SLACK_S + 5)
@@ -282,4 +299,78 @@ def test_a_rank_refuses_bad_network_settings_in_one_line(bed, tmp_path, variable
                    text=True, timeout=JOIN_S)  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and expected in done.stderr, done.stderr
+    assert not out.exists()
+
+
+STORE_HOST = """
+import sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+s = TCPStore("0.0.0.0", 29500, is_master=True, wait_for_workers=False, multi_tenant=True,
+             timeout=timedelta(seconds=60))
+print("ready", flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def start_store(bed, seconds: float) -> subprocess.Popen:  # noqa: F811
+    """A c10d TCPStore on h0:29500, as torchrun's agent on node 0 hosts it."""
+    store = bed.popen(0, [sys.executable, "-c", STORE_HOST, str(seconds)], env=clean_env(),
+                      stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert store.stdout.readline().strip() == "ready"
+    return store
+
+
+def start_rank(bed, host: int, rank: int, world: int, cmd: list[str], **variables):  # noqa: F811
+    """``cmd`` as torchrun starts rank ``rank`` of ``world`` (one per host) on ``host``."""
+    env = {**clean_env(), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "29500", **variables}  # fmt: skip
+    return bed.popen(host, [sys.executable, *cmd], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The lines of a rank's stderr but its start-up line and c10d's warnings (a bed host
+    has no reverse DNS: ``[W… socket.cpp] The hostname of the client socket …``)."""
+    return [line for line in stderr.splitlines()
+            if not line.startswith(("dist: host", "[W"))]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_join_names_each_rank_it_refuses_and_leaves_none_running(tmp_path):
+    """Four ranks, one per host, each as torchrun starts it: rank 1 with another run
+    secret, rank 2 with an interface its host lacks, rank 3 never started (a late host).
+    Every started rank exits 2 with one line and no traceback: rank 0 names the three
+    (rank and host), rank 1 that its secret was refused, rank 2 its interface; neither
+    secret is printed, nothing is written."""
+    b = make_bed(3)
+    try:
+        store = start_store(b, 120)
+        cfg = write_config(tmp_path, {**HARDSYNC, "num_learners": 4}, timeout_s=8)
+        out = tmp_path / "run"
+        cmd = train_cmd(cfg, out)
+        procs = [
+            start_rank(b, 0, 0, 4, cmd, DISTSGD_RUN_SECRET="secret-of-h0"),
+            start_rank(b, 1, 1, 4, cmd, DISTSGD_RUN_SECRET="secret-of-h1"),
+            start_rank(
+                b, 2, 2, 4, cmd, DISTSGD_RUN_SECRET="secret-of-h0", GLOO_SOCKET_IFNAME="eth9"
+            ),  # fmt: skip
+        ]
+        done = [p.communicate(timeout=JOIN_S) for p in procs]
+        store.kill()
+        store.communicate()
+    finally:
+        b.close()
+    codes = [p.returncode for p in procs]
+    errors = [error_lines(err) for _, err in done]
+    assert codes == [2, 2, 2], done
+    assert all(len(lines) == 1 for lines in errors), errors
+    text = "".join(out + err for out, err in done)
+    assert "Traceback" not in text and "secret-of" not in text, text
+    zero, one, two = (lines[0] for lines in errors)
+    assert "rank 1 on host h1 has another run secret than rank 0" in zero, zero
+    assert "rank 2 on host h2 refused to start: GLOO_SOCKET_IFNAME = 'eth9'" in zero, zero
+    assert "rank(s) 3 did not join" in zero, zero
+    assert "DISTSGD_RUN_SECRET is not allowed on host h1 (rank 1)" in one, one
+    assert "GLOO_SOCKET_IFNAME = 'eth9' is not allowed on host h2" in two, two
     assert not out.exists()
