@@ -21,7 +21,7 @@ import pytest
 
 from distsgd import testbed
 from distsgd.config import ConfigError
-from distsgd.runtime import network
+from distsgd.runtime import launch, network, rendezvous
 from tests.conftest import small_config
 from tests.netbed import ROOT, bed, clean_env, make_bed, torchrun  # noqa: F401 (fixture)
 
@@ -374,3 +374,33 @@ def test_the_join_names_each_rank_it_refuses_and_leaves_none_running(tmp_path):
     assert "DISTSGD_RUN_SECRET is not allowed on host h1 (rank 1)" in one, one
     assert "GLOO_SOCKET_IFNAME = 'eth9' is not allowed on host h2" in two, two
     assert not out.exists()
+
+
+# ---- the run secret, in this process ------------------------------------------------------
+
+
+def test_the_run_secret_comes_from_the_variable_or_the_file(monkeypatch, tmp_path):
+    monkeypatch.delenv(rendezvous.ENV_SECRET, raising=False)
+    monkeypatch.delenv(rendezvous.ENV_SECRET_FILE, raising=False)
+    assert rendezvous.run_secret() == b"" and rendezvous.secret_tag() == ""
+    assert launch.namespace() == "distsgd/0/"
+    path = tmp_path / "secret"
+    path.write_text("from-file\n")
+    monkeypatch.setenv(rendezvous.ENV_SECRET_FILE, str(path))
+    assert rendezvous.run_secret() == b"from-file"
+    tag = rendezvous.secret_tag()
+    assert launch.namespace() == f"distsgd/{tag}0/" and "from-file" not in tag
+    monkeypatch.setenv(rendezvous.ENV_SECRET, "from-variable")  # the variable wins
+    assert rendezvous.run_secret() == b"from-variable" and rendezvous.secret_tag() != tag
+
+
+@pytest.mark.parametrize("contents", [None, ""], ids=["missing", "empty"])
+def test_an_unusable_secret_file_is_refused_in_one_line(monkeypatch, tmp_path, contents):
+    path = tmp_path / "secret"
+    if contents is not None:
+        path.write_text(contents)
+    monkeypatch.delenv(rendezvous.ENV_SECRET, raising=False)
+    monkeypatch.setenv(rendezvous.ENV_SECRET_FILE, str(path))
+    with pytest.raises(ConfigError, match=r"DISTSGD_RUN_SECRET_FILE = .* on host") as e:
+        rendezvous.run_secret()
+    assert "\n" not in str(e.value)
