@@ -173,7 +173,9 @@ class Heartbeats:
     making progress (:meth:`silent_ranks`); a rank waiting for another rank's long solo
     work (rank 0 evaluating) waits as long as that rank beats (:meth:`wait_for`), not
     ``timeout_s``; and the launcher kills a rank silent for longer than its
-    ``timeout_s`` (:class:`RankWatch`).
+    ``timeout_s`` (:class:`RankWatch`). A second daemon thread ends this rank (one line,
+    status 1) once the store has not answered a beat for ``timeout_s``: its host is cut
+    off from the master's, where the store lives (:meth:`_watch_store`).
 
     Keys: ``<namespace>beat/<rank>``, ``…/timeout_s/<rank>`` (this rank's ``timeout_s``,
     for the launcher), ``…/left/<rank>`` (the rank ended its part on purpose), ``…/<name>``
