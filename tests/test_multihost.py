@@ -162,12 +162,12 @@ def test_bed_delays_partitions_and_cleans_up():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("protocol", [HARDSYNC, ASYNC], ids=["hardsync", "async_ps"])
-def test_two_hosts_train_with_no_variable_set(bed, tmp_path, protocol):  # noqa: F811
-    """torchrun --nnodes 2 on h0 and h1, --master-addr h0 (which h0 itself resolves to
-    127.0.1.1), no GLOO_SOCKET_IFNAME: gloo takes eth0 on both hosts, each says so in
-    one line with one thread per rank (one core per host), rank 0 writes the summary."""
-    cfg, out = write_config(tmp_path, protocol), tmp_path / "run"
+def test_two_hosts_train_with_no_variable_set(bed, tmp_path):  # noqa: F811
+    """torchrun --nnodes 2 on h0 and h1 (the async parameter server; hardsync runs in the
+    fault test below), --master-addr h0 (which h0 itself resolves to 127.0.1.1), no
+    GLOO_SOCKET_IFNAME: gloo takes eth0 on both hosts, each says so in one line with one
+    thread per rank (one core per host), rank 0 writes the summary."""
+    cfg, out = write_config(tmp_path, ASYNC), tmp_path / "run"
     procs = torchrun(bed, train_cmd(cfg, out))
     outputs = finish(procs, JOIN_S)
     assert [p.returncode for p in procs] == [0, 0], outputs
@@ -197,10 +197,10 @@ TIMEOUT_S = 5.0
 END_SLACK_S = 20.0  # torchrun's agent noticing its rank's end, on a loaded machine
 
 
-def start_long_hardsync(bed, tmp_path, env: dict[str, str] | None = None):  # noqa: F811
-    """Hardsync over h0 and h1 that would train for minutes; returns once rank 0 has
-    written a first evaluation (both hosts are in the run)."""
-    cfg = write_config(tmp_path, HARDSYNC, timeout_s=TIMEOUT_S, max_epochs=500)
+def start_long_hardsync(bed, tmp_path, protocol: dict, env: dict[str, str]):  # noqa: F811
+    """Hardsync on every host of ``bed`` that would train for minutes; returns once rank 0
+    has written a first evaluation (every host is in the run)."""
+    cfg = write_config(tmp_path, protocol, timeout_s=TIMEOUT_S, max_epochs=500)
     out = tmp_path / "run"
     procs = torchrun(bed, train_cmd(cfg, out), env=env)
     end = time.monotonic() + JOIN_S
@@ -225,52 +225,54 @@ def ended_after(procs, t0: float, bound: float) -> tuple[list[float], list[str]]
     return [e if e is not None else float("inf") for e in ends], outputs
 
 
-@pytest.mark.slow
-def test_a_partitioned_host_ends_within_the_timeout(bed, tmp_path):  # noqa: F811
-    """h1 cut off for good mid-run: the ranks on both sides end within timeout_s + 5 s
-    (+ the agents' slack); h0's rank names rank 1, h1's rank says it lost the store."""
-    procs, _ = start_long_hardsync(bed, tmp_path)
-    bed.partition(1)
-    t0 = time.monotonic()
-    ends, outputs = ended_after(procs, t0, TIMEOUT_S + 5 + END_SLACK_S + 5)
-    print("partition: seconds to end per host", ends)
-    assert ends[0] <= TIMEOUT_S + 5 + END_SLACK_S, outputs[0]
-    assert "rank 1" in outputs[0], outputs[0]
-    assert ends[1] <= TIMEOUT_S + 5 + END_SLACK_S, outputs[1]
-    assert "lost the run's store at h0:29500 from host h1" in outputs[1], outputs[1]
-
-
 FOREIGN_CLIENT = """
 from datetime import timedelta
 from torch.distributed import TCPStore
 s = TCPStore("h0", 29500, is_master=False, timeout=timedelta(seconds=20))
 plain = ["distsgd/0/beat/0", "distsgd/0/beat/1", "distsgd/0/timeout_s/0", "distsgd/0/left/0"]
 print("found", [k for k in plain if s.check([k])])
-s.set("distsgd/0/left/1", "1")  # were it the run's key: "rank 1 left on purpose"
+for rank in (1, 2):  # were they the run's keys: "rank r left on purpose"
+    s.set(f"distsgd/0/left/{rank}", "1")
 print("wrote", flush=True)
 """
 
 
 @pytest.mark.slow
-def test_a_killed_host_is_named_in_lost_ranks(bed, tmp_path):  # noqa: F811
-    """A run with a run secret on both hosts. A client on h1 without the secret finds
-    none of the run's keys under the names they have without it, and its write there
-    (rank 1 "left on purpose") does not reach the run. Then kill -9 of everything on h1:
-    h0 ends within timeout_s + 5 s (+ slack), names rank 1, and its summary.json lists
-    rank 1 in lost_ranks (which the write, had it reached the run, would have emptied)."""
-    procs, out = start_long_hardsync(bed, tmp_path, {**clean_env(), "DISTSGD_RUN_SECRET": "s3"})
-    probe = bed.run(1, [sys.executable, "-c", FOREIGN_CLIENT], env=clean_env(),
-                    capture_output=True, text=True, timeout=JOIN_S)  # fmt: skip
-    assert "found []" in probe.stdout and "wrote" in probe.stdout, probe
-    bed.kill_host(1)
-    t0 = time.monotonic()
-    ends, outputs = ended_after(procs[:1], t0, TIMEOUT_S + 5 + END_SLACK_S + 5)
-    finish(procs[1:], 10)
-    print("host killed: seconds to end on h0", ends)
+def test_a_partitioned_host_and_a_killed_host_end_the_run_within_the_timeout(tmp_path):
+    """Hardsync over h0, h1, h2 with a run secret on every host, no other variable set:
+    each host says its interface (eth0) and threads in one line. A client on h2 without
+    the secret finds none of the run's keys under the names they have without it, and
+    its writes there (ranks 1 and 2 "left on purpose") do not reach the run. Then h1 is
+    cut off for good and everything on h2 is killed (kill -9): h0 and h1 end within
+    timeout_s + 5 s (+ the agents' slack); h1's rank says it lost the store; h0's names
+    ranks 1 and 2, and its summary.json lists them in lost_ranks (which the writes, had
+    they reached the run, would have emptied)."""
+    b = make_bed(3)
+    try:
+        env = {**clean_env(), "DISTSGD_RUN_SECRET": "s3"}
+        procs, out = start_long_hardsync(b, tmp_path, {**HARDSYNC, "num_learners": 3}, env)
+        probe = b.run(2, [sys.executable, "-c", FOREIGN_CLIENT], env=clean_env(),
+                      capture_output=True, text=True, timeout=JOIN_S)  # fmt: skip
+        assert "found []" in probe.stdout and "wrote" in probe.stdout, probe
+        b.partition(1)
+        b.kill_host(2)
+        t0 = time.monotonic()
+        ends, outputs = ended_after(procs[:2], t0, TIMEOUT_S + 5 + END_SLACK_S + 5)
+        finish(procs[2:], 10)
+    finally:
+        b.close()
+    print("partition + host killed: seconds to end on h0, h1", ends)
+    for host, text in enumerate(outputs):
+        assert f"dist: host h{host}, interface eth0 (10.213.0.{host + 1})" in text, text
+    per_core = max(1, len(b.cpus[1]))
+    assert f"{per_core} thread(s) per rank × 1 rank(s)" in outputs[1], outputs[1]
     assert ends[0] <= TIMEOUT_S + 5 + END_SLACK_S, outputs[0]
-    assert "rank 1" in outputs[0], outputs[0]
+    assert "ranks 1, 2 stopped making progress" in outputs[0], outputs[0]
+    assert ends[1] <= TIMEOUT_S + 5 + END_SLACK_S, outputs[1]
+    assert "lost the run's store at h0:29500 from host h1" in outputs[1], outputs[1]
+    assert "s3" not in "".join(outputs)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary.get("lost_ranks") == [1], summary
+    assert summary["status"] == "failed" and summary.get("lost_ranks") == [1, 2], summary
 
 
 # ---- bad input on a host ----------------------------------------------------------------

@@ -147,8 +147,11 @@ def _proof(secret: bytes, nonce: str, rank: int) -> str:
 
 def post_refusal(prefix: str, rank: int, message: str, timeout_s: float) -> None:
     """Tell rank 0 why this rank does not join (``message``, one line), where the store at
-    ``MASTER_ADDR:MASTER_PORT`` answers within ``min(5, timeout_s)`` seconds; else nothing."""
+    ``MASTER_ADDR:MASTER_PORT`` accepts a connection within ``min(2, timeout_s)`` seconds
+    (a plain socket first: c10d's client logs every failed try); else nothing."""
     with contextlib.suppress(RuntimeError, ValueError, KeyError, OSError):
+        addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        socket.create_connection(addr, timeout=min(2.0, timeout_s)).close()
         store = TCPStore(
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
