@@ -277,27 +277,10 @@ def test_a_partitioned_host_and_a_killed_host_end_the_run_within_the_timeout(tmp
 
 # ---- bad input on a host ----------------------------------------------------------------
 
-STORE_HOST = """
-import sys, time
-from datetime import timedelta
-from torch.distributed import TCPStore
-s = TCPStore("0.0.0.0", 29500, is_master=True, wait_for_workers=False, multi_tenant=True,
-             timeout=timedelta(seconds=60))
-print("ready", flush=True)
-time.sleep(float(sys.argv[1]))
-"""
-
-
-def start_store(bed, seconds: float) -> subprocess.Popen:  # noqa: F811
-    """A c10d TCPStore on h0:29500, as torchrun's agent on node 0 hosts it."""
-    store = bed.popen(0, [sys.executable, "-c", STORE_HOST, str(seconds)], env=clean_env(),
-                      stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert store.stdout.readline().strip() == "ready"
-    return store
-
 
 def start_rank(bed, host: int, rank: int, world: int, cmd: list[str], **variables):  # noqa: F811
-    """``cmd`` as torchrun starts rank ``rank`` of ``world`` (one per host) on ``host``."""
+    """``cmd`` as rank ``rank`` of ``world`` (one per host) on ``host``, with torchrun's
+    variables but no agent: rank 0 hosts the run's store on h0:29500."""
     env = {**clean_env(), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "29500", **variables}  # fmt: skip
     return bed.popen(host, [sys.executable, *cmd], env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -313,7 +296,7 @@ def error_lines(stderr: str) -> list[str]:
 
 @pytest.mark.slow
 def test_the_join_names_each_rank_it_refuses_and_leaves_none_running(tmp_path):
-    """Four ranks over three hosts, each as torchrun starts it: rank 1 with another run
+    """Four ranks over three hosts (torchrun's variables, no agent): rank 1 with another run
     secret, rank 2 with an interface its host lacks, rank 3 with a master address no
     route leads to (the bed has no default route), so it never joins, as a host started
     late. Every rank exits 2 with one line and no traceback: rank 0 names the three
@@ -321,7 +304,6 @@ def test_the_join_names_each_rank_it_refuses_and_leaves_none_running(tmp_path):
     the master address; neither secret is printed, nothing is written."""
     b = make_bed(3)
     try:
-        store = start_store(b, 120)
         cfg = write_config(tmp_path, {**HARDSYNC, "num_learners": 4}, timeout_s=8)
         out = tmp_path / "run"
         cmd = train_cmd(cfg, out)
@@ -334,8 +316,6 @@ def test_the_join_names_each_rank_it_refuses_and_leaves_none_running(tmp_path):
             start_rank(b, 1, 3, 4, cmd, DISTSGD_RUN_SECRET="secret-of-h0", MASTER_ADDR="192.0.2.1"),
         ]
         done = [p.communicate(timeout=JOIN_S) for p in procs]
-        store.kill()
-        store.communicate()
     finally:
         b.close()
     codes = [p.returncode for p in procs]

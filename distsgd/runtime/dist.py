@@ -103,7 +103,7 @@ from distsgd.runtime.launch import (
     join_namespace,
     store_namespace,
 )
-from distsgd.runtime.rendezvous import join_run, post_refusal
+from distsgd.runtime.rendezvous import join_run, post_refusal, run_store
 
 __all__ = [
     "ProcessInfo",
@@ -272,7 +272,7 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
             rank=info.rank,
             world_size=info.world_size,
             timeout=timeout,
-            store=process_group_store(timeout),
+            store=process_group_store(info.rank, timeout),
         )
         try:
             check_same_config(cfg)
@@ -284,20 +284,13 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
     return backend
 
 
-def process_group_store(timeout: timedelta) -> dist.PrefixStore:
-    """The process group's view of the run's store at ``MASTER_ADDR:MASTER_PORT``: its
-    keys under ``<namespace>pg/`` (:func:`store_namespace`), apart from the keys of a
-    distsgd rank's earlier runs, of the launcher and torchrun's agents, and, with a run
-    secret, of anyone who cannot name the namespace."""
-    return dist.PrefixStore(
-        store_namespace() + "pg",
-        dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timeout,
-        ),
-    )
+def process_group_store(rank: int, timeout: timedelta) -> dist.PrefixStore:
+    """The process group's view of the run's store at ``MASTER_ADDR:MASTER_PORT``
+    (:func:`~distsgd.runtime.rendezvous.run_store`: hosted by rank 0 where no launcher
+    hosts it): its keys under ``<namespace>pg/`` (:func:`store_namespace`), apart from
+    the keys of a distsgd rank's earlier runs, of the launcher and torchrun's agents, and,
+    with a run secret, of anyone who cannot name the namespace."""
+    return dist.PrefixStore(store_namespace() + "pg", run_store(rank, timeout.total_seconds()))
 
 
 def joins_run() -> bool:

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import hashlib
 import hmac
+import ipaddress
 import os
 import secrets
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 from torch.distributed import TCPStore
 
 from distsgd.config import ConfigError
+from distsgd.runtime.network import interface_address
 
 __all__ = [
     "ENV_SECRET",
@@ -27,6 +29,7 @@ __all__ = [
     "post_refusal",
     "rendezvous_store",
     "run_secret",
+    "run_store",
     "secret_tag",
 ]
 
@@ -145,6 +148,48 @@ def _proof(secret: bytes, nonce: str, rank: int) -> str:
     return hmac.new(secret, f"distsgd join {nonce} {rank}".encode(), hashlib.sha256).hexdigest()
 
 
+_hosted: TCPStore | None = None  # the run's store where rank 0 hosts it
+
+
+def run_store(rank: int, timeout_s: float) -> TCPStore:
+    """A client of the run's store at ``MASTER_ADDR:MASTER_PORT``, whose waits time out
+    after ``timeout_s``. Where no launcher hosts it (``TORCHELASTIC_USE_AGENT_STORE`` is
+    not ``True``, as torchrun and distsgd's launchers set it), rank 0 hosts it, as
+    torch's ``env://`` rendezvous does, but listening on ``MASTER_ADDR`` only
+    (:func:`rendezvous_store`); later calls on rank 0 return that store.
+
+    Raises:
+        ConfigError: rank 0 cannot listen on ``MASTER_ADDR:MASTER_PORT``.
+    """
+    global _hosted
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if _hosted is None:
+            _hosted = rendezvous_store(_bind_address(addr), port, world_size=1, timeout_s=timeout_s)
+        _hosted.set_timeout(timedelta(seconds=timeout_s))
+        return _hosted
+    return TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _bind_address(addr: str) -> str:
+    """Where rank 0 listens for ``MASTER_ADDR`` = ``addr``: ``addr`` itself, unless it
+    resolves to loopback here while ranks run on other hosts (Debian maps the host name to
+    127.0.1.1): then the address of gloo's interface (``GLOO_SOCKET_IFNAME``, which
+    :func:`~distsgd.runtime.network.prepare_rank` set to the one the others reach)."""
+    env = os.environ
+    if int(env.get("WORLD_SIZE", "1")) <= int(
+        env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))
+    ):
+        return addr
+    try:
+        resolved = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError):
+        return addr
+    if not ipaddress.ip_address(resolved.split("%")[0]).is_loopback:
+        return addr
+    return interface_address(env.get("GLOO_SOCKET_IFNAME", "").split(",")[0]) or addr
+
+
 def post_refusal(prefix: str, rank: int, message: str, timeout_s: float) -> None:
     """Tell rank 0 why this rank does not join (``message``, one line), where the store at
     ``MASTER_ADDR:MASTER_PORT`` accepts a connection within ``min(2, timeout_s)`` seconds
@@ -179,24 +224,21 @@ def join_run(prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
     secret, host = run_secret(), socket.gethostname()
     master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
-        store = TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timedelta(seconds=2 * timeout_s + 5),
-        )
+        store = run_store(rank, 2 * timeout_s + 5)
         if rank == 0:
             _admit(store, prefix, secret, world_size, timeout_s)
             return
         nonce = store.get(f"{prefix}nonce").decode()
         store.set(f"{prefix}proof/{rank}", f"{host} {_proof(secret, nonce, rank)}")
         verdict = store.get(f"{prefix}verdict/{rank}").decode()
+        store.set(f"{prefix}read/{rank}", "1")  # rank 0 may close the store now
     except (RuntimeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
+        whom = "the run's store" if rank == 0 else "rank 0"
         raise ConfigError(
             f"dist.timeout_s = {timeout_s:g} was not enough for rank {rank} on host {host} "
-            f"to join: no answer from rank 0 at MASTER_ADDR:MASTER_PORT = {master} within "
+            f"to join: no answer from {whom} at MASTER_ADDR:MASTER_PORT = {master} within "
             f"2 × timeout_s + 5 s; start every host's torchrun within timeout_s of each other"
         ) from None
     if verdict != "ok":
@@ -208,6 +250,7 @@ def _admit(store: TCPStore, prefix: str, secret: bytes, world_size: int, timeout
     nonce = secrets.token_hex(16)
     store.set(f"{prefix}nonce", nonce)
     pending, problems, verdicts = set(range(1, world_size)), [], {}
+    answered = []  # the ranks that wait for their verdict
     deadline = time.monotonic() + timeout_s
     while pending and time.monotonic() < deadline:
         for r in sorted(pending):
@@ -215,6 +258,8 @@ def _admit(store: TCPStore, prefix: str, secret: bytes, world_size: int, timeout
                 if store.check([f"{prefix}{kind}/{r}"]):
                     other, text = store.get(f"{prefix}{kind}/{r}").decode().split(" ", 1)
                     pending.discard(r)
+                    if kind == "proof":
+                        answered.append(r)
                     if kind == "refused":
                         problems.append(f"rank {r} on host {other} refused to start: {text}")
                     elif not hmac.compare_digest(text, _proof(secret, nonce, r)):
@@ -242,5 +287,9 @@ def _admit(store: TCPStore, prefix: str, secret: bytes, world_size: int, timeout
     for r in range(1, world_size):
         verdicts.setdefault(r, f"rank 0 refused the run: {why}" if problems else "ok")
         store.set(f"{prefix}verdict/{r}", verdicts[r])
-    if problems:
+    if problems:  # the store may be this process's: let the others read their verdict
+        keys = [f"{prefix}read/{r}" for r in answered]
+        end = time.monotonic() + min(5.0, timeout_s)
+        while keys and not store.check(keys) and time.monotonic() < end:
+            time.sleep(_POLL_S)
         raise ConfigError(why)

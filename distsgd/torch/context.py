@@ -199,7 +199,7 @@ def init(
                 rank=info.rank,
                 world_size=info.world_size,
                 timeout=timeout,
-                store=process_group_store(timeout),
+                store=process_group_store(info.rank, timeout),
             )
     check_same_config(cfg)
     return Context(cfg, info)
