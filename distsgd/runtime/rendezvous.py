@@ -192,11 +192,20 @@ def _bind_address(addr: str) -> str:
 
 def post_refusal(prefix: str, rank: int, message: str, timeout_s: float) -> None:
     """Tell rank 0 why this rank does not join (``message``, one line), where the store at
-    ``MASTER_ADDR:MASTER_PORT`` accepts a connection within ``min(2, timeout_s)`` seconds
-    (a plain socket first: c10d's client logs every failed try); else nothing."""
+    ``MASTER_ADDR:MASTER_PORT`` accepts a connection within ``timeout_s`` seconds (rank 0
+    may not host it yet); else nothing. A plain socket tries first: c10d's client logs
+    every failed try."""
     with contextlib.suppress(RuntimeError, ValueError, KeyError, OSError):
         addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-        socket.create_connection(addr, timeout=min(2.0, timeout_s)).close()
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                socket.create_connection(addr, timeout=1.0).close()
+                break
+            except OSError:
+                if time.monotonic() > end:
+                    return
+                time.sleep(_POLL_S)
         store = TCPStore(
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
