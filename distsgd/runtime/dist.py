@@ -100,8 +100,10 @@ from distsgd.runtime.launch import (
     PeerLost,
     arm_exit_deadline,
     end_with_parent,
+    join_namespace,
     store_namespace,
 )
+from distsgd.runtime.rendezvous import join_run, post_refusal, run_store
 
 __all__ = [
     "ProcessInfo",
@@ -111,6 +113,9 @@ __all__ = [
     "arm_exit_deadline",
     "check_same_config",
     "process_info",
+    "join",
+    "process_group_store",
+    "refuse_to_join",
     "init_process_group",
     "collective",
     "collective_backend",
@@ -230,7 +235,8 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
 
     Raises:
         ConfigError: ``dist.num_processes`` (or the launcher's world size) differs from
-            what the protocol needs; the ranks' configs differ.
+            what the protocol needs; the ranks' configs differ; the join refused the run
+            (:func:`join`).
     """
     need, why = required_processes(cfg.protocol, cfg.dist)
     if info.world_size != need:
@@ -251,23 +257,15 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
         )
     if not dist.is_initialized():
         end_with_parent(cfg.dist.timeout_s + 5)
+        join(cfg.dist.timeout_s, info)
         timeout = timedelta(seconds=cfg.dist.timeout_s)
         # distsgd's ranks join a fresh process group for each run, its keys apart
-        store = (
-            dist.PrefixStore(
-                store_namespace() + "pg",
-                dist.TCPStore(
-                    os.environ["MASTER_ADDR"],
-                    int(os.environ["MASTER_PORT"]),
-                    is_master=False,
-                    timeout=timeout,
-                ),
-            )
-            if os.environ.get(ENV_RUN)
-            else None
-        )
         dist.init_process_group(
-            backend, rank=info.rank, world_size=info.world_size, timeout=timeout, store=store
+            backend,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+            store=process_group_store(info.rank, timeout),
         )
         try:
             check_same_config(cfg)
@@ -277,6 +275,41 @@ def init_process_group(cfg: RunConfig, info: ProcessInfo) -> str:
             dist.destroy_process_group()
             raise
     return backend
+
+
+def process_group_store(rank: int, timeout: timedelta) -> dist.PrefixStore:
+    """The process group's view of the run's store at ``MASTER_ADDR:MASTER_PORT``
+    (:func:`~distsgd.runtime.rendezvous.run_store`: hosted by rank 0 where no launcher
+    hosts it): its keys under ``<namespace>pg/`` (:func:`store_namespace`), apart from
+    the keys of a distsgd rank's earlier runs, of the launcher and torchrun's agents, and,
+    with a run secret, of anyone who cannot name the namespace."""
+    return dist.PrefixStore(store_namespace() + "pg", run_store(rank, timeout.total_seconds()))
+
+
+def joins_run() -> bool:
+    """Whether this rank passes the join (:func:`join`): ranks started by torchrun or
+    ``distsgd.torch.launch``, not by distsgd's own launcher (:data:`ENV_RUN`; one machine,
+    its store on ``dist.master_addr`` only)."""
+    return not os.environ.get(ENV_RUN)
+
+
+def join(timeout_s: float, info: ProcessInfo) -> None:
+    """The run's join where :func:`joins_run` (the run secret proved to rank 0, every rank
+    on time: :func:`~distsgd.runtime.rendezvous.join_run`).
+
+    Raises:
+        ConfigError: the join refused the run (one line naming the rank and its host).
+    """
+    if joins_run():
+        join_run(join_namespace(), info.rank, info.world_size, timeout_s)
+
+
+def refuse_to_join(message: str, timeout_s: float) -> None:
+    """Tell rank 0 in the join why this rank ends before it (``message``: one line), so
+    that rank 0 names it instead of waiting ``timeout_s`` in vain (best effort)."""
+    info = process_info()
+    if info is not None and joins_run():
+        post_refusal(join_namespace(), info.rank, message, timeout_s)
 
 
 def _collective_error(e: Exception, heartbeats: Heartbeats | None = None) -> PeerLost:

@@ -509,7 +509,12 @@ class _RealProcesses(RuntimeKind):
                 "runtime 'dist' runs inside processes started by distsgd.launch or "
                 "torchrun; use distsgd.train() or the distsgd CLI"
             )
-        network.prepare_rank(cfg.train.num_threads)  # gloo's interface, threads per rank
+        try:
+            network.prepare_rank(cfg.train.num_threads)  # gloo's interface, threads per rank
+        except ConfigError as e:
+            if not str(e).startswith("MASTER_ADDR"):  # the store answers: rank 0 is told
+                rdist.refuse_to_join(str(e), cfg.dist.timeout_s)
+            raise
         rdist.init_process_group(cfg, info)
 
     def build(

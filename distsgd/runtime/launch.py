@@ -72,6 +72,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -86,7 +87,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
 from distsgd.runtime.faults import describe_exit
-from distsgd.runtime.rendezvous import rendezvous_store
+from distsgd.runtime.rendezvous import rendezvous_store, secret_tag
 
 __all__ = [
     "ENV_JOBS",
@@ -99,6 +100,7 @@ __all__ = [
     "close_ranks",
     "end_with_parent",
     "exit_worker",
+    "join_namespace",
     "rank_environment",
     "rank_sigterm",
     "start_ranks",
@@ -115,15 +117,22 @@ BEAT_POLL_S = 0.5  # how often it reads heartbeats
 
 # ---- the rank side ------------------------------------------------------------------------
 def namespace(restart: str = "0", run: str | None = None) -> str:
-    """The prefix of a run's keys in the rendezvous store: ``distsgd/<restart>/`` and, for
-    the N-th run of a distsgd rank, ``run<N>/`` below it."""
-    return f"distsgd/{restart}/" + (f"run{run}/" if run else "")
+    """The prefix of a run's keys in the rendezvous store: ``distsgd/<tag><restart>/`` and,
+    for the N-th run of a distsgd rank, ``run<N>/`` below it; ``<tag>`` is the run
+    secret's (:func:`~distsgd.runtime.rendezvous.secret_tag`, "" without one)."""
+    return f"distsgd/{secret_tag()}{restart}/" + (f"run{run}/" if run else "")
 
 
 def store_namespace() -> str:
     """This rank's :func:`namespace`: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 under
     distsgd's launchers) and the run number :data:`ENV_RUN`."""
     return namespace(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get(ENV_RUN))
+
+
+def join_namespace() -> str:
+    """The prefix of the join's keys (:func:`~distsgd.runtime.rendezvous.join_run`):
+    ``distsgd/join/<restart>/``, the same for every secret."""
+    return f"distsgd/join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 class PeerLost(RuntimeError):
@@ -164,7 +173,9 @@ class Heartbeats:
     making progress (:meth:`silent_ranks`); a rank waiting for another rank's long solo
     work (rank 0 evaluating) waits as long as that rank beats (:meth:`wait_for`), not
     ``timeout_s``; and the launcher kills a rank silent for longer than its
-    ``timeout_s`` (:class:`RankWatch`).
+    ``timeout_s`` (:class:`RankWatch`). A second daemon thread ends this rank (one line,
+    status 1) once the store has not answered a beat for ``timeout_s``: its host is cut
+    off from the master's, where the store lives (:meth:`_watch_store`).
 
     Keys: ``<namespace>beat/<rank>``, ``…/timeout_s/<rank>`` (this rank's ``timeout_s``,
     for the launcher), ``…/left/<rank>`` (the rank ended its part on purpose), ``…/<name>``
@@ -183,8 +194,10 @@ class Heartbeats:
         self._store.set(_timeout_key(self._prefix, rank), repr(float(timeout_s)))
         self._seen: dict[int, tuple[int, float]] = {}  # rank: (count, when it moved)
         self._stop = threading.Event()
+        self._last_ack = time.monotonic()  # when the store last answered a beat
         self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
         self._thread.start()
+        threading.Thread(target=self._watch_store, daemon=True, name="store-watchdog").start()
         # A daemon thread still inside a store call when the interpreter exits aborts the
         # process ("terminate called without an active exception", SIGABRT: its return
         # to Python unwinds through pybind11's noexcept GIL guard): stop it before then.
@@ -204,9 +217,30 @@ class Heartbeats:
             key = _beat_key(self._prefix, self.rank)
             while not self._stop.is_set():
                 store.add(key, 1)
+                self._last_ack = time.monotonic()
                 self._stop.wait(self.interval_s)
-        except (RuntimeError, dist.DistError):  # the store is gone: the run is over
+        except (RuntimeError, dist.DistError):  # the store is gone: the watchdog ends us
             return
+
+    def _watch_store(self) -> None:
+        """End this rank (status 1, one line) once the store has not answered a beat for
+        ``timeout_s``: this host is cut off from the run's master host (a partition, the
+        master host gone), so every peer across the cut is lost too, and a collective
+        across it could wait until the cut heals. ``os._exit``: nothing of the run is
+        left to write on this side of the cut (rank 0 shares the store's host)."""
+        while not self._stop.wait(self.interval_s):
+            silence = time.monotonic() - self._last_ack
+            if silence > self.timeout_s and not self._stop.is_set():
+                host = socket.gethostname()
+                master = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+                print(
+                    f"distsgd[rank {self.rank}]: lost the run's store at {master} from host "
+                    f"{host} (no answer for {silence:.0f} s, dist.timeout_s = "
+                    f"{self.timeout_s:g}); its peers are unreachable: stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
 
     def _count(self, rank: int) -> int:
         return int(self._store.add(_beat_key(self._prefix, rank), 0))

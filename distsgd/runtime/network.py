@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from distsgd.config import ConfigError
 
-__all__ = ["RankNetwork", "host_cores", "prepare_rank", "route_interface"]
+__all__ = ["RankNetwork", "host_cores", "interface_address", "prepare_rank", "route_interface"]
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 _SIOCGIFADDR, _SIOCGIFFLAGS, _IFF_UP = 0x8915, 0x8913, 0x1
@@ -96,6 +96,12 @@ def _ipv6_interfaces() -> dict[str, str]:
                 addr = ipaddress.IPv6Address(int(fields[0], 16)).compressed
                 found[addr] = fields[5]
     return found
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of interface ``name`` (None: no such interface, or none set)."""
+    found = _interface_addresses().get(name)
+    return found[0] if found else None
 
 
 def route_interface(master_addr: str) -> tuple[str, str]:

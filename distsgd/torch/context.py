@@ -31,7 +31,10 @@ from distsgd.runtime.dist import (
     ProcessInfo,
     check_same_config,
     end_with_parent,
+    join,
+    process_group_store,
     process_info,
+    refuse_to_join,
 )
 from distsgd.runtime.network import prepare_rank
 from distsgd.torch import server_optimizer
@@ -190,9 +193,19 @@ def init(
             )
         else:
             end_with_parent(cfg.dist.timeout_s + 5)
-            prepare_rank(None)  # gloo's interface; the user's loop keeps its threads
+            try:
+                prepare_rank(None)  # gloo's interface; the user's loop keeps its threads
+            except ConfigError as e:
+                if not str(e).startswith("MASTER_ADDR"):  # the store answers: tell rank 0
+                    refuse_to_join(str(e), cfg.dist.timeout_s)
+                raise
+            join(cfg.dist.timeout_s, info)
             dist.init_process_group(
-                "gloo", rank=info.rank, world_size=info.world_size, timeout=timeout
+                "gloo",
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=timeout,
+                store=process_group_store(info.rank, timeout),
             )
     check_same_config(cfg)
     ctx = Context(cfg, info)
