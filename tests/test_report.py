@@ -271,7 +271,9 @@ def test_report_header_says_a_tuning_runs_times_include_the_tuning(runs, tmp_pat
     assert "training only" not in only and "runs of `--tune`" in only
 
 
-def test_runs_charged_another_work_per_iteration_are_flagged_as_not_comparable(runs, tmp_path, no_drawing):
+def test_runs_charged_another_work_per_iteration_are_flagged_as_not_comparable(
+    runs, tmp_path, no_drawing
+):
     # the summary records every device figure the simulated seconds depend on (found by
     # fresh-user reviews: seconds_per_iteration, the server's figures and cores were
     # missing, and the note named two figures)
