@@ -79,6 +79,7 @@ def _subset_config(tmp_path: Path, **train):
     return small_config(data={"num_test": 512}, train=t)
 
 
+@pytest.mark.slow
 def test_intermediate_evaluations_score_the_subset_and_the_final_one_the_whole_set(tmp_path):
     s = distsgd.train(_subset_config(tmp_path), out_dir=tmp_path / "r")
     records = read_metrics(tmp_path / "r" / "metrics.jsonl")

@@ -379,6 +379,7 @@ run_rank(lambda: ctypes.PyDLL(None).pause())
 )
 
 
+@pytest.mark.slow
 def test_a_rank_whose_teardown_hangs_holding_the_gil_ends_by_its_deadline():
     """Found by a fresh-user review: after kill -9 of the launcher one rank in four hung
     for good (SIGTERM did nothing): its teardown held the GIL in a gloo destructor, and the
@@ -429,6 +430,7 @@ run_rank(write_summary)
 )
 
 
+@pytest.mark.slow
 def test_a_second_sigterm_does_not_interrupt_a_ranks_summary(tmp_path):
     """Found by a fresh-user review: after kill -9 of the launcher, a rank got SIGTERM
     from the kernel (parent death) and again from its watchdog thread; the second one
@@ -498,6 +500,7 @@ if sys.argv[1] == "close":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["close", "exit"])
 def test_exit_while_the_heartbeat_is_in_a_store_call_is_not_an_abort(how):
     """Bug: a rank that closed its run and returned at once could die of SIGABRT

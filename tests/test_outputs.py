@@ -80,6 +80,7 @@ def _save_killed_at(step: int, obj, path: Path) -> bool:
     return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_a_kill_at_any_step_of_a_checkpoint_write_leaves_a_resumable_pair(
     finished_run, tmp_path, capsys
 ):

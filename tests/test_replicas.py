@@ -426,6 +426,7 @@ def test_autotune_end_to_end_on_the_simulated_cluster(tmp_path, protocol):
     assert log["decisions"][-1]["action"] == "remove"
 
 
+@pytest.mark.slow
 def test_autotune_resume_continues_identically(tmp_path):
     cfg = _auto_config()
     full = distsgd.train(cfg, out_dir=tmp_path / "full")
@@ -537,6 +538,7 @@ def test_simulated_tuner_follows_the_calibrated_curve(tmp_path, monkeypatch):
     assert log["k"] == 2 == _tune(lambda k: _RATIOS[k - 1], max_replicas=4).k
 
 
+@pytest.mark.slow
 def test_autotune_resume_in_the_middle_of_a_measurement(tmp_path):
     """Interrupted while the tuner is still measuring (checkpoint: not done, an interval
     half counted), the resumed run takes the same decisions and ends with the same

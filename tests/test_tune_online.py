@@ -89,6 +89,7 @@ def test_steady_state_rule_uses_only_measurements_up_to_its_decision_point():
     assert seen_due == {True, False}  # the stream exercises both outcomes
 
 
+@pytest.mark.slow
 def test_winning_probe_continues_bit_identically_and_report_reads_the_run(tmp_path):
     cfg = tiny_config()
     run = tmp_path / "run"
@@ -164,6 +165,7 @@ def test_winning_probe_continues_bit_identically_and_report_reads_the_run(tmp_pa
     assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
 
 
+@pytest.mark.slow
 def test_resume_of_a_run_killed_mid_probe_gives_the_same_decisions(tmp_path, monkeypatch):
     cfg = tiny_config()
     whole = tmp_path / "whole"
@@ -390,6 +392,7 @@ def test_probes_leave_a_run_limited_by_epochs_most_of_its_samples(tmp_path):
     assert s["samples"] == limit and len(read_metrics(run / "metrics.jsonl")) > 1
 
 
+@pytest.mark.slow
 def test_a_second_rung_equals_a_full_length_probe_and_first_rung_1_has_none(tmp_path):
     # probe_seconds fixed by the budget: the same probe length with and without halving
     cfg = tiny_config(max_virtual_seconds=2.0)
@@ -432,6 +435,7 @@ def test_a_second_rung_equals_a_full_length_probe_and_first_rung_1_has_none(tmp_
         assert m["score"] == pytest.approx(want["score"], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_the_next_larger_lr_than_the_best_gets_a_second_rung_chance(tmp_path, monkeypatch):
     """Short probes prefer smaller η: when a smaller η leads g = 1's first rung, the next
     larger one that did not diverge continues to the second rung too (issue 18: η 0.1's
@@ -468,6 +472,7 @@ def test_the_next_larger_lr_than_the_best_gets_a_second_rung_chance(tmp_path, mo
     assert "η=0.1 " in got[1]["decision"] and "short-horizon bias" in got[1]["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("joint_holds", [False, True], ids=["grid wins", "joint wins"])
 def test_a_joint_probe_that_leads_is_confirmed_at_twice_the_length(
     tmp_path, monkeypatch, joint_holds
@@ -616,6 +621,7 @@ def _exploding(monkeypatch, lrs):
     monkeypatch.setattr(ProbeChains, "_run_probe", exploding)
 
 
+@pytest.mark.slow
 def test_a_probe_whose_loss_blows_up_without_nan_diverged(tmp_path, monkeypatch, capsys):
     """A user's review: η = 10 scored 1.6e26 and counted as stable (only NaN did), so a
     cold start of η in {10, 5} chose η = 5, and a blown-up η set the steady state's rate
@@ -639,6 +645,7 @@ def test_a_probe_whose_loss_blows_up_without_nan_diverged(tmp_path, monkeypatch,
     assert "every cold-start probe diverged" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_check_epochs_sets_where_and_over_what_span_the_run_checks(tmp_path):
     # half-epoch checks (512 samples): the run re-optimises at the first multiple of 512
     # where the training loss fell by less than 10% over the last 512 samples; with
@@ -720,6 +727,7 @@ def test_steady_grid_on_hardsync_probes_one_momentum_per_effective_rate():
     assert len(steady_grid(0.1, 0.9, momenta, 1.0)) == 4
 
 
+@pytest.mark.slow
 def test_a_steady_state_round_that_promotes_one_continues_its_best_first_rung(tmp_path):
     # tune.steady_promote = 1 (default): no steady2 probe, the best first rung continues as
     # the run; = 2: the two best first rungs continue to the full length, as the cold start
@@ -881,6 +889,7 @@ def test_a_winner_a_decade_below_the_highest_stable_rate_trains_without_rounds(
     assert "a decade or more below" in steady[0]["reason"]
 
 
+@pytest.mark.slow
 def test_steady_rounds_0_trains_the_cold_start_winner_to_the_end(tmp_path):
     cfg = tiny_config()
     cfg = cfg.replace(tune=dataclasses.replace(cfg.tune, steady_rounds=0))
@@ -958,6 +967,7 @@ def _strip_segment_names(decs):
     return out
 
 
+@pytest.mark.slow
 def test_one_launch_stops_and_decides_as_the_per_epoch_segments_did(tmp_path, monkeypatch):
     # 6 epochs, evaluations every 300 samples (not at the epochs' ends): the rule is due at
     # the end of epoch 2; the round steps the rate a decade down to the highest stable
@@ -1009,6 +1019,7 @@ def test_one_launch_stops_and_decides_as_the_per_epoch_segments_did(tmp_path, mo
             assert all(r["samples"] <= now for r in check["used"])
 
 
+@pytest.mark.slow
 def test_resume_of_a_run_killed_mid_segment_gives_the_same_decisions(tmp_path, monkeypatch):
     # killed in the first segment's second epoch, after its check at the end of epoch 1
     cfg = tiny_config()

@@ -217,6 +217,7 @@ def test_refinement_bisects_around_the_soonest_step_while_the_budget_lasts():
     assert [e for e, _ in runs.calls] == [7, 5, 3, 6] and c.point["eval"] == 5
 
 
+@pytest.mark.slow
 def test_tune_steps_where_its_runs_from_the_snapshots_reached_the_target_soonest(tmp_path):
     """End to end on the simulator (deterministic clock): the step runs start from the
     long run's evaluation snapshots, are cut at their horizons, and the plan steps at the

@@ -393,6 +393,7 @@ def test_unknown_runtime_and_bad_budget_are_one_line_exit_2(tmp_path, capsys):
     assert "--budget 'ten minutes'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tune_end_to_end_writes_a_plan_that_train_accepts(tmp_path, capsys):
     base = small_config(
         protocol={"num_learners": 2, "batch_size": 16},

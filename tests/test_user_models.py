@@ -289,6 +289,7 @@ def test_user_model_on_real_processes_matches_the_simulator(tmp_path, user, prot
     )
 
 
+@pytest.mark.slow
 def test_tune_plans_a_user_model_and_the_plan_trains(tmp_path):
     base = user_config(
         TABULAR,
