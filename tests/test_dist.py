@@ -440,7 +440,7 @@ def test_allreduce_network_apart_from_the_messages():
     -1 keeps the messages' values; a bad value is one line naming the setting."""
     from distsgd.config import ConfigError, RunConfig
     from distsgd.runtime import cluster_model as cm
-    from distsgd.tuner.session import cluster_model
+    from distsgd.tuner.setup import cluster_model
 
     base = {"seconds_per_sample": 1e-4, "seconds_per_batch": 1e-3, "latency_s": 1e-4}
     cfg = RunConfig.from_dict({"cluster": {**base, "bandwidth_gbps": 10.0}})
@@ -462,7 +462,7 @@ def test_simulated_hardsync_charges_the_allreduce_network(tmp_path):
     runs differ by exactly the iterations times the two all-reduce costs' difference."""
     import distsgd
     from distsgd.runtime import cluster_model as cm
-    from distsgd.tuner.session import cluster_model
+    from distsgd.tuner.setup import cluster_model
 
     from .conftest import small_config
 

@@ -15,7 +15,7 @@ from distsgd.engine import build_engine, config_for_data
 from distsgd.runtime import dist as rdist
 from distsgd.runtime import factory, profiles
 from distsgd.tuner import perf_model as pm
-from distsgd.tuner.session import cluster_model
+from distsgd.tuner.setup import cluster_model
 from tests.conftest import simulate_ticks, small_config
 
 CALIBRATE = {"seconds_per_sample": -1, "seconds_per_batch": -1, "jitter": 0.0}
