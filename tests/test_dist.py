@@ -40,6 +40,7 @@ LOCAL_SGD = {
     "average_every": 3,
     "batch_size": 16,
 }
+DILOCO = {**LOCAL_SGD, "name": "diloco"}
 GROUPS_G1 = {"name": "compute_groups", "num_learners": 2, "num_groups": 1, "batch_size": 16}
 ASYNC = {"name": "parameter_server", "num_learners": 2, "mode": "async", "batch_size": 16}
 SOFTSYNC = {
@@ -134,8 +135,12 @@ def test_hardsync_matches_the_simulator(hardsync_run):
 
 @pytest.mark.parametrize(
     ("protocol", "keys", "tol"),
-    [(SMA, ["replicas", "central"], 0.0), (LOCAL_SGD, ["replicas"], 1e-6)],
-    ids=["sma", "local_sgd"],
+    [
+        (SMA, ["replicas", "central"], 0.0),
+        (LOCAL_SGD, ["replicas"], 1e-6),
+        (DILOCO, ["replicas", "outer"], 1e-6),
+    ],
+    ids=["sma", "local_sgd", "diloco"],
 )
 def test_replica_protocols_match_the_simulator(tmp_path, protocol, keys, tol):
     """2 device ranks × k = 2 replicas vs the simulator, same seed, 32 iterations.
@@ -144,6 +149,7 @@ def test_replica_protocols_match_the_simulator(tmp_path, protocol, keys, tol):
     device's, and the all-reduce adds two per-device sums, which is order-independent.
     Local SGD: 1e-6 absolute, the simulator averages with torch.mean over 4 replicas, the
     runtime all-reduces two sums of 2 and divides (last-bit rounding; 3e-8 was seen).
+    DiLoCo: the same, for the mean pseudo-gradient applied by outer Nesterov SGD.
     """
     train(config(protocol, "sim"), out_dir=tmp_path / "sim")
     train(config(protocol, "dist"), overrides=["dist.num_processes=2"], out_dir=tmp_path / "dist")

@@ -41,7 +41,10 @@ class DistributedOptimizer:
       local SGD averages the parameters over the ranks every H = ``average_every`` steps;
       SMA takes ``c = α (w − z)`` from the weights before the step, ``w ← w − c``,
       ``z ← z + Σ_ranks c + μ_z (z − z_prev)``, and when γ drops resets the model to z
-      and clears the optimizer's state. The user's step is fed to the protocol as the
+      and clears the optimizer's state. ``diloco`` (§6) is local SGD whose mean
+      pseudo-gradient θ − w over the ranks, every H steps, is applied to θ by the outer
+      optimizer of ``protocol.outer_*``; the model then takes θ (the user's optimizer is
+      the inner one). The user's step is fed to the protocol as the
       gradient ``(w_before − w_after)/γ`` at rate γ of its plain SGD, so its replica and
       z are the trainer's (:class:`_Exchanging`).
     * ``parameter_server`` / ``compute_groups`` (§2, §3): ``step()`` pushes the gradient
