@@ -72,6 +72,8 @@ METRICS = {"accuracy": "max", "loss": "min", "perplexity": "min"}  # objectives.
 MODELS = ("mlp", "cnn", "lenet", "resnet20")
 PS_MODES = ("softsync", "async", "hardsync")
 AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.replicas.RULES
+COMPRESSIONS = ("none", "bf16", "fp16")
+"""The values of ``protocol.compression`` (:mod:`distsgd.runtime.compression`)."""
 SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
@@ -277,6 +279,13 @@ class ProtocolConfig:
             schedule scales the inner rate only.
         outer_momentum: DiLoCo's outer SGD momentum μ_out, in [0, 1) (paper: 0.9).
         outer_nesterov: Nesterov outer momentum (paper: true); needs ``outer_momentum`` > 0.
+        compression: the number format of what the learners send: ``"none"`` (float32,
+            the default), ``"bf16"`` or ``"fp16"`` (2 bytes a value): hardsync's gradients
+            (DDP's compress hooks on ``dist``), SMA's corrections, local SGD's and
+            DiLoCo's averages, and on the simulated cluster the parameter server's pushes
+            and pulls (``dist`` and the drop-in send them in float32: refused there).
+            Weights, optimizer and server state stay float32
+            (:mod:`distsgd.runtime.compression`).
     """
 
     name: str = "hardsync"
@@ -300,6 +309,7 @@ class ProtocolConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         check_choice("protocol.name", self.name, PROTOCOLS)
@@ -341,6 +351,7 @@ class ProtocolConfig:
         if self.central_momentum >= 1.0:
             fail("protocol.central_momentum", self.central_momentum, "a number in [0, 1)")
         check_int("protocol.average_every", self.average_every, 1, 1_000_000)
+        check_choice("protocol.compression", self.compression, COMPRESSIONS)
         self._check_outer()
         spec_for(self.name).validate(self)  # λ-dependent rules of the protocol
 
@@ -1757,6 +1768,14 @@ class RunConfig:
         if self.runtime == "dist" and self.dist.num_processes:
             self.protocol, self.layout_changes = fit_layout(
                 self.protocol, self.dist, self.dist.num_processes
+            )
+        served = spec_for(self.protocol).has_server
+        if self.runtime == "dist" and served and self.protocol.compression != "none":
+            fail(
+                "protocol.compression",
+                self.protocol.compression,
+                "'none' for a parameter server on runtime 'dist' (its pushes and pulls "
+                "travel in float32 there; the simulated cluster rounds them)",
             )
         sf = self.cluster.speed_factors
         if sf and self.protocol.auto_replicas:

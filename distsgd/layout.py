@@ -94,7 +94,9 @@ class ProtocolSpec:
     name: ClassVar[str]
     replicated: ClassVar[bool] = False
     has_server: ClassVar[bool] = False
-    reads: ClassVar[frozenset[str]] = frozenset({"name", "num_learners", "batch_size"})
+    reads: ClassVar[frozenset[str]] = frozenset(
+        {"name", "num_learners", "batch_size", "compression"}
+    )
 
     def settings(self, p: ProtocolConfig) -> frozenset[str]:
         """The ``protocol.*`` settings (names without the section) that a run of ``p``

@@ -492,6 +492,7 @@ class _Simulated(RuntimeKind):
             replicas_per_device=p.initial_replicas_per_device if spec.replicated else 1,
             seed=cfg.train.seed,
             bn_recalibration_samples=cfg.train.bn_recalibration_samples,
+            compression=p.compression,
         )
 
 

@@ -55,6 +55,7 @@ SETTINGS: dict[str, str] = {
             "outer_lr",
             "outer_momentum",
             "outer_nesterov",
+            "compression",
         )
     },
     "momentum": "optimizer",
@@ -172,7 +173,8 @@ def init(
         **settings: ``batch_size``, ``mode``, ``softsync``, ``staleness_lr``,
             ``server_optimizer``, ``num_groups``, ``momentum_compensation``, ``alpha``,
             ``central_momentum``, ``average_every``, ``outer_optimizer``, ``outer_lr``,
-            ``outer_momentum``, ``outer_nesterov`` (as ``protocol.*``); ``momentum``,
+            ``outer_momentum``, ``outer_nesterov``, ``compression`` (as ``protocol.*``);
+            ``momentum``,
             ``weight_decay``, ``nesterov`` (the server optimizer's); ``timeout_s``;
             ``seed`` (the Sampler's).
 

@@ -17,6 +17,7 @@ from distsgd.config import ConfigError, OptimizerConfig
 from distsgd.layout import spec_for
 from distsgd.protocols.base import AllReduce, SynchronousProtocol
 from distsgd.runtime import ps
+from distsgd.runtime.compression import wire_dtype
 from distsgd.runtime.dist import all_reduce, collective, device_protocol
 from distsgd.torch.context import Context, _parameters
 from distsgd.torch.flat import flatten, flatten_grads, write_back
@@ -53,6 +54,11 @@ class DistributedOptimizer:
       and loads the weights pulled back into the model; the user's optimizer is not
       stepped (the server's is the update rule). A compute group all-reduces its
       members' gradients first; its leader talks to the server.
+
+    Compression (``protocol.compression = "bf16"`` or ``"fp16"``): hardsync's buckets and
+    the exchanges of local SGD, DiLoCo and SMA (buffers included) are all-reduced in that
+    format, scaled before the cast (:mod:`distsgd.runtime.compression`); the parameters
+    and the optimizer's state stay float32. Refused with a parameter server.
 
     Buffers (BatchNorm running statistics): floating-point buffers are averaged over
     the ranks wherever the protocol synchronises (every step for hardsync and SMA, every
@@ -297,6 +303,10 @@ class _GradientBuckets:
         self.num_passes = 0  # backward passes reduced since construction
         self.passes = [0] * k  # per parameter: the last pass that gave it a gradient
         self.works: list[Any] = []  # this pass's launched all-reduces, bucket order
+        self.sent: list[Tensor] = []  # what each launched all-reduce reduces (a bucket,
+        # or its cast to the wire format)
+        compression = owner.ctx.config.protocol.compression
+        self.wire = wire_dtype(compression) if compression != "none" else None
         self.missing = [len(b) for b in self.buckets]  # per bucket: gradients not in yet
         self.in_backward = False  # a backward pass is putting gradients in (end queued)
         self.reduced = False  # the .grad are the ranks' mean (cleared by step)
@@ -331,8 +341,12 @@ class _GradientBuckets:
             self._launch(len(works))
 
     def _launch(self, i: int) -> None:
+        flat = self.flats[i]
+        if self.wire is not None and flat.dtype != self.wire:  # compressed: a cast copy
+            flat = self.flats[i].to(self.wire)
+        self.sent.append(flat)
         self.works.append(
-            self.o.collective(dist.all_reduce, self.flats[i], op=dist.ReduceOp.SUM, async_op=True)
+            self.o.collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM, async_op=True)
         )
 
     def _end_of_backward(self) -> None:
@@ -344,9 +358,12 @@ class _GradientBuckets:
                     self._take(p, view)
                 k += 1
             self._launch(i)
-        for work in self.works:
+        for i, work in enumerate(self.works):
             self.o.collective(work.wait)
+            if self.sent[i] is not self.flats[i]:
+                self.flats[i].copy_(self.sent[i])
         self.works = []
+        self.sent = []
         self.missing = [len(b) for b in self.buckets]
         self.in_backward = False
         self.reduced = True
@@ -417,6 +434,16 @@ class _Exchanging(_Rule):
         floating-point buffers appended and averaged (they are taken here)."""
         o = self.o
         flat = o.with_buffers(exchange.payload.sum(0))
+        compression = o.ctx.config.protocol.compression
+        if compression != "none":  # scaled before the cast, as DDP's compress hooks do
+            p, world = o.num_parameters, o.ctx.world_size
+            flat[:p].div_(exchange.payload.shape[0] * world if exchange.mean else 1)
+            flat[p:].div_(world)
+            wire = flat.to(wire_dtype(compression))
+            o.collective(dist.all_reduce, wire, op=dist.ReduceOp.SUM)
+            flat.copy_(wire)
+            o.take_buffers(flat)
+            return flat[:p]
         o.collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
         if exchange.mean:
             flat.div_(exchange.payload.shape[0] * o.ctx.world_size)
@@ -521,6 +548,12 @@ def _rule_for(owner: DistributedOptimizer) -> _Rule:
     gradient buckets where the learners share weights, else the protocol's exchange."""
     ctx = owner.ctx
     if spec_for(ctx.config.protocol).has_server:
+        if ctx.config.protocol.compression != "none":
+            raise ConfigError(
+                f"protocol.compression = {ctx.config.protocol.compression!r} is not allowed "
+                "with a parameter server in the drop-in: expected 'none' (pushes and pulls "
+                "travel in float32)"
+            )
         return _Pusher(owner)
     owner.broadcast_from_rank0()  # every rank's protocol starts from rank 0's weights
     sgd = OptimizerConfig(momentum=0.0, weight_decay=0.0, nesterov=False)
