@@ -149,7 +149,7 @@ class Runtime(abc.ABC):
             RuntimeError: the protocol holds no replicas.
         """
         raise RuntimeError(
-            "replicas per device can change only for protocols 'sma' and 'local_sgd'"
+            "replicas per device can change only for protocols 'sma', 'local_sgd' and 'diloco'"
         )
 
     # ---- decisions every rank takes together (identity in one process) -----------------

@@ -623,7 +623,7 @@ class SyncDistRuntime(_DistBase):
         """
         if not self.replicated:
             raise RuntimeError(
-                "replicas per device can change only for protocols 'sma' and 'local_sgd'"
+                "replicas per device can change only for protocols 'sma', 'local_sgd' and 'diloco'"
             )
         if not isinstance(replicas_per_device, int) or replicas_per_device < 1:
             raise ValueError(
