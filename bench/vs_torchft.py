@@ -17,7 +17,7 @@ copies are evaluated on the whole test set. Reported per run: samples and wall s
 the seeds and distsgd's ratios to torchft's. torchft is a bench-only dependency
 (``pip install --no-deps torchft==0.2.0`` plus its opentelemetry requirements).
 
-    flock /tmp/distsgd-bench.lock python bench/vs_torchft.py --seeds 3 \\
+    flock /tmp/distsgd-bench.lock python bench/vs_torchft.py --seeds 3 --lr 0.05 --momentum 0 \\
         --out bench/results/vs_torchft.json
 """
 
@@ -231,11 +231,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=936, help="steps per process (936: 1 epoch)")
     ap.add_argument("--batch", type=int, default=32, help="samples per process per step")
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--momentum", type=float, default=0.0)
     ap.add_argument("--sync-every", type=int, default=8, help="H, inner steps per outer step")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
-    ap.add_argument("--target", type=float, default=0.82)
+    ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--out", default=None, help="JSON file of every run")
     opts = ap.parse_args()
     torch.set_num_threads(1)
