@@ -78,6 +78,8 @@ METRICS = {"accuracy": "max", "loss": "min", "perplexity": "min"}  # objectives.
 MODELS = ("mlp", "cnn", "lenet", "resnet20")
 PS_MODES = ("softsync", "async", "hardsync")
 AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.replicas.RULES
+COMPRESSIONS = ("none", "bf16", "fp16")
+"""The values of ``protocol.compression`` (:mod:`distsgd.runtime.compression`)."""
 SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
@@ -272,7 +274,24 @@ class ProtocolConfig:
         alpha: SMA correction weight α, in [0, 1]. 0 means 1/λ over all
             learners (docs/protocols.md §4: with μ_z = 0 the new z is the mean of the replicas).
         central_momentum: SMA Polyak momentum μ_z on the central model, in [0, 1).
-        average_every: local SGD averaging period H, in iterations, in [1, 1000000].
+        average_every: local SGD averaging period H, in iterations, in [1, 1000000];
+            DiLoCo's inner steps between two outer steps.
+        outer_optimizer: DiLoCo's outer optimizer (docs/protocols.md §6): ``"sgd"``
+            (torch.optim.SGD with ``outer_momentum`` and ``outer_nesterov``; the paper's
+            Nesterov SGD by default) or the import path ``"module:Class"`` of a
+            coordinate-wise torch.optim.Optimizer subclass, built as
+            ``Class([θ], lr=outer_lr)`` with its own defaults (e.g. ``"torch.optim:Adam"``).
+        outer_lr: DiLoCo's outer learning rate η_out, in (0, 10] (paper: 0.7); fixed, the
+            schedule scales the inner rate only.
+        outer_momentum: DiLoCo's outer SGD momentum μ_out, in [0, 1) (paper: 0.9).
+        outer_nesterov: Nesterov outer momentum (paper: true); needs ``outer_momentum`` > 0.
+        compression: the number format of what the learners send: ``"none"`` (float32,
+            the default), ``"bf16"`` or ``"fp16"`` (2 bytes a value): hardsync's gradients
+            (DDP's compress hooks on ``dist``), SMA's corrections, local SGD's and
+            DiLoCo's averages, and on the simulated cluster the parameter server's pushes
+            and pulls (``dist`` and the drop-in send them in float32: refused there).
+            Weights, optimizer and server state stay float32
+            (:mod:`distsgd.runtime.compression`).
     """
 
     name: str = "hardsync"
@@ -292,6 +311,11 @@ class ProtocolConfig:
     autotune_interval: int = 50
     autotune_max_replicas: int = 16
     autotune_rule: str = "crossbow"
+    outer_optimizer: str = "sgd"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         check_choice("protocol.name", self.name, PROTOCOLS)
@@ -333,7 +357,56 @@ class ProtocolConfig:
         if self.central_momentum >= 1.0:
             fail("protocol.central_momentum", self.central_momentum, "a number in [0, 1)")
         check_int("protocol.average_every", self.average_every, 1, 1_000_000)
+        check_choice("protocol.compression", self.compression, COMPRESSIONS)
+        self._check_outer()
         spec_for(self.name).validate(self)  # λ-dependent rules of the protocol
+
+    def _check_outer(self) -> None:
+        """DiLoCo's outer optimizer settings (checked whatever the protocol: a config
+        names a valid value or none)."""
+        check_float("protocol.outer_lr", self.outer_lr, 0.0, 10.0, min_inclusive=False)
+        check_float("protocol.outer_momentum", self.outer_momentum, 0.0, 1.0, max_inclusive=False)
+        if not isinstance(self.outer_nesterov, bool):
+            fail("protocol.outer_nesterov", self.outer_nesterov, "true or false")
+        self._outer_class: type[torch.optim.Optimizer] | None = None
+        if self.outer_optimizer == "sgd":
+            if self.outer_nesterov and self.outer_momentum == 0:
+                fail(
+                    "protocol.outer_nesterov",
+                    self.outer_nesterov,
+                    "false when protocol.outer_momentum = 0",
+                )
+            return
+        if not isinstance(self.outer_optimizer, str) or ":" not in self.outer_optimizer:
+            fail(
+                "protocol.outer_optimizer",
+                self.outer_optimizer,
+                "'sgd' or an import path 'module:Class' of a torch.optim.Optimizer "
+                "subclass, e.g. 'torch.optim:Adam'",
+            )
+        what = "a torch.optim.Optimizer subclass"
+        cls = _import_class(
+            "protocol.outer_optimizer", self.outer_optimizer, torch.optim.Optimizer, what
+        )
+        try:
+            coordinate_wise = _probe_coordinate_wise(functools.partial(cls, lr=self.outer_lr))
+        except USER_CODE_FAILURES as e:  # the user's class may raise anything
+            fail(
+                "protocol.outer_optimizer",
+                self.outer_optimizer,
+                f"an optimizer whose step() updates one flat tensor ({_one_line(e)})",
+            )
+        if not coordinate_wise:
+            fail("protocol.outer_optimizer", self.outer_optimizer, "a coordinate-wise optimizer")
+        self._outer_class = cls
+
+    def outer_optimizer_factory(self) -> OptimizerFactory | None:
+        """``[θ] → optimizer`` of the class ``outer_optimizer`` names, at rate
+        ``outer_lr``; None for ``"sgd"`` (DiLoCo builds SGD from ``outer_momentum`` and
+        ``outer_nesterov``)."""
+        if self._outer_class is None:
+            return None
+        return functools.partial(self._outer_class, lr=self.outer_lr)
 
     @property
     def effective_softsync(self) -> int:
@@ -1778,6 +1851,14 @@ class RunConfig:
         if self.runtime == "dist" and self.dist.num_processes:
             self.protocol, self.layout_changes = fit_layout(
                 self.protocol, self.dist, self.dist.num_processes
+            )
+        served = spec_for(self.protocol).has_server
+        if self.runtime == "dist" and served and self.protocol.compression != "none":
+            fail(
+                "protocol.compression",
+                self.protocol.compression,
+                "'none' for a parameter server on runtime 'dist' (its pushes and pulls "
+                "travel in float32 there; the simulated cluster rounds them)",
             )
         sf = self.cluster.speed_factors
         if sf and self.protocol.auto_replicas:

@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import Tensor
 
 from distsgd.checks import fail
-from distsgd.protocols import SMA, ComputeGroups, HardSync, LocalSGD, ParameterServer, Protocol
+from distsgd.protocols import (
+    SMA,
+    ComputeGroups,
+    DiLoCo,
+    HardSync,
+    LocalSGD,
+    ParameterServer,
+    Protocol,
+)
 
 if TYPE_CHECKING:  # the config imports this module: types only
     from distsgd.config import DistConfig, OptimizerConfig, ProtocolConfig, RunConfig
@@ -86,7 +94,9 @@ class ProtocolSpec:
     replicated: ClassVar[bool] = False
     has_server: ClassVar[bool] = False
     drop_in: ClassVar[bool] = True
-    reads: ClassVar[frozenset[str]] = frozenset({"name", "num_learners", "batch_size"})
+    reads: ClassVar[frozenset[str]] = frozenset(
+        {"name", "num_learners", "batch_size", "compression"}
+    )
 
     def settings(self, p: ProtocolConfig) -> frozenset[str]:
         """The ``protocol.*`` settings (names without the section) that a run of ``p``
@@ -407,9 +417,50 @@ class _LocalSGD(_Replicated):
         return p.average_every
 
 
+class _DiLoCo(_LocalSGD):
+    """docs/protocols.md §6: local SGD whose mean pseudo-gradient an outer optimizer applies."""
+
+    name = "diloco"
+    reads = _LocalSGD.reads | {"outer_optimizer", "outer_lr", "outer_momentum", "outer_nesterov"}
+
+    def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
+        make_outer = p.outer_optimizer_factory()
+        sgd = make_outer is None  # the SGD settings configure the default outer SGD only
+        outer = {
+            "make_outer_optimizer": make_outer,
+            "outer_momentum": p.outer_momentum if sgd else 0.0,
+            "outer_nesterov": p.outer_nesterov if sgd else False,
+        }
+        return DiLoCo(
+            initial,
+            p.num_learners,
+            average_every=p.average_every,
+            outer_lr=p.outer_lr,
+            replicas_per_device=p.initial_replicas_per_device,
+            **outer,
+            **optimizer_arguments(o),
+        )
+
+    def settings(self, p: ProtocolConfig) -> frozenset[str]:
+        """The outer SGD settings are read with ``outer_optimizer = "sgd"`` only."""
+        reads = super().settings(p)
+        return reads if p.outer_optimizer == "sgd" else reads - {"outer_momentum", "outer_nesterov"}
+
+    def label(self, p: ProtocolConfig, num_learners: int | None, replicas: int | None) -> str:
+        return f"{super().label(p, num_learners, replicas)} outer η={p.outer_lr:g}"
+
+
 _SPECS: dict[str, ProtocolSpec] = {
     s.name: s
-    for s in (_HardSync(), _ParameterServer(), _ComputeGroups(), _SMA(), _LocalSGD(), _Plain())
+    for s in (
+        _HardSync(),
+        _ParameterServer(),
+        _ComputeGroups(),
+        _SMA(),
+        _LocalSGD(),
+        _DiLoCo(),
+        _Plain(),
+    )
 }
 PROTOCOLS = tuple(_SPECS)
 """Every ``protocol.name``."""
@@ -444,7 +495,8 @@ def build_protocol(cfg: RunConfig, initial: Tensor) -> Protocol:
     :class:`ParameterServer` with ``softsync = cfg.protocol.effective_softsync`` and a
     barrier for mode ``hardsync``; ``compute_groups`` → :class:`ComputeGroups`; ``sma`` →
     :class:`SMA` with α = ``protocol.alpha``, or 1/λ when it is 0 (:func:`sma_alpha`);
-    ``local_sgd`` → :class:`LocalSGD`. The protocol's optimizer (server, group server or
+    ``local_sgd`` → :class:`LocalSGD`; ``diloco`` → :class:`DiLoCo` with the outer
+    optimizer of ``protocol.outer_*``. The protocol's optimizer (server, group server or
     replicas) is :func:`optimizer_arguments`: ``optimizer.momentum``, ``weight_decay`` and
     ``nesterov`` of SGD for ``optimizer.name = "sgd"``, else the factory of the named
     torch.optim class.

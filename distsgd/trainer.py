@@ -485,6 +485,7 @@ class Trainer:
             "train_loss": train_loss,
             "lr": self._lr(),
             "staleness_mean": st_mean,
+            "bytes_sent": self.runtime.bytes_sent,
         }
         c["evals"] += 1
         metric = self.engine.metric
@@ -960,6 +961,9 @@ class Trainer:
             "virtual_s": simulated_s,  # None on real processes (their clock is the wall)
             "throughput_samples_per_s": rt.samples / wall if wall > 0 else None,
             "throughput_virtual_samples_per_s": (rt.samples / simulated_s if simulated_s else None),
+            "bytes_sent": rt.bytes_sent,
+            "bytes_sent_per_sample": rt.bytes_sent / rt.samples if rt.samples else None,
+            "compression": p.compression,
             "staleness_mean": st_mean,
             "staleness_max": st_max,
             "replicas_per_device": (rt.replicas_per_device if spec_for(p).replicated else None),

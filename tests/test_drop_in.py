@@ -414,7 +414,7 @@ def test_bucket_cap_must_be_positive():
         ctx.close()
 
 
-@pytest.mark.parametrize("protocol", ["sma", "local_sgd"])
+@pytest.mark.parametrize("protocol", ["sma", "local_sgd", "diloco"])
 def test_state_dict_resumes_exactly(protocol):
     """Saving after 3 steps and continuing in a fresh context gives the floats of an
     uninterrupted run: the central model z, z_prev, the iteration (local SGD's period)
@@ -570,10 +570,12 @@ def _scenario_local_sgd(spec: dict, record: dict) -> None:
     hard = dsgd.init("hardsync", timeout_s=spec["timeout_s"])
     local1 = dsgd.init("local_sgd", average_every=1, timeout_s=spec["timeout_s"])
     local3 = dsgd.init("local_sgd", average_every=3, timeout_s=spec["timeout_s"])
+    outer_one = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
+    diloco3 = dsgd.init("diloco", average_every=3, timeout_s=spec["timeout_s"], **outer_one)
     data = _data(spec)
     sampler = dsgd.Sampler(data, hard, batch_size=16)
     loader = DataLoader(data, batch_size=16, sampler=sampler)
-    models = [_mlp(spec) for _ in range(3)]
+    models = [_mlp(spec) for _ in range(4)]
     opts = [
         dsgd.DistributedOptimizer(
             torch.optim.SGD(models[0].parameters(), lr=0.05, momentum=0.9), models[0], hard
@@ -585,6 +587,9 @@ def _scenario_local_sgd(spec: dict, record: dict) -> None:
         ),
         dsgd.DistributedOptimizer(
             torch.optim.SGD(models[2].parameters(), lr=0.05, momentum=0.9), models[2], local3
+        ),
+        dsgd.DistributedOptimizer(
+            torch.optim.SGD(models[3].parameters(), lr=0.05, momentum=0.9), models[3], diloco3
         ),
     ]
     initial = _flat(models[0])
@@ -602,9 +607,11 @@ def _scenario_local_sgd(spec: dict, record: dict) -> None:
         hardsync=_flat(models[0]),
         local1=_flat(models[1]),
         local3=_flat(models[2]),
+        diloco3=_flat(models[3]),
         local3_iteration=opts[2].state_dict()["rule"]["protocol"]["iteration"],
     )
     local3.close()
+    diloco3.close()
 
 
 def _scenario_sma(spec: dict, record: dict) -> None:
@@ -833,6 +840,7 @@ def test_hardsync_wrapper_matches_ddp_in_the_same_script(tmp_path):
 
 @pytest.mark.slow
 def test_local_sgd_h1_is_hardsync_and_a_generator_of_parameters_is_averaged(tmp_path):
+    """Also: the drop-in's DiLoCo with outer SGD η = 1, μ = 0 ends where local SGD does."""
     records = _spawn({"scenario": "local_sgd"}, 2, tmp_path)
     for r in (0, 1):
         rec = records[r]
@@ -845,6 +853,9 @@ def test_local_sgd_h1_is_hardsync_and_a_generator_of_parameters_is_averaged(tmp_
     assert torch.equal(records[0]["local1"], records[1]["local1"])
     assert torch.equal(records[0]["local3"], records[1]["local3"])
     assert not torch.equal(records[0]["local3"], records[0]["hardsync"])  # H = 3 differs
+    # DiLoCo with outer SGD η = 1, μ = 0 is local SGD: θ − mean(θ − w) vs mean(w) (rounding)
+    torch.testing.assert_close(records[0]["diloco3"], records[0]["local3"], rtol=0, atol=1e-6)
+    assert torch.equal(records[0]["diloco3"], records[1]["diloco3"])
 
 
 @pytest.mark.slow

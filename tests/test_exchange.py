@@ -20,7 +20,7 @@ from distsgd.config import ClusterConfig, DataConfig
 from distsgd.data import load_dataset
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
-from distsgd.protocols import SMA, AllReduce, HardSync, LocalSGD, SynchronousProtocol
+from distsgd.protocols import SMA, AllReduce, DiLoCo, HardSync, LocalSGD, SynchronousProtocol
 from distsgd.runtime.dist import all_reduce
 from distsgd.runtime.sim import DeviceProfile, SimRuntime
 
@@ -61,6 +61,7 @@ PROTOCOLS = {
     "hardsync": lambda lam, k: HardSync(W0, lam, momentum=0.9),
     "sma": lambda lam, k: SMA(W0, lam, replicas_per_device=k, alpha=0.25, momentum=0.9),
     "local_sgd": lambda lam, k: LocalSGD(W0, lam, average_every=3, replicas_per_device=k),
+    "diloco": lambda lam, k: DiLoCo(W0, lam, average_every=3, replicas_per_device=k),
 }
 
 

@@ -27,6 +27,7 @@ from distsgd.layout import build_protocol
 from distsgd.protocols import (
     SMA,
     ComputeGroups,
+    DiLoCo,
     HardSync,
     LocalSGD,
     ParameterServer,
@@ -508,6 +509,69 @@ def test_local_sgd_averaging_makes_replicas_identical():
             assert torch.equal(ls.eval_weights(), ls.replicas.mean(0))
 
 
+# ---- §6 DiLoCo -------------------------------------------------------------------------
+
+
+def test_diloco_outer_sgd_lr_one_no_momentum_equals_local_sgd():
+    lam, h = 3, 4
+    kw = {"average_every": h, "momentum": 0.9}
+    dl = DiLoCo(W0, lam, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False, **kw)
+    ls = LocalSGD(W0, lam, **kw)
+    for t in range(4 * h):
+        dl.step(sync_grads(dl, t), lr=0.1)
+        ls.step(sync_grads(ls, t), lr=0.1)
+        # θ − mean(θ − w_l) vs mean(w_l): float32 rounding only, ~1e-7 per averaging,
+        # carried by the replicas' momentum between averagings: bound 1e-6
+        torch.testing.assert_close(dl.replicas, ls.replicas, rtol=0, atol=1e-6)
+    torch.testing.assert_close(dl.eval_weights(), ls.eval_weights(), rtol=0, atol=1e-6)
+
+
+def test_diloco_every_step_outer_lr_one_equals_hardsync():
+    lam = 4
+    dl = DiLoCo(W0, lam, average_every=1, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+    hs = HardSync(W0, lam)
+    for t in range(20):
+        dl.step(sync_grads(dl, t), lr=0.2)
+        hs.step(sync_grads(hs, t), lr=0.2)
+        torch.testing.assert_close(dl.eval_weights(), hs.eval_weights(), rtol=0, atol=1e-6)
+
+
+def test_diloco_outer_nesterov_step_on_mean_pseudo_gradient():
+    """One outer period by hand: Δ = θ − mean w_l; torch's Nesterov SGD on θ (first step:
+    buffer b = Δ, θ ← θ − η (Δ + μ b)); every replica becomes θ."""
+    lam, h, eta, mu = 2, 3, 0.7, 0.9
+    dl = DiLoCo(W0, lam, average_every=h, outer_lr=eta, outer_momentum=mu)
+    ls = LocalSGD(W0, lam, average_every=h * 1000)  # the same inner steps, never averaged
+    for t in range(h):
+        dl.step(sync_grads(dl, t), lr=0.1)
+        ls.step(sync_grads(ls, t), lr=0.1)
+    delta = W0 - ls.replicas.mean(0)
+    expected = W0 - eta * (delta + mu * delta)
+    torch.testing.assert_close(dl.eval_weights(), expected, rtol=0, atol=1e-6)
+    assert all(torch.equal(dl.learner_weights(i), dl.eval_weights()) for i in range(lam))
+
+
+def test_diloco_outer_optimizer_factory_and_argument_errors():
+    dl = DiLoCo(
+        W0,
+        2,
+        average_every=2,
+        outer_lr=0.1,
+        outer_momentum=0.0,
+        outer_nesterov=False,
+        make_outer_optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1),
+    )
+    for t in range(4):
+        dl.step(sync_grads(dl, t), lr=0.1)
+    assert "Adam" in dl.state_dict()["config"]["outer_optimizer"]
+    with pytest.raises(ValueError, match="^outer_nesterov"):
+        DiLoCo(W0, 2, average_every=2, outer_momentum=0.0)
+    with pytest.raises(ValueError, match="^outer_lr"):
+        DiLoCo(W0, 2, average_every=2, outer_lr=0.0)
+    with pytest.raises(ValueError, match="^outer_momentum"):
+        DiLoCo(W0, 2, average_every=2, outer_momentum=1.0)
+
+
 # ---- state_dict round trip -------------------------------------------------------------
 
 
@@ -532,6 +596,7 @@ SYNC_FACTORIES: dict[str, Callable] = {
     "hardsync": lambda w: HardSync(w, 3, momentum=0.9, weight_decay=1e-3, nesterov=True),
     "sma": lambda w: SMA(w, 4, replicas_per_device=2, alpha=0.2, momentum=0.9),
     "local_sgd": lambda w: LocalSGD(w, 3, average_every=3, momentum=0.9, weight_decay=1e-3),
+    "diloco": lambda w: DiLoCo(w, 3, average_every=2, momentum=0.9),  # t = 4: outer step
 }
 
 
@@ -728,13 +793,24 @@ def test_build_protocol_mapping():
 
     ls = build_protocol(_cfg(name="local_sgd", num_learners=4, average_every=5), W0)
     assert isinstance(ls, LocalSGD) and ls.average_every == 5
+    dl = build_protocol(_cfg(name="diloco", num_learners=4, average_every=5, outer_lr=0.5), W0)
+    assert isinstance(dl, DiLoCo) and (dl.outer_lr, dl.outer_momentum) == (0.5, 0.9)
+    assert dl.outer_nesterov
+    adam = build_protocol(
+        _cfg(name="diloco", outer_optimizer="torch.optim:Adam", outer_lr=0.01), W0
+    )
+    assert adam._outer_opt.defaults["lr"] == 0.01
+    with pytest.raises(ConfigError, match="protocol.outer_optimizer"):
+        ProtocolConfig(name="diloco", outer_optimizer="adam")
+    with pytest.raises(ConfigError, match="protocol.outer_nesterov"):
+        ProtocolConfig(name="diloco", outer_momentum=0.0)
 
 
 # ---- docstring examples ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "module", ["hardsync", "parameter_server", "compute_groups", "sma", "local_sgd"]
+    "module", ["hardsync", "parameter_server", "compute_groups", "sma", "local_sgd", "diloco"]
 )
 def test_docstring_examples_run(module):
     mod = importlib.import_module(f"distsgd.protocols.{module}")

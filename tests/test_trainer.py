@@ -153,6 +153,7 @@ def test_same_seed_gives_identical_weights(tmp_path, protocol):
     [
         {"name": "parameter_server", "num_learners": 4, "softsync": 2},
         {"name": "sma", "num_learners": 4, "replicas_per_device": 4},
+        {"name": "diloco", "num_learners": 4, "replicas_per_device": 2, "average_every": 5},
     ],
 )
 def test_resume_equals_uninterrupted_run(tmp_path, protocol):

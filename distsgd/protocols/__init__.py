@@ -6,6 +6,8 @@
 * :class:`ComputeGroups` — Omnivore compute groups (docs/protocols.md §3).
 * :class:`SMA` — Crossbow synchronous model averaging (docs/protocols.md §4).
 * :class:`LocalSGD` — local SGD with periodic averaging (docs/protocols.md §5).
+* :class:`DiLoCo` — local SGD with an outer optimizer on the averaged change
+  (docs/protocols.md §6).
 
 Each applies a torch.optim optimizer to one flat weight vector ``[P]`` (hardsync, the
 parameter server's and the compute groups' server) or to a replica stack ``[λ, P]`` (SMA,
@@ -38,6 +40,7 @@ from .base import (
     make_sgd,
 )
 from .compute_groups import ComputeGroups
+from .diloco import DiLoCo
 from .hardsync import HardSync
 from .local_sgd import LocalSGD
 from .parameter_server import ParameterServer
@@ -50,6 +53,7 @@ __all__ = [
     "OptimizerFactory",
     "AsynchronousProtocol",
     "ComputeGroups",
+    "DiLoCo",
     "HardSync",
     "LocalSGD",
     "ParameterServer",

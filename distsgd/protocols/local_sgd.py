@@ -30,7 +30,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -79,6 +79,9 @@ class LocalSGD(SynchronousProtocol):
     Raises:
         ValueError: an argument outside the allowed values (the message names it).
     """
+
+    state_name: ClassVar[str] = "LocalSGD"
+    """The ``"protocol"`` a :meth:`state_dict` carries and :meth:`load_state_dict` expects."""
 
     def __init__(
         self,
@@ -238,7 +241,7 @@ class LocalSGD(SynchronousProtocol):
     def state_dict(self) -> dict[str, Any]:
         """Snapshot: replicas ``[λ, P]``, iteration and the replicas' optimizer state."""
         return {
-            "protocol": "LocalSGD",
+            "protocol": self.state_name,
             "config": self._config(),
             "replicas": self._replicas.clone(),
             "iteration": self._iteration,
@@ -251,7 +254,7 @@ class LocalSGD(SynchronousProtocol):
         Raises:
             ValueError: the state is not from a LocalSGD of the same configuration.
         """
-        check_header(state, "LocalSGD", self._config())
+        check_header(state, self.state_name, self._config())
         load_vector("replicas", state["replicas"], self._replicas)
         self._iteration = int(state["iteration"])
         load_optimizer(self._opt, state["optimizer"])

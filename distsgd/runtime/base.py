@@ -102,6 +102,10 @@ class Runtime(abc.ABC):
         samples: training samples consumed so far (all learners).
         num_learners: λ now (Crossbow's auto-tuner changes it).
         replicas_per_device: k now.
+        bytes_sent: bytes the run's exchanges have sent so far, all processes together
+            (:func:`~distsgd.runtime.compression.ring_allreduce_bytes` for an all-reduce,
+            P values for a parameter-server push or pull), in the wire format of
+            ``protocol.compression``.
     """
 
     clock: ClassVar[str]
@@ -113,6 +117,7 @@ class Runtime(abc.ABC):
     samples: int
     num_learners: int
     replicas_per_device: int = 1
+    bytes_sent: int = 0
 
     @property
     @abc.abstractmethod

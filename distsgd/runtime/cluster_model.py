@@ -5,7 +5,8 @@ formulas, and the tuner's performance model (:mod:`distsgd.tuner.perf_model`) pr
 seconds per iteration with the same ones, so the two cannot drift apart. Pure numerics:
 no torch, no communication.
 
-Units: seconds; bandwidth in Gb/s; messages carry P float32 values.
+Units: seconds; bandwidth in Gb/s; messages carry P values of ``bytes_per_value`` bytes
+(4: float32; 2 with a compressed exchange).
 
 Example::
 
@@ -43,7 +44,7 @@ class ClusterModel:
         t_sample: compute seconds per sample (``seconds_per_sample``).
         latency_s: one-way message latency, seconds.
         bandwidth_gbps: link bandwidth in Gb/s; 0 means infinite.
-        num_parameters: P, float32 values per message.
+        num_parameters: P, values per message.
         jitter: relative spread of compute times (log-normal, mean 1); synchronous steps
             wait for the slowest of m devices (:func:`straggler_factor`).
         t_server: parameter-server seconds of work per pushed gradient
@@ -73,6 +74,8 @@ class ClusterModel:
             process has a core of its own (a real cluster). With more busy processes than
             cores, compute and the server's work stretch (:func:`core_stretch`,
             :func:`server_core_stretch`): one machine running every rank.
+        bytes_per_value: bytes of one value on the wire: 4 (float32) or 2
+            (``protocol.compression`` bf16 / fp16), for messages and all-reduces alike.
         t_server_contended: the server's wall seconds per push measured on processes
             sharing the cores as the run's do, i.e. while the other learners compute
             (``cluster.seconds_per_push_contended``; 0: not measured). Where set it is
@@ -96,16 +99,18 @@ class ClusterModel:
     allreduce_bandwidth_gbps: float | None = None
     t_iteration: float = 0.0
     t_server_contended: float = 0.0
+    bytes_per_value: int = 4
 
     @property
     def message_seconds(self) -> float:
-        """One message of P float32 values: ``latency_s + 32 P / (bandwidth_gbps · 1e9)``."""
+        """One message of P values: ``latency_s + 8 B P / (bandwidth_gbps · 1e9)``, B bytes
+        a value."""
         return self.latency_s + self.transfer_seconds
 
     @property
     def transfer_seconds(self) -> float:
         bw = self.bandwidth_gbps
-        return 0.0 if bw == 0 else 32.0 * self.num_parameters / (bw * 1e9)
+        return 0.0 if bw == 0 else 8.0 * self.bytes_per_value * self.num_parameters / (bw * 1e9)
 
 
 def compute_seconds(batch_size: int | float, cluster: ClusterModel) -> float:
@@ -146,8 +151,8 @@ def device_seconds(replicas: int, batch_size: int | float, cluster: ClusterModel
 
 
 def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
-    """Ring all-reduce of P float32 values among m participants:
-    ``2(m−1)·latency + 2(m−1)/m · 32P/bandwidth`` (0 for m <= 1), with the all-reduce's
+    """Ring all-reduce of P values of B bytes among m participants:
+    ``2(m−1)·latency + 2(m−1)/m · 8BP/bandwidth`` (0 for m <= 1), with the all-reduce's
     own ``allreduce_latency_s`` / ``allreduce_bandwidth_gbps`` where they are set, else
     the messages' ``latency_s`` / ``bandwidth_gbps``."""
     m = participants
@@ -159,7 +164,9 @@ def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
         if cluster.allreduce_bandwidth_gbps is None
         else cluster.allreduce_bandwidth_gbps
     )
-    transfer = 0.0 if bw == 0 else 32.0 * cluster.num_parameters / (bw * 1e9)
+    transfer = (
+        0.0 if bw == 0 else 8.0 * cluster.bytes_per_value * cluster.num_parameters / (bw * 1e9)
+    )
     return 2 * (m - 1) * lat + 2 * (m - 1) / m * transfer
 
 

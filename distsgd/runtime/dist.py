@@ -93,6 +93,7 @@ from distsgd.runtime.base import (
     draw_minibatches,
     time_in_turn,
 )
+from distsgd.runtime.compression import all_reduce_compressed, ring_allreduce_bytes, wire_dtype
 from distsgd.runtime.faults import RankFaults
 from distsgd.runtime.launch import (
     ENV_RUN,
@@ -510,15 +511,43 @@ def calibrate_iteration(
     return max(statistic(times[0]) - statistic(times[1]), 0.0)
 
 
-def _ddp(engine: GradientEngine) -> DistributedDataParallel:
+def _cast_hook(dtype: torch.dtype, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP comm hook: the bucket divided by the world size, cast to ``dtype``, all-reduced
+    in it and cast back into the bucket: the rule of torch's ``bf16_compress_hook`` /
+    ``fp16_compress_hook`` (ddp_comm_hooks.default_hooks), which DDP registers only on
+    NCCL for bfloat16; gloo all-reduces bfloat16 and float16 on the CPU."""
+    buffer = bucket.buffer()
+    wire = buffer.div(dist.get_world_size()).to(dtype)
+    future = dist.all_reduce(wire, async_op=True).get_future()
+
+    def decompress(fut: torch.futures.Future[Any]) -> Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (postponed)
+_cast_hook.__annotations__ = {
+    "dtype": torch.dtype,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[Tensor],
+}
+
+
+def _ddp(engine: GradientEngine, compression: str = "none") -> DistributedDataParallel:
     """``engine``'s model in the DDP wrapper :class:`SyncDistRuntime` uses (the process
-    group must exist)."""
+    group must exist), its gradient buckets all-reduced in ``compression``'s format
+    (:func:`_cast_hook`) when it is not ``"none"``."""
     on_gpu = engine.device.type == "cuda"
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         engine.model,
         device_ids=[engine.device] if on_gpu else None,
         **ddp_no_forward_buffer_sync(DistributedDataParallel.__init__),
     )
+    if compression != "none":
+        ddp.register_comm_hook(wire_dtype(compression), _cast_hook)
+    return ddp
 
 
 def device_protocol(cfg: RunConfig, replicas: int, initial: Tensor) -> SynchronousProtocol:
@@ -536,11 +565,16 @@ def device_protocol(cfg: RunConfig, replicas: int, initial: Tensor) -> Synchrono
     return cast(SynchronousProtocol, build_protocol(local, initial))
 
 
-def all_reduce(exchange: AllReduce, world_size: int, group: Any = None) -> Tensor:
+def all_reduce(
+    exchange: AllReduce, world_size: int, group: Any = None, compression: str = "none"
+) -> Tensor:
     """Collective: ``exchange``'s total over the ranks of ``group`` (None: all), each
     holding as many rows: this rank's rows summed, one c10d all-reduce (sum), divided by
-    the rows of all ranks for a mean. Returns a new tensor ``[P]`` on the payload's
-    device."""
+    the rows of all ranks for a mean; in the wire format of ``compression`` when it is
+    not ``"none"`` (:func:`~distsgd.runtime.compression.all_reduce_compressed`). Returns
+    a new tensor ``[P]`` on the payload's device."""
+    if compression != "none":
+        return all_reduce_compressed(exchange, world_size, compression, group)
     total = exchange.payload.sum(0)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     if exchange.mean:
@@ -585,10 +619,11 @@ class SyncDistRuntime(_DistBase):
         self.streams = [LearnerStream(self.sampler, lrn) for lrn in self.learners]
         self._solo_evals = 0  # evaluations rank 0 ran alone (BatchNorm)
         self.ddp: torch.nn.Module | None = None
+        self.compression = p.compression
         if self.protocol.shares_weights:
             # no buffer broadcast: training forwards normalise with their batch's
             # statistics, and evaluation recomputes the running ones (evaluate)
-            self.ddp = _ddp(engine)
+            self.ddp = _ddp(engine, p.compression)
 
     def _free_group_users(self) -> None:
         self.ddp = None  # its Reducer holds the process group
@@ -641,6 +676,7 @@ class SyncDistRuntime(_DistBase):
         t0 = time.perf_counter()
         proto = self.protocol
         x, y = self._minibatches()
+        exchange: AllReduce | None = None
         try:
             if proto.shares_weights:  # DDP's backward all-reduces the mean gradient
                 losses = hardsync_step(
@@ -657,7 +693,13 @@ class SyncDistRuntime(_DistBase):
                 check_losses(self.learners, losses, lr, self.samples)
                 exchange = proto.exchange_step(grads, lr)
                 if exchange is not None:
-                    exchange.apply(all_reduce(exchange, self.world_size))
+                    exchange.apply(
+                        all_reduce(exchange, self.world_size, compression=self.compression)
+                    )
+            if proto.shares_weights or exchange is not None:
+                self.bytes_sent += ring_allreduce_bytes(
+                    self.world_size, self.engine.num_parameters, self.compression
+                )
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, TrainingDiverged):
                 raise
@@ -758,6 +800,7 @@ class SyncDistRuntime(_DistBase):
             "samples": self.samples,
             "virtual_time": self.virtual_time,
             "replicas_per_device": self.k,
+            "bytes_sent": self.bytes_sent,
             "ranks": out,
         }
 
@@ -777,6 +820,7 @@ class SyncDistRuntime(_DistBase):
             s.load_state_dict(st)
         self.samples = int(state["samples"])
         self.virtual_time = float(state["virtual_time"])
+        self.bytes_sent = int(state.get("bytes_sent", 0))
 
 
 class PSDistRuntime(_DistBase):

@@ -493,6 +493,7 @@ class _Simulated(RuntimeKind):
             seed=cfg.train.seed,
             bn_recalibration_samples=cfg.train.bn_recalibration_samples,
             num_servers=cfg.dist.num_servers if spec.has_server else 1,
+            compression=p.compression,
         )
 
 

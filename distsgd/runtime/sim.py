@@ -88,6 +88,12 @@ from distsgd.runtime.base import (
     draw_minibatches,
     time_in_turn,
 )
+from distsgd.runtime.compression import (
+    bytes_per_value,
+    compressed_total,
+    ring_allreduce_bytes,
+    round_to_wire,
+)
 
 __all__ = [
     "DeviceProfile",
@@ -374,6 +380,9 @@ class SimRuntime(Runtime):
             :meth:`evaluate` recomputes BatchNorm statistics.
         num_servers: S server shards (ranks 0 … S−1) of a parameter-server protocol,
             for placing ranks on hosts (``cluster.processes_per_host``); >= 1.
+        compression: ``protocol.compression``: the wire format of the exchanges
+            (:mod:`~distsgd.runtime.compression`): the values are rounded to it, the
+            network charges its bytes, and :attr:`bytes_sent` counts them.
 
     Raises:
         TrainingDiverged: from :meth:`advance`, when a loss is NaN or infinite.
@@ -395,9 +404,12 @@ class SimRuntime(Runtime):
         seed: int = 0,
         bn_recalibration_samples: int = TrainConfig.bn_recalibration_samples,
         num_servers: int = 1,
+        compression: str = "none",
     ) -> None:
         self.protocol = protocol
         self.num_servers = num_servers
+        self.compression = compression
+        self.bytes_sent = 0
         self.engine = engine
         self.dataset = dataset
         self.batch_size = batch_size
@@ -424,6 +436,7 @@ class SimRuntime(Runtime):
             num_parameters=engine.num_parameters,
             allreduce_latency_s=cluster.allreduce_network[0],
             allreduce_bandwidth_gbps=cluster.allreduce_network[1],
+            bytes_per_value=bytes_per_value(compression),
         )
         self._local = dataclasses.replace(
             self._network,
@@ -625,7 +638,7 @@ class SimRuntime(Runtime):
         device_s = [self.device_compute_seconds(d) for d in range(lam // k)]
         if proto.shares_weights:  # the mean gradient as one computation (_mean_gradient)
             grad, losses = self._mean_gradient(list(range(lam)), proto.learner_weights(0), lr, step)
-            proto.apply_mean_gradient(grad, lr)
+            proto.apply_mean_gradient(round_to_wire(grad, self.compression), lr)
             exchanged = True
         else:
             x, y = draw_minibatches(self.streams, self.dataset)
@@ -633,9 +646,14 @@ class SimRuntime(Runtime):
             check_losses(list(range(lam)), losses, lr, self.samples, step)
             exchange = proto.exchange_step(grads, lr)
             if exchange is not None:
-                exchange.apply(exchange.reduce_here())
+                exchange.apply(compressed_total(exchange, lam // k, self.compression))
             exchanged = exchange is not None
-        comm = self._allreduce_among(list(range(0, lam, k))) if exchanged else 0.0
+        comm = 0.0
+        if exchanged:
+            comm = self._allreduce_among(list(range(0, lam, k)))
+            self.bytes_sent += ring_allreduce_bytes(
+                lam // k, self.engine.num_parameters, self.compression
+            )
         self.virtual_time += max(device_s) + comm
         n = lam * self.batch_size
         self.samples += n
@@ -659,7 +677,7 @@ class SimRuntime(Runtime):
     def _pull_and_schedule(self, worker: int, now: float) -> None:
         proto = self.protocol
         weights, version = proto.pull(worker)  # type: ignore[union-attr]
-        self._pulled[worker] = weights
+        self._pulled[worker] = round_to_wire(weights, self.compression)
         self._pulled_version[worker] = version
         members = self._members(worker)
         compute = max(self.compute_seconds(m) for m in members)
@@ -678,7 +696,11 @@ class SimRuntime(Runtime):
         self.virtual_time = now
         members = self._members(worker)
         grad, losses = self._mean_gradient(members, self._pulled[worker], lr, proto.version)
+        grad = round_to_wire(grad, self.compression)
         update = proto.push(worker, grad, self._pulled_version[worker], lr)
+        p = self.engine.num_parameters  # a push and a pull, and the group's all-reduce
+        self.bytes_sent += 2 * p * bytes_per_value(self.compression)
+        self.bytes_sent += ring_allreduce_bytes(len(members), p, self.compression)
         if proto.can_pull(worker):
             self._pull_and_schedule(worker, now)
         else:
@@ -772,6 +794,7 @@ class SimRuntime(Runtime):
             "rng": self._rng.get_state(),
             "streams": [s.state_dict() for s in self.streams],
             "replicas_per_device": self.replicas_per_device,
+            "bytes_sent": self.bytes_sent,
         }
         if self.is_async:
             state.update(
@@ -786,6 +809,7 @@ class SimRuntime(Runtime):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.virtual_time = float(state["virtual_time"])
         self.samples = int(state["samples"])
+        self.bytes_sent = int(state.get("bytes_sent", 0))
         self._rng.set_state(state["rng"])
         k = int(state.get("replicas_per_device", self.replicas_per_device))
         if k != self.replicas_per_device:

@@ -56,6 +56,11 @@ SETTINGS: dict[str, str] = {
             "alpha",
             "central_momentum",
             "average_every",
+            "outer_optimizer",
+            "outer_lr",
+            "outer_momentum",
+            "outer_nesterov",
+            "compression",
         )
     },
     "momentum": "optimizer",
@@ -155,22 +160,23 @@ def init(
 ) -> Context:
     """Join the run (torchrun's environment) and say what this rank does in it.
 
-    Roles (``distsgd.layout``): ``hardsync`` and ``local_sgd``/``sma`` (one model per
+    Roles (``distsgd.layout``): ``hardsync`` and ``local_sgd``/``diloco``/``sma`` (one model per
     process, k = 1) make every rank a learner; ``parameter_server`` and
     ``compute_groups`` make rank 0 the server and ranks 1 … W−1 learners 0 … W−2
     (compute group g holds learners ``g·λ/G … (g+1)·λ/G − 1``). λ always follows the
     world size; a process started without torchrun is a world of one.
 
     Args:
-        protocol: ``hardsync``, ``local_sgd``, ``sma``, ``parameter_server`` or
-            ``compute_groups``.
+        protocol: ``hardsync``, ``local_sgd``, ``diloco``, ``sma``, ``parameter_server``
+            or ``compute_groups``.
         config: a :class:`RunConfig` or a TOML file whose ``[protocol]``, ``[optimizer]``,
             ``[dist]`` and ``train.seed`` settings apply (``protocol`` then comes from it).
         **settings: ``batch_size``, ``mode``, ``softsync``, ``staleness_lr``,
             ``server_optimizer``, ``num_groups``, ``momentum_compensation``, ``alpha``,
-            ``central_momentum``, ``average_every`` (as ``protocol.*``); ``momentum``,
-            ``weight_decay``, ``nesterov`` (optional: the parameter server runs the
-            learners' optimizer and refuses a value that differs); ``timeout_s``;
+            ``central_momentum``, ``average_every``, ``outer_optimizer``, ``outer_lr``,
+            ``outer_momentum``, ``outer_nesterov``, ``compression`` (as ``protocol.*``);
+            ``momentum``, ``weight_decay``, ``nesterov`` (optional: the parameter server
+            runs the learners' optimizer and refuses a value that differs); ``timeout_s``;
             ``seed`` (the Sampler's).
 
     Returns:

@@ -20,6 +20,7 @@ from distsgd.layout import spec_for
 from distsgd.protocols.base import AllReduce, SynchronousProtocol
 from distsgd.runtime import ps
 from distsgd.runtime.base import TrainingDiverged, check_losses
+from distsgd.runtime.compression import wire_dtype
 from distsgd.runtime.dist import all_reduce, collective, device_protocol
 from distsgd.torch import server_optimizer
 from distsgd.torch.context import DIVERGED_KEY, Context, _parameters
@@ -54,7 +55,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
       local SGD averages the parameters over the ranks every H = ``average_every`` steps;
       SMA takes ``c = α (w − z)`` from the weights before the step, ``w ← w − c``,
       ``z ← z + Σ_ranks c + μ_z (z − z_prev)``, and when γ drops resets the model to z
-      and clears the optimizer's state. The user's step is fed to the protocol as the
+      and clears the optimizer's state. ``diloco`` (§6) is local SGD whose mean
+      pseudo-gradient θ − w over the ranks, every H steps, is applied to θ by the outer
+      optimizer of ``protocol.outer_*``; the model then takes θ (the user's optimizer is
+      the inner one). The user's step is fed to the protocol as the
       gradient ``(w_before − w_after)/γ`` at rate γ of its plain SGD, so its replica and
       z are the trainer's (:class:`_Exchanging`).
     * ``parameter_server`` / ``compute_groups`` (§2, §3): ``step()`` pushes the gradient
@@ -80,6 +84,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     several reseeds torch's generators (``torch.manual_seed``) with
     ``torch.initial_seed() + 7919·(l + 1)``, so ranks draw different dropout masks
     from equal weights.
+
+    Compression (``protocol.compression = "bf16"`` or ``"fp16"``): hardsync's buckets and
+    the exchanges of local SGD, DiLoCo and SMA (buffers included) are all-reduced in that
+    format, scaled before the cast (:mod:`distsgd.runtime.compression`); the parameters
+    and the optimizer's state stay float32. Refused with a parameter server.
 
     Buffers (BatchNorm running statistics): floating-point buffers are averaged over
     the ranks wherever the protocol synchronises (every step for hardsync and SMA, every
@@ -415,6 +424,10 @@ class _GradientBuckets:
         self.num_passes = 0  # backward passes reduced since construction
         self.passes = [0] * k  # per parameter: the last pass that gave it a gradient
         self.works: list[Any] = []  # this pass's launched all-reduces, bucket order
+        self.sent: list[Tensor] = []  # what each launched all-reduce reduces (a bucket,
+        # or its cast to the wire format)
+        compression = owner.ctx.config.protocol.compression
+        self.wire = wire_dtype(compression) if compression != "none" else None
         self.missing = [len(b) for b in self.buckets]  # per bucket: gradients not in yet
         self.in_backward = False  # a backward pass is putting gradients in (end queued)
         self.reduced = False  # the .grad are the ranks' mean (cleared by step)
@@ -449,8 +462,12 @@ class _GradientBuckets:
             self._launch(len(works))
 
     def _launch(self, i: int) -> None:
+        flat = self.flats[i]
+        if self.wire is not None and flat.dtype != self.wire:  # compressed: a cast copy
+            flat = self.flats[i].to(self.wire)
+        self.sent.append(flat)
         self.works.append(
-            self.o.collective(dist.all_reduce, self.flats[i], op=dist.ReduceOp.SUM, async_op=True)
+            self.o.collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM, async_op=True)
         )
 
     def _end_of_backward(self) -> None:
@@ -462,9 +479,12 @@ class _GradientBuckets:
                     self._take(p, view)
                 k += 1
             self._launch(i)
-        for work in self.works:
+        for i, work in enumerate(self.works):
             self.o.collective(work.wait)
+            if self.sent[i] is not self.flats[i]:
+                self.flats[i].copy_(self.sent[i])
         self.works = []
+        self.sent = []
         self.missing = [len(b) for b in self.buckets]
         self.in_backward = False
         self.reduced = True
@@ -540,9 +560,19 @@ class _Exchanging(_Rule):
         floating-point buffers appended and averaged (they are taken here), and the
         learners' divergence ``flags`` summed (in place)."""
         o = self.o
-        flat = torch.cat(
-            [o.with_buffers(exchange.payload.sum(0)), flags.to(exchange.payload.dtype)]
-        )
+        flat = o.with_buffers(exchange.payload.sum(0))
+        compression = o.ctx.config.protocol.compression
+        if compression != "none":  # scaled before the cast, as DDP's compress hooks do
+            p, world, n = o.num_parameters, o.ctx.world_size, flags.numel()
+            flat[:p].div_(exchange.payload.shape[0] * world if exchange.mean else 1)
+            flat[p:].div_(world)
+            wire = torch.cat([flat, flags.to(flat.dtype)]).to(wire_dtype(compression))
+            o.collective(dist.all_reduce, wire, op=dist.ReduceOp.SUM)
+            flags.copy_(wire[-n:])  # counts of learners: exact in 16 bits
+            flat.copy_(wire[:-n])
+            o.take_buffers(flat)
+            return flat[:p]
+        flat = torch.cat([flat, flags.to(flat.dtype)])
         o.collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
         flags.copy_(flat[-flags.numel() :])
         flat = flat[: -flags.numel()]
@@ -663,6 +693,12 @@ def _rule_for(owner: DistributedOptimizer) -> _Rule:
     gradient buckets where the learners share weights, else the protocol's exchange."""
     ctx = owner.ctx
     if spec_for(ctx.config.protocol).has_server:
+        if ctx.config.protocol.compression != "none":
+            raise ConfigError(
+                f"protocol.compression = {ctx.config.protocol.compression!r} is not allowed "
+                "with a parameter server in the drop-in: expected 'none' (pushes and pulls "
+                "travel in float32)"
+            )
         # every rank agrees on the server's optimizer, or every rank refuses
         built = server_optimizer.gather(ctx, server_optimizer.describe(owner.optimizer))
         server_optimizer.server_config(ctx.config, ctx.optimizer_settings, built)
