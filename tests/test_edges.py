@@ -131,10 +131,14 @@ def _numeric_fields():
 
 
 def _attribute_text(cls: type, name: str) -> str:
-    """The text of ``name``'s entry under the class docstring's ``Attributes:``."""
-    doc = cls.__doc__ or ""
-    m = re.search(rf"^ {{8}}{name}: (.*?)(?=^ {{8}}\w+: |\Z)", doc, re.M | re.S)
-    return " ".join(m.group(1).split()) if m else ""
+    """The text of ``name``'s entry under the ``Attributes:`` of the docstring of ``cls``
+    or of the base class that declares it."""
+    for owner in cls.__mro__:
+        doc = owner.__doc__ or ""
+        m = re.search(rf"^ {{8}}{name}: (.*?)(?=^ {{8}}\w+: |\Z)", doc, re.M | re.S)
+        if m:
+            return " ".join(m.group(1).split())
+    return ""
 
 
 @pytest.mark.parametrize(("section", "cls", "name"), list(_numeric_fields()))

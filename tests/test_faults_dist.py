@@ -354,7 +354,7 @@ def run_rank(on_interrupt):
         def __init__(self, *args, **kwargs):
             pass
 
-        def run(self, resume):
+        def run(self, resume, **kwargs):
             try:
                 print("ready", flush=True)
                 while True:
@@ -581,7 +581,7 @@ def test_rank_0_under_torchrun_names_the_lost_ranks_in_its_failed_summary(
         def __init__(self, cfg, out, **kwargs):
             self.out = out
 
-        def run(self, resume):
+        def run(self, resume, **kwargs):
             write_json(self.out / "summary.json", {"status": "failed", "error": str(error)})
             raise error
 
