@@ -78,8 +78,11 @@ class DiLoCo(LocalSGD):
             :data:`~distsgd.protocols.OptimizerFactory`) instead of outer SGD;
             ``outer_momentum`` and ``outer_nesterov`` must then be 0 / False. Its rate is
             set to ``outer_lr`` at every outer step.
-        momentum, weight_decay, nesterov, replicas_per_device, make_optimizer: the inner
-            optimizer and layout, as :class:`~distsgd.protocols.LocalSGD`'s.
+        momentum: the inner optimizer's μ, as :class:`~distsgd.protocols.LocalSGD`'s.
+        weight_decay: the inner optimizer's weight decay, as ``LocalSGD``'s.
+        nesterov: the inner optimizer's Nesterov momentum, as ``LocalSGD``'s.
+        replicas_per_device: k replicas batched on one device, as ``LocalSGD``'s.
+        make_optimizer: the inner optimizer's factory, as ``LocalSGD``'s.
 
     Raises:
         ValueError: an argument outside the allowed values (the message names it).
