@@ -1516,7 +1516,8 @@ def check_local_processes(cfg: RunConfig) -> LocalRanks:
 def schedule_conflicts(cfg: RunConfig) -> list[str]:
     """Schedule settings the run's epoch budget contradicts, one message each (empty when
     none): a warm-up as long as the budget (the whole run at warm-up rates), a step decay
-    at or past it (never reached). The budget is the smaller of ``train.max_epochs`` and
+    at or past it (never reached), a DiLoCo run that ends before its first outer step (its
+    evaluated model θ never moves). The budget is the smaller of ``train.max_epochs`` and
     ``train.max_samples`` (in epochs of the dataset); none when both are 0.
     """
     t, sched = cfg.train, cfg.schedule
@@ -1546,6 +1547,14 @@ def schedule_conflicts(cfg: RunConfig) -> list[str]:
         messages.append(
             f"schedule.decay_epochs = {sched.decay_epochs} with {which}: the decay at "
             f"epoch(s) {late} is never reached"
+        )
+    p = cfg.protocol
+    first_outer = p.average_every * p.num_learners * p.batch_size  # samples to step 1
+    if p.name == "diloco" and num_train > 0 and budget * num_train < first_outer:
+        messages.append(
+            f"protocol.average_every = {p.average_every} with {which}: the run ends before "
+            f"DiLoCo's first outer step ({first_outer} samples), so the evaluated model θ "
+            "stays the initial weights"
         )
     return messages
 

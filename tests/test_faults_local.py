@@ -439,3 +439,20 @@ def test_a_schedule_within_the_budget_does_not_warn(tmp_path, recwarn):
     )
     distsgd.train(cfg, out_dir=tmp_path / "run")
     assert not [w for w in recwarn if "schedule." in str(w.message)]
+
+
+def test_a_diloco_run_that_ends_before_its_first_outer_step_warns(recwarn):
+    """A DiLoCo run over fewer samples than H · λ · b never moves θ, the model it
+    evaluates: the budget is said to contradict protocol.average_every."""
+    from distsgd.config import schedule_conflicts
+
+    diloco = {"name": "diloco", "num_learners": 2, "batch_size": 32, "average_every": 8}
+    short = small_config(protocol=diloco, train={"max_epochs": 0, "max_samples": 256})
+    assert schedule_conflicts(short) == [
+        "protocol.average_every = 8 with train.max_samples = 256 (0.25 epochs of 1024 "
+        "samples): the run ends before DiLoCo's first outer step (512 samples), so the "
+        "evaluated model θ stays the initial weights"
+    ]
+    assert schedule_conflicts(small_config(protocol=diloco)) == []  # 2 epochs: it steps
+    local = small_config(protocol={**diloco, "name": "local_sgd"}, train={"max_samples": 256})
+    assert schedule_conflicts(local) == []  # local SGD evaluates the replicas' mean
