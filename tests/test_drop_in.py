@@ -51,10 +51,13 @@ PS_LR = 0.03  # the learners' rate under the parameter server
 PS_OPTIMIZERS = {
     "sgd": ("SGD", {"lr": PS_LR, "momentum": 0.9}, {"lr": PS_LR, "momentum": 0.9}),
     "adadelta": ("Adadelta", {"lr": 1.0}, {"name": "torch.optim:Adadelta", "lr": 1.0}),
+    # Adam's eps raised from 1e-8: at the default, a coordinate whose gradient is float
+    # noise moves by ±lr (m / sqrt(v) ≈ ±1), so a rounding difference in the gradient
+    # becomes a visible one in the weights; a hyperparameter the server must take over too
     "adam": (
         "Adam",
-        {"lr": 1e-3, "betas": (0.8, 0.99)},
-        {"name": "torch.optim:Adam", "lr": 1e-3, "kwargs": {"betas": [0.8, 0.99]}},
+        {"lr": 1e-3, "betas": (0.8, 0.99), "eps": 1e-3},
+        {"name": "torch.optim:Adam", "lr": 1e-3, "kwargs": {"betas": [0.8, 0.99], "eps": 1e-3}},
     ),
 }
 
