@@ -21,13 +21,14 @@ import math
 import os
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from distsgd.checks import ConfigError, check_choice, check_float, check_int, fail
+from distsgd.checks import ConfigError, check_bool, check_choice, check_float, check_int, fail
 from distsgd.factories import (
     USER_CODE_FAILURES,
     failure_text,
@@ -106,92 +107,6 @@ class ConfigWarning(UserWarning):
     """Settings that are each allowed but contradict one another (the run still starts)."""
 
 
-@dataclass
-class DataConfig:
-    """The data set: a built-in one by name, or the user's by factory.
-
-    Attributes:
-        dataset: a built-in data set: ``fashion_mnist`` | ``mnist`` (IDX gzip files),
-            ``cifar10`` (python pickle batches) or ``synthetic`` (Gaussian class clusters
-            made in memory, for tests). Ignored when ``factory`` is set.
-        factory: import path ``"package.module:function"`` of the user's data factory,
-            called as ``function(**kwargs)``; it returns ``(train, eval)``, each a
-            map-style ``torch.utils.data.Dataset`` of ``(input, target)`` tensor pairs or a
-            pair of tensors ``(inputs [N, ...], targets [N, ...])``; ``eval`` may be None
-            (the metric is then measured on the training set). A split that is empty or
-            holds NaN or infinity is refused before the run writes anything (every sample
-            of tensors; the first two items of a map-style data set, whose others are
-            read as it trains). "" (default): ``dataset``.
-        kwargs: keyword arguments of ``factory`` (a TOML table ``[data.kwargs]``).
-        collate: import path of the function that makes a batch of a map-style data
-            set's items (list of ``(input, target)`` → ``(inputs, targets)``); "" (default):
-            ``torch.utils.data.default_collate``.
-        root: built-in file data sets: directory holding the files. Empty means the
-            ``DISTSGD_DATA_DIR`` environment variable if set, else the dataset's default
-            directory (``/usr/share/datasets/fashion-mnist`` for Fashion-MNIST).
-        num_train: synthetic only: number of training samples, in [1, 1000000].
-        num_test: synthetic only: number of test samples, in [1, 1000000].
-        noise: synthetic only: standard deviation of the per-sample noise (unitless), in
-            [0, 100].
-    """
-
-    dataset: str = "fashion_mnist"
-    factory: str = ""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    collate: str = ""
-    root: str = ""
-    num_train: int = 2048
-    num_test: int = 512
-    noise: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_choice("data.dataset", self.dataset, DATASETS)
-        check_import_path("data.factory", self.factory)
-        check_kwargs("data.kwargs", self.kwargs)
-        check_import_path("data.collate", self.collate)
-        if not isinstance(self.root, str):
-            fail("data.root", self.root, "a directory path (string)")
-        check_int("data.num_train", self.num_train, 1, 1_000_000)
-        check_int("data.num_test", self.num_test, 1, 1_000_000)
-        check_float("data.noise", self.noise, 0.0, 100.0)
-
-    @property
-    def label(self) -> str:
-        """What the run trains on: the factory's path, else the built-in data set."""
-        return self.factory or self.dataset
-
-
-@dataclass
-class ModelConfig:
-    """The model: a built-in one by name, or the user's by factory.
-
-    Attributes:
-        name: a built-in model (:mod:`distsgd.models`): ``mlp``, ``cnn``, ``lenet`` or
-            ``resnet20``, for images ``[C, H, W]``. Ignored when ``factory`` is set.
-        factory: import path ``"package.module:function"`` of a function (or class) called
-            as ``function(**kwargs)`` that returns a ``torch.nn.Module``; "" (default):
-            ``name``.
-        kwargs: keyword arguments of the factory (a TOML table ``[model.kwargs]``). A
-            built-in model takes ``input_shape`` ``[C, H, W]`` and ``num_classes``; when
-            they are missing the run fills them in from the data (and records them in the
-            run's ``config.toml``).
-    """
-
-    name: str = "cnn"
-    factory: str = ""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        check_choice("model.name", self.name, MODELS)
-        check_import_path("model.factory", self.factory)
-        check_kwargs("model.kwargs", self.kwargs)
-
-    @property
-    def label(self) -> str:
-        """What the run trains: the factory's path, else the built-in model's name."""
-        return self.factory or self.name
-
-
 def check_import_path(setting: str, value: Any) -> None:
     """``value`` must be "" or an import path ``"package.module:function"``.
 
@@ -224,6 +139,137 @@ def _check_toml_value(setting: str, value: Any) -> None:
             _check_toml_value(f"{setting}[{i}]", v)
     elif not isinstance(value, str | int | float | bool):
         fail(setting, value, "a string, number, boolean, list or table")
+
+
+def _number(value: Any) -> bool:
+    """True for a finite int or float (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_kwargs(key: str, kwargs: Any, reserved: tuple[str, ...]) -> None:
+    """``kwargs`` must be a table of keyword arguments (:func:`check_kwargs`) without the
+    ``reserved`` names."""
+    check_kwargs(key, kwargs)
+    taken = [k for k in reserved if k in kwargs]
+    if taken:
+        fail(key, kwargs, f"no {', '.join(repr(k) for k in taken)} key (distsgd passes it)")
+
+
+def _setting(default: Any, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A section's field whose value ``check(setting, value, *args, **kwargs)`` validates
+    (:func:`_check_fields`)."""
+    return field(default=default, metadata={"check": (check, args, kwargs)})
+
+
+def _kwargs(*reserved: str) -> Any:
+    """A field holding a table of keyword arguments without the ``reserved`` names."""
+    return field(default_factory=dict, metadata={"check": (_check_kwargs, (reserved,), {})})
+
+
+def _check_fields(section: Any, name: str) -> None:
+    """Validate each field of the dataclass ``section`` (the table ``[name]``): by its
+    declared check (:func:`_setting`), or, for a ``bool`` field, as true or false.
+
+    Raises:
+        ConfigError: the first field whose value is not allowed, named ``name.field``.
+    """
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if "check" in f.metadata:
+            check, args, kwargs = f.metadata["check"]
+            check(f"{name}.{f.name}", value, *args, **kwargs)
+        elif f.type == "bool":
+            check_bool(f"{name}.{f.name}", value)
+
+
+def _check_str(key: str, value: Any, allowed: str) -> None:
+    """``value`` must be a string; else :class:`ConfigError` naming ``allowed``."""
+    if not isinstance(value, str):
+        fail(key, value, allowed)
+
+
+def _check_range(
+    key: str, value: Any, minimum: float, maximum: float, allowed: str, special: tuple = ()
+) -> None:
+    """``value`` must be a finite number in ``[minimum, maximum]`` or one of ``special``."""
+    if not _number(value) or not (value in special or minimum <= value <= maximum):
+        fail(key, value, allowed)
+
+
+@dataclass
+class DataConfig:
+    """The data set: a built-in one by name, or the user's by factory.
+
+    Attributes:
+        dataset: a built-in data set: ``fashion_mnist`` | ``mnist`` (IDX gzip files),
+            ``cifar10`` (python pickle batches) or ``synthetic`` (Gaussian class clusters
+            made in memory, for tests). Ignored when ``factory`` is set.
+        factory: import path ``"package.module:function"`` of the user's data factory,
+            called as ``function(**kwargs)``; it returns ``(train, eval)``, each a
+            map-style ``torch.utils.data.Dataset`` of ``(input, target)`` tensor pairs or a
+            pair of tensors ``(inputs [N, ...], targets [N, ...])``; ``eval`` may be None
+            (the metric is then measured on the training set). A split that is empty or
+            holds NaN or infinity is refused before the run writes anything (every sample
+            of tensors; the first two items of a map-style data set, whose others are
+            read as it trains). "" (default): ``dataset``.
+        kwargs: keyword arguments of ``factory`` (a TOML table ``[data.kwargs]``).
+        collate: import path of the function that makes a batch of a map-style data
+            set's items (list of ``(input, target)`` → ``(inputs, targets)``); "" (default):
+            ``torch.utils.data.default_collate``.
+        root: built-in file data sets: directory holding the files. Empty means the
+            ``DISTSGD_DATA_DIR`` environment variable if set, else the dataset's default
+            directory (``/usr/share/datasets/fashion-mnist`` for Fashion-MNIST).
+        num_train: synthetic only: number of training samples, in [1, 1000000].
+        num_test: synthetic only: number of test samples, in [1, 1000000].
+        noise: synthetic only: standard deviation of the per-sample noise (unitless), in
+            [0, 100].
+    """
+
+    dataset: str = _setting("fashion_mnist", check_choice, DATASETS)
+    factory: str = _setting("", check_import_path)
+    kwargs: dict[str, Any] = _kwargs()
+    collate: str = _setting("", check_import_path)
+    root: str = _setting("", _check_str, "a directory path (string)")
+    num_train: int = _setting(2048, check_int, 1, 1_000_000)
+    num_test: int = _setting(512, check_int, 1, 1_000_000)
+    noise: float = _setting(1.0, check_float, 0.0, 100.0)
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "data")
+
+    @property
+    def label(self) -> str:
+        """What the run trains on: the factory's path, else the built-in data set."""
+        return self.factory or self.dataset
+
+
+@dataclass
+class ModelConfig:
+    """The model: a built-in one by name, or the user's by factory.
+
+    Attributes:
+        name: a built-in model (:mod:`distsgd.models`): ``mlp``, ``cnn``, ``lenet`` or
+            ``resnet20``, for images ``[C, H, W]``. Ignored when ``factory`` is set.
+        factory: import path ``"package.module:function"`` of a function (or class) called
+            as ``function(**kwargs)`` that returns a ``torch.nn.Module``; "" (default):
+            ``name``.
+        kwargs: keyword arguments of the factory (a TOML table ``[model.kwargs]``). A
+            built-in model takes ``input_shape`` ``[C, H, W]`` and ``num_classes``; when
+            they are missing the run fills them in from the data (and records them in the
+            run's ``config.toml``).
+    """
+
+    name: str = _setting("cnn", check_choice, MODELS)
+    factory: str = _setting("", check_import_path)
+    kwargs: dict[str, Any] = _kwargs()
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "model")
+
+    @property
+    def label(self) -> str:
+        """What the run trains: the factory's path, else the built-in model's name."""
+        return self.factory or self.name
 
 
 @dataclass
@@ -294,40 +340,31 @@ class ProtocolConfig:
             (:mod:`distsgd.runtime.compression`).
     """
 
-    name: str = "hardsync"
-    num_learners: int = 4
-    batch_size: int = 32
-    mode: str = "softsync"
-    softsync: int = 1
-    staleness_lr: str = "none"
-    server_optimizer: str = "sgd"
-    num_groups: int = 1
+    name: str = _setting("hardsync", check_choice, PROTOCOLS)
+    num_learners: int = _setting(4, check_int, 1, 65536)
+    batch_size: int = _setting(32, check_int, 1, 2**20)
+    mode: str = _setting("softsync", check_choice, PS_MODES)
+    softsync: int = _setting(1, check_int, 1, 65536)
+    staleness_lr: str = _setting("none", check_choice, STALENESS_LR)
+    server_optimizer: str = _setting("sgd", check_choice, SERVER_OPTIMIZERS)
+    num_groups: int = _setting(1, check_int, 1, 65536)
     momentum_compensation: bool = False
     replicas_per_device: int | str = 1
-    alpha: float = 0.1
-    central_momentum: float = 0.9
-    average_every: int = 8
-    autotune_threshold: float = 0.10
-    autotune_interval: int = 50
-    autotune_max_replicas: int = 16
-    autotune_rule: str = "crossbow"
+    alpha: float = _setting(0.1, check_float, 0.0, 1.0)
+    central_momentum: float = _setting(0.9, check_float, 0.0, 1.0, max_inclusive=False)
+    average_every: int = _setting(8, check_int, 1, 1_000_000)
+    autotune_threshold: float = _setting(0.10, check_float, 0.0, 10.0, min_inclusive=False)
+    autotune_interval: int = _setting(50, check_int, 1, 1_000_000)
+    autotune_max_replicas: int = _setting(16, check_int, 1, 1024)
+    autotune_rule: str = _setting("crossbow", check_choice, AUTOTUNE_RULES)
     outer_optimizer: str = "sgd"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = _setting(0.7, check_float, 0.0, 10.0, min_inclusive=False)
+    outer_momentum: float = _setting(0.9, check_float, 0.0, 1.0, max_inclusive=False)
     outer_nesterov: bool = True
-    compression: str = "none"
+    compression: str = _setting("none", check_choice, COMPRESSIONS)
 
     def __post_init__(self) -> None:
-        check_choice("protocol.name", self.name, PROTOCOLS)
-        check_int("protocol.num_learners", self.num_learners, 1, 65536)
-        check_int("protocol.batch_size", self.batch_size, 1, 2**20)
-        check_choice("protocol.mode", self.mode, PS_MODES)
-        check_int("protocol.softsync", self.softsync, 1, 65536)
-        check_choice("protocol.staleness_lr", self.staleness_lr, STALENESS_LR)
-        check_choice("protocol.server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
-        check_int("protocol.num_groups", self.num_groups, 1, 65536)
-        if not isinstance(self.momentum_compensation, bool):
-            fail("protocol.momentum_compensation", self.momentum_compensation, "true or false")
+        _check_fields(self, "protocol")
         if self.replicas_per_device != "auto":
             if (
                 not isinstance(self.replicas_per_device, int)
@@ -346,28 +383,12 @@ class ProtocolConfig:
                 f"an integer: 'auto' needs protocol.name {protocols_with('replicated')}, "
                 f"not {self.name!r}",
             )
-        check_float(
-            "protocol.autotune_threshold", self.autotune_threshold, 0.0, 10.0, min_inclusive=False
-        )
-        check_int("protocol.autotune_interval", self.autotune_interval, 1, 1_000_000)
-        check_int("protocol.autotune_max_replicas", self.autotune_max_replicas, 1, 1024)
-        check_choice("protocol.autotune_rule", self.autotune_rule, AUTOTUNE_RULES)
-        check_float("protocol.alpha", self.alpha, 0.0, 1.0)
-        check_float("protocol.central_momentum", self.central_momentum, 0.0, 1.0)
-        if self.central_momentum >= 1.0:
-            fail("protocol.central_momentum", self.central_momentum, "a number in [0, 1)")
-        check_int("protocol.average_every", self.average_every, 1, 1_000_000)
-        check_choice("protocol.compression", self.compression, COMPRESSIONS)
         self._check_outer()
         spec_for(self.name).validate(self)  # λ-dependent rules of the protocol
 
     def _check_outer(self) -> None:
-        """DiLoCo's outer optimizer settings (checked whatever the protocol: a config
-        names a valid value or none)."""
-        check_float("protocol.outer_lr", self.outer_lr, 0.0, 10.0, min_inclusive=False)
-        check_float("protocol.outer_momentum", self.outer_momentum, 0.0, 1.0, max_inclusive=False)
-        if not isinstance(self.outer_nesterov, bool):
-            fail("protocol.outer_nesterov", self.outer_nesterov, "true or false")
+        """DiLoCo's outer optimizer (checked whatever the protocol: a config names a valid
+        value or none)."""
         self._outer_class: type[torch.optim.Optimizer] | None = None
         if self.outer_optimizer == "sgd":
             if self.outer_nesterov and self.outer_momentum == 0:
@@ -377,27 +398,16 @@ class ProtocolConfig:
                     "false when protocol.outer_momentum = 0",
                 )
             return
-        if not isinstance(self.outer_optimizer, str) or ":" not in self.outer_optimizer:
-            fail(
-                "protocol.outer_optimizer",
-                self.outer_optimizer,
-                "'sgd' or an import path 'module:Class' of a torch.optim.Optimizer "
-                "subclass, e.g. 'torch.optim:Adam'",
-            )
-        what = "a torch.optim.Optimizer subclass"
+        key, path = "protocol.outer_optimizer", self.outer_optimizer
         cls = _import_class(
-            "protocol.outer_optimizer", self.outer_optimizer, torch.optim.Optimizer, what
+            key, path, torch.optim.Optimizer, _OPTIMIZER, "'sgd'", "torch.optim:Adam"
         )
         try:
             coordinate_wise = _probe_coordinate_wise(functools.partial(cls, lr=self.outer_lr))
         except USER_CODE_FAILURES as e:  # the user's class may raise anything
-            fail(
-                "protocol.outer_optimizer",
-                self.outer_optimizer,
-                f"an optimizer whose step() updates one flat tensor ({_one_line(e)})",
-            )
+            fail(key, path, f"an optimizer whose step() updates one flat tensor ({_one_line(e)})")
         if not coordinate_wise:
-            fail("protocol.outer_optimizer", self.outer_optimizer, "a coordinate-wise optimizer")
+            fail(key, path, "a coordinate-wise optimizer")
         self._outer_class = cls
 
     def outer_optimizer_factory(self) -> OptimizerFactory | None:
@@ -449,27 +459,28 @@ class ProtocolConfig:
             )
 
 
-def _number(value: Any) -> bool:
-    """True for a finite int or float (not a bool)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _one_line(error: BaseException) -> str:
     """``"Type: message"`` of ``error`` on one line (at most 200 characters)."""
     text = failure_text(error)
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _import_class(key: str, path: Any, base: type, what: str) -> type:
+_OPTIMIZER = "a torch.optim.Optimizer subclass"
+
+
+def _import_class(key: str, path: Any, base: type, what: str, builtin: str, example: str) -> type:
     """The subclass of ``base`` an import path ``"package.module:Name"`` names (``Name``
-    may be dotted).
+    may be dotted); the setting's ``builtin`` values are the caller's.
 
     Raises:
-        ConfigError: ``path`` is not of that form, its module does not import, the module
-            has no such name, or it is not a subclass of ``base``; the message names
-            ``key`` and ``what`` is expected.
+        ConfigError: ``path`` is not of that form (the message offers ``builtin`` and
+            ``example``), its module does not import, the module has no such name, or it
+            is not a subclass of ``base``; the message names ``key`` and ``what`` is
+            expected.
     """
-    module_name, _, attr = path.partition(":") if isinstance(path, str) else ("", "", "")
+    if not isinstance(path, str) or ":" not in path:
+        fail(key, path, f"{builtin} or an import path 'module:Class' of {what}, e.g. {example!r}")
+    module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         fail(key, path, f"an import path 'module:Class' of {what}")
     search_current_directory()
@@ -486,15 +497,6 @@ def _import_class(key: str, path: Any, base: type, what: str) -> type:
         named += "" if isinstance(obj, type) else type(obj).__name__
         fail(key, path, f"an import path of {what} (it names {named})")
     return obj
-
-
-def _check_kwargs(key: str, kwargs: Any, reserved: tuple[str, ...]) -> None:
-    """``kwargs`` must be a table of keyword arguments (:func:`check_kwargs`) without the
-    ``reserved`` names."""
-    check_kwargs(key, kwargs)
-    taken = [k for k in reserved if k in kwargs]
-    if taken:
-        fail(key, kwargs, f"no {', '.join(repr(k) for k in taken)} key (distsgd passes it)")
 
 
 def _accepts_keyword(cls: type, name: str) -> bool:
@@ -569,21 +571,16 @@ class OptimizerConfig:
     """
 
     name: str = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
+    lr: float = _setting(0.05, check_float, 0.0, MAX_LR, min_inclusive=False)
+    momentum: float = _setting(0.9, check_float, 0.0, 1.0, max_inclusive=False)
+    weight_decay: float = _setting(0.0, check_float, 0.0, 10.0)
     nesterov: bool = False
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = _kwargs("lr", "params")
 
     def __post_init__(self) -> None:
-        check_float("optimizer.lr", self.lr, 0.0, MAX_LR, min_inclusive=False)
-        check_float("optimizer.momentum", self.momentum, 0.0, 1.0, max_inclusive=False)
-        check_float("optimizer.weight_decay", self.weight_decay, 0.0, 10.0)
-        if not isinstance(self.nesterov, bool):
-            fail("optimizer.nesterov", self.nesterov, "true or false")
+        _check_fields(self, "optimizer")
         if self.nesterov and self.momentum == 0:
             fail("optimizer.nesterov", self.nesterov, "false when optimizer.momentum = 0")
-        _check_kwargs("optimizer.kwargs", self.kwargs, ("lr", "params"))
         self._class: type[torch.optim.Optimizer] | None = None
         if self.name == "sgd":
             if self.kwargs:
@@ -594,7 +591,14 @@ class OptimizerConfig:
                     "'torch.optim:SGD' to pass keyword arguments)",
                 )
             return
-        self._class = self._resolve_class()
+        self._class = _import_class(
+            "optimizer.name",
+            self.name,
+            torch.optim.Optimizer,
+            _OPTIMIZER,
+            "'sgd'",
+            "torch.optim:AdamW",
+        )
         self._check_sgd_settings()
         make = self.optimizer_factory()
         assert make is not None  # an import path
@@ -614,17 +618,6 @@ class OptimizerConfig:
                 "history): distsgd steps one flat [P] vector or a [λ, P] stack of replicas, "
                 "and this one's update of a row depends on the other rows",
             )
-
-    def _resolve_class(self) -> type[torch.optim.Optimizer]:
-        if not isinstance(self.name, str) or ":" not in self.name:
-            fail(
-                "optimizer.name",
-                self.name,
-                "'sgd' or an import path 'module:Class' of a torch.optim.Optimizer "
-                "subclass, e.g. 'torch.optim:AdamW'",
-            )
-        what = "a torch.optim.Optimizer subclass"
-        return _import_class("optimizer.name", self.name, torch.optim.Optimizer, what)
 
     def _check_sgd_settings(self) -> None:
         """With an import path: refuse the SGD-only settings, map ``weight_decay``."""
@@ -756,14 +749,14 @@ class ScheduleConfig:
     """
 
     kind: str = "constant"
-    warmup_epochs: float = 0.0
+    warmup_epochs: float = _setting(0.0, check_float, 0.0, 1e6)
     decay_epochs: list[float] = field(default_factory=list)
-    decay_factor: float = 0.1
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    steps_per_epoch: float = 1.0
+    decay_factor: float = _setting(0.1, check_float, 0.0, 1.0, min_inclusive=False)
+    kwargs: dict[str, Any] = _kwargs("optimizer")
+    steps_per_epoch: float = _setting(1.0, check_float, 0.0, 1e6, min_inclusive=False)
 
     def __post_init__(self) -> None:
-        check_float("schedule.warmup_epochs", self.warmup_epochs, 0.0, 1e6)
+        _check_fields(self, "schedule")
         if (
             not isinstance(self.decay_epochs, list)
             or any(
@@ -777,9 +770,6 @@ class ScheduleConfig:
                 self.decay_epochs,
                 "an increasing list of epochs in (0, 1000000]",
             )
-        check_float("schedule.decay_factor", self.decay_factor, 0.0, 1.0, min_inclusive=False)
-        check_float("schedule.steps_per_epoch", self.steps_per_epoch, 0.0, 1e6, min_inclusive=False)
-        _check_kwargs("schedule.kwargs", self.kwargs, ("optimizer",))
         self._replay: _SchedulerReplay | None = None
         if self.kind in SCHEDULES:
             if self.kwargs:
@@ -790,14 +780,6 @@ class ScheduleConfig:
                     "torch scheduler named by an import path)",
                 )
             return
-        if not isinstance(self.kind, str) or ":" not in self.kind:
-            fail(
-                "schedule.kind",
-                self.kind,
-                "'constant', 'step' or an import path 'module:Class' of a "
-                "torch.optim.lr_scheduler.LRScheduler subclass, e.g. "
-                "'torch.optim.lr_scheduler:CosineAnnealingLR'",
-            )
         cls = self._resolve_class()
         try:  # build and step it once: keyword arguments the class rejects fail now
             _SchedulerReplay(cls, dict(self.kwargs)).lr(1.0, 2)
@@ -812,7 +794,9 @@ class ScheduleConfig:
     def _resolve_class(self) -> type:
         lr_scheduler = torch.optim.lr_scheduler
         what = "a torch.optim.lr_scheduler.LRScheduler subclass"
-        cls = _import_class("schedule.kind", self.kind, lr_scheduler.LRScheduler, what)
+        example = "torch.optim.lr_scheduler:CosineAnnealingLR"
+        base = lr_scheduler.LRScheduler
+        cls = _import_class("schedule.kind", self.kind, base, what, "'constant', 'step'", example)
         if issubclass(cls, lr_scheduler.ReduceLROnPlateau):
             fail(
                 "schedule.kind",
@@ -892,6 +876,17 @@ class ScheduleConfig:
             f"epoch {step / self.steps_per_epoch:.4g} of the run (schedule.steps_per_epoch = "
             f"{self.steps_per_epoch:g}); expected rates in [0, {MAX_LR:g}]"
         )
+
+
+_CALIBRATED = (
+    _check_range,
+    -math.inf,
+    3600,
+    "a number of seconds in [0, 3600], or -1 to calibrate",
+)
+"""The check of a time in seconds that a negative value asks to calibrate."""
+_BANDWIDTH = (_check_range, 1e-6, 1e6, "0 (infinite) or in [1e-6, 1e6]", (0,))
+"""The check of a bandwidth in Gb/s, 0 for infinite."""
 
 
 @dataclass
@@ -1005,43 +1000,38 @@ class ClusterConfig:
             section explicitly (>= 0) win over the file.
     """
 
-    seconds_per_sample: float = -1.0
-    seconds_per_batch: float = -1.0
-    seconds_per_replica: float = -1.0
-    seconds_per_push: float = -1.0
-    seconds_per_iteration: float = -1.0
-    seconds_per_push_contended: float = 0.0
-    profile: str = ""
+    seconds_per_sample: float = _setting(-1.0, *_CALIBRATED)
+    seconds_per_batch: float = _setting(-1.0, *_CALIBRATED)
+    seconds_per_replica: float = _setting(-1.0, *_CALIBRATED)
+    seconds_per_push: float = _setting(-1.0, *_CALIBRATED)
+    seconds_per_iteration: float = _setting(-1.0, *_CALIBRATED)
+    seconds_per_push_contended: float = _setting(
+        0.0, _check_range, 0, 3600, "a number of seconds in [0, 3600] (0: not measured)"
+    )
+    profile: str = _setting("", _check_str, 'a path of a profile file, or "" to calibrate')
     replica_ratios: list[float] = field(default_factory=list)
     speed_factors: list[float] = field(default_factory=list)
-    jitter: float = 0.1
-    latency_s: float = 50e-6
-    bandwidth_gbps: float = 10.0
-    allreduce_latency_s: float = -1.0
-    allreduce_bandwidth_gbps: float = -1.0
-    cores: int = 0
-    processes_per_host: int = 0
-    local_latency_s: float = 50e-6
-    local_bandwidth_gbps: float = 10.0
+    jitter: float = _setting(0.1, check_float, 0.0, 2.0)
+    latency_s: float = _setting(50e-6, check_float, 0.0, 60.0)
+    bandwidth_gbps: float = _setting(10.0, *_BANDWIDTH)
+    allreduce_latency_s: float = _setting(
+        -1.0, _check_range, 0, 60, "in [0, 60], or -1 for latency_s", (-1,)
+    )
+    allreduce_bandwidth_gbps: float = _setting(
+        -1.0,
+        _check_range,
+        1e-6,
+        1e6,
+        "0 (infinite) or in [1e-6, 1e6], or -1 for bandwidth_gbps",
+        (-1, 0),
+    )
+    cores: int = _setting(0, check_int, 0, 65536)
+    processes_per_host: int = _setting(0, check_int, 0, 4096)
+    local_latency_s: float = _setting(50e-6, check_float, 0.0, 60.0)
+    local_bandwidth_gbps: float = _setting(10.0, *_BANDWIDTH)
 
     def __post_init__(self) -> None:
-        for key in (
-            "seconds_per_sample",
-            "seconds_per_batch",
-            "seconds_per_replica",
-            "seconds_per_push",
-            "seconds_per_iteration",
-        ):
-            v = getattr(self, key)
-            if not _number(v) or not (v < 0 or v <= 3600):
-                fail(f"cluster.{key}", v, "a number of seconds in [0, 3600], or -1 to calibrate")
-        v = self.seconds_per_push_contended
-        if not _number(v) or not 0 <= v <= 3600:
-            fail(
-                "cluster.seconds_per_push_contended",
-                v,
-                "a number of seconds in [0, 3600] (0: not measured)",
-            )
+        _check_fields(self, "cluster")
         rr = self.replica_ratios
         if not isinstance(rr, list) or (
             rr
@@ -1058,35 +1048,6 @@ class ClusterConfig:
         sf = self.speed_factors
         if not isinstance(sf, list) or any(not _number(s) or not 1e-6 <= s <= 1e6 for s in sf):
             fail("cluster.speed_factors", sf, "a list of numbers in [1e-6, 1e6]")
-        check_float("cluster.jitter", self.jitter, 0.0, 2.0)
-        check_float("cluster.latency_s", self.latency_s, 0.0, 60.0)
-        if not _number(self.bandwidth_gbps) or not (
-            self.bandwidth_gbps == 0 or 1e-6 <= self.bandwidth_gbps <= 1e6
-        ):
-            fail("cluster.bandwidth_gbps", self.bandwidth_gbps, "0 (infinite) or in [1e-6, 1e6]")
-        v = self.allreduce_latency_s
-        if not _number(v) or not (v == -1 or 0 <= v <= 60):
-            fail("cluster.allreduce_latency_s", v, "in [0, 60], or -1 for latency_s")
-        v = self.allreduce_bandwidth_gbps
-        if not _number(v) or not (v in (-1, 0) or 1e-6 <= v <= 1e6):
-            fail(
-                "cluster.allreduce_bandwidth_gbps",
-                v,
-                "0 (infinite) or in [1e-6, 1e6], or -1 for bandwidth_gbps",
-            )
-        check_int("cluster.cores", self.cores, 0, 65536)
-        check_int("cluster.processes_per_host", self.processes_per_host, 0, 4096)
-        check_float("cluster.local_latency_s", self.local_latency_s, 0.0, 60.0)
-        if not _number(self.local_bandwidth_gbps) or not (
-            self.local_bandwidth_gbps == 0 or 1e-6 <= self.local_bandwidth_gbps <= 1e6
-        ):
-            fail(
-                "cluster.local_bandwidth_gbps",
-                self.local_bandwidth_gbps,
-                "0 (infinite) or in [1e-6, 1e6]",
-            )
-        if not isinstance(self.profile, str):
-            fail("cluster.profile", self.profile, 'a path of a profile file, or "" to calibrate')
 
     @property
     def needs_calibration(self) -> bool:
@@ -1210,37 +1171,37 @@ class TrainConfig:
 
     loss: str = "cross_entropy"
     metric: str = "accuracy"
-    metric_direction: str = ""
+    metric_direction: str = _setting("", check_choice, ("", "max", "min"))
     target: float = 0.9
-    max_epochs: float = 10.0
-    max_samples: int = 0
-    max_seconds: float = 0.0
-    max_virtual_seconds: float = 0.0
-    eval_every_samples: int = 15000
-    eval_batch_size: int = 128
-    eval_samples: int = 2000
-    bn_recalibration_samples: int = 2048
-    checkpoint_every_evals: int = 1
-    seed: int = 0
-    num_threads: int = 0
-    compile: str = "off"
-    memory_format: str = "auto"
+    max_epochs: float = _setting(10.0, check_float, 0.0, 1e6)
+    max_samples: int = _setting(0, check_int, 0, MAX_COUNT)
+    max_seconds: float = _setting(0.0, check_float, 0.0, 1e9)
+    max_virtual_seconds: float = _setting(0.0, check_float, 0.0, 1e12)
+    eval_every_samples: int = _setting(15000, check_int, 0, MAX_COUNT)
+    eval_batch_size: int = _setting(128, check_int, 1, 2**20)
+    eval_samples: int = _setting(2000, check_int, 0, MAX_COUNT)
+    bn_recalibration_samples: int = _setting(2048, check_int, 1, MAX_COUNT)
+    checkpoint_every_evals: int = _setting(1, check_int, 0, 1_000_000)
+    seed: int = _setting(0, check_int, 0, 2**31 - 1)
+    num_threads: int = _setting(0, check_int, 0, 256)
+    compile: str = _setting("off", check_choice, COMPILE_MODES)
+    memory_format: str = _setting("auto", check_choice, MEMORY_FORMATS)
     stop_at_target: bool = True
     tensorboard: bool = True
-    initial_weights: str = ""
+    initial_weights: str = _setting("", _check_str, 'a file path or ""')
     evaluate: bool = True
     save_eval_weights: bool = False
     device: str = "auto"
-    precision: str = "fp32"
+    precision: str = _setting("fp32", check_choice, PRECISIONS)
 
     def __post_init__(self) -> None:
+        _check_fields(self, "train")
         if self.loss not in LOSSES and not is_import_path(self.loss):
             allowed = ", ".join(repr(x) for x in LOSSES)
             fail("train.loss", self.loss, f'{allowed} or an import path "module:function"')
         if self.metric not in METRICS and not is_import_path(self.metric):
             allowed = ", ".join(repr(x) for x in METRICS)
             fail("train.metric", self.metric, f'{allowed} or an import path "module:function"')
-        check_choice("train.metric_direction", self.metric_direction, ("", "max", "min"))
         if self.metric in METRICS and self.metric_direction not in ("", METRICS[self.metric]):
             fail(
                 "train.metric_direction",
@@ -1264,10 +1225,6 @@ class TrainConfig:
             check_float("train.target", self.target, 0.0, 1.0)
         else:
             check_float("train.target", self.target, -1e12, 1e12)
-        check_float("train.max_epochs", self.max_epochs, 0.0, 1e6)
-        check_int("train.max_samples", self.max_samples, 0, MAX_COUNT)
-        check_float("train.max_seconds", self.max_seconds, 0.0, 1e9)
-        check_float("train.max_virtual_seconds", self.max_virtual_seconds, 0.0, 1e12)
         if (
             self.max_epochs == 0
             and self.max_samples == 0
@@ -1280,27 +1237,8 @@ class TrainConfig:
                 self.max_epochs,
                 "a budget > 0 (max_epochs, max_samples or max_seconds) when no target stops the run",
             )
-        check_int("train.eval_every_samples", self.eval_every_samples, 0, MAX_COUNT)
-        check_int("train.eval_batch_size", self.eval_batch_size, 1, 2**20)
-        check_int("train.eval_samples", self.eval_samples, 0, MAX_COUNT)
-        check_int("train.bn_recalibration_samples", self.bn_recalibration_samples, 1, MAX_COUNT)
-        check_int("train.checkpoint_every_evals", self.checkpoint_every_evals, 0, 1_000_000)
-        check_int("train.seed", self.seed, 0, 2**31 - 1)
-        check_int("train.num_threads", self.num_threads, 0, 256)
-        check_choice("train.compile", self.compile, COMPILE_MODES)
-        check_choice("train.memory_format", self.memory_format, MEMORY_FORMATS)
-        if not isinstance(self.stop_at_target, bool):
-            fail("train.stop_at_target", self.stop_at_target, "true or false")
-        if not isinstance(self.tensorboard, bool):
-            fail("train.tensorboard", self.tensorboard, "true or false")
-        if not isinstance(self.initial_weights, str):
-            fail("train.initial_weights", self.initial_weights, 'a file path or ""')
-        for key in ("evaluate", "save_eval_weights"):
-            if not isinstance(getattr(self, key), bool):
-                fail(f"train.{key}", getattr(self, key), "true or false")
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
             fail("train.device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
-        check_choice("train.precision", self.precision, PRECISIONS)
 
 
 @dataclass
@@ -1345,21 +1283,17 @@ class DistConfig:
             parameters (Rudra-adv sharding); ``parameter_server`` / ``compute_groups`` only.
     """
 
-    num_processes: int = 0
-    backend: str = "auto"
+    num_processes: int = _setting(0, check_int, 0, 4096)
+    backend: str = _setting("auto", check_choice, DIST_BACKENDS)
     master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    timeout_s: float = 30.0
-    num_servers: int = 1
+    master_port: int = _setting(0, check_int, 0, 65535)
+    timeout_s: float = _setting(30.0, check_float, 1.0, 3600.0)
+    num_servers: int = _setting(1, check_int, 1, 64)
 
     def __post_init__(self) -> None:
-        check_int("dist.num_processes", self.num_processes, 0, 4096)
-        check_choice("dist.backend", self.backend, DIST_BACKENDS)
+        _check_fields(self, "dist")
         if not isinstance(self.master_addr, str) or not self.master_addr:
             fail("dist.master_addr", self.master_addr, "a host name or IP address")
-        check_int("dist.master_port", self.master_port, 0, 65535)
-        check_float("dist.timeout_s", self.timeout_s, 1.0, 3600.0)
-        check_int("dist.num_servers", self.num_servers, 1, 64)
 
 
 def _cuda_available() -> str:
@@ -1672,28 +1606,23 @@ class TuneSearchSettings:
             in [0, 1e12].
     """
 
-    probe_seconds: float = 2.0
-    score_window: int = 10
+    probe_seconds: float = _setting(2.0, check_float, 0.0, 1e5, min_inclusive=False)
+    score_window: int = _setting(10, check_int, 1, 1_000_000)
     lrs: list[float] = field(default_factory=lambda: [0.1, 0.01, 0.001, 0.0001])
     momenta: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.6, 0.9])
-    cold_momentum: float = 0.9
-    max_groups: int = 0
-    tie_buffer: float = 0.01
-    he_gain: float = 0.1
+    cold_momentum: float = _setting(0.9, check_float, 0.0, 0.99)
+    max_groups: int = _setting(0, check_int, 0, 65536)
+    tie_buffer: float = _setting(0.01, check_float, 0.0, 1.0)
+    he_gain: float = _setting(0.1, check_float, 0.0, 1.0)
     families: list[str] = field(default_factory=lambda: list(TUNE_FAMILIES))
     batch_sizes: list[int] = field(default_factory=lambda: [16, 32, 64])
-    extra_probes: int = 3
-    noise_scale: float = 0.0
+    extra_probes: int = _setting(3, check_int, 0, 1000)
+    noise_scale: float = _setting(0.0, check_float, 0.0, 1e12)
 
     def __post_init__(self) -> None:
-        check_float("tune.probe_seconds", self.probe_seconds, 0.0, 1e5, min_inclusive=False)
-        check_int("tune.score_window", self.score_window, 1, 1_000_000)
+        _check_fields(self, "tune")  # the fields of the subclasses too
         _check_list("tune.lrs", self.lrs, float, 1e-8, 10.0)
         _check_list("tune.momenta", self.momenta, float, 0.0, 0.99)
-        check_float("tune.cold_momentum", self.cold_momentum, 0.0, 0.99)
-        check_int("tune.max_groups", self.max_groups, 0, 65536)
-        check_float("tune.tie_buffer", self.tie_buffer, 0.0, 1.0)
-        check_float("tune.he_gain", self.he_gain, 0.0, 1.0)
         if (
             not isinstance(self.families, list)
             or not self.families
@@ -1703,8 +1632,6 @@ class TuneSearchSettings:
                 "tune.families", self.families, "a non-empty list from " + ", ".join(TUNE_FAMILIES)
             )
         _check_list("tune.batch_sizes", self.batch_sizes, int, 1, 65536)
-        check_int("tune.extra_probes", self.extra_probes, 0, 1000)
-        check_float("tune.noise_scale", self.noise_scale, 0.0, 1e12)
 
 
 @dataclass
@@ -1730,15 +1657,13 @@ class OfflineTuneSettings(TuneSearchSettings):
     """
 
     READ_BY: ClassVar[str] = "``distsgd tune``"
-    budget_s: float = 600.0
-    segment_fraction: float = 0.35
-    step_points: int = 3
-    step_margin: float = 0.03
+    budget_s: float = _setting(600.0, check_float, 0.0, 1e7, min_inclusive=False)
+    segment_fraction: float = _setting(0.35, check_float, 0.0, 0.9)
+    step_points: int = _setting(3, check_int, 0, 20)
+    step_margin: float = _setting(0.03, check_float, 0.0, 1.0, min_inclusive=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_float("tune.budget_s", self.budget_s, 0.0, 1e7, min_inclusive=False)
-        check_float("tune.segment_fraction", self.segment_fraction, 0.0, 0.9)
         if self.segment_fraction >= 1 - TUNE_STEADY_SHARE:
             fail(
                 "tune.segment_fraction",
@@ -1746,8 +1671,6 @@ class OfflineTuneSettings(TuneSearchSettings):
                 f"a number >= 0 and < {1 - TUNE_STEADY_SHARE:g} (steady state takes "
                 f"{TUNE_STEADY_SHARE:g} of the budget; the search needs a positive share)",
             )
-        check_int("tune.step_points", self.step_points, 0, 20)
-        check_float("tune.step_margin", self.step_margin, 0.0, 1.0, min_inclusive=False)
 
 
 @dataclass
@@ -1788,19 +1711,11 @@ class OnlineTuneSettings(TuneSearchSettings):
     """
 
     READ_BY: ClassVar[str] = "``distsgd train --tune``"
-    first_rung: float = 0.5
-    promote: int = 1
-    steady_promote: int = 1
-    steady_rounds: int = 2
-    check_epochs: float = 0.25
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_float("tune.first_rung", self.first_rung, 0.0, 1.0, min_inclusive=False)
-        check_int("tune.promote", self.promote, 1, 1000)
-        check_int("tune.steady_promote", self.steady_promote, 1, 1000)
-        check_int("tune.steady_rounds", self.steady_rounds, 0, 20)
-        check_float("tune.check_epochs", self.check_epochs, 0.0, 100.0, min_inclusive=False)
+    first_rung: float = _setting(0.5, check_float, 0.0, 1.0, min_inclusive=False)
+    promote: int = _setting(1, check_int, 1, 1000)
+    steady_promote: int = _setting(1, check_int, 1, 1000)
+    steady_rounds: int = _setting(2, check_int, 0, 20)
+    check_epochs: float = _setting(0.25, check_float, 0.0, 100.0, min_inclusive=False)
 
 
 @dataclass
