@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import json
 import math
 import os
 import re
@@ -2010,28 +2011,10 @@ _RENAMED: dict[tuple[str, str], str] = {("train", "target_accuracy"): "target"}
 """Settings read under their former names (config.toml of runs written before the rename)."""
 
 
-_TOML_ESCAPES = {
-    '"': '\\"',
-    "\\": "\\\\",
-    "\b": "\\b",
-    "\t": "\\t",
-    "\n": "\\n",
-    "\f": "\\f",
-    "\r": "\\r",
-}
-
-
 def _toml_string(text: str) -> str:
-    """A TOML basic string: quotes, backslashes and control characters escaped."""
-    out = []
-    for ch in text:
-        if ch in _TOML_ESCAPES:
-            out.append(_TOML_ESCAPES[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04X}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
+    """A TOML basic string: JSON's escapes of quotes, backslashes and control characters
+    are TOML's too; DEL, which JSON leaves as it is, is escaped as TOML requires."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007F")
 
 
 def _toml_key(key: str) -> str:
