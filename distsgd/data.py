@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import TensorDataset, default_collate
 
-from distsgd.checks import ConfigError
+from distsgd.checks import ConfigError, check_int
 from distsgd.config import DataConfig
 from distsgd.factories import USER_CODE_FAILURES, failure_text, resolve_callable
 
@@ -133,7 +133,7 @@ class Split:
     ) -> Iterator[tuple[Tensor, Tensor]]:
         """Consecutive batches of ``batch_size`` samples covering ``[start, stop)`` once
         (the last one holds the rest)."""
-        _check_count("train.eval_batch_size", batch_size, 1)
+        check_int("train.eval_batch_size", batch_size, 1)
         stop = self.num_samples if stop is None else stop
         for lo in range(start, stop, batch_size):
             yield self.batch(torch.arange(lo, min(lo + batch_size, stop)))
@@ -833,11 +833,6 @@ def _load_synthetic(num_train: int, num_test: int, noise: float, seed: int) -> D
 # ---- sharding ------------------------------------------------------------------------------
 
 
-def _check_count(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} = {value!r} is not allowed: expected an integer >= {minimum}")
-
-
 class ShardedSampler:
     """Disjoint per-learner minibatches from a fresh seeded permutation every epoch.
 
@@ -868,10 +863,10 @@ class ShardedSampler:
     _CACHED_EPOCHS = 2
 
     def __init__(self, num_samples: int, num_learners: int, batch_size: int, seed: int) -> None:
-        _check_count("num_samples", num_samples, 1)
-        _check_count("protocol.num_learners", num_learners, 1)
-        _check_count("protocol.batch_size", batch_size, 1)
-        _check_count("seed", seed, 0)
+        check_int("num_samples", num_samples, 1)
+        check_int("protocol.num_learners", num_learners, 1)
+        check_int("protocol.batch_size", batch_size, 1)
+        check_int("seed", seed, 0)
         self.num_samples = num_samples
         self.num_learners = num_learners
         self.batch_size = batch_size
@@ -901,7 +896,7 @@ class ShardedSampler:
         Raises:
             ValueError: ``epoch`` is negative.
         """
-        _check_count("epoch", epoch, 0)
+        check_int("epoch", epoch, 0)
         perm = self._perms.get(epoch)
         if perm is not None:
             self._perms.move_to_end(epoch)
@@ -999,7 +994,7 @@ def iter_eval_batches(x: Tensor, y: Tensor, batch_size: int) -> Iterator[tuple[T
     Raises:
         ValueError: ``batch_size`` < 1 or ``x`` and ``y`` differ in length.
     """
-    _check_count("train.eval_batch_size", batch_size, 1)
+    check_int("train.eval_batch_size", batch_size, 1)
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"{x.shape[0]} inputs but {y.shape[0]} labels")
     return _slices(x, y, batch_size)
