@@ -245,11 +245,6 @@ class Metric:
         """True when ``a`` is strictly better than ``b``."""
         return a > b if self.direction == "max" else a < b
 
-    @property
-    def worst(self) -> float:
-        """A value every metric value improves on."""
-        return -math.inf if self.direction == "max" else math.inf
-
 
 def reached(value: float, target: float, direction: str) -> bool:
     """Whether ``value`` reaches ``target`` (``>=`` for ``max``, ``<=`` for ``min``);
