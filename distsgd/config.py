@@ -108,6 +108,13 @@ class ConfigWarning(UserWarning):
     """Settings that are each allowed but contradict one another (the run still starts)."""
 
 
+def _check_builtin_or_path(setting: str, value: Any, builtin: tuple[str, ...]) -> None:
+    """``value`` must be one of ``builtin`` or an import path ``"module:function"``."""
+    if value not in builtin and not is_import_path(value):
+        allowed = ", ".join(repr(x) for x in builtin)
+        fail(setting, value, f'{allowed} or an import path "module:function"')
+
+
 def check_import_path(setting: str, value: Any) -> None:
     """``value`` must be "" or an import path ``"package.module:function"``.
 
@@ -118,15 +125,19 @@ def check_import_path(setting: str, value: Any) -> None:
         fail(setting, value, '"" or an import path "package.module:function"')
 
 
-def check_kwargs(setting: str, value: Any) -> None:
-    """``value`` must be a table of keyword arguments (identifier keys) whose values TOML
-    can hold (``config.toml`` records them): strings, numbers, booleans, lists, tables."""
+def _check_kwargs(setting: str, value: Any, reserved: tuple[str, ...]) -> None:
+    """``value`` must be a table of keyword arguments (identifier keys, none of them
+    ``reserved``) whose values TOML can hold (``config.toml`` records them): strings,
+    numbers, booleans, lists, tables."""
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and k.isidentifier() for k in value
     ):
         fail(setting, value, "a table of keyword arguments, e.g. [" + setting + "] hidden = 64")
     for key, v in value.items():
         _check_toml_value(f"{setting}.{key}", v)
+    taken = [k for k in reserved if k in value]
+    if taken:
+        fail(setting, value, f"no {', '.join(repr(k) for k in taken)} key (distsgd passes it)")
 
 
 def _check_toml_value(setting: str, value: Any) -> None:
@@ -145,15 +156,6 @@ def _check_toml_value(setting: str, value: Any) -> None:
 def _number(value: Any) -> bool:
     """True for a finite int or float (not a bool)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_kwargs(key: str, kwargs: Any, reserved: tuple[str, ...]) -> None:
-    """``kwargs`` must be a table of keyword arguments (:func:`check_kwargs`) without the
-    ``reserved`` names."""
-    check_kwargs(key, kwargs)
-    taken = [k for k in reserved if k in kwargs]
-    if taken:
-        fail(key, kwargs, f"no {', '.join(repr(k) for k in taken)} key (distsgd passes it)")
 
 
 def _setting(default: Any, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -1170,8 +1172,8 @@ class TrainConfig:
             Evaluation runs in float32.
     """
 
-    loss: str = "cross_entropy"
-    metric: str = "accuracy"
+    loss: str = _setting("cross_entropy", _check_builtin_or_path, LOSSES)
+    metric: str = _setting("accuracy", _check_builtin_or_path, tuple(METRICS))
     metric_direction: str = _setting("", check_choice, ("", "max", "min"))
     target: float = 0.9
     max_epochs: float = _setting(10.0, check_float, 0.0, 1e6)
@@ -1197,12 +1199,6 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self, "train")
-        if self.loss not in LOSSES and not is_import_path(self.loss):
-            allowed = ", ".join(repr(x) for x in LOSSES)
-            fail("train.loss", self.loss, f'{allowed} or an import path "module:function"')
-        if self.metric not in METRICS and not is_import_path(self.metric):
-            allowed = ", ".join(repr(x) for x in METRICS)
-            fail("train.metric", self.metric, f'{allowed} or an import path "module:function"')
         if self.metric in METRICS and self.metric_direction not in ("", METRICS[self.metric]):
             fail(
                 "train.metric_direction",
@@ -1448,6 +1444,19 @@ def check_local_processes(cfg: RunConfig) -> LocalRanks:
     )
 
 
+def _epoch_budgets(t: TrainConfig, num_train: int) -> list[tuple[float, str]]:
+    """The run's budgets in epochs, each with the setting that sets it: ``max_epochs``,
+    and ``max_samples`` where the training set's size is known (``num_train`` > 0)."""
+    budgets = []
+    if t.max_epochs > 0:
+        budgets.append((t.max_epochs, f"train.max_epochs = {t.max_epochs}"))
+    if t.max_samples > 0 and num_train > 0:  # 0: the user's data, unknown until loaded
+        epochs = t.max_samples / num_train
+        samples = f"{epochs:.3g} epochs of {num_train} samples"
+        budgets.append((epochs, f"train.max_samples = {t.max_samples} ({samples})"))
+    return budgets
+
+
 def schedule_conflicts(cfg: RunConfig) -> list[str]:
     """Schedule settings the run's epoch budget contradicts, one message each (empty when
     none): a warm-up as long as the budget (the whole run at warm-up rates), a step decay
@@ -1455,19 +1464,9 @@ def schedule_conflicts(cfg: RunConfig) -> list[str]:
     evaluated model θ never moves). The budget is the smaller of ``train.max_epochs`` and
     ``train.max_samples`` (in epochs of the dataset); none when both are 0.
     """
-    t, sched = cfg.train, cfg.schedule
+    sched = cfg.schedule
     num_train, _ = _train_size_and_floats(cfg.data)
-    budgets = []
-    if t.max_epochs > 0:
-        budgets.append((t.max_epochs, f"train.max_epochs = {t.max_epochs}"))
-    if t.max_samples > 0 and num_train > 0:  # 0: the user's data, unknown until loaded
-        epochs = t.max_samples / num_train
-        budgets.append(
-            (
-                epochs,
-                f"train.max_samples = {t.max_samples} ({epochs:.3g} epochs of {num_train} samples)",
-            )
-        )
+    budgets = _epoch_budgets(cfg.train, num_train)
     if not budgets:
         return []
     budget, which = min(budgets)
@@ -1507,12 +1506,9 @@ def check_schedule(cfg: RunConfig, num_train: int | None = None) -> None:
     Raises:
         ConfigError: see :meth:`ScheduleConfig.check_rates`.
     """
-    t = cfg.train
     n = num_train if num_train is not None else _train_size_and_floats(cfg.data)[0]
-    budgets = [t.max_epochs] if t.max_epochs > 0 else []
-    if t.max_samples > 0 and n > 0:
-        budgets.append(t.max_samples / n)
-    cfg.schedule.check_rates(cfg.optimizer.lr, min(budgets) if budgets else math.inf)
+    budgets = _epoch_budgets(cfg.train, n)
+    cfg.schedule.check_rates(cfg.optimizer.lr, min(budgets)[0] if budgets else math.inf)
 
 
 def fit_layout(
