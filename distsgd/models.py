@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from distsgd.checks import ConfigError
+from distsgd.checks import ConfigError, check_choice, check_int
 from distsgd.config import MODELS, ModelConfig
 from distsgd.factories import USER_CODE_FAILURES, failure_text, resolve_callable
 
@@ -246,14 +246,9 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
             malformed ``input_shape``, images too small for the model's two 2× poolings,
             or ``num_classes`` < 1.
     """
-    if name not in _CLASSES:
-        raise ValueError(
-            f"model.name = {name!r} is not allowed: expected one of "
-            + ", ".join(repr(m) for m in MODELS)
-        )
+    check_choice("model.name", name, MODELS)
     _check_input_shape(input_shape, _MIN_SIDE[name], name)
-    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
-        raise ValueError(f"num_classes = {num_classes!r} is not allowed: expected an integer >= 1")
+    check_int("num_classes", num_classes, 1)
     return _CLASSES[name](tuple(input_shape), num_classes)
 
 
