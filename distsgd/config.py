@@ -783,7 +783,21 @@ class ScheduleConfig:
                     "torch scheduler named by an import path)",
                 )
             return
-        cls = self._resolve_class()
+        cls = _import_class(
+            "schedule.kind",
+            self.kind,
+            torch.optim.lr_scheduler.LRScheduler,
+            "a torch.optim.lr_scheduler.LRScheduler subclass",
+            "'constant', 'step'",
+            "torch.optim.lr_scheduler:CosineAnnealingLR",
+        )
+        if issubclass(cls, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            fail(
+                "schedule.kind",
+                self.kind,
+                "a scheduler whose step() takes no metric (distsgd needs the rate as a "
+                "function of training progress; ReduceLROnPlateau's follows a metric)",
+            )
         try:  # build and step it once: keyword arguments the class rejects fail now
             _SchedulerReplay(cls, dict(self.kwargs)).lr(1.0, 2)
         except USER_CODE_FAILURES as e:  # the user's class may raise anything
@@ -793,21 +807,6 @@ class ScheduleConfig:
                 f"steps without arguments ({_one_line(e)})"
             ) from None
         self._replay = _SchedulerReplay(cls, dict(self.kwargs))
-
-    def _resolve_class(self) -> type:
-        lr_scheduler = torch.optim.lr_scheduler
-        what = "a torch.optim.lr_scheduler.LRScheduler subclass"
-        example = "torch.optim.lr_scheduler:CosineAnnealingLR"
-        base = lr_scheduler.LRScheduler
-        cls = _import_class("schedule.kind", self.kind, base, what, "'constant', 'step'", example)
-        if issubclass(cls, lr_scheduler.ReduceLROnPlateau):
-            fail(
-                "schedule.kind",
-                self.kind,
-                "a scheduler whose step() takes no metric (distsgd needs the rate as a "
-                "function of training progress; ReduceLROnPlateau's follows a metric)",
-            )
-        return cls
 
     def scheduler_steps(self, epoch: float) -> int:
         """Scheduler steps taken by ``epoch``: ``⌊epoch · steps_per_epoch + 1e-9⌋``."""

@@ -89,8 +89,15 @@ def _allowed_from_call(call: ast.Call, namespace: dict[str, Any]) -> tuple[str, 
         return None
     args = [_value(a, namespace) for a in call.args[2:]]
     kw = {k.arg: _value(k.value, namespace) for k in call.keywords}
+    allowed = _allowed(func, args, kw)
+    return None if allowed is None else (key, allowed)
+
+
+def _allowed(func: str, args: list[Any], kw: dict[str, Any]) -> str | None:
+    """The allowed values that the check ``func`` with arguments ``args`` and ``kw``
+    (after the setting and its value) states."""
     if func == "check_choice" and args and args[0] is not None:
-        return key, "one of " + ", ".join(f"`{c}`" for c in args[0])
+        return "one of " + ", ".join(f"`{c}`" for c in args[0])
     if func in ("check_int", "check_float", "_check_list") and args:
         if func == "_check_list":
             kind = getattr(args[0], "__name__", "value") if args else "value"
@@ -107,12 +114,17 @@ def _allowed_from_call(call: ast.Call, namespace: dict[str, Any]) -> tuple[str, 
             rng = ("≥ " if lo_br == "[" else "> ") + _number(lo)
         else:
             rng = f"{lo_br}{_number(lo)}, {_number(hi)}{hi_br}"
-        return key, (f"list of {kind}s, each {rng}" if func == "_check_list" else f"{kind} {rng}")
+        return f"list of {kind}s, each {rng}" if func == "_check_list" else f"{kind} {rng}"
     if func in ("check_import_path",):
-        return key, '`""` or an import path `"package.module:function"`'
-    if func == "fail" and len(call.args) > 2:
-        allowed = _value(call.args[2], namespace)
-        return (key, str(allowed)) if isinstance(allowed, str) else None
+        return '`""` or an import path `"package.module:function"`'
+    if func == "_import_class" and len(args) == 4 and all(isinstance(a, str) for a in args[1:]):
+        _, what, builtin, example = args
+        return f"{builtin} or an import path 'module:Class' of {what}, e.g. {example!r}"
+    if func == "_check_builtin_or_path" and args:
+        return ", ".join(f"`{c}`" for c in args[0]) + ' or an import path `"module:function"`'
+    allowed = {"fail": 0, "_check_str": 0, "_check_range": 2}.get(func)
+    if allowed is not None and len(args) > allowed and isinstance(args[allowed], str):
+        return args[allowed]
     return None
 
 
@@ -127,11 +139,25 @@ def allowed_values(cls: type, namespace: dict[str, Any]) -> dict[str, str]:
 
 
 def _own_allowed_values(cls: type, namespace: dict[str, Any]) -> dict[str, str]:
+    """The checks declared on the fields of ``cls`` (``metadata["check"]``), then those
+    called in its ``__post_init__``."""
+    out: dict[str, str] = {}
+    sections = namespace.get("_SECTIONS", {}).items()
+    section = next((name for name, c in sections if issubclass(c, cls)), "")
+    for f in dataclasses.fields(cls):
+        if "check" in f.metadata:
+            check, args, kw = f.metadata["check"]
+            allowed = _allowed(check.__name__, list(args), kw)
+        elif f.type == "bool":
+            allowed = "`true` or `false`"
+        else:
+            continue
+        if allowed is not None:
+            out[f"{section}.{f.name}" if section else f.name] = allowed
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
-        return {}
-    out: dict[str, str] = {}
+        return out
 
     def visit(node: ast.AST, names: dict[str, Any]) -> None:
         if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
