@@ -3,7 +3,8 @@ built (an mkdocs hook).
 
 Every field of :class:`distsgd.config.RunConfig` and of its sections becomes one row: the
 dotted key, its default (from the dataclass), what values are allowed (read from the
-``check_*`` / ``fail`` calls of the section's ``__post_init__``) and its description
+check declared on the field, ``metadata["check"]``, and from the ``check_*`` / ``fail``
+calls of the section's ``__post_init__``) and its description
 (the ``Attributes:`` entry of the section's docstring, where units and special values
 are stated). ``docs/reference/settings.md`` holds the marker this hook replaces;
 ``docs/reference/cli.md`` holds the one replaced by every command's ``--help``.
@@ -129,8 +130,8 @@ def _allowed(func: str, args: list[Any], kw: dict[str, Any]) -> str | None:
 
 
 def allowed_values(cls: type, namespace: dict[str, Any]) -> dict[str, str]:
-    """Dotted key → allowed values, from the checks in the ``__post_init__`` of ``cls``
-    and of its dataclass bases."""
+    """Dotted key → allowed values, from the checks of ``cls`` and of its dataclass
+    bases (:func:`_own_allowed_values`)."""
     out: dict[str, str] = {}
     for base in cls.__mro__:
         if dataclasses.is_dataclass(base):
