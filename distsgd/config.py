@@ -160,8 +160,11 @@ def _number(value: Any) -> bool:
 
 def _setting(default: Any, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """A section's field whose value ``check(setting, value, *args, **kwargs)`` validates
-    (:func:`_check_fields`)."""
-    return field(default=default, metadata={"check": (check, args, kwargs)})
+    (:func:`_check_fields`); a list ``default`` is copied for each instance."""
+    metadata = {"check": (check, args, kwargs)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def _kwargs(*reserved: str) -> Any:
@@ -1604,21 +1607,19 @@ class TuneSearchSettings:
 
     probe_seconds: float = _setting(2.0, check_float, 0.0, 1e5, min_inclusive=False)
     score_window: int = _setting(10, check_int, 1, 1_000_000)
-    lrs: list[float] = field(default_factory=lambda: [0.1, 0.01, 0.001, 0.0001])
-    momenta: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.6, 0.9])
+    lrs: list[float] = _setting([0.1, 0.01, 0.001, 0.0001], _check_list, float, 1e-8, 10.0)
+    momenta: list[float] = _setting([0.0, 0.3, 0.6, 0.9], _check_list, float, 0.0, 0.99)
     cold_momentum: float = _setting(0.9, check_float, 0.0, 0.99)
     max_groups: int = _setting(0, check_int, 0, 65536)
     tie_buffer: float = _setting(0.01, check_float, 0.0, 1.0)
     he_gain: float = _setting(0.1, check_float, 0.0, 1.0)
     families: list[str] = field(default_factory=lambda: list(TUNE_FAMILIES))
-    batch_sizes: list[int] = field(default_factory=lambda: [16, 32, 64])
+    batch_sizes: list[int] = _setting([16, 32, 64], _check_list, int, 1, 65536)
     extra_probes: int = _setting(3, check_int, 0, 1000)
     noise_scale: float = _setting(0.0, check_float, 0.0, 1e12)
 
     def __post_init__(self) -> None:
         _check_fields(self, "tune")  # the fields of the subclasses too
-        _check_list("tune.lrs", self.lrs, float, 1e-8, 10.0)
-        _check_list("tune.momenta", self.momenta, float, 0.0, 0.99)
         if (
             not isinstance(self.families, list)
             or not self.families
@@ -1627,7 +1628,6 @@ class TuneSearchSettings:
             fail(
                 "tune.families", self.families, "a non-empty list from " + ", ".join(TUNE_FAMILIES)
             )
-        _check_list("tune.batch_sizes", self.batch_sizes, int, 1, 65536)
 
 
 @dataclass
