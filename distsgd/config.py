@@ -184,7 +184,7 @@ def _check_fields(section: Any, name: str) -> None:
         if "check" in f.metadata:
             check, args, kwargs = f.metadata["check"]
             check(f"{name}.{f.name}", value, *args, **kwargs)
-        elif f.type == "bool":
+        elif f.type in ("bool", bool):
             check_bool(f"{name}.{f.name}", value)
 
 

@@ -149,7 +149,7 @@ def _own_allowed_values(cls: type, namespace: dict[str, Any]) -> dict[str, str]:
         if "check" in f.metadata:
             check, args, kw = f.metadata["check"]
             allowed = _allowed(check.__name__, list(args), kw)
-        elif f.type == "bool":
+        elif f.type in ("bool", bool):
             allowed = "`true` or `false`"
         else:
             continue
