@@ -526,7 +526,8 @@ class RankPool:
         first_done: list[float] = []
 
         def done() -> bool:
-            finished = [_finished(outcome(r)) for r in range(self.num_processes)]
+            # each rank's outcome file says whether it finished its part of the run
+            finished = [_read(outcome(r)).get("kind") == "done" for r in range(self.num_processes)]
             if all(f or r in watch.lost for r, f in enumerate(finished)):
                 return True
             if watch.lost or not any(finished):
@@ -574,11 +575,6 @@ def _read(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return found if isinstance(found, dict) else {}
-
-
-def _finished(path: Path) -> bool:
-    """Whether a rank's outcome file says it finished its part of the run."""
-    return _read(path).get("kind") == "done"
 
 
 def _outcome(
