@@ -87,7 +87,7 @@ from distsgd.runtime.base import Tick, TrainingDiverged
 from distsgd.runtime.factory import runtime_kind
 from distsgd.runtime.faults import RankFaults
 
-__all__ = ["Trainer", "CHECKPOINT_FORMAT"]
+__all__ = ["Trainer", "CHECKPOINT_FORMAT", "BothObservers"]
 
 CHECKPOINT_FORMAT = 1
 # what a checkpoint written by distsgd holds at the top level, and the type of each entry
@@ -697,7 +697,7 @@ class Trainer:
         recorder = None
         if self.options.record:
             recorder = RunRecorder(self.out_dir, resume=resume, samples=self.runtime.samples)
-            self.observer = _Both(self.observer, recorder)
+            self.observer = BothObservers(self.observer, recorder)
         completed = False
         try:
             summary = self._loop(metrics, resumed=resume)
@@ -1048,7 +1048,7 @@ def _set_cuda_rng_state(device: torch.device, state: torch.Tensor | None) -> Non
         torch.cuda.set_rng_state(state, device)
 
 
-class _Both(RunObserver):
+class BothObservers(RunObserver):
     """Two observers, each hearing every event in order."""
 
     def __init__(self, first: RunObserver, second: RunObserver) -> None:

@@ -46,7 +46,7 @@ from distsgd.control import (
 from distsgd.engine import UserCode
 from distsgd.metrics import load_checked, save_checked
 from distsgd.runtime.sim import TrainingDiverged
-from distsgd.trainer import Trainer
+from distsgd.trainer import BothObservers, Trainer
 from distsgd.tuner.omnivore import Candidate, ProbeResult
 
 __all__ = [
@@ -274,20 +274,12 @@ class RunEnd:
 
 
 class _LastModel(RunObserver):
-    """Passes every event on to ``then``, keeping the last evaluated model."""
+    """Keeps the last evaluated model."""
 
-    def __init__(self, then: RunObserver) -> None:
-        self.then, self.weights = then, None
-
-    def on_losses(self, point: LossPoint) -> None:
-        self.then.on_losses(point)
+    weights: torch.Tensor | None = None
 
     def on_evaluation(self, record: dict[str, Any], weights: torch.Tensor) -> None:
         self.weights = weights.detach().clone()
-        self.then.on_evaluation(record, weights)
-
-    def on_steady_check(self, check: dict[str, Any]) -> None:
-        self.then.on_steady_check(check)
 
 
 class ProbeRunner:
@@ -350,7 +342,7 @@ class ProbeRunner:
             ConfigError / KeyboardInterrupt: as for any run.
         """
         diverged, notes = False, []
-        last = _LastModel(observer)
+        last = _LastModel()
         try:
             if self.simulated:
                 trainer = Trainer(
@@ -359,7 +351,7 @@ class ProbeRunner:
                     progress=progress,
                     initial_weights=weights,
                     options=options,
-                    observer=last,
+                    observer=BothObservers(last, observer),
                     code=self.code,
                 )
                 trainer.run(resume=resume)
