@@ -15,7 +15,6 @@ al., Hyperband, JMLR 2018) among it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import shutil
@@ -124,9 +123,8 @@ class ProbeChains:
         self.loss0: float | None = None
 
     def _probe_config(self, cand: Candidate, limit_s: float) -> RunConfig:
-        cfg = pr.candidate_config(self.cfg, cand)
         limits = pr.run_limits(self.simulated, limit_s, eval_every_samples=self._eval_every())
-        return cfg.replace(train=dataclasses.replace(cfg.train, **limits))
+        return pr.candidate_config(self.cfg, cand, **limits)
 
     def _eval_every(self) -> int:
         return self.cfg.train.eval_every_samples or self.num_train

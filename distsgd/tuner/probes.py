@@ -178,8 +178,9 @@ def check_tunable(config: RunConfig) -> None:
     check_optimizer_searchable(config)
 
 
-def candidate_config(base: RunConfig, cand: Candidate) -> RunConfig:
-    """``base`` with the candidate's protocol, layout, η and μ (schedule constant).
+def candidate_config(base: RunConfig, cand: Candidate, **train: Any) -> RunConfig:
+    """``base`` with the candidate's protocol, layout, η and μ (schedule constant) and the
+    ``train.*`` settings ``train`` (e.g. :func:`run_limits`).
 
     Mapping: ``hardsync`` → protocol ``hardsync``; ``compute_groups`` → ``compute_groups``
     with g groups and Rudra's α0/n learning-rate rule off (momentum is what Omnivore
@@ -226,6 +227,7 @@ def candidate_config(base: RunConfig, cand: Candidate) -> RunConfig:
         optimizer=opt,
         schedule=dataclasses.replace(base.schedule, kind="constant", warmup_epochs=0.0),
         cluster=cluster,
+        train=dataclasses.replace(base.train, **train) if train else base.train,
     )
 
 
@@ -439,8 +441,7 @@ class Prober:
             (the result, the final central model ``[P]`` of a long run that did not
             diverge, else None).
         """
-        cfg = candidate_config(self.base, cand)
-        cfg = cfg.replace(train=dataclasses.replace(cfg.train, **train))
+        cfg = candidate_config(self.base, cand, **train)
         self.count += 1
         run_dir = self.out_dir / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.score_window, run_dir=str(run_dir))
