@@ -702,20 +702,18 @@ class Trainer:
         try:
             summary = self._loop(metrics, resumed=resume)
             completed = True
-        except TrainingDiverged as e:
-            self.counters["stop_reason"] = "diverged"
+        except (TrainingDiverged, KeyboardInterrupt, *self.runtime.failure_types) as e:
+            # (stop reason, status, error) of the run's end, in this order of precedence
+            stop, status, error = (
+                ("diverged", "diverged", str(e))
+                if isinstance(e, TrainingDiverged)
+                else ("interrupted", "interrupted", None)
+                if isinstance(e, KeyboardInterrupt)
+                else ("process_lost", "failed", str(e))
+            )
+            self.counters["stop_reason"] = stop
             self._save_evaluated_model()
-            self._write_outcome(self._summary(status="diverged", error=str(e)))
-            raise
-        except KeyboardInterrupt:
-            self.counters["stop_reason"] = "interrupted"
-            self._save_evaluated_model()
-            self._write_outcome(self._summary(status="interrupted"))
-            raise
-        except self.runtime.failure_types as e:
-            self.counters["stop_reason"] = "process_lost"
-            self._save_evaluated_model()
-            self._write_outcome(self._summary(status="failed", error=str(e)))
+            self._write_outcome(self._summary(status=status, error=error))
             raise
         finally:
             metrics.close()
