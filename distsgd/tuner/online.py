@@ -24,7 +24,6 @@ from distsgd.control import RunObserver, RunOptions
 from distsgd.data import keep_loaded
 from distsgd.engine import UserCode
 from distsgd.metrics import read_metrics, write_json
-from distsgd.plateau import steady_state_due
 from distsgd.rundir import RunDirClaim
 from distsgd.tuner.budget import RunBudget, run_time_budget
 from distsgd.tuner.chains import ProbeChains, ProbeRounds, RunWall, continuing, steady_checks
@@ -39,7 +38,7 @@ from distsgd.tuner.probes import (
     safe_name,
 )
 from distsgd.tuner.setup import cluster_model, fixed_base, tune_layout
-from distsgd.tuner.steady import SteadyState, effective_rate, steady_grid
+from distsgd.tuner.steady import SteadyState
 
 __all__ = [
     "OnlineTune",
@@ -47,9 +46,6 @@ __all__ = [
     "is_tuning_run",
     "check_online_tunable",
     "TUNED_PROTOCOLS",
-    "steady_state_due",
-    "steady_grid",
-    "effective_rate",
 ]
 
 STATE_FILE = "tune_config.toml"  # marks a tuning run directory; holds its base config
