@@ -87,7 +87,7 @@ from distsgd.runtime.base import Tick, TrainingDiverged
 from distsgd.runtime.factory import runtime_kind
 from distsgd.runtime.faults import RankFaults
 
-__all__ = ["Trainer", "CHECKPOINT_FORMAT"]
+__all__ = ["Trainer", "CHECKPOINT_FORMAT", "BothObservers"]
 
 CHECKPOINT_FORMAT = 1
 # what a checkpoint written by distsgd holds at the top level, and the type of each entry
@@ -697,25 +697,23 @@ class Trainer:
         recorder = None
         if self.options.record:
             recorder = RunRecorder(self.out_dir, resume=resume, samples=self.runtime.samples)
-            self.observer = _Both(self.observer, recorder)
+            self.observer = BothObservers(self.observer, recorder)
         completed = False
         try:
             summary = self._loop(metrics, resumed=resume)
             completed = True
-        except TrainingDiverged as e:
-            self.counters["stop_reason"] = "diverged"
+        except (TrainingDiverged, KeyboardInterrupt, *self.runtime.failure_types) as e:
+            # (stop reason, status, error) of the run's end, in this order of precedence
+            stop, status, error = (
+                ("diverged", "diverged", str(e))
+                if isinstance(e, TrainingDiverged)
+                else ("interrupted", "interrupted", None)
+                if isinstance(e, KeyboardInterrupt)
+                else ("process_lost", "failed", str(e))
+            )
+            self.counters["stop_reason"] = stop
             self._save_evaluated_model()
-            self._write_outcome(self._summary(status="diverged", error=str(e)))
-            raise
-        except KeyboardInterrupt:
-            self.counters["stop_reason"] = "interrupted"
-            self._save_evaluated_model()
-            self._write_outcome(self._summary(status="interrupted"))
-            raise
-        except self.runtime.failure_types as e:
-            self.counters["stop_reason"] = "process_lost"
-            self._save_evaluated_model()
-            self._write_outcome(self._summary(status="failed", error=str(e)))
+            self._write_outcome(self._summary(status=status, error=error))
             raise
         finally:
             metrics.close()
@@ -1048,7 +1046,7 @@ def _set_cuda_rng_state(device: torch.device, state: torch.Tensor | None) -> Non
         torch.cuda.set_rng_state(state, device)
 
 
-class _Both(RunObserver):
+class BothObservers(RunObserver):
     """Two observers, each hearing every event in order."""
 
     def __init__(self, first: RunObserver, second: RunObserver) -> None:

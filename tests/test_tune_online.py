@@ -21,7 +21,7 @@ from distsgd.config import ConfigError, ConfigWarning, RunConfig
 from distsgd.control import RunOptions
 from distsgd.data import LearnerStream, ShardedSampler
 from distsgd.metrics import load_checked, read_metrics, write_json
-from distsgd.plateau import next_check
+from distsgd.plateau import next_check, steady_state_due
 from distsgd.rundir import RunDirClaim
 from distsgd.trainer import Trainer
 from distsgd.tuner import budget, online, probes, setup
@@ -29,16 +29,9 @@ from distsgd.tuner import perf_model as pm
 from distsgd.tuner.chains import ProbeChains, ProbeRounds
 from distsgd.tuner.cold_start import ColdStart
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult, pair_scores
-from distsgd.tuner.online import (
-    OnlineTune,
-    RunSegments,
-    effective_rate,
-    steady_grid,
-    steady_state_due,
-    train_tuned,
-)
+from distsgd.tuner.online import OnlineTune, RunSegments, train_tuned
 from distsgd.tuner.probes import candidate_config, safe_name
-from distsgd.tuner.steady import SteadyState
+from distsgd.tuner.steady import SteadyState, effective_rate, steady_grid
 
 from .conftest import small_config
 

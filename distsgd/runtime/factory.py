@@ -216,17 +216,17 @@ def _cached_device(
     missing_iteration = prof.seconds_per_iteration is None  # a file of an older distsgd
     k = _replicas_needed(cfg)
     added = []
-    if missing_push or missing_iteration or (k > 1 and len(prof.replica_ratios) < k):
-        if missing_push:
-            prof.seconds_per_push = _server_seconds(cfg, engine)
-            added.append("the server's seconds per push")
-        if missing_iteration:
-            prof.seconds_per_iteration = _iteration_seconds(cfg, dataset, code)
-            added.append("the work per iteration beyond the gradient")
-        if k > 1 and len(prof.replica_ratios) < k:
-            b = cfg.protocol.batch_size
-            prof.replica_ratios, _ = calibrate_replicas(engine, dataset, b, max_replicas=k)
-            added.append(f"the replica curve up to k = {k}")
+    if missing_push:
+        prof.seconds_per_push = _server_seconds(cfg, engine)
+        added.append("the server's seconds per push")
+    if missing_iteration:
+        prof.seconds_per_iteration = _iteration_seconds(cfg, dataset, code)
+        added.append("the work per iteration beyond the gradient")
+    if k > 1 and len(prof.replica_ratios) < k:
+        b = cfg.protocol.batch_size
+        prof.replica_ratios, _ = calibrate_replicas(engine, dataset, b, max_replicas=k)
+        added.append(f"the replica curve up to k = {k}")
+    if added:
         profiles.write_profile(path, prof)
     print(
         f"distsgd: cached device profile used ({_describe(prof)}) from {path}"
@@ -392,17 +392,14 @@ def with_replica_profile(
     (``seconds_per_replica = t(1)``). Other protocols, or a profile the config gives:
     ``cfg`` unchanged."""
     p, c = cfg.protocol, cfg.cluster
-    spec = spec_for(p)
-    k = p.initial_replicas_per_device if spec.replicated else 1
-    if not spec.replicated or not (k > 1 or p.auto_replicas):
-        return cfg
-    if c.seconds_per_replica >= 0 or c.replica_ratios:
+    k = _replicas_needed(cfg)
+    if not k:
         return cfg
     if calibrated:
         # the fixed k, or the k the auto-tuner is likely to try (beyond, the model
         # continues the last measured step)
         ratios, _ = calibrate_replicas(
-            _throwaway_engine(cfg, code), dataset, p.batch_size, max_replicas=_replicas_needed(cfg)
+            _throwaway_engine(cfg, code), dataset, p.batch_size, max_replicas=k
         )
         c = dataclasses.replace(c, replica_ratios=ratios)
     if not c.replica_ratios:

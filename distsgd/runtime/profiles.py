@@ -49,12 +49,13 @@ Pure file handling: no torch computation here (the measurement is in
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
 import platform
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -223,20 +224,9 @@ def write_profile(path: Path, prof: DeviceProfileFile) -> None:
     Raises:
         OSError: it cannot be written (the temporary file is removed).
     """
-    k = prof.key
     values: dict[str, Any] = {
         "format": FORMAT,
-        "model": k.model,
-        "num_parameters": k.num_parameters,
-        "batch_size": k.batch_size,
-        "num_threads": k.num_threads,
-        "torch": k.torch,
-        "machine": k.machine,
-        "memory_format": k.memory_format,
-        "device": k.device,
-        "precision": k.precision,
-        "compile": k.compile,
-        "model_kwargs": k.model_kwargs,
+        **asdict(prof.key),  # its fields in their order
         "measured_at": prof.measured_at,
         "repeats": prof.repeats,
         "spread": prof.spread,
@@ -276,21 +266,25 @@ _REQUIRED = {
 _OPTIONAL_KEY_FIELDS = {"device": "cpu", "precision": "fp32", "compile": "off", "model_kwargs": ""}
 
 
+def _refused(setting: str, path: Path, why: str) -> ConfigError:
+    """The one-line refusal of the profile file ``path`` that ``setting`` named."""
+    return ConfigError(f"{setting} = {str(path)!r} is not allowed: {why}")
+
+
 def _field(setting: str, path: Path, raw: dict[str, Any], name: str, kind: type) -> Any:
     if name not in raw:
-        raise ConfigError(
-            f"{setting} = {str(path)!r} is not allowed: the profile has no {name!r} "
-            "(write it with distsgd calibrate CONFIG --out FILE)"
+        raise _refused(
+            setting,
+            path,
+            f"the profile has no {name!r} (write it with distsgd calibrate CONFIG --out FILE)",
         )
     v = raw[name]
     ok = isinstance(v, kind) and not isinstance(v, bool)
     if kind is float:
         ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
     if not ok:
-        raise ConfigError(
-            f"{setting} = {str(path)!r} is not allowed: its {name} = {v!r} is not a "
-            + ("number of seconds >= 0" if kind is float else kind.__name__)
-        )
+        what = "number of seconds >= 0" if kind is float else kind.__name__
+        raise _refused(setting, path, f"its {name} = {v!r} is not a {what}")
     return float(v) if kind is float else v
 
 
@@ -305,25 +299,22 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
         ConfigError: the file is missing or unreadable, is not TOML, has no ``[profile]``
             table, or misses or has a bad required value (one line naming ``setting``).
     """
+    refused = functools.partial(_refused, setting, path)
     try:
         raw = tomllib.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(
-            f"{setting} = {str(path)!r} is not allowed: cannot read it ({e.__class__.__name__})"
-        ) from None
+        raise refused(f"cannot read it ({e.__class__.__name__})") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{setting} = {str(path)!r} is not allowed: not TOML ({e})") from None
+        raise refused(f"not TOML ({e})") from None
     table = raw.get("profile")
     if not isinstance(table, dict):
-        raise ConfigError(
-            f"{setting} = {str(path)!r} is not allowed: it has no [profile] table (write it "
-            "with distsgd calibrate CONFIG --out FILE)"
+        raise refused(
+            "it has no [profile] table (write it with distsgd calibrate CONFIG --out FILE)"
         )
     if table.get("format", FORMAT) != FORMAT:
-        raise ConfigError(
-            f"{setting} = {str(path)!r} is not allowed: its format = {table.get('format')!r} "
-            f"is not {FORMAT}, the format this distsgd reads (measure it again with distsgd "
-            "calibrate CONFIG --out FILE)"
+        raise refused(
+            f"its format = {table.get('format')!r} is not {FORMAT}, the format this distsgd "
+            "reads (measure it again with distsgd calibrate CONFIG --out FILE)"
         )
     got = {n: _field(setting, path, table, n, kind) for n, kind in _REQUIRED.items()}
     spread = table.get("spread", 0.0)
@@ -333,30 +324,20 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
         and math.isfinite(spread)
         and spread >= 0
     ):
-        raise ConfigError(
-            f"{setting} = {str(path)!r} is not allowed: its spread = {spread!r} is not a "
-            "relative spread >= 0"
-        )
+        raise refused(f"its spread = {spread!r} is not a relative spread >= 0")
     spread = float(spread)
     repeats = table.get("repeats", 1)
     if not (isinstance(repeats, int) and not isinstance(repeats, bool) and repeats >= 1):
-        raise ConfigError(
-            f"{setting} = {str(path)!r} is not allowed: its repeats = {repeats!r} is not an "
-            "integer >= 1"
-        )
+        raise refused(f"its repeats = {repeats!r} is not an integer >= 1")
     got["memory_format"] = table.get("memory_format", "contiguous")
     if got["memory_format"] not in ("contiguous", "channels_last"):
-        raise ConfigError(
-            f"{setting} = {str(path)!r} is not allowed: its memory_format = "
-            f"{got['memory_format']!r} is not 'contiguous' or 'channels_last'"
+        raise refused(
+            f"its memory_format = {got['memory_format']!r} is not 'contiguous' or 'channels_last'"
         )
     for name, default in _OPTIONAL_KEY_FIELDS.items():
         got[name] = table.get(name, default)
         if not isinstance(got[name], str):
-            raise ConfigError(
-                f"{setting} = {str(path)!r} is not allowed: its {name} = {got[name]!r} is not "
-                "a string"
-            )
+            raise refused(f"its {name} = {got[name]!r} is not a string")
     key = ProfileKey(*(got[n] for n in ProfileKey.__dataclass_fields__))
     push = table.get("seconds_per_push")
     if push is not None:
@@ -368,10 +349,7 @@ def read_profile(path: Path, setting: str = "cluster.profile") -> DeviceProfileF
     if not isinstance(ratios, list) or any(
         not isinstance(r, int | float) or isinstance(r, bool) or not r > 0 for r in ratios
     ):
-        raise ConfigError(
-            f"{setting} = {str(path)!r} is not allowed: its replica_ratios = {ratios!r} is not "
-            "a list of positive numbers"
-        )
+        raise refused(f"its replica_ratios = {ratios!r} is not a list of positive numbers")
     return DeviceProfileFile(
         key,
         got["seconds_per_batch"],

@@ -15,7 +15,6 @@ al., Hyperband, JMLR 2018) among it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import shutil
@@ -33,7 +32,7 @@ from distsgd.tuner.budget import RunBudget
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult, pair_scores
 from distsgd.tuner.probes import ProbeRunner, ResultLosses, RunClock, run_summary
 
-__all__ = ["ProbeChains", "ProbeRounds", "steady_checks", "start_dir", "continuing", "run_once"]
+__all__ = ["ProbeChains", "ProbeRounds", "RunWall", "steady_checks", "start_dir", "continuing"]
 
 _START_FILES = ("checkpoint.pt", "checkpoint.pt.sha256", "metrics.jsonl")
 
@@ -63,17 +62,50 @@ def steady_checks(run_dir: Path) -> list[dict[str, Any]]:
     return heard.checks
 
 
-def run_once(note: Path, catch_up: Callable[[float], None]) -> dict[str, Any] | None:
-    """The record ``note`` of a run that completed in ``note``'s directory before an
-    interruption (the run's wall clock caught up to its end), else None: run it (again),
-    its directory emptied."""
-    if note.exists():
-        saved = json.loads(note.read_text())
-        catch_up(saved["end_elapsed_s"])
+class RunWall:
+    """The wall clock of one ``--tune`` run, continuing across its sessions (a resume goes
+    on from the earlier sessions' wall), and its progress bar.
+
+    Attributes:
+        offset_s: wall seconds of the earlier sessions (and of items read back).
+        bar: the progress bar (None: none shown).
+    """
+
+    def __init__(self) -> None:
+        self.offset_s, self.t0 = 0.0, time.perf_counter()
+        self.bar: Any = None
+
+    def elapsed(self) -> float:
+        """Wall seconds since the run's start (continuing across a resume)."""
+        return self.offset_s + time.perf_counter() - self.t0
+
+    def show(self, what: str) -> None:
+        """Move the progress bar to :meth:`elapsed` and name what runs now."""
+        if self.bar is not None:
+            self.bar.n = round(self.elapsed())
+            self.bar.set_postfix_str(what, refresh=True)
+
+    def once(
+        self, note: Path, what: str, run: Callable[[], dict[str, Any] | None]
+    ) -> dict[str, Any]:
+        """The record ``note`` of a run that completed in ``note``'s directory before an
+        interruption (the clock catches up to its ``end_elapsed_s``); else ``run()`` (its
+        directory emptied first, the bar naming ``what``) and its record written:
+        ``begin_elapsed_s``, what ``run`` returns, ``end_elapsed_s`` and ``wall_s`` (the
+        wall seconds between them)."""
+        if note.exists():
+            saved = json.loads(note.read_text())
+            if saved["end_elapsed_s"] > self.elapsed():
+                self.offset_s += saved["end_elapsed_s"] - self.elapsed()
+            return saved
+        if note.parent.exists():
+            shutil.rmtree(note.parent)  # cut short: run it again
+        begin = self.elapsed()
+        self.show(what)
+        saved = {"begin_elapsed_s": begin, **(run() or {}), "end_elapsed_s": self.elapsed()}
+        saved["wall_s"] = saved["end_elapsed_s"] - begin
+        write_json(note, saved)
         return saved
-    if note.parent.exists():
-        shutil.rmtree(note.parent)  # cut short: run it again
-    return None
 
 
 def start_dir(snapshot: str) -> Path | None:
@@ -91,9 +123,7 @@ class ProbeChains:
         num_train: training samples (a probe's evaluation interval defaults to an epoch).
         score_window: losses averaged by a score (``tune.score_window``).
         rung_s: a first rung's length on the runtime's clock.
-        elapsed: the run's wall clock, seconds (across a resume).
-        catch_up: told the run's clock at the end of a probe read back.
-        bar: told what runs now (the progress bar).
+        wall: the run's wall clock and progress bar.
 
     Attributes:
         count: probes so far (their directories are numbered).
@@ -110,23 +140,20 @@ class ProbeChains:
         num_train: int,
         score_window: int,
         rung_s: float,
-        elapsed: Callable[[], float],
-        catch_up: Callable[[float], None],
-        bar: Callable[[str], None],
+        wall: RunWall,
     ) -> None:
         self.cfg, self.out, self.runner = cfg, out, runner
         self.simulated = cfg.runtime == "sim"
         self.clock = RunClock.of(self.simulated)
         self.num_train, self.score_window, self.rung_s = num_train, score_window, rung_s
-        self.elapsed, self.catch_up, self.bar = elapsed, catch_up, bar
+        self.wall = wall
         self.count = 0
         self.first_rung: dict[str, ProbeResult] = {}
         self.loss0: float | None = None
 
     def _probe_config(self, cand: Candidate, limit_s: float) -> RunConfig:
-        cfg = pr.candidate_config(self.cfg, cand)
         limits = pr.run_limits(self.simulated, limit_s, eval_every_samples=self._eval_every())
-        return cfg.replace(train=dataclasses.replace(cfg.train, **limits))
+        return pr.candidate_config(self.cfg, cand, **limits)
 
     def _eval_every(self) -> int:
         return self.cfg.train.eval_every_samples or self.num_train
@@ -161,13 +188,11 @@ class ProbeChains:
         run_dir = self.out / "probes" / f"{self.count:03d}-{kind}-{pr.safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.score_window)
         result.run_dir = str(run_dir)
-        saved = run_once(run_dir / "online_probe.json", self.catch_up)
-        if saved is None:
-            t0 = time.perf_counter()
-            self.bar(f"probe {cand.label()}")
-            self._run_probe(self._probe_config(cand, until_clock_s), run_dir, start)
-            saved = {"wall_s": time.perf_counter() - t0, "end_elapsed_s": self.elapsed()}
-            write_json(run_dir / "online_probe.json", saved)
+        saved = self.wall.once(
+            run_dir / "online_probe.json",
+            f"probe {cand.label()}",
+            lambda: self._run_probe(self._probe_config(cand, until_clock_s), run_dir, start),
+        )
         result.wall_s = saved["wall_s"]
         s = run_summary(run_dir)
         result.diverged = s.get("status") == "diverged"

@@ -14,7 +14,6 @@ import json
 import shutil
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,9 @@ from distsgd.control import RunObserver, RunOptions
 from distsgd.data import keep_loaded
 from distsgd.engine import UserCode
 from distsgd.metrics import read_metrics, write_json
-from distsgd.plateau import steady_state_due
 from distsgd.rundir import RunDirClaim
 from distsgd.tuner.budget import RunBudget, run_time_budget
-from distsgd.tuner.chains import ProbeChains, ProbeRounds, continuing, run_once, steady_checks
+from distsgd.tuner.chains import ProbeChains, ProbeRounds, RunWall, continuing, steady_checks
 from distsgd.tuner.cold_start import ColdStart
 from distsgd.tuner.omnivore import Candidate, DecisionLog, ProbeResult
 from distsgd.tuner.probes import (
@@ -40,7 +38,7 @@ from distsgd.tuner.probes import (
     safe_name,
 )
 from distsgd.tuner.setup import cluster_model, fixed_base, tune_layout
-from distsgd.tuner.steady import SteadyState, effective_rate, steady_grid
+from distsgd.tuner.steady import SteadyState
 
 __all__ = [
     "OnlineTune",
@@ -48,9 +46,6 @@ __all__ = [
     "is_tuning_run",
     "check_online_tunable",
     "TUNED_PROTOCOLS",
-    "steady_state_due",
-    "steady_grid",
-    "effective_rate",
 ]
 
 STATE_FILE = "tune_config.toml"  # marks a tuning run directory; holds its base config
@@ -81,9 +76,7 @@ class RunSegments:
         cfg: the base config (device profile fixed).
         out: the run directory.
         runner: the tuner's runner of every run.
-        elapsed: the run's wall clock, seconds (across a resume).
-        catch_up: told the run's clock at the end of a segment read back.
-        bar: told what runs now (the progress bar).
+        wall: the run's wall clock and progress bar.
         progress: show the segments' own progress.
 
     Attributes:
@@ -97,13 +90,11 @@ class RunSegments:
         out: Path,
         runner: ProbeRunner,
         *,
-        elapsed: Callable[[], float],
-        catch_up: Callable[[float], None],
-        bar: Callable[[str], None],
+        wall: RunWall,
         progress: bool,
     ) -> None:
         self.cfg, self.out, self.runner = cfg, out, runner
-        self.elapsed, self.catch_up, self.bar, self.progress = elapsed, catch_up, bar, progress
+        self.wall, self.elapsed, self.progress = wall, wall.elapsed, progress
         self.simulated = cfg.runtime == "sim"
         self.count = 0
         self.wall_s = 0.0
@@ -123,19 +114,13 @@ class RunSegments:
         note = seg / "online_segment.json"
         cfg = candidate_config(self.cfg, cand)
         options = RunOptions(steady_check_samples=check_every, continues=True, record=True)
-        saved = run_once(note, self.catch_up)
-        if saved is None:
+
+        def run() -> dict[str, Any]:
             continuing(start, seg)
-            begin = self.elapsed()
-            self.bar(f"train {cand.label()}")
             self.runner.run(cfg, seg, options, RunObserver(), resume=True, progress=self.progress)
-            saved = {
-                "begin_elapsed_s": begin,
-                "end_elapsed_s": self.elapsed(),
-                "overhead_clock_s": overhead_clock_s,
-                "start": str(start),
-            }
-            write_json(note, saved)
+            return {"overhead_clock_s": overhead_clock_s, "start": str(start)}
+
+        saved = self.wall.once(note, f"train {cand.label()}", run)
         self.wall_s += saved["end_elapsed_s"] - saved["begin_elapsed_s"]
         self.timeline.append((seg, saved))
         return seg, run_summary(seg).get("stop_reason") != "steady_state"
@@ -259,23 +244,8 @@ class OnlineTune:
         self.code = code
         self.simulated = config.runtime == "sim"
         self.clock = RunClock.of(self.simulated)
-        self.bar: Any = None
-        self._offset_s = 0.0
-        self._t0 = time.perf_counter()
-
-    def elapsed(self) -> float:
-        """Wall seconds since the run's start (continuing across a resume)."""
-        return self._offset_s + time.perf_counter() - self._t0
-
-    def _catch_up(self, recorded_end_s: float) -> None:
-        """A reused item ended at ``recorded_end_s``: the run's clock is at least there."""
-        if recorded_end_s > self.elapsed():
-            self._offset_s += recorded_end_s - self.elapsed()
-
-    def _bar(self, what: str) -> None:
-        if self.bar is not None:
-            self.bar.n = round(self.elapsed())
-            self.bar.set_postfix_str(what, refresh=True)
+        self.wall = RunWall()
+        self.elapsed = self.wall.elapsed
 
     def _setup(self, resume: bool) -> None:
         """Refuse a directory that holds a run (or, to resume, none of ``--tune``); fix
@@ -311,20 +281,19 @@ class OnlineTune:
 
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Tune while training (module docstring); returns the run's summary."""
-        self._t0 = time.perf_counter()
+        self.wall.t0 = time.perf_counter()
         clock = self.out / CLOCK_FILE
         if resume and clock.exists():  # the earlier sessions' wall, lost work included
-            self._offset_s = float(json.loads(clock.read_text())["elapsed_s"])
+            self.wall.offset_s = float(json.loads(clock.read_text())["elapsed_s"])
         # every probe and segment; on dist one pool of ranks for all of them
         runner = ProbeRunner(
             self.simulated, num_processes=self.layout.num_processes, code=self.code
         )
         self._setup(resume)
         if self.progress:
-            self.bar = tqdm(desc="tune", unit="s", bar_format="{desc}: {n:.0f} s{postfix}")
+            self.wall.bar = tqdm(desc="tune", unit="s", bar_format="{desc}: {n:.0f} s{postfix}")
         echo = tqdm.write if self.progress else None
         self.log = DecisionLog(self.out / "decisions.jsonl", echo=echo, clock=self.elapsed)
-        times = {"elapsed": self.elapsed, "catch_up": self._catch_up, "bar": self._bar}
         self.chains = ProbeChains(
             self.cfg,
             self.out,
@@ -332,10 +301,10 @@ class OnlineTune:
             num_train=self.num_train,
             score_window=self.settings.score_window,
             rung_s=self.budget.rung_s,
-            **times,
+            wall=self.wall,
         )
         rounds = ProbeRounds(self.chains, self.log, self.settings, self.budget)
-        segments = RunSegments(self.cfg, self.out, runner, progress=self.progress, **times)
+        segments = RunSegments(self.cfg, self.out, runner, wall=self.wall, progress=self.progress)
         try:
             self._log_setup()
             cold = ColdStart(
@@ -346,8 +315,8 @@ class OnlineTune:
             seg = self._train(best, segments, rounds)
         finally:
             runner.close()
-            if self.bar is not None:
-                self.bar.close()
+            if self.wall.bar is not None:
+                self.wall.bar.close()
             write_json(clock, {"elapsed_s": self.elapsed()})  # also when interrupted
         return segments.finish(seg, self.elapsed(), self.chains.count, rounds.overhead_clock_s)
 

@@ -155,11 +155,8 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
     tc = compute_seconds(b, cluster)
     s = cluster.jitter
     cores = cluster.cores
-    if layout.family == "hardsync":
-        tc = device_seconds(1, b, cluster) * core_stretch(lam, cores)
-        return straggler_factor(lam, s) * tc + allreduce_seconds(lam, cluster)
-    if layout.family == "sma":
-        k = layout.replicas_per_device
+    if layout.family in ("hardsync", "sma"):  # hardsync: one replica per device
+        k = layout.replicas_per_device if layout.family == "sma" else 1
         devices = lam // k
         d = device_seconds(k, b, cluster) * core_stretch(devices, cores)
         return straggler_factor(devices, s) * d + allreduce_seconds(devices, cluster)

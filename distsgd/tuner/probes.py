@@ -46,7 +46,7 @@ from distsgd.control import (
 from distsgd.engine import UserCode
 from distsgd.metrics import load_checked, save_checked
 from distsgd.runtime.sim import TrainingDiverged
-from distsgd.trainer import Trainer
+from distsgd.trainer import BothObservers, Trainer
 from distsgd.tuner.omnivore import Candidate, ProbeResult
 
 __all__ = [
@@ -178,8 +178,9 @@ def check_tunable(config: RunConfig) -> None:
     check_optimizer_searchable(config)
 
 
-def candidate_config(base: RunConfig, cand: Candidate) -> RunConfig:
-    """``base`` with the candidate's protocol, layout, η and μ (schedule constant).
+def candidate_config(base: RunConfig, cand: Candidate, **train: Any) -> RunConfig:
+    """``base`` with the candidate's protocol, layout, η and μ (schedule constant) and the
+    ``train.*`` settings ``train`` (e.g. :func:`run_limits`).
 
     Mapping: ``hardsync`` → protocol ``hardsync``; ``compute_groups`` → ``compute_groups``
     with g groups and Rudra's α0/n learning-rate rule off (momentum is what Omnivore
@@ -226,6 +227,7 @@ def candidate_config(base: RunConfig, cand: Candidate) -> RunConfig:
         optimizer=opt,
         schedule=dataclasses.replace(base.schedule, kind="constant", warmup_epochs=0.0),
         cluster=cluster,
+        train=dataclasses.replace(base.train, **train) if train else base.train,
     )
 
 
@@ -274,20 +276,12 @@ class RunEnd:
 
 
 class _LastModel(RunObserver):
-    """Passes every event on to ``then``, keeping the last evaluated model."""
+    """Keeps the last evaluated model."""
 
-    def __init__(self, then: RunObserver) -> None:
-        self.then, self.weights = then, None
-
-    def on_losses(self, point: LossPoint) -> None:
-        self.then.on_losses(point)
+    weights: torch.Tensor | None = None
 
     def on_evaluation(self, record: dict[str, Any], weights: torch.Tensor) -> None:
         self.weights = weights.detach().clone()
-        self.then.on_evaluation(record, weights)
-
-    def on_steady_check(self, check: dict[str, Any]) -> None:
-        self.then.on_steady_check(check)
 
 
 class ProbeRunner:
@@ -350,7 +344,7 @@ class ProbeRunner:
             ConfigError / KeyboardInterrupt: as for any run.
         """
         diverged, notes = False, []
-        last = _LastModel(observer)
+        last = _LastModel()
         try:
             if self.simulated:
                 trainer = Trainer(
@@ -359,7 +353,7 @@ class ProbeRunner:
                     progress=progress,
                     initial_weights=weights,
                     options=options,
-                    observer=last,
+                    observer=BothObservers(last, observer),
                     code=self.code,
                 )
                 trainer.run(resume=resume)
@@ -447,8 +441,7 @@ class Prober:
             (the result, the final central model ``[P]`` of a long run that did not
             diverge, else None).
         """
-        cfg = candidate_config(self.base, cand)
-        cfg = cfg.replace(train=dataclasses.replace(cfg.train, **train))
+        cfg = candidate_config(self.base, cand, **train)
         self.count += 1
         run_dir = self.out_dir / "probes" / f"{self.count:03d}-{kind}-{safe_name(cand.label())}"
         result = ProbeResult(cand, snapshot, score_window=self.score_window, run_dir=str(run_dir))

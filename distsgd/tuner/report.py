@@ -428,9 +428,8 @@ def write_report(out_dir: str | Path, state: dict[str, Any]) -> Path:
 
 
 def _json_default(o: Any) -> Any:
-    """What ``json.dumps`` cannot write: non-finite floats and numpy scalars; else str."""
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
+    """What ``json.dumps`` cannot write: numpy scalars as Python numbers; else str (it
+    writes every float itself, NaN and inf as ``NaN``/``Infinity``)."""
     if isinstance(o, np.floating | np.integer):
         return o.item()
     return str(o)
