@@ -80,6 +80,8 @@ PS_MODES = ("softsync", "async", "hardsync")
 AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.replicas.RULES
 COMPRESSIONS = ("none", "bf16", "fp16")
 """The values of ``protocol.compression`` (:mod:`distsgd.runtime.compression`)."""
+STALL_DISTRIBUTIONS = ("exponential", "fixed")
+"""The values of ``cluster.stall_distribution``."""
 SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
@@ -292,6 +294,11 @@ class ProtocolConfig:
             and pulls (``dist`` and the drop-in send them in float32: refused there).
             Weights, optimizer and server state stay float32
             (:mod:`distsgd.runtime.compression`).
+        backup_learners: hardsync only: b backup learners, in [0, 65536] (Chen et al.
+            2016, arXiv:1604.00981): λ + b learners compute each iteration and the
+            iteration averages the first λ gradients to arrive, dropping the late b
+            (``num_learners`` stays λ, the gradients per step: the effective batch is
+            λ × ``batch_size``). 0 (default): plain hardsync. Simulated runtime only.
     """
 
     name: str = "hardsync"
@@ -316,6 +323,7 @@ class ProtocolConfig:
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
     compression: str = "none"
+    backup_learners: int = 0
 
     def __post_init__(self) -> None:
         check_choice("protocol.name", self.name, PROTOCOLS)
@@ -358,6 +366,13 @@ class ProtocolConfig:
             fail("protocol.central_momentum", self.central_momentum, "a number in [0, 1)")
         check_int("protocol.average_every", self.average_every, 1, 1_000_000)
         check_choice("protocol.compression", self.compression, COMPRESSIONS)
+        check_int("protocol.backup_learners", self.backup_learners, 0, 65536)
+        if self.backup_learners and self.name != "hardsync":
+            fail(
+                "protocol.backup_learners",
+                self.backup_learners,
+                f"0 with protocol.name = {self.name!r} (backup learners are hardsync's)",
+            )
         self._check_outer()
         spec_for(self.name).validate(self)  # λ-dependent rules of the protocol
 
@@ -935,6 +950,13 @@ class ClusterConfig:
             given.
         jitter: relative spread of compute times (0 = deterministic equal-speed schedule),
             in [0, 2].
+        stall_probability: stragglers' random stalls: the probability, in [0, 1], that a
+            learner's (or device's) minibatch is held up by a stall, drawn independently
+            for each minibatch from a stream seeded by ``train.seed``; 0 (default): none.
+        stall_seconds: a stall's duration in seconds, in [0, 3600]: fixed, or the mean of
+            an exponential distribution (``stall_distribution``); added to that
+            minibatch's compute time.
+        stall_distribution: ``"exponential"`` (default) or ``"fixed"``.
         latency_s: one-way message latency in seconds, in [0, 60].
         bandwidth_gbps: link bandwidth in gigabits per second, in [1e-6, 1e6]; 0 means
             infinite.
@@ -1015,6 +1037,9 @@ class ClusterConfig:
     replica_ratios: list[float] = field(default_factory=list)
     speed_factors: list[float] = field(default_factory=list)
     jitter: float = 0.1
+    stall_probability: float = 0.0
+    stall_seconds: float = 0.0
+    stall_distribution: str = "exponential"
     latency_s: float = 50e-6
     bandwidth_gbps: float = 10.0
     allreduce_latency_s: float = -1.0
@@ -1059,6 +1084,9 @@ class ClusterConfig:
         if not isinstance(sf, list) or any(not _number(s) or not 1e-6 <= s <= 1e6 for s in sf):
             fail("cluster.speed_factors", sf, "a list of numbers in [1e-6, 1e6]")
         check_float("cluster.jitter", self.jitter, 0.0, 2.0)
+        check_float("cluster.stall_probability", self.stall_probability, 0.0, 1.0)
+        check_float("cluster.stall_seconds", self.stall_seconds, 0.0, 3600.0)
+        check_choice("cluster.stall_distribution", self.stall_distribution, STALL_DISTRIBUTIONS)
         check_float("cluster.latency_s", self.latency_s, 0.0, 60.0)
         if not _number(self.bandwidth_gbps) or not (
             self.bandwidth_gbps == 0 or 1e-6 <= self.bandwidth_gbps <= 1e6
@@ -1861,6 +1889,13 @@ class RunConfig:
             self.protocol, self.layout_changes = fit_layout(
                 self.protocol, self.dist, self.dist.num_processes
             )
+        if self.runtime == "dist" and self.protocol.backup_learners:
+            fail(
+                "protocol.backup_learners",
+                self.protocol.backup_learners,
+                "0 on runtime 'dist' (its hardsync is DDP's all-reduce, which waits for "
+                "every learner; backup learners run on the simulated runtime)",
+            )
         served = spec_for(self.protocol).has_server
         if self.runtime == "dist" and served and self.protocol.compression != "none":
             fail(
@@ -1876,11 +1911,14 @@ class RunConfig:
                 sf,
                 "[] with protocol.replicas_per_device = 'auto' (λ changes during the run)",
             )
-        if sf and len(sf) != self.protocol.num_learners:
+        computing = self.protocol.num_learners + self.protocol.backup_learners
+        if sf and len(sf) != computing:
+            backups = " plus protocol.backup_learners" if self.protocol.backup_learners else ""
             fail(
                 "cluster.speed_factors",
                 sf,
-                f"a list of {self.protocol.num_learners} speeds (one per learner) or []",
+                f"a list of {computing} speeds (one per learner: protocol.num_learners"
+                f"{backups}) or []",
             )
 
     # ---- construction ------------------------------------------------------------------
