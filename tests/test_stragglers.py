@@ -1,8 +1,12 @@
 """Hardsync's backup learners and the simulated cluster's stragglers (slow devices, stalls)."""
 
+import json
+
 import pytest
 import torch
 
+import distsgd
+import distsgd.torch
 from distsgd.config import ConfigError
 from distsgd.data import LearnerStream, ShardedSampler, load_dataset
 from distsgd.protocols import HardSync
@@ -93,8 +97,36 @@ def test_backups_are_refused_where_they_cannot_run():
         small_config(protocol={"name": "sma", "num_learners": 2, "backup_learners": 1})
     with pytest.raises(ConfigError, match="protocol.backup_learners.*runtime 'dist'"):
         small_config(runtime="dist", protocol={"num_learners": 2, "backup_learners": 1})
+    cfg = small_config(protocol={"num_learners": 2, "backup_learners": 1})
+    with pytest.raises(ConfigError, match="protocol.backup_learners = 1 .*drop-in"):
+        distsgd.torch.init(config=cfg)
     with pytest.raises(ConfigError, match="cluster.speed_factors.*3 speeds"):
         small_config(
             protocol={"num_learners": 2, "backup_learners": 1},
             cluster={"speed_factors": [1.0, 1.0]},
         )
+
+
+def test_backups_and_stalls_resume_bit_for_bit():
+    cluster = {"stall_probability": 0.3, "stall_seconds": 0.01, "jitter": 0.2}
+    cfg = small_config(protocol={"num_learners": 2, "backup_learners": 1}, cluster=cluster)
+    a, _, _ = advance(cfg, ticks=3)
+    state = {"rt": a.state_dict(), "p": a.protocol.state_dict()}
+    for _ in range(3):
+        a.advance(0.05)
+    b, _ = simulated_runtime(cfg)
+    b.protocol.load_state_dict(state["p"])
+    b.load_state_dict(state["rt"])
+    for _ in range(3):
+        b.advance(0.05)
+    assert torch.equal(a.eval_weights(), b.eval_weights())
+    assert a.clock_s == b.clock_s
+    assert a.dropped_gradients == b.dropped_gradients == 6
+
+
+def test_the_run_records_count_the_dropped_gradients(tmp_path):
+    cfg = small_config(protocol={"num_learners": 2, "backup_learners": 1})
+    summary = distsgd.train(cfg, out_dir=tmp_path / "run")
+    assert summary["dropped_gradients"] == summary["iterations"] > 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert records[-1]["dropped_gradients"] == records[-1]["iterations"]
