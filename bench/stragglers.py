@@ -79,7 +79,7 @@ def run(name: str, cfg: dict, out: Path) -> dict[str, Any]:
 
 
 def speeds(protocol: dict[str, Any]) -> list[float]:
-    """Learner 0 at half speed, the others at 1 (λ + b of them)."""
+    """Learner 0 at half speed, the others at 1 (λ + β of them)."""
     return [0.5] + [1.0] * (LAM - 1 + protocol.get("backup_learners", 0))
 
 

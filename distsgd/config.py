@@ -294,9 +294,9 @@ class ProtocolConfig:
             and pulls (``dist`` and the drop-in send them in float32: refused there).
             Weights, optimizer and server state stay float32
             (:mod:`distsgd.runtime.compression`).
-        backup_learners: hardsync only: b backup learners, in [0, 65536] (Chen et al.
-            2016, arXiv:1604.00981): λ + b learners compute each iteration and the
-            iteration averages the first λ gradients to arrive, dropping the late b
+        backup_learners: hardsync only: β backup learners, in [0, 65536] (Chen et al.
+            2016, arXiv:1604.00981): λ + β learners compute each iteration and the
+            iteration averages the first λ gradients to arrive, dropping the late β
             (``num_learners`` stays λ, the gradients per step: the effective batch is
             λ × ``batch_size``). 0 (default): plain hardsync. Simulated runtime only.
     """

@@ -180,7 +180,7 @@ class SynchronousProtocol(Protocol):
         raise NotImplementedError(f"{type(self).__name__} learners do not share weights")
 
     backup_learners: int = 0
-    """b learners that compute beside the ``num_learners`` each iteration and whose
+    """β learners that compute beside the ``num_learners`` each iteration and whose
     gradients arrive too late to count (hardsync's backup learners); 0: none."""
 
     def first_arrivals(self, order: Sequence[int]) -> list[int]:

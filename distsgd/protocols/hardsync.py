@@ -13,14 +13,14 @@ assumes SGD: any coordinate-wise torch.optim optimizer (``make_optimizer``, e.g.
 applied to the mean gradient equals that optimizer in a single-process loop with batch λ·b.
 
 Backup learners (Chen, Pan, Monga, Bengio, Jozefowicz, "Revisiting Distributed
-Synchronous SGD", 2016, arXiv:1604.00981, §3): λ + b learners compute on the same w; the
-step uses the FIRST λ gradients to arrive and drops the late b::
+Synchronous SGD", 2016, arXiv:1604.00981, §3): λ + β learners compute on the same w; the
+step uses the FIRST λ gradients to arrive and drops the late β::
 
     S = the first λ learners of the step's arrival order (a runtime's clock decides it)
-    w ← SGD(w, (1/λ) Σ_{l ∈ S} g_l, lr)    # b gradients dropped per step
+    w ← SGD(w, (1/λ) Σ_{l ∈ S} g_l, lr)    # β gradients dropped per step
 
 λ stays the number of gradients a step averages (its effective batch is λ·b samples, as
-without backups); the run has λ + b learners. With b = 0 the rule is hardsync's above.
+without backups); the run has λ + β learners. With β = 0 the rule is hardsync's above.
 
 Example::
 
@@ -67,8 +67,8 @@ class HardSync(SynchronousProtocol):
     Args:
         initial: initial weights, shape ``[P]``, floating point (copied).
         num_learners: λ >= 1, gradients averaged by each iteration.
-        backup_learners: b >= 0 further learners computing on the same weights; each
-            iteration uses the first λ of the λ + b gradients (:meth:`first_arrivals`).
+        backup_learners: β >= 0 further learners computing on the same weights; each
+            iteration uses the first λ of the λ + β gradients (:meth:`first_arrivals`).
         momentum: μ in [0, 1) of torch.optim.SGD.
         weight_decay: L2 coefficient >= 0 (torch.optim.SGD's, added to the mean gradient).
         nesterov: Nesterov momentum; requires ``momentum > 0``.
@@ -112,7 +112,7 @@ class HardSync(SynchronousProtocol):
 
     @property
     def num_computing(self) -> int:
-        """λ + b, the learners that compute a gradient each iteration."""
+        """λ + β, the learners that compute a gradient each iteration."""
         return self.num_learners + self.backup_learners
 
     def learner_weights(self, learner: int) -> Tensor:
@@ -126,10 +126,10 @@ class HardSync(SynchronousProtocol):
 
     def first_arrivals(self, order: Sequence[int]) -> list[int]:
         """The learners whose gradients this iteration averages: the first λ of ``order``,
-        sorted; the other b are dropped (Chen et al. 2016, arXiv:1604.00981, §3).
+        sorted; the other β are dropped (Chen et al. 2016, arXiv:1604.00981, §3).
 
         Args:
-            order: every learner ``0 … λ+b−1`` once, in the order its gradient arrived.
+            order: every learner ``0 … λ+β−1`` once, in the order its gradient arrived.
 
         Raises:
             ValueError: ``order`` is not a permutation of ``range(num_computing)``.

@@ -107,7 +107,7 @@ class Runtime(abc.ABC):
             P values for a parameter-server push or pull), in the wire format of
             ``protocol.compression``.
         dropped_gradients: gradients computed but left out of every update so far
-            (hardsync's backup learners: b per iteration).
+            (hardsync's backup learners: β per iteration).
     """
 
     clock: ClassVar[str]

@@ -50,9 +50,9 @@ Timing model (all in virtual seconds):
   (:func:`~distsgd.runtime.cluster_model.server_push_seconds`).
 
 Synchronous protocols advance one iteration per tick (the slowest device plus the
-all-reduce; with hardsync's b backup learners, the λ-th of the λ + b learners to finish
-plus an all-reduce among the λ + b, the late b's gradients dropped). Parameter-server protocols process one push per tick: a worker pulls,
-its reply travels, it computes, its push travels, waits while the server serves earlier
+all-reduce; with hardsync's β backup learners, the λ-th of the λ + β learners to finish
+plus an all-reduce among the λ + β, the late β's gradients dropped). Parameter-server
+protocols process one push per tick: a worker pulls, its reply travels, it computes, its push travels, waits while the server serves earlier
 pushes, the server works ``seconds_per_push`` on it and replies when done (or, under a
 barrier, when the update is applied).
 
@@ -388,8 +388,8 @@ class SimRuntime(Runtime):
         compression: ``protocol.compression``: the wire format of the exchanges
             (:mod:`~distsgd.runtime.compression`): the values are rounded to it, the
             network charges its bytes, and :attr:`bytes_sent` counts them.
-        backup_learners: b backup learners of hardsync (``protocol.backup_learners``):
-            λ + b learners compute each iteration, the protocol keeps the first λ by
+        backup_learners: β backup learners of hardsync (``protocol.backup_learners``):
+            λ + β learners compute each iteration, the protocol keeps the first λ by
             this clock (:meth:`~distsgd.protocols.HardSync.first_arrivals`),
             :attr:`dropped_gradients` counts the rest.
 
@@ -693,13 +693,13 @@ class SimRuntime(Runtime):
         return Tick(n, losses)
 
     def _advance_with_backups(self, lr: float) -> Tick:
-        """One hardsync iteration with b backup learners: λ + b learners compute on the
+        """One hardsync iteration with β backup learners: λ + β learners compute on the
         same weights, their gradients arrive in the order of their virtual compute times
         (ties: the lower learner first), the protocol keeps the first λ
         (:meth:`~distsgd.protocols.HardSync.first_arrivals`) and the iteration ends when
-        the λ-th arrives, plus the exchange charged as a ring all-reduce among the λ + b
+        the λ-th arrives, plus the exchange charged as a ring all-reduce among the λ + β
         learners. The late
-        b learners' minibatches are drawn (their samples are spent) but their gradients
+        β learners' minibatches are drawn (their samples are spent) but their gradients
         are not computed: they are dropped."""
         proto = cast(SynchronousProtocol, self.protocol)
         lam, computing = self.num_learners, self.num_learners + self.backup_learners
