@@ -82,6 +82,8 @@ PS_MODES = ("softsync", "async", "hardsync")
 AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.replicas.RULES
 COMPRESSIONS = ("none", "bf16", "fp16")
 """The values of ``protocol.compression`` (:mod:`distsgd.runtime.compression`)."""
+STALL_DISTRIBUTIONS = ("exponential", "fixed")
+"""The values of ``cluster.stall_distribution``."""
 SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
@@ -344,6 +346,11 @@ class ProtocolConfig:
             and pulls (``dist`` and the drop-in send them in float32: refused there).
             Weights, optimizer and server state stay float32
             (:mod:`distsgd.runtime.compression`).
+        backup_learners: hardsync only: β backup learners, in [0, 65536] (Chen et al.
+            2016, arXiv:1604.00981): λ + β learners compute each iteration and the
+            iteration averages the first λ gradients to arrive, dropping the late β
+            (``num_learners`` stays λ, the gradients per step: the effective batch is
+            λ × ``batch_size``). 0 (default): plain hardsync. Simulated runtime only.
     """
 
     name: str = _setting("hardsync", check_choice, PROTOCOLS)
@@ -368,6 +375,7 @@ class ProtocolConfig:
     outer_momentum: float = _setting(0.9, check_float, 0.0, 1.0, max_inclusive=False)
     outer_nesterov: bool = True
     compression: str = _setting("none", check_choice, COMPRESSIONS)
+    backup_learners: int = _setting(0, check_int, 0, 65536)
 
     def __post_init__(self) -> None:
         _check_fields(self, "protocol")
@@ -388,6 +396,12 @@ class ProtocolConfig:
                 self.replicas_per_device,
                 f"an integer: 'auto' needs protocol.name {protocols_with('replicated')}, "
                 f"not {self.name!r}",
+            )
+        if self.backup_learners and self.name != "hardsync":
+            fail(
+                "protocol.backup_learners",
+                self.backup_learners,
+                f"0 with protocol.name = {self.name!r} (backup learners are hardsync's)",
             )
         self._check_outer()
         spec_for(self.name).validate(self)  # λ-dependent rules of the protocol
@@ -935,6 +949,13 @@ class ClusterConfig:
             given.
         jitter: relative spread of compute times (0 = deterministic equal-speed schedule),
             in [0, 2].
+        stall_probability: stragglers' random stalls: the probability, in [0, 1], that a
+            learner's (or device's) minibatch is held up by a stall, drawn independently
+            for each minibatch from a stream seeded by ``train.seed``; 0 (default): none.
+        stall_seconds: a stall's duration in seconds, in [0, 3600]: fixed, or the mean of
+            an exponential distribution (``stall_distribution``); added to that
+            minibatch's compute time.
+        stall_distribution: ``"exponential"`` (default) or ``"fixed"``.
         latency_s: one-way message latency in seconds, in [0, 60].
         bandwidth_gbps: link bandwidth in gigabits per second, in [1e-6, 1e6]; 0 means
             infinite.
@@ -1017,6 +1038,9 @@ class ClusterConfig:
     replica_ratios: list[float] = field(default_factory=list)
     speed_factors: list[float] = field(default_factory=list)
     jitter: float = _setting(0.1, check_float, 0.0, 2.0)
+    stall_probability: float = _setting(0.0, check_float, 0.0, 1.0)
+    stall_seconds: float = _setting(0.0, check_float, 0.0, 3600.0)
+    stall_distribution: str = _setting("exponential", check_choice, STALL_DISTRIBUTIONS)
     latency_s: float = _setting(50e-6, check_float, 0.0, 60.0)
     bandwidth_gbps: float = _setting(10.0, *_BANDWIDTH)
     allreduce_latency_s: float = _setting(
@@ -1772,6 +1796,13 @@ class RunConfig:
             self.protocol, self.layout_changes = fit_layout(
                 self.protocol, self.dist, self.dist.num_processes
             )
+        if self.runtime == "dist" and self.protocol.backup_learners:
+            fail(
+                "protocol.backup_learners",
+                self.protocol.backup_learners,
+                "0 on runtime 'dist' (its hardsync is DDP's all-reduce, which waits for "
+                "every learner; backup learners run on the simulated runtime)",
+            )
         served = spec_for(self.protocol).has_server
         if self.runtime == "dist" and served and self.protocol.compression != "none":
             fail(
@@ -1787,11 +1818,14 @@ class RunConfig:
                 sf,
                 "[] with protocol.replicas_per_device = 'auto' (λ changes during the run)",
             )
-        if sf and len(sf) != self.protocol.num_learners:
+        computing = self.protocol.num_learners + self.protocol.backup_learners
+        if sf and len(sf) != computing:
+            backups = " plus protocol.backup_learners" if self.protocol.backup_learners else ""
             fail(
                 "cluster.speed_factors",
                 sf,
-                f"a list of {self.protocol.num_learners} speeds (one per learner) or []",
+                f"a list of {computing} speeds (one per learner: protocol.num_learners"
+                f"{backups}) or []",
             )
 
     # ---- construction ------------------------------------------------------------------

@@ -157,9 +157,16 @@ class _HardSync(ProtocolSpec):
     """docs/protocols.md §1: λ learners, one mean gradient per step; DDP on real processes."""
 
     name = "hardsync"
+    reads = ProtocolSpec.reads | {"backup_learners"}
 
     def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
-        return HardSync(initial, p.num_learners, **optimizer_arguments(o))
+        return HardSync(
+            initial, p.num_learners, backup_learners=p.backup_learners, **optimizer_arguments(o)
+        )
+
+    def label(self, p: ProtocolConfig, num_learners: int | None, replicas: int | None) -> str:
+        base = super().label(p, num_learners, replicas)
+        return f"{base} +{p.backup_learners} backup" if p.backup_learners else base
 
 
 class _Plain(_HardSync):
@@ -167,6 +174,7 @@ class _Plain(_HardSync):
 
     name = "plain"
     drop_in = False
+    reads = ProtocolSpec.reads
 
     def validate(self, p: ProtocolConfig) -> None:
         if p.num_learners != 1:

@@ -486,6 +486,7 @@ class Trainer:
             "lr": self._lr(),
             "staleness_mean": st_mean,
             "bytes_sent": self.runtime.bytes_sent,
+            "dropped_gradients": self.runtime.dropped_gradients,
         }
         c["evals"] += 1
         metric = self.engine.metric
@@ -961,6 +962,7 @@ class Trainer:
             "throughput_virtual_samples_per_s": (rt.samples / simulated_s if simulated_s else None),
             "bytes_sent": rt.bytes_sent,
             "bytes_sent_per_sample": rt.bytes_sent / rt.samples if rt.samples else None,
+            "dropped_gradients": rt.dropped_gradients,
             "compression": p.compression,
             "staleness_mean": st_mean,
             "staleness_max": st_max,

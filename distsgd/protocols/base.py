@@ -22,7 +22,7 @@ Two families:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -178,6 +178,19 @@ class SynchronousProtocol(Protocol):
             NotImplementedError: the learners do not share one weight vector.
         """
         raise NotImplementedError(f"{type(self).__name__} learners do not share weights")
+
+    backup_learners: int = 0
+    """β learners that compute beside the ``num_learners`` each iteration and whose
+    gradients arrive too late to count (hardsync's backup learners); 0: none."""
+
+    def first_arrivals(self, order: Sequence[int]) -> list[int]:
+        """The learners whose gradients an iteration with backup learners averages, given
+        every learner in arrival ``order`` (protocols with ``backup_learners`` only).
+
+        Raises:
+            NotImplementedError: the protocol has no backup learners.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no backup learners")
 
     def begin_iteration(self, lr: float) -> bool:
         """Prepare the learners for an iteration at rate ``lr``; True when their weights

@@ -12,6 +12,16 @@ with batch λ·b; ``num_learners = 1`` is the plain training loop. Nothing in th
 assumes SGD: any coordinate-wise torch.optim optimizer (``make_optimizer``, e.g. AdamW)
 applied to the mean gradient equals that optimizer in a single-process loop with batch λ·b.
 
+Backup learners (Chen, Pan, Monga, Bengio, Jozefowicz, "Revisiting Distributed
+Synchronous SGD", 2016, arXiv:1604.00981, §3): λ + β learners compute on the same w; the
+step uses the FIRST λ gradients to arrive and drops the late β::
+
+    S = the first λ learners of the step's arrival order (a runtime's clock decides it)
+    w ← SGD(w, (1/λ) Σ_{l ∈ S} g_l, lr)    # β gradients dropped per step
+
+λ stays the number of gradients a step averages (its effective batch is λ·b samples, as
+without backups); the run has λ + β learners. With β = 0 the rule is hardsync's above.
+
 Example::
 
     >>> import torch
@@ -25,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
@@ -55,7 +66,9 @@ class HardSync(SynchronousProtocol):
 
     Args:
         initial: initial weights, shape ``[P]``, floating point (copied).
-        num_learners: λ >= 1, learners computing on the same weights each iteration.
+        num_learners: λ >= 1, gradients averaged by each iteration.
+        backup_learners: β >= 0 further learners computing on the same weights; each
+            iteration uses the first λ of the λ + β gradients (:meth:`first_arrivals`).
         momentum: μ in [0, 1) of torch.optim.SGD.
         weight_decay: L2 coefficient >= 0 (torch.optim.SGD's, added to the mean gradient).
         nesterov: Nesterov momentum; requires ``momentum > 0``.
@@ -78,9 +91,11 @@ class HardSync(SynchronousProtocol):
         weight_decay: float = 0.0,
         nesterov: bool = False,
         make_optimizer: OptimizerFactory | None = None,
+        backup_learners: int = 0,
     ) -> None:
         self._w = check_initial(initial)
         self.num_learners = check_int("num_learners", num_learners, 1)
+        self.backup_learners = check_int("backup_learners", backup_learners, 0)
         self.momentum, self.weight_decay, self.nesterov = check_optimizer_args(
             make_optimizer, momentum, weight_decay, nesterov
         )
@@ -95,14 +110,36 @@ class HardSync(SynchronousProtocol):
         """P, the length of the flat weight vector."""
         return self._w.numel()
 
+    @property
+    def num_computing(self) -> int:
+        """λ + β, the learners that compute a gradient each iteration."""
+        return self.num_learners + self.backup_learners
+
     def learner_weights(self, learner: int) -> Tensor:
         """The shared weights, shape ``[P]`` (a view: do not modify).
 
         Raises:
-            ValueError: ``learner`` not in ``[0, num_learners)``.
+            ValueError: ``learner`` not in ``[0, num_computing)``.
         """
-        check_index("learner", learner, self.num_learners)
+        check_index("learner", learner, self.num_computing)
         return self._w
+
+    def first_arrivals(self, order: Sequence[int]) -> list[int]:
+        """The learners whose gradients this iteration averages: the first λ of ``order``,
+        sorted; the other β are dropped (Chen et al. 2016, arXiv:1604.00981, §3).
+
+        Args:
+            order: every learner ``0 … λ+β−1`` once, in the order its gradient arrived.
+
+        Raises:
+            ValueError: ``order`` is not a permutation of ``range(num_computing)``.
+        """
+        if sorted(order) != list(range(self.num_computing)):
+            raise ValueError(
+                f"order = {list(order)!r} is not allowed: expected each learner "
+                f"0 … {self.num_computing - 1} once"
+            )
+        return sorted(order[: self.num_learners])
 
     def exchange_step(self, grads: Tensor, lr: float) -> AllReduce:
         """The mean of ``grads`` over every learner of the run, applied by
@@ -148,6 +185,8 @@ class HardSync(SynchronousProtocol):
             "weight_decay": self.weight_decay,
             "nesterov": self.nesterov,
         }
+        if self.backup_learners:
+            config["backup_learners"] = self.backup_learners
         if self._custom_optimizer:
             config["optimizer"] = describe_optimizer(self._opt)
         return config

@@ -106,6 +106,8 @@ class Runtime(abc.ABC):
             (:func:`~distsgd.runtime.compression.ring_allreduce_bytes` for an all-reduce,
             P values for a parameter-server push or pull), in the wire format of
             ``protocol.compression``.
+        dropped_gradients: gradients computed but left out of every update so far
+            (hardsync's backup learners: β per iteration).
     """
 
     clock: ClassVar[str]
@@ -118,6 +120,7 @@ class Runtime(abc.ABC):
     num_learners: int
     replicas_per_device: int = 1
     bytes_sent: int = 0
+    dropped_gradients: int = 0
 
     @property
     @abc.abstractmethod

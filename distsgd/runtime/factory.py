@@ -491,6 +491,7 @@ class _Simulated(RuntimeKind):
             bn_recalibration_samples=cfg.train.bn_recalibration_samples,
             num_servers=cfg.dist.num_servers if spec.has_server else 1,
             compression=p.compression,
+            backup_learners=p.backup_learners if p.name == "hardsync" else 0,
         )
 
 

@@ -10,6 +10,10 @@ Timing model (all in virtual seconds):
 * compute of one minibatch of b samples on learner l:
   ``(seconds_per_batch + b · seconds_per_sample) / speed_l · J`` where J is a seeded
   log-normal factor with mean 1 and relative spread ``jitter``;
+* a straggler's random stall (``cluster.stall_probability`` p > 0): with probability p,
+  drawn per minibatch from a seeded stream of its own, a stall of ``stall_seconds`` (fixed,
+  or exponentially distributed with that mean) is added to that minibatch's compute; a
+  slow device is ``cluster.speed_factors`` (e.g. 0.5: twice as slow);
 * synchronous protocols with k replicas per device (SMA, local SGD), which a device
   computes as one batched computation: ``t(1) · ρ(k) / speed_d · J`` per device, with
   ``t(1) = seconds_per_batch + b · seconds_per_sample`` and ρ(k) the t(k)/t(1) of the
@@ -46,8 +50,9 @@ Timing model (all in virtual seconds):
   (:func:`~distsgd.runtime.cluster_model.server_push_seconds`).
 
 Synchronous protocols advance one iteration per tick (the slowest device plus the
-all-reduce). Parameter-server protocols process one push per tick: a worker pulls,
-its reply travels, it computes, its push travels, waits while the server serves earlier
+all-reduce; with hardsync's β backup learners, the λ-th of the λ + β learners to finish
+plus an all-reduce among the λ + β, the late β's gradients dropped). Parameter-server
+protocols process one push per tick: a worker pulls, its reply travels, it computes, its push travels, waits while the server serves earlier
 pushes, the server works ``seconds_per_push`` on it and replies when done (or, under a
 barrier, when the update is applied).
 
@@ -383,6 +388,10 @@ class SimRuntime(Runtime):
         compression: ``protocol.compression``: the wire format of the exchanges
             (:mod:`~distsgd.runtime.compression`): the values are rounded to it, the
             network charges its bytes, and :attr:`bytes_sent` counts them.
+        backup_learners: β backup learners of hardsync (``protocol.backup_learners``):
+            λ + β learners compute each iteration, the protocol keeps the first λ by
+            this clock (:meth:`~distsgd.protocols.HardSync.first_arrivals`),
+            :attr:`dropped_gradients` counts the rest.
 
     Raises:
         TrainingDiverged: from :meth:`advance`, when a loss is NaN or infinite.
@@ -405,8 +414,12 @@ class SimRuntime(Runtime):
         bn_recalibration_samples: int = TrainConfig.bn_recalibration_samples,
         num_servers: int = 1,
         compression: str = "none",
+        backup_learners: int = 0,
     ) -> None:
         self.protocol = protocol
+        self.backup_learners = backup_learners
+        self.dropped_gradients = 0
+        computing = num_learners + backup_learners
         self.num_servers = num_servers
         self.compression = compression
         self.bytes_sent = 0
@@ -419,10 +432,11 @@ class SimRuntime(Runtime):
         self.replicas_per_device = replicas_per_device
         self.seed = seed
         self.bn_recalibration_samples = bn_recalibration_samples
-        self.sampler = ShardedSampler(dataset.num_train, num_learners, batch_size, seed)
-        self.streams = [LearnerStream(self.sampler, i) for i in range(num_learners)]
-        self.speeds = list(cluster.speed_factors) or [1.0] * num_learners
+        self.sampler = ShardedSampler(dataset.num_train, computing, batch_size, seed)
+        self.streams = [LearnerStream(self.sampler, i) for i in range(computing)]
+        self.speeds = list(cluster.speed_factors) or [1.0] * computing
         self._rng = torch.Generator().manual_seed(seed * 7919 + 17)
+        self._stall_rng = torch.Generator().manual_seed(seed * 7919 + 29)
         self.virtual_time = 0.0
         self.samples = 0
         self.is_async = protocol.served
@@ -496,13 +510,14 @@ class SimRuntime(Runtime):
             t_server_contended=self.profile.seconds_per_push_contended,
             cores=self.cluster.cores,
         )
+        computing = self.num_learners + self.backup_learners
         pushers = self.num_learners
         if self.is_async:
             pushers = self.protocol.num_workers  # type: ignore[union-attr]
         if self.cluster.cores > 0:
             if not self.is_async:
                 k = self.replicas_per_device
-                self._stretch = cm.core_stretch(self.num_learners // k, self.cluster.cores)
+                self._stretch = cm.core_stretch(computing // k, self.cluster.cores)
             else:
                 self._stretch = cm.server_core_stretch(
                     self.num_learners, self.batch_size, model, pushers
@@ -510,7 +525,7 @@ class SimRuntime(Runtime):
         self._push_s = cm.server_push_seconds(
             self._stretch, model, each_learner_pushes=pushers == self.num_learners
         )
-        units = self.num_learners // (1 if self.is_async else self.replicas_per_device)
+        units = computing // (1 if self.is_async else self.replicas_per_device)
         self._stretches = [self._stretch] * units
         if self.cluster.cores > 0 and self.cluster.processes_per_host > 0:
             self._set_host_stretch(model, pushers, units)
@@ -542,10 +557,26 @@ class SimRuntime(Runtime):
         z = float(torch.randn((), generator=self._rng))
         return math.exp(sigma * z - 0.5 * sigma * sigma)
 
+    def _stall(self) -> float:
+        """A random stall's virtual seconds (0 unless ``cluster.stall_probability`` > 0):
+        with probability p a stall of ``stall_seconds`` (``"fixed"``) or drawn from the
+        exponential distribution of that mean; seeded, its own stream (the jitter's draws
+        do not depend on it)."""
+        c = self.cluster
+        if c.stall_probability == 0 or c.stall_seconds == 0:
+            return 0.0
+        u, v = torch.rand(2, generator=self._stall_rng).tolist()
+        if u >= c.stall_probability:
+            return 0.0
+        if c.stall_distribution == "fixed":
+            return c.stall_seconds
+        return -c.stall_seconds * math.log1p(-v)
+
     def compute_seconds(self, learner: int) -> float:
-        """Virtual seconds for ``learner`` to compute one minibatch (draws jitter)."""
+        """Virtual seconds for ``learner`` to compute one minibatch (draws jitter and a
+        stall)."""
         base = self.profile.compute_seconds(self.batch_size) / self.speeds[learner]
-        return base * self._stretches[learner] * self._jitter()
+        return base * self._stretches[learner] * self._jitter() + self._stall()
 
     def device_compute_seconds(self, device: int) -> float:
         """Virtual seconds for ``device`` to compute one synchronous iteration of its k
@@ -554,7 +585,7 @@ class SimRuntime(Runtime):
         k = self.replicas_per_device
         speed = min(self.speeds[device * k : (device + 1) * k])
         base = self.profile.device_seconds(k, self.batch_size) / speed
-        return base * self._stretches[device] * self._jitter()
+        return base * self._stretches[device] * self._jitter() + self._stall()
 
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
         """Change k between synchronous iterations (the auto-tuner): λ becomes
@@ -567,10 +598,10 @@ class SimRuntime(Runtime):
             ValueError: k < 1, or λ·b exceeds the training set.
             RuntimeError: the protocol is asynchronous, or speed factors are set.
         """
-        if self.is_async or self.cluster.speed_factors:
+        if self.is_async or self.cluster.speed_factors or self.backup_learners:
             raise RuntimeError(
                 "replicas per device can change only for synchronous protocols without "
-                "cluster.speed_factors"
+                "cluster.speed_factors or backup learners"
             )
         if not isinstance(replicas_per_device, int) or replicas_per_device < 1:
             raise ValueError(
@@ -634,6 +665,8 @@ class SimRuntime(Runtime):
         as a ring all-reduce among the devices."""
         proto = cast(SynchronousProtocol, self.protocol)
         lam, k = self.num_learners, self.replicas_per_device
+        if self.backup_learners:
+            return self._advance_with_backups(lr)
         step = proto.iteration
         device_s = [self.device_compute_seconds(d) for d in range(lam // k)]
         if proto.shares_weights:  # the mean gradient as one computation (_mean_gradient)
@@ -655,6 +688,33 @@ class SimRuntime(Runtime):
                 lam // k, self.engine.num_parameters, self.compression
             )
         self.virtual_time += max(device_s) + comm
+        n = lam * self.batch_size
+        self.samples += n
+        return Tick(n, losses)
+
+    def _advance_with_backups(self, lr: float) -> Tick:
+        """One hardsync iteration with β backup learners: λ + β learners compute on the
+        same weights, their gradients arrive in the order of their virtual compute times
+        (ties: the lower learner first), the protocol keeps the first λ
+        (:meth:`~distsgd.protocols.HardSync.first_arrivals`) and the iteration ends when
+        the λ-th arrives, plus the exchange charged as a ring all-reduce among the λ + β
+        learners. The late
+        β learners' minibatches are drawn (their samples are spent) but their gradients
+        are not computed: they are dropped."""
+        proto = cast(SynchronousProtocol, self.protocol)
+        lam, computing = self.num_learners, self.num_learners + self.backup_learners
+        seconds = [self.device_compute_seconds(d) for d in range(computing)]
+        order = sorted(range(computing), key=lambda d: (seconds[d], d))
+        kept = proto.first_arrivals(order)
+        for d in order[lam:]:
+            self.streams[d].next_indices()
+        grad, losses = self._mean_gradient(kept, proto.learner_weights(0), lr, proto.iteration)
+        proto.apply_mean_gradient(round_to_wire(grad, self.compression), lr)
+        self.dropped_gradients += computing - lam
+        comm = self._allreduce_among(list(range(computing)))
+        p = self.engine.num_parameters
+        self.bytes_sent += ring_allreduce_bytes(computing, p, self.compression)
+        self.virtual_time += seconds[order[lam - 1]] + comm
         n = lam * self.batch_size
         self.samples += n
         return Tick(n, losses)
@@ -795,6 +855,8 @@ class SimRuntime(Runtime):
             "streams": [s.state_dict() for s in self.streams],
             "replicas_per_device": self.replicas_per_device,
             "bytes_sent": self.bytes_sent,
+            "stall_rng": self._stall_rng.get_state(),
+            "dropped_gradients": self.dropped_gradients,
         }
         if self.is_async:
             state.update(
@@ -811,6 +873,9 @@ class SimRuntime(Runtime):
         self.samples = int(state["samples"])
         self.bytes_sent = int(state.get("bytes_sent", 0))
         self._rng.set_state(state["rng"])
+        if "stall_rng" in state:
+            self._stall_rng.set_state(state["stall_rng"])
+        self.dropped_gradients = int(state.get("dropped_gradients", 0))
         k = int(state.get("replicas_per_device", self.replicas_per_device))
         if k != self.replicas_per_device:
             self.set_replicas_per_device(k)

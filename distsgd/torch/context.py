@@ -135,6 +135,12 @@ def _resolve(raw: dict, world_size: int) -> RunConfig:
             f"protocol.replicas_per_device = {p['replicas_per_device']!r} is not allowed: "
             "expected 1 (each process trains one model)"
         )
+    if p.get("backup_learners", 0):
+        raise ConfigError(
+            f"protocol.backup_learners = {p['backup_learners']!r} is not allowed: expected 0 "
+            "(the drop-in's hardsync is DDP's all-reduce, which waits for every learner; "
+            "backup learners run on the simulated runtime)"
+        )
     if raw.get("dist", {}).get("num_servers", 1) != 1:
         raise ConfigError(
             f"dist.num_servers = {raw['dist']['num_servers']!r} is not allowed: expected 1 "

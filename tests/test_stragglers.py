@@ -1,0 +1,132 @@
+"""Hardsync's backup learners and the simulated cluster's stragglers (slow devices, stalls)."""
+
+import json
+
+import pytest
+import torch
+
+import distsgd
+import distsgd.torch
+from distsgd.config import ConfigError
+from distsgd.data import LearnerStream, ShardedSampler, load_dataset
+from distsgd.protocols import HardSync
+
+from .conftest import simulated_runtime, small_config
+
+NO_NETWORK = {"jitter": 0.0, "latency_s": 0.0, "bandwidth_gbps": 0.0}
+
+
+def advance(cfg, ticks=3, lr=0.05):
+    rt, engine = simulated_runtime(cfg)
+    times = []
+    for _ in range(ticks):
+        rt.advance(lr)
+        times.append(rt.clock_s)
+    return rt, engine, times
+
+
+def test_first_arrivals_keeps_the_first_lambda():
+    p = HardSync(torch.zeros(3), num_learners=2, backup_learners=2)
+    assert p.first_arrivals([3, 0, 2, 1]) == [0, 3]
+    with pytest.raises(ValueError, match="order"):
+        p.first_arrivals([0, 1, 2])
+
+
+def test_zero_backups_is_hardsync_bit_for_bit():
+    cfg = {"protocol": {"num_learners": 2}, "cluster": {"jitter": 0.3}}
+    plain, _, t0 = advance(small_config(**cfg))
+    cfg["protocol"]["backup_learners"] = 0
+    zero, _, t1 = advance(small_config(**cfg))
+    assert torch.equal(plain.eval_weights(), zero.eval_weights()) and t0 == t1
+    assert zero.dropped_gradients == 0
+    # its checkpoint is a plain HardSync's
+    HardSync(torch.zeros(plain.engine.num_parameters), 2, momentum=0.9).load_state_dict(
+        zero.protocol.state_dict()
+    )
+
+
+def test_backups_average_exactly_the_first_lambda_gradients():
+    # learner 0 is 2× slower, so learners 1 and 2 always arrive first
+    cfg = small_config(
+        protocol={"num_learners": 2, "backup_learners": 1, "batch_size": 16},
+        optimizer={"momentum": 0.0},
+        cluster={"speed_factors": [0.5, 1.0, 1.0], "jitter": 0.0},
+    )
+    rt, engine = simulated_runtime(cfg)
+    ref = HardSync(rt.protocol.eval_weights(), 2)
+    for _ in range(3):
+        rt.advance(0.05)
+    assert rt.dropped_gradients == 3
+    ds = load_dataset(cfg.data, seed=0)
+    sampler = ShardedSampler(ds.num_train, 3, 16, cfg.train.seed)
+    streams = [LearnerStream(sampler, i) for i in range(3)]
+    for _ in range(3):
+        w = ref.learner_weights(0)
+        streams[0].next_indices()  # the slow learner's minibatch is drawn and dropped
+        grads = [engine.gradient(w, *ds.train.batch(streams[m].next_indices()))[0] for m in (1, 2)]
+        ref.apply_mean_gradient(torch.stack(grads).mean(0), 0.05)
+    assert torch.allclose(rt.eval_weights(), ref.eval_weights(), atol=1e-6)
+
+
+def test_a_slow_learner_doubles_the_step_and_a_backup_hides_it():
+    def step_s(speeds, backups=0):
+        protocol = {"num_learners": 2, "backup_learners": backups}
+        cluster = {**NO_NETWORK, "speed_factors": speeds}
+        return advance(small_config(protocol=protocol, cluster=cluster), ticks=2)[2][-1]
+
+    even = step_s([1.0, 1.0])
+    assert step_s([0.5, 1.0]) == pytest.approx(2 * even, rel=1e-12)
+    assert step_s([0.5, 1.0, 1.0], backups=1) == pytest.approx(even, rel=1e-12)
+
+
+def test_stalls_are_seeded():
+    def times(seed):
+        cluster = {**NO_NETWORK, "stall_probability": 0.3, "stall_seconds": 0.01}
+        cfg = small_config(protocol={"num_learners": 2}, cluster=cluster, train={"seed": seed})
+        return advance(cfg, ticks=6)[2]
+
+    first = times(1)
+    assert first == times(1)
+    assert first != times(2)
+    steps = [b - a for a, b in zip([0.0] + first, first, strict=False)]
+    assert max(steps) > min(steps)  # some steps stalled, some not
+
+
+def test_backups_are_refused_where_they_cannot_run():
+    with pytest.raises(ConfigError, match="protocol.backup_learners"):
+        small_config(protocol={"name": "sma", "num_learners": 2, "backup_learners": 1})
+    with pytest.raises(ConfigError, match="protocol.backup_learners.*runtime 'dist'"):
+        small_config(runtime="dist", protocol={"num_learners": 2, "backup_learners": 1})
+    cfg = small_config(protocol={"num_learners": 2, "backup_learners": 1})
+    with pytest.raises(ConfigError, match="protocol.backup_learners = 1 .*drop-in"):
+        distsgd.torch.init(config=cfg)
+    with pytest.raises(ConfigError, match="cluster.speed_factors.*3 speeds"):
+        small_config(
+            protocol={"num_learners": 2, "backup_learners": 1},
+            cluster={"speed_factors": [1.0, 1.0]},
+        )
+
+
+def test_backups_and_stalls_resume_bit_for_bit():
+    cluster = {"stall_probability": 0.3, "stall_seconds": 0.01, "jitter": 0.2}
+    cfg = small_config(protocol={"num_learners": 2, "backup_learners": 1}, cluster=cluster)
+    a, _, _ = advance(cfg, ticks=3)
+    state = {"rt": a.state_dict(), "p": a.protocol.state_dict()}
+    for _ in range(3):
+        a.advance(0.05)
+    b, _ = simulated_runtime(cfg)
+    b.protocol.load_state_dict(state["p"])
+    b.load_state_dict(state["rt"])
+    for _ in range(3):
+        b.advance(0.05)
+    assert torch.equal(a.eval_weights(), b.eval_weights())
+    assert a.clock_s == b.clock_s
+    assert a.dropped_gradients == b.dropped_gradients == 6
+
+
+def test_the_run_records_count_the_dropped_gradients(tmp_path):
+    cfg = small_config(protocol={"num_learners": 2, "backup_learners": 1})
+    summary = distsgd.train(cfg, out_dir=tmp_path / "run")
+    assert summary["dropped_gradients"] == summary["iterations"] > 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert records[-1]["dropped_gradients"] == records[-1]["iterations"]
