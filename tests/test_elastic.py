@@ -1,11 +1,17 @@
 """Learners that join and leave a running parameter server or compute-group run
 (docs/elastic.md): the protocol's admission and staleness, re-sharding, records, resume."""
 
+import json
+
 import pytest
 import torch
 
+from distsgd.config import ClusterConfig, ConfigError, DataConfig, RunConfig
+from distsgd.data import LearnerStream, load_dataset
+from distsgd.engine import GradientEngine
+from distsgd.models import build_model
 from distsgd.protocols import ComputeGroups, ParameterServer
-from distsgd.runtime.sim import DeviceProfile
+from distsgd.runtime.sim import DeviceProfile, SimRuntime
 
 PROFILE = DeviceProfile(seconds_per_batch=1e-3, seconds_per_sample=1e-4)  # 1.8 ms per push
 
@@ -90,3 +96,110 @@ def test_resume_after_a_membership_change_gives_the_same_weights():
     _run(resumed, ACTIONS[8:], pulled, start=8)
     assert torch.equal(resumed.eval_weights(), whole.eval_weights())
     assert resumed.staleness_counts == whole.staleness_counts
+
+
+# ---- the simulated cluster ----------------------------------------------------------------
+PROFILE = DeviceProfile(seconds_per_batch=1e-3, seconds_per_sample=1e-4)  # 1.8 ms per push
+MEMBERSHIP = [{"at_s": 0.01, "join": 2}, {"at_s": 0.025, "leave": [1]}]
+
+
+@pytest.fixture(scope="module")
+def dataset():  # 16 steps of λ·b = 16 per epoch at λ = 2
+    return load_dataset(DataConfig(dataset="synthetic", num_train=256, num_test=64), seed=0)
+
+
+def _sim(dataset, membership=MEMBERSHIP):
+    torch.manual_seed(0)
+    engine = GradientEngine(build_model("mlp", dataset.input_shape, dataset.num_classes))
+    ps = ParameterServer(engine.initial_weights(), 2, softsync=2, momentum=0.9)
+    cluster = ClusterConfig(seconds_per_sample=1e-4, seconds_per_batch=1e-3, membership=membership)
+    return SimRuntime(
+        ps, engine, dataset, batch_size=8, num_learners=2, profile=PROFILE, cluster=cluster
+    )
+
+
+def _ticks(rt, n):
+    ticks = [rt.advance(0.05) for _ in range(n)]
+    return [u.clock[0][0] for t in ticks for u in [t.update]], [
+        r for t in ticks for r in t.membership
+    ]
+
+
+def test_sim_joiners_push_leavers_stop_and_no_sample_is_drawn_twice(dataset, monkeypatch):
+    drawn: dict[int, list[int]] = {}
+    next_indices = LearnerStream.next_indices
+
+    def record(stream):
+        epoch = stream.epoch
+        idx = next_indices(stream)
+        drawn.setdefault(epoch, []).extend(idx.tolist())
+        return idx
+
+    monkeypatch.setattr(LearnerStream, "next_indices", record)
+    rt = _sim(dataset)
+    pushers, records = _ticks(rt, 80)
+    assert [(r["event"], r["worker"], r["time_s"]) for r in records] == [
+        ("join", 2, 0.01),
+        ("join", 3, 0.01),
+        ("leave", 1, 0.025),
+    ]
+    assert records[2]["active_workers"] == [0, 2, 3] and records[0]["ranks"] == [3]
+    joined = pushers.index(2)
+    assert 3 in pushers[joined:] and rt.protocol.version == 80
+    left = max(i for i, w in enumerate(pushers) if w == 1)
+    assert {0, 2, 3} <= set(pushers[left + 1 :])  # the others go on, 1 never again
+    assert len(drawn) >= 3  # three epochs at least, each without a sample twice
+    assert all(len(set(idx)) == len(idx) for idx in drawn.values())
+
+
+@pytest.mark.parametrize("split", [20, 50])  # after the join; after the leave
+def test_sim_resume_after_a_membership_change_gives_the_same_weights(dataset, split):
+    whole = _sim(dataset)
+    pushers, records = _ticks(whole, 70)
+    first = _sim(dataset)
+    p1, r1 = _ticks(first, split)
+    state = (first.protocol.state_dict(), first.state_dict())
+    resumed = _sim(dataset)
+    resumed.protocol.load_state_dict(state[0])
+    resumed.load_state_dict(state[1])
+    p2, r2 = _ticks(resumed, 70 - split)
+    assert (p1 + p2, r1 + r2) == (pushers, records)
+    assert torch.equal(resumed.eval_weights(), whole.eval_weights())
+
+
+def test_membership_settings_are_checked():
+    base = {"runtime": "sim", "protocol": {"name": "parameter_server", "mode": "async"}}
+
+    def config(membership, **protocol):
+        raw = {**base, "cluster": {"membership": membership}}
+        raw["protocol"] = {**raw["protocol"], **protocol}
+        return RunConfig.from_dict(raw)
+
+    assert config(MEMBERSHIP, num_learners=2).cluster.membership == MEMBERSHIP
+    with pytest.raises(ConfigError, match=r"cluster.membership\[1\].at_s = 0.005"):
+        config([{"at_s": 0.01, "join": 1}, {"at_s": 0.005, "join": 1}])
+    with pytest.raises(ConfigError, match=r"membership\[0\].leave = \[5\].*active workers"):
+        config([{"at_s": 0.01, "leave": [5]}], num_learners=2)
+    with pytest.raises(ConfigError, match="synchronous protocol"):
+        config(MEMBERSHIP, mode="hardsync", num_learners=2)
+    with pytest.raises(ConfigError, match="synchronous protocol"):
+        RunConfig.from_dict({"runtime": "sim", "cluster": {"membership": MEMBERSHIP}})
+
+
+def test_run_directory_records_the_changes_and_resumes_across_them(tmp_path):
+    import distsgd
+    from distsgd.metrics import read_metrics
+    from tests.conftest import small_config
+
+    protocol = {"name": "parameter_server", "num_learners": 2, "mode": "async"}
+    cluster = {"membership": [{"at_s": 0.02, "join": 2}, {"at_s": 0.06, "leave": [1]}]}
+    distsgd.train(small_config(protocol=protocol, cluster=cluster), out_dir=tmp_path / "full")
+    half = small_config(protocol=protocol, cluster=cluster, train={"max_epochs": 1})
+    distsgd.train(half, out_dir=tmp_path / "half")
+    distsgd.train(resume=tmp_path / "half", overrides=["train.max_epochs=2"])
+    full = (tmp_path / "full" / "membership.jsonl").read_text().splitlines()
+    assert [json.loads(r)["event"] for r in full] == ["join", "join", "leave"]
+    assert (tmp_path / "half" / "membership.jsonl").read_text().splitlines() == full
+    mf = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    mh = read_metrics(tmp_path / "half" / "metrics.jsonl")
+    assert [r["eval_loss"] for r in mh] == [r["eval_loss"] for r in mf]

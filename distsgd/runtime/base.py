@@ -25,7 +25,7 @@ import abc
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -80,11 +80,14 @@ class Tick:
         samples: training samples whose gradients were computed in this tick.
         losses: minibatch mean losses (nats) of the learners that computed.
         update: the parameter-server update applied in this tick, if any.
+        membership: records of the membership changes made in this tick
+            (``membership.jsonl``, docs/elastic.md).
     """
 
     samples: int
     losses: list[float]
     update: Any = None
+    membership: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Runtime(abc.ABC):
