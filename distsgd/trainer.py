@@ -586,6 +586,9 @@ class Trainer:
         finally:
             if hasattr(self, "runtime"):
                 self.runtime.close()
+                late = self.runtime.late_membership()
+                if late and self.is_writer and self.out_dir.is_dir():
+                    self._record_membership(late)
             if self._claim is not None:
                 self._claim.release()
 

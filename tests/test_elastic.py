@@ -108,13 +108,15 @@ def dataset():  # 16 steps of λ·b = 16 per epoch at λ = 2
     return load_dataset(DataConfig(dataset="synthetic", num_train=256, num_test=64), seed=0)
 
 
-def _sim(dataset, membership=MEMBERSHIP):
+def _sim(dataset, membership=MEMBERSHIP, groups=0):
     torch.manual_seed(0)
     engine = GradientEngine(build_model("mlp", dataset.input_shape, dataset.num_classes))
-    ps = ParameterServer(engine.initial_weights(), 2, softsync=2, momentum=0.9)
+    w = engine.initial_weights()
+    lam = 2 * groups or 2
+    proto = ComputeGroups(w, lam, groups) if groups else ParameterServer(w, 2, 2, momentum=0.9)
     cluster = ClusterConfig(seconds_per_sample=1e-4, seconds_per_batch=1e-3, membership=membership)
     return SimRuntime(
-        ps, engine, dataset, batch_size=8, num_learners=2, profile=PROFILE, cluster=cluster
+        proto, engine, dataset, batch_size=8, num_learners=lam, profile=PROFILE, cluster=cluster
     )
 
 
@@ -150,6 +152,21 @@ def test_sim_joiners_push_leavers_stop_and_no_sample_is_drawn_twice(dataset, mon
     assert {0, 2, 3} <= set(pushers[left + 1 :])  # the others go on, 1 never again
     assert len(drawn) >= 3  # three epochs at least, each without a sample twice
     assert all(len(set(idx)) == len(idx) for idx in drawn.values())
+
+
+def test_sim_compute_group_joins_and_leaves_as_a_whole(dataset):
+    rt = _sim(dataset, [{"at_s": 0.01, "join": 1}, {"at_s": 0.02, "leave": [0]}], groups=2)
+    ticks = [rt.advance(0.05) for _ in range(30)]
+    records = [r for t in ticks for r in t.membership]
+    assert [(r["event"], r["worker"], r["learners"]) for r in records] == [
+        ("join", 2, [4, 5]),
+        ("leave", 0, [0, 1]),
+    ]
+    left = next(
+        i for i, t in enumerate(ticks) if t.membership and t.membership[0]["event"] == "leave"
+    )
+    after = [t.update.clock[0][0] for t in ticks[left:]]
+    assert set(after) == {1, 2} and rt.protocol.members(2) == [4, 5]
 
 
 @pytest.mark.parametrize("split", [20, 50])  # after the join; after the leave

@@ -196,6 +196,11 @@ class Runtime(abc.ABC):
     def close(self) -> None:  # noqa: B027 - a runtime in one process holds nothing
         """Release what the runtime holds (the process group)."""
 
+    def late_membership(self) -> list[dict[str, Any]]:
+        """Membership records made after the last :meth:`advance` (a learner the server
+        lost while the run was ending), read after :meth:`close`; none by default."""
+        return []
+
 
 def time_in_turn(
     fns: list[Callable[[], Any]], repeats: int, device: torch.device, warmup: int = 1
