@@ -479,6 +479,37 @@ class ProtocolConfig:
             )
 
 
+def check_membership(changes: Any) -> None:
+    """``cluster.membership``: a list of ``{at_s, join}`` / ``{at_s, leave}`` tables in
+    increasing ``at_s``; else :class:`ConfigError` naming the entry."""
+    allowed = (
+        "a list of {at_s = seconds >= 0, join = count >= 1} or {at_s = seconds >= 0, "
+        "leave = [worker, …]} tables in increasing at_s"
+    )
+    if not isinstance(changes, list):
+        fail("cluster.membership", changes, allowed)
+    last = 0.0
+    for i, change in enumerate(changes):
+        key = f"cluster.membership[{i}]"
+        if not isinstance(change, dict) or set(change) not in ({"at_s", "join"}, {"at_s", "leave"}):
+            fail(key, change, allowed)
+        at = change["at_s"]
+        if not _number(at) or at < last:
+            fail(f"{key}.at_s", at, f"a number of seconds >= {last} (increasing at_s)")
+        last = at
+        join = change.get("join", 1)
+        if not isinstance(join, int) or isinstance(join, bool) or join < 1:
+            fail(f"{key}.join", join, "a count of workers >= 1")
+        leave = change.get("leave", [0])
+        if (
+            not isinstance(leave, list)
+            or not leave
+            or any(not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in leave)
+            or len(set(leave)) != len(leave)
+        ):
+            fail(f"{key}.leave", leave, "a non-empty list of distinct worker indices >= 0")
+
+
 def _one_line(error: BaseException) -> str:
     """``"Type: message"`` of ``error`` on one line (at most 200 characters)."""
     text = failure_text(error)
@@ -956,6 +987,13 @@ class ClusterConfig:
             an exponential distribution (``stall_distribution``); added to that
             minibatch's compute time.
         stall_distribution: ``"exponential"`` (default) or ``"fixed"``.
+        membership: parameter server (without the hardsync barrier) and compute groups on
+            the simulated cluster: learners that join and leave the running run
+            (docs/elastic.md), a list of changes in increasing ``at_s`` (virtual seconds
+            >= 0), each ``{at_s = t, join = m}`` (m >= 1 new workers: learners, or whole
+            compute groups, numbered after every worker so far, speed 1) or
+            ``{at_s = t, leave = [w, …]}`` (active worker indices: learners, or groups);
+            [] (default): fixed membership.
         latency_s: one-way message latency in seconds, in [0, 60].
         bandwidth_gbps: link bandwidth in gigabits per second, in [1e-6, 1e6]; 0 means
             infinite.
@@ -1037,6 +1075,7 @@ class ClusterConfig:
     profile: str = _setting("", _check_str, 'a path of a profile file, or "" to calibrate')
     replica_ratios: list[float] = field(default_factory=list)
     speed_factors: list[float] = field(default_factory=list)
+    membership: list[dict[str, Any]] = field(default_factory=list)
     jitter: float = _setting(0.1, check_float, 0.0, 2.0)
     stall_probability: float = _setting(0.0, check_float, 0.0, 1.0)
     stall_seconds: float = _setting(0.0, check_float, 0.0, 3600.0)
@@ -1077,6 +1116,7 @@ class ClusterConfig:
         sf = self.speed_factors
         if not isinstance(sf, list) or any(not _number(s) or not 1e-6 <= s <= 1e6 for s in sf):
             fail("cluster.speed_factors", sf, "a list of numbers in [1e-6, 1e6]")
+        check_membership(self.membership)
 
     @property
     def needs_calibration(self) -> bool:
@@ -1827,6 +1867,44 @@ class RunConfig:
                 f"a list of {computing} speeds (one per learner: protocol.num_learners"
                 f"{backups}) or []",
             )
+        if self.cluster.membership:
+            self._check_membership()
+
+    def _check_membership(self) -> None:
+        """``cluster.membership`` fits the run: the simulated cluster, an elastic protocol,
+        active workers named by each ``leave``, one left at every moment."""
+        p, ms = self.protocol, self.cluster.membership
+        if self.runtime != "sim":
+            fail(
+                "cluster.membership",
+                ms,
+                "[] on runtime 'dist' (a schedule of the simulated cluster)",
+            )
+        if p.name not in ("parameter_server", "compute_groups") or (
+            p.name == "parameter_server" and p.mode == "hardsync"
+        ):
+            fail(
+                "cluster.membership",
+                ms,
+                "[] with a synchronous protocol (membership changes need "
+                "protocol.name = 'parameter_server' in mode 'async' or 'softsync', or "
+                "'compute_groups')",
+            )
+        workers = p.num_groups if p.name == "compute_groups" else p.num_learners
+        active = set(range(workers))
+        for i, change in enumerate(ms):
+            if "join" in change:
+                active |= set(range(workers, workers + change["join"]))
+                workers += change["join"]
+                continue
+            gone = [w for w in change["leave"] if w not in active]
+            if gone or len(active) == len(change["leave"]):
+                fail(
+                    f"cluster.membership[{i}].leave",
+                    change["leave"],
+                    f"active workers (then {sorted(active)}), leaving at least one",
+                )
+            active -= set(change["leave"])
 
     # ---- construction ------------------------------------------------------------------
     @classmethod

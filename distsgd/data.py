@@ -1006,23 +1006,28 @@ def _slices(x: Tensor, y: Tensor, batch_size: int) -> Iterator[tuple[Tensor, Ten
 
 
 def reshard_streams(
-    old: LearnerStream, num_learners: int, learners: list[int]
+    old: LearnerStream | list[LearnerStream], num_learners: int, learners: list[int]
 ) -> tuple[ShardedSampler, list[LearnerStream]]:
-    """The data streams of ``learners`` after λ changes to ``num_learners`` at a
-    synchronisation point (the replicas-per-device auto-tuner, Crossbow §4.3).
+    """The data streams of ``learners`` after λ changes to ``num_learners``: at a
+    synchronisation point (the replicas-per-device auto-tuner, Crossbow §4.3) or when a
+    learner joins or leaves a parameter server (docs/elastic.md).
 
-    ``old`` is any stream of the old layout (all are at the same position). The epoch
-    permutation does not depend on λ, so the new layout continues at its first step that
-    starts at or after the samples already drawn this epoch (at most λ·b − 1 samples are
-    skipped; none is drawn twice), the next epoch if none is left.
+    ``old`` is a stream of the old layout, or every stream of it (asynchronous learners
+    stand at different positions: the furthest counts, in the latest epoch any is in).
+    The epoch permutation does not depend on λ, so the new layout continues at its first
+    step that starts at or after the samples already drawn this epoch (none is drawn
+    twice; at most λ·b − 1 are skipped, and what a stream lagging behind the furthest one
+    left undrawn this epoch), the next epoch if none is left.
 
     Raises:
         ValueError: λ·b exceeds the training set, or a learner is not in ``[0, λ)``.
     """
-    prev = old.sampler
-    drawn = old.step * prev.global_batch
+    olds = old if isinstance(old, list) else [old]
+    prev = olds[0].sampler
+    epoch = max(s.epoch for s in olds)
+    drawn = max(s.step for s in olds if s.epoch == epoch) * prev.global_batch
     sampler = ShardedSampler(prev.num_samples, num_learners, prev.batch_size, prev.seed)
-    epoch, step = old.epoch, -(-drawn // sampler.global_batch)
+    step = -(-drawn // sampler.global_batch)
     if step >= sampler.steps_per_epoch:
         epoch, step = epoch + 1, 0
     streams = [LearnerStream(sampler, lrn) for lrn in learners]

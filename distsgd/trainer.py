@@ -29,6 +29,8 @@ Run directory layout (``out_dir``):
   :class:`RunDirClaim`), removed when it ends;
 * ``autotune.json`` — with ``protocol.replicas_per_device = "auto"``: every decision of
   the replicas-per-device auto-tuner (see :mod:`distsgd.replicas`);
+* ``membership.jsonl`` — one record per learner (or compute group) that joined or left
+  the running run (``cluster.membership``; docs/elastic.md);
 * ``ticks.jsonl``, ``plateau_checks.jsonl``, ``final_weights.pt`` — with
   :attr:`RunOptions.record <distsgd.control.RunOptions>` (:class:`~distsgd.control.RunRecorder`);
   ``eval_weights/NNNN.pt`` — with ``train.save_eval_weights``.
@@ -37,6 +39,7 @@ Run directory layout (``out_dir``):
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import math
 import os
@@ -584,6 +587,9 @@ class Trainer:
         finally:
             if hasattr(self, "runtime"):
                 self.runtime.close()
+                late = self.runtime.late_membership()
+                if late and self.is_writer and self.out_dir.is_dir():
+                    self._record_membership(late)
             if self._claim is not None:
                 self._claim.release()
 
@@ -695,6 +701,7 @@ class Trainer:
             enabled=self.cfg.train.tensorboard,
             purge_step=(kept[-1]["samples"] + 1 if kept else 0) if resume else None,
         )
+        self._keep_membership_records(resume)
         recorder = None
         if self.options.record:
             recorder = RunRecorder(self.out_dir, resume=resume, samples=self.runtime.samples)
@@ -722,6 +729,26 @@ class Trainer:
             if recorder is not None:
                 recorder.close(completed)
         return summary
+
+    def _keep_membership_records(self, resume: bool) -> None:
+        """``membership.jsonl`` holds the changes up to the checkpoint resumed from (the
+        resumed run makes the later ones again); a new run starts none."""
+        path = self.out_dir / "membership.jsonl"
+        if not path.exists():
+            return
+        keep = self.counters.get("membership_records", 0) if resume else 0
+        lines = path.read_text().splitlines(keepends=True)[:keep]
+        write_atomic(path, "".join(lines).encode())
+
+    def _record_membership(self, records: list[dict[str, Any]]) -> None:
+        """Append a tick's membership changes to ``membership.jsonl`` (the writer)."""
+        self.counters["membership_records"] = self.counters.get("membership_records", 0) + len(
+            records
+        )
+        if not self.is_writer:
+            return
+        with (self.out_dir / "membership.jsonl").open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
 
     def _plateau_check(self, metrics: MetricsWriter | None) -> bool:
         """The writer's check of the steady-state rule at this evaluation (its decision
@@ -848,6 +875,8 @@ class Trainer:
                 c["loss_sum"] += sum(tick.losses)
                 c["loss_count"] += len(tick.losses)
                 self._observe_losses(tick)
+                if tick.membership:
+                    self._record_membership(tick.membership)
                 if self.on_tick is not None:
                     self.on_tick(tick, self)
                 bar.update(

@@ -649,6 +649,9 @@ def test_a_stopped_async_learner_is_killed_and_the_others_complete_the_run(tmp_p
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["samples"] >= 1024  # one epoch
     assert not (out / "run.lock").exists()
+    lost = [json.loads(r) for r in (out / "membership.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["worker"], r["ranks"]) for r in lost] == [("lost", 1, [2])]
+    assert lost[0]["time_s"] > 0 and lost[0]["version"] >= 2
 
 
 @pytest.mark.slow

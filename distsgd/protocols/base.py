@@ -253,6 +253,34 @@ class AsynchronousProtocol(Protocol):
         return [worker]
 
     @property
+    def active_workers(self) -> list[int]:
+        """Workers that may pull and push now, increasing (all of them unless the
+        protocol admits and retires workers: :meth:`admit`, :meth:`retire`)."""
+        return list(range(self.num_workers))
+
+    def admit(self) -> int:
+        """Add a worker to a running protocol and return its index (docs/elastic.md).
+
+        Raises:
+            RuntimeError: the protocol's membership is fixed (this default).
+        """
+        raise RuntimeError(
+            f"{type(self).__name__} has a fixed membership: a worker cannot join a running run"
+        )
+
+    def retire(self, worker: int) -> Update | None:
+        """Remove ``worker`` from a running protocol; returns the update its leaving
+        completed, if any (docs/elastic.md).
+
+        Raises:
+            RuntimeError: the protocol's membership is fixed (this default).
+        """
+        raise RuntimeError(
+            f"{type(self).__name__} has a fixed membership: worker {worker} cannot leave a "
+            "running run"
+        )
+
+    @property
     @abstractmethod
     def version(self) -> int:
         """Updates applied so far."""

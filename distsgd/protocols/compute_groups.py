@@ -105,7 +105,6 @@ class ComputeGroups(AsynchronousProtocol):
                 f"num_groups = {num_groups!r} is not allowed: expected a divisor of "
                 f"num_learners = {num_learners}"
             )
-        self.num_workers = num_groups
         self.group_size = num_learners // num_groups
         check_choice("optimizer", optimizer, SERVER_OPTIMIZERS)
         self.momentum, weight_decay, nesterov = check_optimizer_args(
@@ -141,22 +140,48 @@ class ComputeGroups(AsynchronousProtocol):
         )
 
     # ---- layout -------------------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        """Group indices assigned so far (active or retired); a joining group gets the next."""
+        return self._server.num_workers
+
+    @property
+    def active_workers(self) -> list[int]:
+        """Groups that may pull and push now, increasing; g is their number."""
+        return self._server.active_workers
+
+    def admit(self) -> int:
+        """Add a whole compute group of ``group_size`` learners (numbered after every
+        learner so far); it pulls next. Returns its group index. The server's rule is
+        asynchronous across groups, so g and the ``softsync`` rate follow the active groups
+        (:meth:`ParameterServer.admit`)."""
+        return self._server.admit()
+
+    def retire(self, worker: int) -> None:
+        """Remove active group ``worker`` (all its learners).
+
+        Raises:
+            ValueError: ``worker`` is not an active group.
+            RuntimeError: it is the last group.
+        """
+        self._server.retire(worker)
+
     def group_of(self, learner: int) -> int:
         """The group of ``learner``.
 
         Raises:
-            ValueError: ``learner`` not in ``[0, num_learners)``.
+            ValueError: ``learner`` not in ``[0, num_workers · group_size)``.
         """
-        check_index("learner", learner, self.num_learners)
+        check_index("learner", learner, self.num_workers * self.group_size)
         return learner // self.group_size
 
     def members(self, group: int) -> list[int]:
         """The learners of ``group``, consecutive and increasing.
 
         Raises:
-            ValueError: ``group`` not in ``[0, num_groups)``.
+            ValueError: ``group`` not in ``[0, num_workers)``.
         """
-        check_index("group", group, self.num_groups)
+        check_index("group", group, self.num_workers)
         return list(range(group * self.group_size, (group + 1) * self.group_size))
 
     @property

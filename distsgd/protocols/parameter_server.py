@@ -26,6 +26,14 @@ update is applied, so σ = 0 always. ``per_gradient`` is the staleness-aware rul
 Gupta, Lian, Liu, "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016,
 arXiv:1511.05950.
 
+Membership (docs/elastic.md). Without the barrier, learners may join (:meth:`admit`: a new
+worker index, which then pulls) and leave (:meth:`retire`) a running server. λ is the number
+of active learners; an asynchronous server (built with ``n = λ``) stays asynchronous, so its
+n follows λ (c = 1 and ``softsync`` scales α0 by 1/λ of the moment); otherwise n stays and
+``c = ⌊λ/min(n, λ)⌋`` is refitted. A joiner's σ is counted, like everyone's, from the version
+it pulled; a retired learner's buffered gradient stays in the buffer, and the next push
+applies every buffered gradient when they reach c.
+
 What assumes SGD: Rudra's experiments and its staleness-dependent rates were made with
 SGD (momentum 0.9) and AdaGrad. The rule itself only hands the server's optimizer an
 aggregate gradient and a rate, so any coordinate-wise torch.optim optimizer
@@ -124,7 +132,6 @@ class ParameterServer(AsynchronousProtocol):
     ) -> None:
         self._w = check_initial(initial)
         self.num_learners = check_int("num_learners", num_learners, 1)
-        self.num_workers = self.num_learners
         self.softsync = check_int("softsync", softsync, 1)
         if softsync > num_learners or num_learners % softsync:
             raise ValueError(
@@ -151,7 +158,9 @@ class ParameterServer(AsynchronousProtocol):
                 "make_optimizer is not allowed with optimizer = 'adagrad': expected None "
                 "(Rudra's AdaGrad server is its own optimizer)"
             )
-        self.gradients_per_update = num_learners // softsync
+        self._asynchronous = softsync == num_learners
+        self._active = [True] * num_learners
+        self._refit()
         self._opt: torch.optim.Optimizer
         if optimizer == "sgd":
             self._opt = build_optimizer(
@@ -167,6 +176,64 @@ class ParameterServer(AsynchronousProtocol):
         self._counts: list[int] = []  # staleness histogram, index σ
         self._staleness_sum = 0
         self._num_gradients = 0
+
+    # ---- membership ---------------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        """Worker indices assigned so far (active or retired); a joiner gets the next one."""
+        return len(self._active)
+
+    @property
+    def active_workers(self) -> list[int]:
+        """Learners that may pull and push now, increasing; λ is their number."""
+        return [w for w, a in enumerate(self._active) if a]
+
+    @property
+    def effective_softsync(self) -> int:
+        """n now: λ for an asynchronous server, else ``min(softsync, λ)``."""
+        lam = len(self.active_workers)
+        return lam if self._asynchronous else min(self.softsync, lam)
+
+    def _refit(self) -> None:
+        self.gradients_per_update = len(self.active_workers) // self.effective_softsync
+
+    def _check_elastic(self, what: str) -> None:
+        if self.barrier:
+            raise RuntimeError(
+                f"{what} is not allowed under the hardsync barrier: its membership is fixed "
+                "(every version takes one gradient from each of the λ learners)"
+            )
+
+    def _check_active(self, worker: int) -> None:
+        check_index("worker", worker, self.num_workers)
+        if not self._active[worker]:
+            raise ValueError(f"worker = {worker} is not allowed: that learner has left")
+
+    def admit(self) -> int:
+        """Add a learner; it pulls next. Returns its worker index (``num_workers`` before).
+
+        Raises:
+            RuntimeError: under the hardsync barrier.
+        """
+        self._check_elastic("a learner joining")
+        self._active.append(True)
+        self._refit()
+        return len(self._active) - 1
+
+    def retire(self, worker: int) -> None:
+        """Remove an active learner; c and the λ-dependent rate are refitted. Its buffered
+        gradient, if any, stays and is applied with the next update.
+
+        Raises:
+            ValueError: ``worker`` is not an active learner.
+            RuntimeError: under the hardsync barrier, or ``worker`` is the last learner.
+        """
+        self._check_elastic("a learner leaving")
+        self._check_active(worker)
+        if len(self.active_workers) == 1:
+            raise RuntimeError(f"learner {worker} is the last learner: it cannot leave")
+        self._active[worker] = False
+        self._refit()
 
     # ---- queries ------------------------------------------------------------------------
     @property
@@ -213,16 +280,16 @@ class ParameterServer(AsynchronousProtocol):
         """False under ``barrier`` after ``worker`` pushed for the current version.
 
         Raises:
-            ValueError: ``worker`` not in ``[0, num_learners)``.
+            ValueError: ``worker`` is not an active learner.
         """
-        check_index("worker", worker, self.num_workers)
-        return not self._pushed[worker]
+        self._check_active(worker)
+        return not self.barrier or not self._pushed[worker]
 
     def pull(self, worker: int) -> tuple[Tensor, int]:
         """A copy of the weights, shape ``[P]``, and their version.
 
         Raises:
-            ValueError: ``worker`` not in ``[0, num_learners)``.
+            ValueError: ``worker`` is not an active learner.
             RuntimeError: ``can_pull(worker)`` is False (barrier).
         """
         if not self.can_pull(worker):
@@ -245,12 +312,12 @@ class ParameterServer(AsynchronousProtocol):
         ``grad`` is copied if buffered, so the caller may reuse it.
 
         Raises:
-            ValueError: bad ``worker``, ``lr``, ``version`` (not in ``[0, version]``) or
+            ValueError: ``worker`` not an active learner, bad ``lr``, ``version`` (not in ``[0, version]``) or
                 ``grad`` (not of the weights' shape, dtype and device).
             RuntimeError: under ``barrier``, ``worker`` already pushed for this version or
                 pushes a gradient of an older version.
         """
-        check_index("worker", worker, self.num_workers)
+        self._check_active(worker)
         check_vector("grad", grad, self._w)
         lr = check_lr(lr)
         if not isinstance(version, int) or isinstance(version, bool):
@@ -273,7 +340,7 @@ class ParameterServer(AsynchronousProtocol):
                     "new weights first"
                 )
             self._pushed[worker] = True
-        complete = len(self._buffer) + 1 == self.gradients_per_update
+        complete = len(self._buffer) + 1 >= self.gradients_per_update
         self._buffer.append(grad if complete else grad.detach().clone())
         self._buffer_clock.append((worker, version))
         return self._apply(lr) if complete else None
@@ -294,7 +361,7 @@ class ParameterServer(AsynchronousProtocol):
         self._staleness_sum += sum(staleness)
         self._num_gradients += len(staleness)
         if self.staleness_lr == "softsync":
-            lr_eff = lr / self.softsync
+            lr_eff = lr / self.effective_softsync
         elif self.staleness_lr == "measured":
             lr_eff = lr / max(1.0, self._staleness_sum / self._num_gradients)
         else:
@@ -325,7 +392,8 @@ class ParameterServer(AsynchronousProtocol):
 
     def state_dict(self) -> dict[str, Any]:
         """Snapshot: weights, version, buffered gradients with their clock, barrier flags,
-        staleness histogram and sums, and the optimizer state."""
+        staleness histogram and sums, the membership (``active[w]``: worker w has not left)
+        and the optimizer state."""
         return {
             "protocol": "ParameterServer",
             "config": self._config(),
@@ -337,6 +405,7 @@ class ParameterServer(AsynchronousProtocol):
             "staleness_counts": list(self._counts),
             "staleness_sum": self._staleness_sum,
             "num_gradients": self._num_gradients,
+            "active": list(self._active),
             "optimizer": optimizer_state(self._opt),
         }
 
@@ -349,11 +418,16 @@ class ParameterServer(AsynchronousProtocol):
         check_header(state, "ParameterServer", self._config())
         # a checkpoint is read onto the CPU (map_location): its gradients join the weights' device
         buffer = [g.to(self._w.device) if isinstance(g, Tensor) else g for g in state["buffer"]]
-        if len(buffer) >= self.gradients_per_update or len(buffer) != len(state["buffer_clock"]):
+        active = [bool(a) for a in state.get("active", [True] * self.num_learners)]
+        if not any(active):
+            raise ValueError("state['active'] holds no active learner")
+        if len(buffer) != len(state["buffer_clock"]):
             raise ValueError("state['buffer'] holds an inconsistent number of gradients")
         for g in buffer:
             check_vector("state['buffer'] entry", g, self._w)
         load_vector("weights", state["weights"], self._w)
+        self._active = active
+        self._refit()
         self._version = int(state["version"])
         self._buffer = [g.detach().clone() for g in buffer]
         self._buffer_clock = [(int(a), int(b)) for a, b in state["buffer_clock"]]

@@ -25,7 +25,7 @@ import abc
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -80,11 +80,14 @@ class Tick:
         samples: training samples whose gradients were computed in this tick.
         losses: minibatch mean losses (nats) of the learners that computed.
         update: the parameter-server update applied in this tick, if any.
+        membership: records of the membership changes made in this tick
+            (``membership.jsonl``, docs/elastic.md).
     """
 
     samples: int
     losses: list[float]
     update: Any = None
+    membership: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Runtime(abc.ABC):
@@ -195,6 +198,11 @@ class Runtime(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - a runtime in one process holds nothing
         """Release what the runtime holds (the process group)."""
+
+    def late_membership(self) -> list[dict[str, Any]]:
+        """Membership records made after the last :meth:`advance` (a learner the server
+        lost while the run was ending), read after :meth:`close`; none by default."""
+        return []
 
 
 def time_in_turn(

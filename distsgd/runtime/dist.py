@@ -874,6 +874,7 @@ class PSDistRuntime(_DistBase):
             self.protocol = self.full_protocol
         self.pushes = [0] * len(groups)  # per worker: pushes handled (= minibatches drawn)
         self.events: list[str] = []  # what the server logged (lost learners)
+        self._membership: list[dict[str, Any]] = []  # lost workers not yet in a Tick
         self._lr = cfg.optimizer.lr
         self._events: queue.Queue[Any] = queue.Queue()
         self._decisions: queue.Queue[bool] = queue.Queue()
@@ -889,6 +890,19 @@ class PSDistRuntime(_DistBase):
         self.events.append(message)
         print(f"distsgd[rank {self.rank}]: {message}", file=sys.stderr)
 
+    def _on_lost(self, worker: int) -> None:
+        """The server thread lost ``worker``: a ``membership.jsonl`` record for the next
+        tick (seconds of training so far, the server's version then)."""
+        self._membership.append(
+            {
+                "time_s": self.virtual_time,
+                "event": "lost",
+                "worker": worker,
+                "ranks": list(self.layout.worker_groups[worker]),
+                "version": self.protocol.version,
+            }
+        )
+
     # ---- coordinating server ----------------------------------------------------------
     def _on_push(self, event: Any) -> bool:
         self._events.put(event)
@@ -903,6 +917,7 @@ class PSDistRuntime(_DistBase):
                 timeout_s=self.cfg.dist.timeout_s,
                 log=self._log,
                 lr=lambda samples: self._lr,
+                on_lost=self._on_lost,
             )
             self._events.put(("finished", result))
         except BaseException as e:  # noqa: BLE001 - handed to the training loop
@@ -940,7 +955,8 @@ class PSDistRuntime(_DistBase):
             check_losses(learners, list(event.losses), lr, self.samples)
         self.samples += event.samples
         self.virtual_time += time.perf_counter() - t0
-        return Tick(event.samples, list(event.losses), event.update)
+        changes, self._membership = self._membership, []
+        return Tick(event.samples, list(event.losses), event.update, changes)
 
     def evaluate(self, weights: Tensor, split: Split, batch_size: int) -> tuple[float, float]:
         """The metric and the mean loss on the coordinator (the learners go on computing).
@@ -979,6 +995,10 @@ class PSDistRuntime(_DistBase):
                 self._pending = False
             self._thread.join(timeout=self.cfg.dist.timeout_s + 5)
         super().close()
+
+    def late_membership(self) -> list[dict[str, Any]]:
+        changes, self._membership = self._membership, []
+        return changes
 
     # ---- learners and other server shards -----------------------------------------------
     def serve(self) -> None:

@@ -433,7 +433,9 @@ class SimRuntime(Runtime):
         self.seed = seed
         self.bn_recalibration_samples = bn_recalibration_samples
         self.sampler = ShardedSampler(dataset.num_train, computing, batch_size, seed)
-        self.streams = [LearnerStream(self.sampler, i) for i in range(computing)]
+        self.streams: list[LearnerStream | None] = [
+            LearnerStream(self.sampler, i) for i in range(computing)
+        ]
         self.speeds = list(cluster.speed_factors) or [1.0] * computing
         self._rng = torch.Generator().manual_seed(seed * 7919 + 17)
         self._stall_rng = torch.Generator().manual_seed(seed * 7919 + 29)
@@ -467,6 +469,8 @@ class SimRuntime(Runtime):
                 for w in range(protocol.num_workers)  # type: ignore[union-attr]
             ]
         self._set_stretch()
+        self._membership = list(cluster.membership) if self.is_async else []
+        self._next_change = 0
         if self.is_async:
             self._init_async()
 
@@ -626,7 +630,9 @@ class SimRuntime(Runtime):
         self, learner: int, weights: Tensor, lr: float, step: int
     ) -> tuple[Tensor, float]:
         """One learner's gradient ``[P]`` and loss on its next minibatch at ``weights``."""
-        idx = self.streams[learner].next_indices()
+        stream = self.streams[learner]
+        assert stream is not None, f"learner {learner} has left"
+        idx = stream.next_indices()
         grad, losses = self.engine.gradient(weights, *self.dataset.train.batch(idx))
         check_losses([learner], losses, lr, self.samples, step)
         return grad, losses[0]
@@ -641,7 +647,7 @@ class SimRuntime(Runtime):
         otherwise each learner computes separately and the gradients are averaged.
         """
         if len(learners) > 1 and self._fuse:
-            idx = torch.cat([self.streams[m].next_indices() for m in learners])
+            idx = torch.cat([self.streams[m].next_indices() for m in learners])  # type: ignore[union-attr]
             grad, losses = self.engine.gradient(
                 weights, *self.dataset.train.batch(idx), num_chunks=len(learners)
             )
@@ -747,8 +753,80 @@ class SimRuntime(Runtime):
         heapq.heappush(self._events, (arrive, self._seq, worker))
         self._seq += 1
 
+    # ---- membership (cluster.membership) ------------------------------------------------
+    def _due_changes(self) -> list[dict[str, Any]]:
+        """Apply every membership change scheduled before the next push arrives; their
+        records (docs/elastic.md)."""
+        records: list[dict[str, Any]] = []
+        while self._next_change < len(self._membership):
+            change = self._membership[self._next_change]
+            if self._events and change["at_s"] > self._events[0][0]:
+                break
+            self._next_change += 1
+            records += self._change(change)
+        return records
+
+    def _change(self, change: dict[str, Any]) -> list[dict[str, Any]]:
+        """One ``{at_s, join}`` / ``{at_s, leave}`` change: the protocol admits or retires
+        the workers, the active learners' data is re-sharded (:func:`reshard_streams`), a
+        joiner pulls at ``max(at_s, server free)``; a leaver's pending push is dropped."""
+        proto = cast(AsynchronousProtocol, self.protocol)
+        now = max(float(change["at_s"]), self.virtual_time)
+        old = [s for s in self.streams if s is not None]
+        if "join" in change:
+            workers = [proto.admit() for _ in range(change["join"])]
+            for w in workers:
+                self._add_worker(w)
+        else:
+            workers = list(change["leave"])
+            for w in workers:
+                proto.retire(w)
+                self._events = [e for e in self._events if e[2] != w]
+                self._waiting = [x for x in self._waiting if x != w]
+                for m in self._members(w):
+                    self.streams[m] = None
+            heapq.heapify(self._events)
+        active = [m for w in proto.active_workers for m in self._members(w)]
+        self.sampler, streams = reshard_streams(old, len(active), list(range(len(active))))
+        for m, st in zip(active, streams, strict=True):
+            self.streams[m] = st
+        event = "join" if "join" in change else "leave"
+        records = []
+        for w in workers:
+            if event == "join":
+                self._pull_and_schedule(w, now)
+            learners = self._members(w)
+            records.append(
+                {
+                    "time_s": float(change["at_s"]),
+                    "event": event,
+                    "worker": w,
+                    "learners": learners,
+                    "ranks": [self._learner_rank(m) for m in learners],
+                    "version": proto.version,
+                    "active_workers": proto.active_workers,
+                }
+            )
+        return records
+
+    def _add_worker(self, worker: int) -> None:
+        """Room for a joining worker: its pulled weights, message time, and its learners'
+        speed (1), compute stretch (the starting membership's) and data stream (set by the
+        re-sharding)."""
+        p = self.engine.num_parameters
+        extra = torch.empty(1, p, device=self._pulled.device, dtype=self._pulled.dtype)
+        self._pulled = torch.cat([self._pulled, extra])
+        self._pulled_version.append(0)
+        for m in self._members(worker):
+            while len(self.speeds) <= m:
+                self.speeds.append(1.0)
+                self._stretches.append(self._stretch)
+                self.streams.append(None)
+        self._worker_message_s.append(self._message_seconds(worker))
+
     def _advance_async(self, lr: float) -> Tick:
         proto = cast(AsynchronousProtocol, self.protocol)
+        changes = self._due_changes() if self._membership else []
         arrived, _, worker = self._next_push()
         # the server takes pushes in arrival order, one at a time: it is free from the
         # moment it finished the previous one (the clock's reading)
@@ -772,7 +850,7 @@ class SimRuntime(Runtime):
                 self._pull_and_schedule(w, now)
         n = len(members) * self.batch_size
         self.samples += n
-        return Tick(n, losses, update)
+        return Tick(n, losses, update, changes)
 
     def replay_push_order(self, order: Iterable[tuple[int, int]]) -> None:
         """Apply pushes in a recorded arrival order instead of the event queue's.
@@ -847,12 +925,27 @@ class SimRuntime(Runtime):
             )
         return self.engine.evaluate(weights, split, batch_size, recalibration)
 
+    def _load_membership(self, state: dict[str, Any]) -> None:
+        """The membership a checkpoint was taken with: the protocol's (loaded first) active
+        workers, each joiner's room, the re-sharded streams."""
+        proto = cast(AsynchronousProtocol, self.protocol)
+        self._next_change = int(state["next_change"])
+        for w in range(len(self._pulled_version), proto.num_workers):
+            self._add_worker(w)
+        active = [m for w in proto.active_workers for m in self._members(w)]
+        self.streams = [None] * len(state["streams"])
+        self.sampler = ShardedSampler(
+            self.sampler.num_samples, len(active), self.batch_size, self.sampler.seed
+        )
+        for i, m in enumerate(active):
+            self.streams[m] = LearnerStream(self.sampler, i)
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "virtual_time": self.virtual_time,
             "samples": self.samples,
             "rng": self._rng.get_state(),
-            "streams": [s.state_dict() for s in self.streams],
+            "streams": [s.state_dict() if s is not None else None for s in self.streams],
             "replicas_per_device": self.replicas_per_device,
             "bytes_sent": self.bytes_sent,
             "stall_rng": self._stall_rng.get_state(),
@@ -866,6 +959,8 @@ class SimRuntime(Runtime):
                 seq=self._seq,
                 waiting=list(self._waiting),
             )
+        if self._membership:
+            state["next_change"] = self._next_change
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -879,8 +974,11 @@ class SimRuntime(Runtime):
         k = int(state.get("replicas_per_device", self.replicas_per_device))
         if k != self.replicas_per_device:
             self.set_replicas_per_device(k)
+        if state.get("next_change", 0):
+            self._load_membership(state)
         for s, st in zip(self.streams, state["streams"], strict=True):
-            s.load_state_dict(st)
+            if s is not None:
+                s.load_state_dict(st)
         if self.is_async:
             self._pulled.copy_(state["pulled"])
             self._pulled_version = [int(v) for v in state["pulled_version"]]

@@ -90,6 +90,7 @@ def run_server(
     timeout_s: float,
     log: Callable[[str], None],
     push_lr: Callable[[list[float]], float] | None = None,
+    on_lost: Callable[[int], None] | None = None,
 ) -> ServerResult:
     """Serve the parameter-server protocol to the learners until the run stops.
 
@@ -111,6 +112,8 @@ def run_server(
             :mod:`distsgd.torch`): the base rate α0 of a push given the floats the learner
             sent after its gradient (its "losses"), used instead of ``lr``; S = 1 only
             (the other shards get no such floats).
+        on_lost: called with the protocol worker index of each leader declared lost
+            (after ``log``; the run's ``membership.jsonl``).
 
     Returns:
         :class:`ServerResult` (lost leader ranks, pushes applied).
@@ -119,7 +122,7 @@ def run_server(
         ValueError: this rank is not in ``layout.server_ranks`` or ``timeout_s <= 0``.
         LearnerLost: a learner was lost under a barrier, or every worker was lost.
     """
-    return _ServerLoop(protocol, layout, on_push, lr, timeout_s, log, push_lr).run()
+    return _ServerLoop(protocol, layout, on_push, lr, timeout_s, log, push_lr, on_lost).run()
 
 
 class _ServerLoop:
@@ -141,6 +144,7 @@ class _ServerLoop:
         timeout_s: float,
         log: Callable[[str], None],
         push_lr: Callable[[list[float]], float] | None = None,
+        on_lost: Callable[[int], None] | None = None,
     ) -> None:
         rank = dist.get_rank()
         if rank not in layout.server_ranks:
@@ -150,6 +154,7 @@ class _ServerLoop:
         self.protocol, self.layout = protocol, layout
         self.on_push, self.lr, self.timeout_s, self.log = on_push, lr, timeout_s, log
         self.push_lr = push_lr
+        self.on_lost = on_lost or (lambda w: None)
         self.rank = rank
         self.coordinator = rank == layout.server_ranks[0]
         self.barrier = protocol.barrier
@@ -208,6 +213,7 @@ class _ServerLoop:
                     f"parameter server rank {self.rank}: learner rank {leader} lost ({_brief(e)})"
                 )
                 self.result.lost_ranks.append(leader)
+                self.on_lost(w)
 
     def lose(self, w: int, error: Exception | str) -> None:
         self.live.discard(w)
@@ -216,6 +222,7 @@ class _ServerLoop:
         leader = self.leaders[w]
         self.result.lost_ranks.append(leader)
         self.log(f"parameter server rank {self.rank}: learner rank {leader} lost ({_brief(error)})")
+        self.on_lost(w)
         if self.gather_target is not None:  # the pushes awaited may never come
             self.answer_coordinator(_header(GATHER, self.gather_target), None)
         if self.barrier and not self.stopping:

@@ -1,0 +1,222 @@
+"""Learners that join and leave a running parameter server or compute-group run
+(docs/elastic.md): the protocol's admission and staleness, re-sharding, records, resume."""
+
+import json
+
+import pytest
+import torch
+
+from distsgd.config import ClusterConfig, ConfigError, DataConfig, RunConfig
+from distsgd.data import LearnerStream, load_dataset
+from distsgd.engine import GradientEngine
+from distsgd.models import build_model
+from distsgd.protocols import ComputeGroups, ParameterServer
+from distsgd.runtime.sim import DeviceProfile, SimRuntime
+
+PROFILE = DeviceProfile(seconds_per_batch=1e-3, seconds_per_sample=1e-4)  # 1.8 ms per push
+
+
+def test_joiner_staleness_counts_from_the_version_it_pulled():
+    ps = ParameterServer(torch.zeros(2), num_learners=2, softsync=2, staleness_lr="softsync")
+    g = torch.ones(2)
+    v0, v1 = ps.pull(0)[1], ps.pull(1)[1]
+    assert ps.push(0, g, v0, lr=0.6).lr == pytest.approx(0.3)  # α0/λ, λ = 2
+    joiner = ps.admit()
+    assert joiner == 2 and ps.active_workers == [0, 1, 2]
+    w2, v2 = ps.pull(joiner)
+    assert v2 == 1 and torch.equal(w2, torch.full((2,), -0.3))
+    u = ps.push(1, g, v1, lr=0.6)  # pulled 0, applied to version 1
+    assert (u.staleness, u.lr) == ([1], pytest.approx(0.2))  # α0/λ, λ = 3 now
+    v0 = ps.pull(0)[1]
+    ps.push(0, g, v0, lr=0.6)  # pulled 2, applied to 2
+    u = ps.push(joiner, g, v2, lr=0.6)  # pulled 1, applied to 3: σ = 2, not 3
+    assert u.clock == [(2, 1)] and u.staleness == [2]
+    ps.retire(1)
+    with pytest.raises(ValueError, match="has left"):
+        ps.push(1, g, 2, lr=0.6)
+    assert ps.push(0, g, ps.pull(0)[1], lr=0.6).lr == pytest.approx(0.3)  # λ = 2 again
+    assert ps.staleness_counts == {0: 3, 1: 1, 2: 1}
+
+
+def test_one_softsync_refits_c_to_the_learners_present():
+    ps = ParameterServer(torch.zeros(1), num_learners=2, softsync=1)
+    assert ps.push(0, torch.ones(1), 0, lr=1.0) is None
+    ps.admit()  # c = λ = 3
+    assert ps.push(1, torch.ones(1), 0, lr=1.0) is None
+    ps.retire(1)  # c = 2: its buffered gradient stays and is applied with the next push
+    u = ps.push(2, torch.ones(1), 0, lr=1.0)
+    assert u.clock == [(0, 0), (1, 0), (2, 0)] and ps.gradients_per_update == 2
+
+
+def test_fixed_membership_is_refused():
+    with pytest.raises(RuntimeError, match="hardsync barrier"):
+        ParameterServer(torch.zeros(1), 2, 1, barrier=True).admit()
+    with pytest.raises(RuntimeError, match="last learner"):
+        ParameterServer(torch.zeros(1), 1, 1).retire(0)
+
+
+def test_compute_group_joins_as_a_whole():
+    cg = ComputeGroups(torch.zeros(1), num_learners=4, num_groups=2)
+    assert cg.admit() == 2 and cg.members(2) == [4, 5] and cg.active_workers == [0, 1, 2]
+    cg.retire(0)
+    assert cg.active_workers == [1, 2]
+
+
+# a push order with a join (learner 2) and a leave (learner 1); the step after the split
+# at 7 finds learner 0's gradient buffered (c = 2 at λ = 2)
+ACTIONS = [0, 1, 0, "join", 2, 1, 0, "leave 1", 2, 0, 2, 0, 2]
+
+
+def _run(ps, actions, pulled, start=0):
+    """Apply ``actions`` (a worker pushes a gradient seeded by its position ``i`` in
+    :data:`ACTIONS`, then pulls; join; leave)."""
+    for i, a in enumerate(actions, start):
+        if a == "join":
+            w = ps.admit()
+            pulled[w] = ps.pull(w)[1]
+        elif a == "leave 1":
+            ps.retire(1)
+        else:
+            g = torch.randn(3, generator=torch.Generator().manual_seed(i))
+            ps.push(a, g, pulled[a], lr=0.1)
+            pulled[a] = ps.pull(a)[1]
+
+
+def test_resume_after_a_membership_change_gives_the_same_weights():
+    def make():
+        return ParameterServer(torch.zeros(3), 2, 1, momentum=0.9, staleness_lr="softsync")
+
+    whole, first = make(), make()
+    _run(whole, ACTIONS, {0: 0, 1: 0})
+    pulled = {0: 0, 1: 0}
+    _run(first, ACTIONS[:8], pulled)
+    assert first.active_workers == [0, 2] and first.num_buffered == 1
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    _run(resumed, ACTIONS[8:], pulled, start=8)
+    assert torch.equal(resumed.eval_weights(), whole.eval_weights())
+    assert resumed.staleness_counts == whole.staleness_counts
+
+
+# ---- the simulated cluster ----------------------------------------------------------------
+PROFILE = DeviceProfile(seconds_per_batch=1e-3, seconds_per_sample=1e-4)  # 1.8 ms per push
+MEMBERSHIP = [{"at_s": 0.01, "join": 2}, {"at_s": 0.025, "leave": [1]}]
+
+
+@pytest.fixture(scope="module")
+def dataset():  # 16 steps of λ·b = 16 per epoch at λ = 2
+    return load_dataset(DataConfig(dataset="synthetic", num_train=256, num_test=64), seed=0)
+
+
+def _sim(dataset, membership=MEMBERSHIP, groups=0):
+    torch.manual_seed(0)
+    engine = GradientEngine(build_model("mlp", dataset.input_shape, dataset.num_classes))
+    w = engine.initial_weights()
+    lam = 2 * groups or 2
+    proto = ComputeGroups(w, lam, groups) if groups else ParameterServer(w, 2, 2, momentum=0.9)
+    cluster = ClusterConfig(seconds_per_sample=1e-4, seconds_per_batch=1e-3, membership=membership)
+    return SimRuntime(
+        proto, engine, dataset, batch_size=8, num_learners=lam, profile=PROFILE, cluster=cluster
+    )
+
+
+def _ticks(rt, n):
+    ticks = [rt.advance(0.05) for _ in range(n)]
+    return [u.clock[0][0] for t in ticks for u in [t.update]], [
+        r for t in ticks for r in t.membership
+    ]
+
+
+def test_sim_joiners_push_leavers_stop_and_no_sample_is_drawn_twice(dataset, monkeypatch):
+    drawn: dict[int, list[int]] = {}
+    next_indices = LearnerStream.next_indices
+
+    def record(stream):
+        epoch = stream.epoch
+        idx = next_indices(stream)
+        drawn.setdefault(epoch, []).extend(idx.tolist())
+        return idx
+
+    monkeypatch.setattr(LearnerStream, "next_indices", record)
+    rt = _sim(dataset)
+    pushers, records = _ticks(rt, 80)
+    assert [(r["event"], r["worker"], r["time_s"]) for r in records] == [
+        ("join", 2, 0.01),
+        ("join", 3, 0.01),
+        ("leave", 1, 0.025),
+    ]
+    assert records[2]["active_workers"] == [0, 2, 3] and records[0]["ranks"] == [3]
+    joined = pushers.index(2)
+    assert 3 in pushers[joined:] and rt.protocol.version == 80
+    left = max(i for i, w in enumerate(pushers) if w == 1)
+    assert {0, 2, 3} <= set(pushers[left + 1 :])  # the others go on, 1 never again
+    assert len(drawn) >= 3  # three epochs at least, each without a sample twice
+    assert all(len(set(idx)) == len(idx) for idx in drawn.values())
+
+
+def test_sim_compute_group_joins_and_leaves_as_a_whole(dataset):
+    rt = _sim(dataset, [{"at_s": 0.01, "join": 1}, {"at_s": 0.02, "leave": [0]}], groups=2)
+    ticks = [rt.advance(0.05) for _ in range(30)]
+    records = [r for t in ticks for r in t.membership]
+    assert [(r["event"], r["worker"], r["learners"]) for r in records] == [
+        ("join", 2, [4, 5]),
+        ("leave", 0, [0, 1]),
+    ]
+    left = next(
+        i for i, t in enumerate(ticks) if t.membership and t.membership[0]["event"] == "leave"
+    )
+    after = [t.update.clock[0][0] for t in ticks[left:]]
+    assert set(after) == {1, 2} and rt.protocol.members(2) == [4, 5]
+
+
+@pytest.mark.parametrize("split", [20, 50])  # after the join; after the leave
+def test_sim_resume_after_a_membership_change_gives_the_same_weights(dataset, split):
+    whole = _sim(dataset)
+    pushers, records = _ticks(whole, 70)
+    first = _sim(dataset)
+    p1, r1 = _ticks(first, split)
+    state = (first.protocol.state_dict(), first.state_dict())
+    resumed = _sim(dataset)
+    resumed.protocol.load_state_dict(state[0])
+    resumed.load_state_dict(state[1])
+    p2, r2 = _ticks(resumed, 70 - split)
+    assert (p1 + p2, r1 + r2) == (pushers, records)
+    assert torch.equal(resumed.eval_weights(), whole.eval_weights())
+
+
+def test_membership_settings_are_checked():
+    base = {"runtime": "sim", "protocol": {"name": "parameter_server", "mode": "async"}}
+
+    def config(membership, **protocol):
+        raw = {**base, "cluster": {"membership": membership}}
+        raw["protocol"] = {**raw["protocol"], **protocol}
+        return RunConfig.from_dict(raw)
+
+    assert config(MEMBERSHIP, num_learners=2).cluster.membership == MEMBERSHIP
+    with pytest.raises(ConfigError, match=r"cluster.membership\[1\].at_s = 0.005"):
+        config([{"at_s": 0.01, "join": 1}, {"at_s": 0.005, "join": 1}])
+    with pytest.raises(ConfigError, match=r"membership\[0\].leave = \[5\].*active workers"):
+        config([{"at_s": 0.01, "leave": [5]}], num_learners=2)
+    with pytest.raises(ConfigError, match="synchronous protocol"):
+        config(MEMBERSHIP, mode="hardsync", num_learners=2)
+    with pytest.raises(ConfigError, match="synchronous protocol"):
+        RunConfig.from_dict({"runtime": "sim", "cluster": {"membership": MEMBERSHIP}})
+
+
+def test_run_directory_records_the_changes_and_resumes_across_them(tmp_path):
+    import distsgd
+    from distsgd.metrics import read_metrics
+    from tests.conftest import small_config
+
+    protocol = {"name": "parameter_server", "num_learners": 2, "mode": "async"}
+    cluster = {"membership": [{"at_s": 0.02, "join": 2}, {"at_s": 0.06, "leave": [1]}]}
+    distsgd.train(small_config(protocol=protocol, cluster=cluster), out_dir=tmp_path / "full")
+    half = small_config(protocol=protocol, cluster=cluster, train={"max_epochs": 1})
+    distsgd.train(half, out_dir=tmp_path / "half")
+    distsgd.train(resume=tmp_path / "half", overrides=["train.max_epochs=2"])
+    full = (tmp_path / "full" / "membership.jsonl").read_text().splitlines()
+    assert [json.loads(r)["event"] for r in full] == ["join", "join", "leave"]
+    assert (tmp_path / "half" / "membership.jsonl").read_text().splitlines() == full
+    mf = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    mh = read_metrics(tmp_path / "half" / "metrics.jsonl")
+    assert [r["eval_loss"] for r in mh] == [r["eval_loss"] for r in mf]
