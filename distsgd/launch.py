@@ -197,11 +197,13 @@ def _run_rank(
 ) -> dict[str, Any]:
     """This process's rank under torchrun: train; on rank 0, a failed run's
     ``summary.json`` names the ranks it lost (``lost_ranks``), as distsgd's own launcher
-    names them."""
+    names them. Workers that torchrun restarted (``--max-restarts``,
+    ``TORCHELASTIC_RESTART_COUNT > 0``) resume from the run's last checkpoint."""
     rank = int(os.environ["RANK"])
     trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults, options=options)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     try:
-        return trainer.run(resume=resume, dir_claimed=dir_claimed)
+        return trainer.run(resume=resume, dir_claimed=dir_claimed, resume_saved=restarted)
     except RuntimeError as e:
         lost = lost_ranks(e)
         summary_path = out / "summary.json"

@@ -43,6 +43,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -548,12 +549,16 @@ class Trainer:
             budgets.append(t.max_samples)
         return min(budgets) if budgets else None
 
-    def run(self, resume: bool = False, *, dir_claimed: bool = False) -> dict[str, Any]:
+    def run(
+        self, resume: bool = False, *, dir_claimed: bool = False, resume_saved: bool = False
+    ) -> dict[str, Any]:
         """Train to the stop rule; returns the summary (also written to summary.json).
 
         The writer claims the run directory for the run's life
         (:class:`~distsgd.rundir.RunDirClaim`) unless ``dir_claimed``: the caller (the
-        launching process of a dist run) holds the claim.
+        launching process of a dist run) holds the claim. ``resume_saved``: resume when
+        the run directory holds a checkpoint, else start the run (the writer decides and
+        every rank follows; a restart of the run's workers by torchrun).
 
         On the dist runtime every rank calls this: every rank builds, the writer (rank 0,
         the coordinating server for parameter-server protocols) checks the run directory
@@ -572,7 +577,8 @@ class Trainer:
                 self._claim = RunDirClaim.acquire(self.out_dir, new_run=not resume)
             self._build()  # nothing is written before data, model and profile are ready
             self._init_counters()
-            state = self._start(resume)
+            state = self._start(resume, resume_saved)
+            resume = state is not None
             if resume:
                 self._apply_checkpoint(state)
                 self.counters["stop_reason"] = ""
@@ -593,12 +599,20 @@ class Trainer:
             if self._claim is not None:
                 self._claim.release()
 
-    def _start(self, resume: bool) -> dict[str, Any] | None:
+    def _start(self, resume: bool, resume_saved: bool = False) -> dict[str, Any] | None:
         """The writer claims the run directory for the run's life (if it has not yet, and
         unless the caller holds the claim) and checks it, or reads the checkpoint to
-        resume; every rank of the run gets the checkpoint, or the same error."""
+        resume (``resume``, or ``resume_saved`` and a checkpoint is there); every rank of
+        the run gets the checkpoint (None: a new run), or the same error."""
         start: tuple[str, Any] = ("ok", None)
         if self.is_writer:
+            if resume_saved and (self.out_dir / "checkpoint.pt").exists():
+                resume = True
+                print(
+                    f"distsgd: the run's workers were restarted; resuming from "
+                    f"{self.out_dir / 'checkpoint.pt'}",
+                    file=sys.stderr,
+                )
             try:
                 if self._claim is None and not self._dir_claimed:
                     self._claim = RunDirClaim.acquire(self.out_dir, new_run=not resume)

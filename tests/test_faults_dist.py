@@ -296,6 +296,44 @@ def test_torchrun_nodes_with_different_settings_stop_with_one_line(tmp_path):
     assert not (out / "summary.json").exists()
 
 
+# ---- torchrun restarts the workers -----------------------------------------------------------
+_TRAIN_KILLED_ONCE = """
+import os, sys
+from distsgd.api import train
+from distsgd.config import RunConfig
+from distsgd.runtime.faults import RankFaults
+
+first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+faults = RankFaults(kill_at_step={1: int(sys.argv[3])}) if first else None
+train(RunConfig.from_toml(sys.argv[1]), out_dir=sys.argv[2], faults=faults)
+"""
+
+
+@pytest.mark.slow
+def test_workers_torchrun_restarts_resume_from_the_checkpoint(tmp_path):
+    """torchrun --max-restarts 1, rank 1 killed at its 20th iteration (after the checkpoint
+    at 512 samples): the restarted workers resume from the checkpoint and finish the run,
+    which counts every sample of its epoch once."""
+    cfg_path, script, out = tmp_path / "run.toml", tmp_path / "train.py", tmp_path / "run"
+    cfg_path.write_text(config(HARDSYNC2).to_toml())
+    script.write_text(_TRAIN_KILLED_ONCE)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--max-restarts", "1", "--master-port", str(_free_port())]
+    done = subprocess.run(
+        [*torchrun, str(script), str(cfg_path), str(out), "20"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=GENEROUS_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the run's workers were restarted; resuming from" in done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed", summary
+    assert summary["samples"] == 1024, summary
+
+
 # ---- 13: the launcher dies ----------------------------------------------------------------
 @pytest.mark.slow
 def test_ranks_end_when_their_launcher_is_killed(tmp_path):
