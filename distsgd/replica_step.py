@@ -189,6 +189,24 @@ class ReplicaStep:
             self._graph_losses = self._write(out)
         self._graph = graph
 
+    def warm_up(self, x: Tensor, y: Tensor, calls: int = 3) -> None:
+        """Compile or capture the step now, on copies of the state (the state is left as
+        it was), so that the first :meth:`step` does not pay for it. ``x``, ``y`` as in
+        :meth:`step`; ``calls`` runs of a compiled function (``reduce-overhead`` records
+        its CUDA graphs on the second and later calls). Falls back as :meth:`step` does."""
+        x, y = self.engine.to_device(x, y)
+        try:
+            if self.mode == "cuda-graph" and self._graph is None:
+                self._capture(x, y)
+            elif self.mode in ("compile", "reduce-overhead"):
+                copies = [t.clone() for t in self._state()]
+                for _ in range(calls):
+                    self._fn(*copies, x, y, self.lr)
+        except Exception as e:  # noqa: BLE001 - any failure of torch.compile or capture
+            self._fall_back(
+                f"{'capture' if self.mode == 'cuda-graph' else 'compiling'} failed: {first_line(e)}"
+            )
+
     def step(self, x: Tensor, y: Tensor, lr: float) -> Tensor:
         """One SMA iteration: ``x [k, b, ...]``, ``y [k, b]`` (moved to the device), rate
         ``lr`` >= 0. Returns the k mean losses ``[k]`` (a tensor on the device; reading it

@@ -82,6 +82,18 @@ def test_failed_compilation_falls_back_with_its_reason(monkeypatch):
     assert rel(step.z, sma.eval_weights()) < 1e-6
 
 
+def test_warm_up_leaves_the_state_unchanged(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # runs the function
+    eng = engine("mlp")
+    step = ReplicaStep(eng, eng.initial_weights(), K, B, 1 / K, mode="compile")
+    step.step(*batches(1)[0], 0.05)  # momentum buffers and z_prev become non-trivial
+    before = [t.clone() for t in (step.replicas, step.momentum_buffers, step.z, step.z_prev)]
+    step.warm_up(*batches(2)[1])
+    after = (step.replicas, step.momentum_buffers, step.z, step.z_prev)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert step.mode == "compile"
+
+
 def test_bad_arguments_are_refused():
     eng = engine()
     w0 = eng.initial_weights()
