@@ -80,6 +80,8 @@ class ReplicaStep:
         central_momentum: μ_z in [0, 1), Polyak momentum on z.
         mode: one of :data:`STEP_MODES`.
 
+    The step runs in float32 (the engine's ``precision`` is not applied).
+
     Raises:
         ValueError: an argument outside the allowed values, or a model other than the
             zoo's ``cnn`` and ``mlp`` (the models :mod:`distsgd.batched` batches
@@ -101,9 +103,14 @@ class ReplicaStep:
             raise ValueError(f"mode = {mode!r} is not allowed: expected one of {STEP_MODES}")
         if k < 1 or batch_size < 1:
             raise ValueError(f"k = {k}, batch_size = {batch_size}: expected integers >= 1")
-        for name, v, hi in (("alpha", alpha, 1.0), ("momentum", momentum, 0.999999)):
-            if not 0.0 <= v <= hi:
-                raise ValueError(f"{name} = {v!r} is not allowed: expected 0 <= {name} < 1")
+        for name, v, closed in (
+            ("alpha", alpha, True),
+            ("momentum", momentum, False),
+            ("central_momentum", central_momentum, False),
+        ):
+            if not (0.0 <= v <= 1.0 if closed else 0.0 <= v < 1.0):
+                allowed = f"0 <= {name} <= 1" if closed else f"0 <= {name} < 1"
+                raise ValueError(f"{name} = {v!r} is not allowed: expected {allowed}")
         path = next((p for p in ("grouped", "bmm") if supports(engine.model, p)), None)
         if path is None:
             raise ValueError(

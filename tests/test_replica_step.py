@@ -99,8 +99,10 @@ def test_bad_arguments_are_refused():
     w0 = eng.initial_weights()
     with pytest.raises(ValueError, match="mode = 'fast'"):
         ReplicaStep(eng, w0, K, B, 0.5, mode="fast")
-    with pytest.raises(ValueError, match="alpha = 1.5"):
+    with pytest.raises(ValueError, match="alpha = 1.5 is not allowed: expected 0 <= alpha <= 1"):
         ReplicaStep(eng, w0, K, B, 1.5)
+    with pytest.raises(ValueError, match="central_momentum = 1.0 .* < 1"):
+        ReplicaStep(eng, w0, K, B, 0.5, central_momentum=1.0)
     torch.manual_seed(0)
     resnet = GradientEngine(build_model("resnet20", (1, 8, 8), 3))
     with pytest.raises(ValueError, match="ResNet20 has no batched replica path"):
