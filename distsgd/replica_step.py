@@ -19,6 +19,9 @@ State (on the engine's device, float32): replicas ``W [k, P]``, their momentum b
     M_j ← μ M_j + g_j;  W_j ← W_j − γ M_j      # torch.optim.SGD with momentum
     z   ← z + s + μ_z (z − z_prev);  z_prev ← old z
 
+and, as SMA does, resets every replica to z and its momentum buffer to zero first when γ
+is lower than the previous step's (Crossbow's rule for step schedules).
+
 Modes (``mode``):
 
 * ``"eager"``: the function runs op by op (the reference).
@@ -124,6 +127,7 @@ class ReplicaStep:
         self.replicas = z.expand(k, -1).clone()
         self.momentum_buffers = torch.zeros_like(self.replicas)
         self.lr = torch.zeros((), device=dev)
+        self._last_lr = -1.0  # none yet
         self._consts = (float(alpha), float(momentum), float(central_momentum))
         self._pure = self._make_pure(_loss_fn(engine, path))
         self.requested_mode = mode
@@ -219,6 +223,10 @@ class ReplicaStep:
         ``lr`` >= 0. Returns the k mean losses ``[k]`` (a tensor on the device; reading it
         synchronises)."""
         x, y = self.engine.to_device(x, y)
+        if lr < self._last_lr:  # Crossbow's reset on a drop of γ (SMA.begin_iteration)
+            self.replicas.copy_(self.z.expand_as(self.replicas))
+            self.momentum_buffers.zero_()
+        self._last_lr = lr
         self.lr.fill_(lr)
         if self.mode == "cuda-graph":
             try:

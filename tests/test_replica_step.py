@@ -40,7 +40,8 @@ def reference_and_step(name: str, mode: str, steps: int, device: str = "cpu"):
     sma = SMA(w0, num_learners=K, alpha=1 / K, central_momentum=0.9, momentum=0.9)
     step = ReplicaStep(engine(name, device), w0, K, B, alpha=1 / K, mode=mode)
     for i, (x, y) in enumerate(batches(steps)):
-        lr = 0.05 if i < 2 else 0.1  # a rise of γ: no reset in either
+        lr = (0.05, 0.1, 0.05, 0.05)[i]  # a rise, then a drop of γ: a reset in both
+        sma.begin_iteration(lr)  # the reset first, as the drop-in optimizer does
         grads, losses = eng.replica_gradients(sma.replicas, x, y)
         sma.step(grads, lr=lr)
         got = step.step(x, y, lr)
@@ -50,7 +51,7 @@ def reference_and_step(name: str, mode: str, steps: int, device: str = "cpu"):
 
 @pytest.mark.parametrize("name", ["cnn", "mlp"])
 def test_eager_step_is_sma_over_the_batched_gradients(name):
-    sma, step = reference_and_step(name, "eager", steps=3)
+    sma, step = reference_and_step(name, "eager", steps=4)
     assert rel(step.replicas, sma.replicas) < 1e-6
     assert rel(step.z, sma.eval_weights()) < 1e-6
     # the replicas moved: the comparison is not between two unchanged starts
