@@ -17,6 +17,16 @@ table that names the device.
 4. **Calibration** (run before 3): the tuner's calibrated device profile (seconds per
    batch and per sample; replica ratios at the SMA batch) against measured seconds per
    iteration.
+5. **Replica step without per-step launches** (``--sections 5``):
+   :class:`distsgd.replica_step.ReplicaStep` (the whole SMA iteration of k ``cnn``
+   replicas at b = 8) eager, captured in a CUDA graph and compiled with
+   ``mode="reduce-overhead"``, each checked against eager after 3 steps (1e-4 relative,
+   TF32 off), in samples/s against the plain loop at b = 512 (issue 44: >= 0.8×).
+6. **Time to target in Crossbow's regime** (``--sections 6``): bench/crossbow_regime.py's
+   workload (``REGIME``: ``mlp`` on 12,000 Fashion-MNIST samples to 85%, where b = 1024
+   needs ~3× the epochs of b = 64; bench/results/crossbow_regime_cpu.md), the plain loop
+   over b = 64 … 2048 with its lr and warm-up against SMA in section 5's fastest mode,
+   3 seeds; the ratio of medians SMA / best plain loop (issue 44: <= 0.8).
 3. **Time to 90%** on Fashion-MNIST ``cnn`` (training wall seconds, evaluation excluded):
    SMA with ``replicas_per_device = "auto"`` at b = ``--sma-batch`` (the simulated
    runtime on one device, profile from section 4) vs the best of a plain PyTorch loop
@@ -36,6 +46,14 @@ same shape and section 3 is skipped):
     mkdir -p .gpu_data && cp /usr/share/datasets/fashion-mnist/*.gz .gpu_data/   # here
     echo /.gpu_data/ >> .git/info/exclude                                        # here
     python3 bench/gpu_check.py --data-root .gpu_data --out $OUT    # there, carry .gpu_data
+
+Issue 44's rows, in at most ~5 minutes of device time (sections 4, 5, 6: caps 25 + 100 +
+90 s, a run already started finishing past its cap, plus ``reduce-overhead``'s two
+compilations in section 5 and start-up; the dry run below took 27–168 s on the shared
+2-core CPU, by its load)::
+
+    python3 bench/gpu_check.py --data-root .gpu_data --sections 4,5,6 --out $OUT
+    python bench/gpu_check.py --device cpu --smoke --sections 4,5,6 --out /tmp/gc   # dry run
 
 Sections stop at their caps (50 + 50 + 25 + 130 s; a run already started finishes). On
 one H200 the whole check took 116 s (sections 23 + 15 + 2 + 75 s), and
@@ -60,6 +78,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,14 +87,55 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's distsgd
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/crossbow_regime.py
 
 from distsgd import api  # noqa: E402
-from distsgd.config import DataConfig, RunConfig  # noqa: E402
+from distsgd.config import ConfigWarning, DataConfig, RunConfig  # noqa: E402
 from distsgd.data import Dataset, DatasetError, load_dataset  # noqa: E402
 from distsgd.engine import GradientEngine  # noqa: E402
 from distsgd.metrics import load_checked, save_checked  # noqa: E402
 from distsgd.models import build_model  # noqa: E402
+from distsgd.replica_step import ReplicaStep  # noqa: E402
 from distsgd.runtime.sim import calibrate, calibrate_replicas  # noqa: E402
+
+# Crossbow's regime (bench/results/crossbow_regime_cpu.md): the workload, target and
+# learning rates established on the CPU; plain runs (b, lr, warm-up epochs), SMA (k, b, lr)
+REGIME: dict[str, Any] = {
+    "model": "mlp",
+    "train_samples": 12_000,
+    "test_samples": 2_000,
+    "target": 0.85,
+    "max_epochs": 12,
+    "eval_every": 1_200,
+    "plain": (
+        (64, 0.02, 0.0),
+        (128, 0.03, 0.0),
+        (256, 0.05, 0.0),
+        (512, 0.08, 1.0),
+        (1024, 0.1, 1.0),
+        (2048, 0.2, 2.0),
+    ),
+    "sma": ((4, 16, 0.01), (8, 8, 0.01), (2, 32, 0.02)),
+    "seeds": (0, 1, 2),
+}
+# the cnn in the same regime (one seed on the CPU: b = 1024 did not reach 86% in 6 epochs)
+REGIMES: dict[str, dict[str, Any]] = {
+    "mlp": REGIME,
+    "cnn": {
+        **REGIME,
+        "model": "cnn",
+        "target": 0.86,
+        "max_epochs": 8,
+        "plain": (
+            (64, 0.02, 0.0),
+            (128, 0.03, 0.0),
+            (256, 0.05, 0.0),
+            (512, 0.08, 1.0),
+            (1024, 0.1, 1.0),
+        ),
+        "sma": ((4, 16, 0.01), (8, 8, 0.01)),
+    },
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +159,11 @@ class Sizes:
     calibration_batches: tuple[int, int]
     calibration_repeats: int
     max_replicas_calibrated: int
+    step_batch: int
+    step_replicas: tuple[int, ...]
+    step_modes: tuple[str, ...]
+    step_plain_batch: int
+    regime: dict[str, Any]
     caps: dict[str, float]
 
 
@@ -120,7 +185,19 @@ FULL = Sizes(
     calibration_batches=(16, 128),
     calibration_repeats=6,
     max_replicas_calibrated=64,
-    caps={"equivalence": 50.0, "throughput": 50.0, "calibration": 25.0, "tta": 130.0},
+    step_batch=8,
+    step_replicas=(16, 32, 64, 128),
+    step_modes=("eager", "cuda-graph", "reduce-overhead"),
+    step_plain_batch=512,
+    regime=REGIME,
+    caps={
+        "equivalence": 50.0,
+        "throughput": 50.0,
+        "calibration": 25.0,
+        "tta": 130.0,
+        "step": 100.0,
+        "regime": 90.0,
+    },
 )
 SMOKE = Sizes(
     equivalence_steps=2,
@@ -142,7 +219,30 @@ SMOKE = Sizes(
     calibration_batches=(8, 32),
     calibration_repeats=2,
     max_replicas_calibrated=3,
-    caps={"equivalence": 60.0, "throughput": 10.0, "calibration": 10.0, "tta": 10.0},
+    step_batch=4,
+    step_replicas=(2, 4),
+    # "reduce-overhead" compiles for minutes on a CPU; on a GPU it runs as in FULL
+    step_modes=("eager", "cuda-graph"),
+    step_plain_batch=32,
+    regime={
+        **REGIME,
+        "train_samples": 512,
+        "test_samples": 64,
+        "target": 0.2,
+        "max_epochs": 2,
+        "eval_every": 128,
+        "plain": ((64, 0.05, 0.0), (256, 0.1, 1.0)),
+        "sma": ((2, 8, 0.02),),
+        "seeds": (0, 1),
+    },
+    caps={
+        "equivalence": 60.0,
+        "throughput": 10.0,
+        "calibration": 60.0,
+        "tta": 10.0,
+        "step": 60.0,
+        "regime": 60.0,
+    },
 )
 
 
@@ -378,6 +478,10 @@ def calibration(args, sizes, ds, device) -> tuple[list[dict[str, Any]], dict[str
     engine = GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes), device=device)
     # gradient() and replica_gradients() return their losses as floats: synchronised
     profile = calibrate(engine, ds, sizes.calibration_batches, sizes.calibration_repeats)
+    # the same fit from the medians of the repeats (what a measured median step is)
+    median_profile = calibrate(
+        engine, ds, sizes.calibration_batches, sizes.calibration_repeats, statistics.median
+    )
     ratios, _ = calibrate_replicas(
         engine, ds, args.sma_batch, sizes.max_replicas_calibrated, sizes.calibration_repeats
     )
@@ -399,8 +503,185 @@ def calibration(args, sizes, ds, device) -> tuple[list[dict[str, Any]], dict[str
         iterations = sizes.calibration_repeats
         measured = timed(device, lambda: engine.gradient(w, x, y), iterations)  # noqa: B023
         predicted = profile.seconds_per_batch + b * profile.seconds_per_sample
-        rows.append({"b": b, "predicted_s": predicted, "measured_s": measured})
+        median_predicted = median_profile.seconds_per_batch + b * median_profile.seconds_per_sample
+        rows.append(
+            {
+                "b": b,
+                "predicted_s": predicted,
+                "median_predicted_s": median_predicted,
+                "measured_s": measured,
+            }
+        )
     return rows, cluster
+
+
+# ---- 5. the replica step without launch overhead ------------------------------------------
+def replica_step(args, sizes, ds, device) -> dict[str, Any]:
+    """ReplicaStep at b = ``step_batch`` for each k and mode (samples/s, median of
+    ``timed_iterations`` steps after its compilation or capture) against the plain loop
+    at b = ``step_plain_batch``; each mode's state after 3 steps against eager's (TF32
+    off). ``reduce-overhead`` compiles for tens of seconds per shape, so it runs at the k
+    where the fastest other mode was fastest."""
+    cap = Cap(sizes.caps["step"])
+    b, n, k0 = sizes.step_batch, sizes.timed_iterations, sizes.step_replicas[0]
+    torch.manual_seed(0)
+    engine = GradientEngine(build_model("cnn", ds.input_shape, ds.num_classes), device=device)
+    w0 = engine.initial_weights()
+    model = build_model("cnn", ds.input_shape, ds.num_classes).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    pb = sizes.step_plain_batch
+    x, y = (t.to(device) for t in ds.train.batch(torch.arange(pb)))
+    plain = pb / timed(device, lambda: plain_loop_step(model, opt, x, y), n)
+
+    def inputs(k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randperm(ds.num_train, generator=torch.Generator().manual_seed(seed))
+        return tuple(t.to(device) for t in ds.train.batch(idx[: k * b].view(k, b)))
+
+    def make(k: int, mode: str) -> ReplicaStep:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigWarning)  # the row names the fallback
+            return ReplicaStep(engine, w0, k, b, 1 / k, mode=mode)
+
+    equivalence = []
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    states = {}
+    for mode in sizes.step_modes:
+        step = make(k0, mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigWarning)
+            for i in range(3):
+                step.step(*inputs(k0, i), 0.05)
+        states[mode] = (step.mode, step.fallback_reason, torch.cat([step.replicas[0], step.z]))
+    for mode, (ran, reason, state) in states.items():
+        if mode == "eager":
+            continue
+        diff = relative_difference(state, states["eager"][2])
+        label = f"replica step k={k0} b={b}, 3 steps: {mode} vs eager"
+        if ran != mode:
+            label += f" (ran {ran}: {reason})"
+        equivalence.append(row(label, diff, 1e-4))
+    torch.backends.cudnn.allow_tf32 = True  # torch's defaults for the timings
+
+    def throughput_of(k: int, mode: str) -> dict[str, Any]:
+        step = make(k, mode)
+        xk, yk = inputs(k, 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigWarning)
+            sync(device)
+            t0 = time.perf_counter()
+            step.warm_up(xk, yk)
+            sync(device)
+            prepare = time.perf_counter() - t0
+            secs = timed(device, lambda: step.step(xk, yk, 0.01), n)
+        return {
+            "k": k,
+            "mode": mode,
+            "ran": step.mode,
+            "samples_per_s": k * b / secs,
+            "prepare_s": prepare,
+        }
+
+    rows = []
+    for k in sizes.step_replicas:
+        for mode in sizes.step_modes:
+            if mode == "reduce-overhead":
+                continue
+            if cap.over:
+                rows.append({"k": k, "mode": mode, "note": "out of time"})
+                continue
+            rows.append(throughput_of(k, mode))
+    timed_rows = [r for r in rows if "samples_per_s" in r]
+    if "reduce-overhead" in sizes.step_modes and timed_rows:
+        k_best = max(timed_rows, key=lambda r: r["samples_per_s"])["k"]
+        if cap.over:
+            rows.append({"k": k_best, "mode": "reduce-overhead", "note": "out of time"})
+        else:
+            rows.append(throughput_of(k_best, "reduce-overhead"))
+    return {"plain": plain, "plain_batch": pb, "batch": b, "rows": rows, "equivalence": equivalence}
+
+
+def best_step_mode(step: dict[str, Any]) -> str:
+    """Eager or ``cuda-graph``, whichever was faster and ran as asked: section 6 builds a
+    new step per run, and ``reduce-overhead`` would compile for each."""
+    ran = [
+        r
+        for r in step["rows"]
+        if r.get("ran") == r.get("mode") and r.get("mode") in ("eager", "cuda-graph")
+    ]
+    return max(ran, key=lambda r: r["samples_per_s"])["mode"] if ran else "eager"
+
+
+# ---- 6. time to target in Crossbow's regime -----------------------------------------------
+def regime(args, sizes, ds, note, device, mode: str) -> list[dict[str, Any]]:
+    """bench/crossbow_regime.py's runs (plain loop over b with its lr and warm-up; SMA
+    with ``mode``'s step) for each seed, seeds interleaved so that a cap leaves whole
+    seeds; training seconds exclude evaluation and the step's compilation."""
+    if not args.smoke and note != "Fashion-MNIST":
+        return [{"run": "skipped", "note": "needs Fashion-MNIST (--data-root)"}]
+    import crossbow_regime as cr  # bench/, beside this script
+
+    cap = Cap(sizes.caps["regime"])
+    r = sizes.regime if args.smoke else REGIMES[args.regime]
+    opts = argparse.Namespace(
+        model=r["model"],
+        target=r["target"],
+        eval_every=r["eval_every"],
+        max_epochs=r["max_epochs"],
+        mode=mode,
+    )
+    n = min(r["train_samples"], ds.num_train)
+    xs, ys = (t.to(device) for t in ds.train.batch(torch.arange(n)))
+    test = tuple(
+        t.to(device) for t in ds.test.batch(torch.arange(min(r["test_samples"], ds.num_test)))
+    )
+    rows = []
+    for seed in r["seeds"]:
+        for b, lr, warm in r["plain"]:
+            if cap.over:
+                rows.append(
+                    {
+                        "run": f"plain b={b} lr={lr} warmup={warm}",
+                        "seed": seed,
+                        "note": "out of time",
+                    }
+                )
+                continue
+            res = cr.plain_run(ds, xs, ys, test, device, b, lr, warm, opts, seed)
+            rows.append({**res, "seed": seed})
+        for k, b, lr in r["sma"]:
+            if cap.over:
+                rows.append(
+                    {"run": f"SMA k={k} b={b} lr={lr}", "seed": seed, "note": "out of time"}
+                )
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ConfigWarning)
+                res = cr.sma_run(ds, xs, ys, test, device, k, b, lr, opts, seed)
+            rows.append({**res, "seed": seed})
+    return rows
+
+
+def regime_summary(rows: list[dict[str, Any]], seeds: int) -> list[dict[str, Any]]:
+    """Per run: median over the seeds of training seconds and samples to the target
+    (None unless every seed ran and reached it)."""
+    out = []
+    for name in dict.fromkeys(r["run"] for r in rows if "note" not in r):
+        runs = [r for r in rows if r["run"] == name and "note" not in r]
+        secs = [r["train_s_to_target"] for r in runs]
+        samples = [r["samples_to_target"] for r in runs]
+        whole = len(runs) == seeds and all(v is not None for v in secs)
+        out.append(
+            {
+                "run": name,
+                "seeds": len(runs),
+                "reached": sum(v is not None for v in secs),
+                "median_s": statistics.median(secs) if whole else None,
+                "median_samples": statistics.median(samples) if whole else None,
+                "best": max(r["best"] for r in runs),
+            }
+        )
+    return out
 
 
 # ---- 3. time to 90% ---------------------------------------------------------------------
@@ -508,7 +789,7 @@ def fmt(v: Any, spec: str = ".3g") -> str:
     return "–" if v is None else format(v, spec)
 
 
-def markdown(meta, equiv, thr, calib, tta) -> str:
+def markdown(meta, equiv, thr, calib, tta, step=None, regime_rows=()) -> str:
     out = [f"# GPU checks on {meta['device_name']}", ""]
     out.append(
         f"`{meta['command']}` · torch {meta['torch']} · data: {meta['data']} · "
@@ -517,11 +798,14 @@ def markdown(meta, equiv, thr, calib, tta) -> str:
         + f") · load average {meta['load_before']} → "
         f"{meta['load_after']}"
     )
+    blocks: dict[str, list[str]] = {}  # per section; those that ran are printed
+    head, out = out, blocks.setdefault("1", [])
     out += ["", "## 1. Equivalence", "", "| check | value | limit | ok |", "|---|---|---|---|"]
     for r in equiv:
         ok = {True: "yes", False: "**NO**", None: "–"}[r.get("ok")]
         out.append(f"| {r['check']} | {r.get('value', '–')} | {r.get('limit', '–')} | {ok} |")
     ks = sorted({k for r in thr for k in r.get("batched", {})})
+    out = blocks.setdefault("2", [])
     out += ["", "## 2. Throughput (samples/s)", ""]
     out.append(
         "| b | one learner | plain loop | " + " | ".join(f"k={k} batched" for k in ks) + " |"
@@ -545,15 +829,25 @@ def markdown(meta, equiv, thr, calib, tta) -> str:
             f"\nBest batched at b={small['b']}: k={k_best}, {ratio:.1f}× one learner "
             f"(issue 15 asks for >= 5×)."
         )
+    out = blocks.setdefault("4", [])
     out += ["", "## 4. Calibrated profile vs measured", ""]
-    out += ["| b | predicted s/iteration | measured s/iteration | ratio |", "|---|---|---|---|"]
+    out += [
+        "| b | predicted s/iteration (fastest repeats) | measured s/iteration (median) | "
+        "measured / predicted | predicted (median fit) | predicted / measured (target "
+        "0.85–1.15) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in calib:
         ratio = r["measured_s"] / r["predicted_s"] if r["predicted_s"] > 0 else None
+        med = r.get("median_predicted_s")
+        med_ratio = None if med is None else med / r["measured_s"]
         out.append(
-            f"| {r['b']} | {r['predicted_s']:.3g} | {r['measured_s']:.3g} | {fmt(ratio, '.2f')} |"
+            f"| {r['b']} | {r['predicted_s']:.3g} | {r['measured_s']:.3g} | {fmt(ratio, '.2f')} "
+            f"| {fmt(med)} | {fmt(med_ratio, '.2f')} |"
         )
     ratios = meta["cluster"].get("replica_ratios") or []
     out.append(f"\nReplica ratios t(k)/t(1) at b={meta['sma_batch']}: {fmt_list(ratios)}")
+    out = blocks.setdefault("3", [])
     out += ["", "## 3. Time to target", ""]
     out += [
         "| run | training seconds to target | simulated seconds (section 4's profile) "
@@ -569,6 +863,8 @@ def markdown(meta, equiv, thr, calib, tta) -> str:
             f"{fmt(r['samples'], 'd')} | "
             f"{100 * r['acc']:.2f}% |"
         )
+    blocks["5"] = step_markdown(step)
+    blocks["6"] = regime_markdown(regime_rows, meta)
     sma = [r for r in tta if r["run"].startswith("SMA") and r.get("seconds")]
     plain = [r for r in tta if r["run"].startswith("plain") and r.get("seconds")]
     if sma and plain:
@@ -578,7 +874,81 @@ def markdown(meta, equiv, thr, calib, tta) -> str:
                 f"\n{r['run']} / best plain loop ({best['run']}): "
                 f"{r['seconds'] / best['seconds']:.2f} (issue 15's target: <= 0.5)."
             )
-    return "\n".join(out) + "\n"
+    for name in meta["section_s"]:
+        head += blocks[name]
+    return "\n".join(head) + "\n"
+
+
+def step_markdown(step: dict[str, Any] | None) -> list[str]:
+    if not step:
+        return []
+    out = ["", "## 5. Replica step without per-step launches (cnn)", ""]
+    out += ["| check | value | limit | ok |", "|---|---|---|---|"]
+    for r in step["equivalence"]:
+        out.append(
+            f"| {r['check']} | {r['value']} | {r['limit']} | {'yes' if r['ok'] else '**NO**'} |"
+        )
+    b, pb, plain = step["batch"], step["plain_batch"], step["plain"]
+    out += [
+        "",
+        f"| k × b={b} | mode | ran | samples/s | / plain loop at b={pb} ({plain:.0f}) | "
+        "compile/capture s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in step["rows"]:
+        if "note" in r:
+            out.append(f"| {r['k']} | {r['mode']} | {r['note']} | | | |")
+            continue
+        out.append(
+            f"| {r['k']} | {r['mode']} | {r['ran']} | {r['samples_per_s']:.0f} | "
+            f"{r['samples_per_s'] / plain:.2f} | {r['prepare_s']:.1f} |"
+        )
+    timed_rows = [r for r in step["rows"] if "samples_per_s" in r]
+    if timed_rows:
+        best = max(timed_rows, key=lambda r: r["samples_per_s"])
+        out.append(
+            f"\nBest at b={b}: k={best['k']} {best['ran']}, {best['samples_per_s'] / plain:.2f}× "
+            f"the plain loop at b={pb} (issue 44's target: >= 0.8)."
+        )
+    return out
+
+
+def regime_markdown(rows, meta) -> list[str]:
+    if not rows:
+        return []
+    r0 = meta["regime"]
+    out = ["", "## 6. Time to target in Crossbow's regime", ""]
+    out.append(
+        f"{r0['model']} on the first {r0['train_samples']} training samples ({meta['data']}), "
+        f"target {100 * r0['target']:.1f}% on the first {r0['test_samples']} test samples, "
+        f"seeds {list(r0['seeds'])}; SMA's step mode: {meta['regime_mode']}."
+    )
+    if any(r.get("note") == "needs Fashion-MNIST (--data-root)" for r in rows):
+        return [*out, "", "Skipped: needs Fashion-MNIST (--data-root)."]
+    summary = regime_summary(rows, len(r0["seeds"]))
+    out += [
+        "",
+        "| run | seeds reached | median training s to target | median samples | best acc |",
+        "|---|---|---|---|---|",
+    ]
+    for r in summary:
+        out.append(
+            f"| {r['run']} | {r['reached']}/{r['seeds']} | {fmt(r['median_s'])} | "
+            f"{fmt(r['median_samples'], '.0f')} | {100 * r['best']:.2f}% |"
+        )
+    missing = sorted({r["run"] for r in rows if "note" in r})
+    if missing:
+        out.append(f"\nOut of time: {', '.join(missing)}.")
+    sma = [r for r in summary if r["run"].startswith("SMA") and r["median_s"]]
+    plain = [r for r in summary if r["run"].startswith("plain") and r["median_s"]]
+    if sma and plain:
+        best_p = min(plain, key=lambda r: r["median_s"])
+        best_s = min(sma, key=lambda r: r["median_s"])
+        out.append(
+            f"\nSMA / best plain loop, median of the seeds: {best_s['run']} / {best_p['run']} "
+            f"= {best_s['median_s'] / best_p['median_s']:.2f} (issue 44's target: <= 0.8)."
+        )
+    return out
 
 
 def fmt_list(values: list[float]) -> str:
@@ -592,7 +962,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-root", default="", help="folder of the Fashion-MNIST .gz files")
     ap.add_argument("--sma-batch", type=int, default=16)
     ap.add_argument("--out", default="bench/results/gpu")
+    ap.add_argument(
+        "--sections",
+        default="1,2,4,3",
+        help="comma-separated sections to run, in this order (default 1,2,4,3; issue 44's "
+        "rows: 4,5,6; section 6 runs SMA in the mode section 5 found fastest, eager "
+        "without it)",
+    )
+    ap.add_argument(
+        "--regime",
+        default="mlp",
+        choices=sorted(REGIMES),
+        help="section 6's workload (default mlp: 3 seeds on the CPU; cnn: 1 seed)",
+    )
     args = ap.parse_args(argv)
+    wanted = args.sections.split(",")
+    if not wanted or any(w not in ("1", "2", "3", "4", "5", "6") for w in wanted):
+        print(f"gpu_check: --sections {args.sections}: expected numbers 1 to 6", file=sys.stderr)
+        return 2
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -610,7 +997,9 @@ def main(argv: list[str] | None = None) -> int:
     data, ds, note = load_data(args, sizes)
     section_s: dict[str, float] = {}
 
-    def section(name: str, fn: Callable[[], Any]) -> Any:
+    def section(name: str, fn: Callable[[], Any], empty: Any = ()) -> Any:
+        if name not in wanted:
+            return empty
         start = time.perf_counter()
         result = fn()
         section_s[name] = time.perf_counter() - start
@@ -618,12 +1007,18 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        equiv = section("1", lambda: equivalence(args, sizes, data, ds, device, tmp))
-        thr = section("2", lambda: throughput(args, sizes, ds, device))
-        calib, cluster = section("4", lambda: calibration(args, sizes, ds, device))
-        tta = section(
-            "3", lambda: time_to_target(args, sizes, data, ds, note, device, cluster, tmp)
+        equiv = section("1", lambda: equivalence(args, sizes, data, ds, device, tmp), [])
+        thr = section("2", lambda: throughput(args, sizes, ds, device), [])
+        calib, cluster = section(
+            "4", lambda: calibration(args, sizes, ds, device), ([], {"replica_ratios": []})
         )
+        tta = section(
+            "3", lambda: time_to_target(args, sizes, data, ds, note, device, cluster, tmp), []
+        )
+        step = section("5", lambda: replica_step(args, sizes, ds, device), None)
+        mode = best_step_mode(step) if step else "eager"
+        regime_rows = section("6", lambda: regime(args, sizes, ds, note, device, mode), [])
+    regime_sizes = sizes.regime if args.smoke else REGIMES[args.regime]
     meta = {
         "device_name": device_name(device),
         "command": "python bench/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -635,16 +1030,20 @@ def main(argv: list[str] | None = None) -> int:
         "cluster": cluster,
         "sma_batch": args.sma_batch,
         "section_s": section_s,
+        "regime": {**regime_sizes, "seeds": list(regime_sizes["seeds"])},
+        "regime_mode": mode,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "_", meta["device_name"]).strip("_").lower()
-    text = markdown(meta, equiv, thr, calib, tta)
+    text = markdown(meta, equiv, thr, calib, tta, step, regime_rows)
     (out / f"gpu_check_{slug}.md").write_text(text)
     figures = {"meta": meta, "equivalence": equiv, "throughput": thr, "calibration": calib}
-    (out / f"gpu_check_{slug}.json").write_text(json.dumps({**figures, "tta": tta}, indent=1))
+    figures.update(tta=tta, replica_step=step, regime=regime_rows)
+    (out / f"gpu_check_{slug}.json").write_text(json.dumps(figures, indent=1))
     print(text)
-    return 1 if any(r.get("ok") is False for r in equiv) else 0
+    failed = [*equiv, *(step["equivalence"] if step else [])]
+    return 1 if any(r.get("ok") is False for r in failed) else 0
 
 
 if __name__ == "__main__":

@@ -182,6 +182,24 @@ def explicit_replica_gradients(
     return grad, losses.detach()
 
 
+def functional_replica_gradients(
+    model: nn.Module, weights: Tensor, x: Tensor, y: Tensor, path: str
+) -> tuple[Tensor, Tensor]:
+    """:func:`explicit_replica_gradients` as a pure function (``torch.func.grad``, no
+    ``requires_grad`` state), which ``torch.compile`` captures whole: gradients
+    ``[k, P]`` and mean losses ``[k]``."""
+    k, b = y.shape
+
+    def total(w: Tensor) -> tuple[Tensor, Tensor]:
+        logits = batched_logits(model, w, x, path)
+        per = F.cross_entropy(logits.reshape(k * b, -1), y.reshape(-1), reduction="none")
+        losses = per.view(k, b).mean(1)
+        return losses.sum(), losses
+
+    grad, losses = torch.func.grad(total, has_aux=True)(weights.detach())
+    return grad, losses
+
+
 def vmap_replica_gradients(
     model: nn.Module, weights: Tensor, x: Tensor, y: Tensor
 ) -> tuple[Tensor, Tensor]:

@@ -89,7 +89,11 @@ RUNTIMES = ("sim", "dist")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 PRECISIONS = ("fp32", "bf16-mixed")
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
-COMPILE_MODES = ("off", "on")  # train.compile; distsgd.engine.GradientEngine(compile=...)
+COMPILE_MODES = (
+    "off",
+    "on",
+    "reduce-overhead",
+)  # train.compile; distsgd.engine.GradientEngine(compile=...)
 # train.memory_format; distsgd.engine.GradientEngine(memory_format=...)
 MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
 
@@ -1196,6 +1200,10 @@ class TrainConfig:
             to float32 rounding, not bit for bit). Where compilation fails the run warns
             once and computes eagerly. Used by gradients on the ``sim`` runtime and by
             protocols that do not wrap the model in DDP; evaluation stays eager.
+            ``"reduce-overhead"``: the same with ``torch.compile(mode="reduce-overhead")``
+            (on a GPU inductor's kernels replay from CUDA graphs: one launch per
+            forward+backward), and the batched replica gradients of SMA and local SGD
+            (``cnn``, ``mlp``) compiled too, forward and backward as one graph.
         memory_format: the layout of the model's 4-D parameters (convolution kernels) and
             so of its convolutions' activations: ``"channels_last"`` (NHWC), the faster
             layout of the CPU's oneDNN convolutions and max-pooling; ``"contiguous"``

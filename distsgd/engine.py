@@ -29,6 +29,7 @@ from distsgd.batched import (
     PATHS,
     choose_path,
     explicit_replica_gradients,
+    functional_replica_gradients,
     supports,
     vmap_replica_gradients,
 )
@@ -434,7 +435,11 @@ class GradientEngine:
             have b samples (the sampler never yields a partial batch), so it compiles
             once per b (plus once per fused λ·b and per calibration batch size). Where
             compilation fails, one :class:`~distsgd.config.ConfigWarning` and the eager
-            forward from then on. ``"off"``: eager.
+            forward from then on. ``"reduce-overhead"``: the same compiled with
+            ``mode="reduce-overhead"`` (CUDA graphs of inductor's kernels on a GPU), and
+            :meth:`replica_gradients`' ``grouped`` and ``bmm`` paths compiled whole
+            (:func:`distsgd.batched.functional_replica_gradients`), with the same
+            fallback. ``"off"``: eager.
         memory_format: ``train.memory_format`` (:func:`resolve_memory_format`). With
             ``"channels_last"`` every 2-D convolution's kernel (no other parameter) takes
             NHWC strides: a one-channel kernel stays a view of the flat buffer, re-strided
@@ -504,9 +509,17 @@ class GradientEngine:
             offset += n
         self.num_parameters = offset
         # torch.compile is lazy: nothing is compiled before the first gradient
+        self.compile = compile
+        options = {"mode": "reduce-overhead"} if compile == "reduce-overhead" else {}
         self._compiled: Callable[[Tensor, Tensor], Tensor] | None = (
-            torch.compile(self._functional_forward(params), dynamic=False)
-            if compile == "on"
+            torch.compile(self._functional_forward(params), dynamic=False, **options)
+            if compile != "off"
+            else None
+        )
+        # the batched replica gradients, compiled on first use ("reduce-overhead" only)
+        self._compiled_replicas: Callable[..., tuple[Tensor, Tensor]] | None = (
+            torch.compile(functional_replica_gradients, dynamic=False, **options)
+            if compile == "reduce-overhead"
             else None
         )
 
@@ -608,7 +621,8 @@ class GradientEngine:
             except Exception as e:  # noqa: BLE001 - any failure of torch.compile's stack
                 self._compiled = None
                 warnings.warn(
-                    f"train.compile = 'on': compiling the model failed ({first_line(e)}); "
+                    f"train.compile = {self.compile!r}: compiling the model failed "
+                    f"({first_line(e)}); "
                     "computing gradients eagerly instead",
                     ConfigWarning,
                     stacklevel=2,
@@ -679,7 +693,7 @@ class GradientEngine:
         if path in ("grouped", "bmm"):
             self.model.train()
             with self.autocast():
-                grads, loss_t = explicit_replica_gradients(self.model, weights, x, y, path)
+                grads, loss_t = self._batched_gradients(weights, x, y, path)
             return grads, loss_t.tolist()
         if path == "vmap":
             self.model.train()
@@ -692,6 +706,25 @@ class GradientEngine:
             grads[j], loss = self.gradient(weights[j], x[j], y[j])
             losses.extend(loss)
         return grads, losses
+
+    def _batched_gradients(
+        self, weights: Tensor, x: Tensor, y: Tensor, path: str
+    ) -> tuple[Tensor, Tensor]:
+        """The ``grouped`` / ``bmm`` path, compiled where ``compile = "reduce-overhead"``
+        (its outputs copied out of the CUDA graphs' memory, which the next call reuses)."""
+        if self._compiled_replicas is not None:
+            try:
+                grads, losses = self._compiled_replicas(self.model, weights, x, y, path)
+                return grads.clone(), losses.clone()
+            except Exception as e:  # noqa: BLE001 - any failure of torch.compile's stack
+                self._compiled_replicas = None
+                warnings.warn(
+                    f"train.compile = {self.compile!r}: compiling the batched replica "
+                    f"gradients failed ({first_line(e)}); computing them eagerly instead",
+                    ConfigWarning,
+                    stacklevel=3,
+                )
+        return explicit_replica_gradients(self.model, weights, x, y, path)
 
     @property
     def has_batch_statistics(self) -> bool:

@@ -419,6 +419,21 @@ def test_gpu_check_smoke_runs_end_to_end_on_cpu(tmp_path):
     assert "hardsync λ=2 b=32" in text and "**NO**" not in text
 
 
+@pytest.mark.slow  # the replica-step and Crossbow-regime sections at tiny sizes (~2 min loaded)
+def test_gpu_check_replica_step_sections_run_on_cpu(tmp_path):
+    cmd = [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--smoke"]
+    cmd += ["--sections", "5,6", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (table,) = tmp_path.glob("gpu_check_*.md")
+    text = table.read_text()
+    assert "## 1." not in text and "## 5. Replica step" in text and "## 6. Time" in text
+    # without CUDA the captured step says it ran eagerly, and why
+    assert "cuda-graph vs eager (ran eager: the engine's device is cpu" in text
+    assert "the plain loop at b=32" in text and "SMA / best plain loop" in text
+    assert "**NO**" not in text
+
+
 # ---- on a GPU ----------------------------------------------------------------------------
 @needs_cuda
 def test_gpu_engine_matches_cpu_engine():

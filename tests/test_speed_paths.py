@@ -61,7 +61,7 @@ def test_bad_compile_value_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines == [
-        "distsgd: error: train.compile = 'fast' is not allowed: expected one of 'off', 'on'"
+        "distsgd: error: train.compile = 'fast' is not allowed: expected one of 'off', 'on', 'reduce-overhead'"
     ], r.stderr
     assert not (tmp_path / "r").exists()
 
@@ -202,3 +202,61 @@ def test_channels_last_lays_out_convolution_kernels_only():
     x, y = batch(4, seed=0)
     grad, _ = engine.gradient(engine.initial_weights(), x, y)
     assert torch.isfinite(grad).all() and grad.shape == (engine.num_parameters,)
+
+
+def replica_inputs(k: int = 3, b: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(k, b, 1, 8, 8, generator=g), torch.randint(0, 3, (k, b), generator=g)
+    return x, y, torch.randn(k, 1, generator=g)
+
+
+def test_functional_replica_gradients_equal_the_explicit_path():
+    from distsgd.batched import explicit_replica_gradients, functional_replica_gradients
+
+    for name, path in (("mlp", "bmm"), ("cnn", "grouped")):
+        torch.manual_seed(0)
+        model = build_model(name, (1, 8, 8), num_classes=3)
+        w0 = GradientEngine(model).initial_weights()
+        x, y, noise = replica_inputs()
+        w = w0 + 0.01 * noise * w0  # three different replicas
+        g, losses = functional_replica_gradients(model, w, x, y, path)
+        g_ref, losses_ref = explicit_replica_gradients(model, w, x, y, path)
+        assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-7)
+        assert torch.allclose(losses, losses_ref, rtol=1e-6)
+
+
+def test_reduce_overhead_replica_gradients_fall_back_once(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: _failing_compiled)
+    torch.manual_seed(0)
+    engine = GradientEngine(build_model("mlp", (1, 8, 8), 3), compile="reduce-overhead")
+    torch.manual_seed(0)
+    reference = GradientEngine(build_model("mlp", (1, 8, 8), 3))
+    x, y, _ = replica_inputs()
+    w = reference.initial_weights().expand(3, -1).clone()
+    with pytest.warns(ConfigWarning) as caught:
+        grads, losses = engine.replica_gradients(w, x, y)
+    (message,) = [str(c.message) for c in caught]
+    assert "train.compile = 'reduce-overhead'" in message and "batched replica" in message
+    expected, expected_losses = reference.replica_gradients(w, x, y)
+    assert torch.equal(grads, expected) and losses == expected_losses
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        engine.replica_gradients(w, x, y)
+
+
+@pytest.mark.slow  # inductor compiles the forward and backward (minutes on a loaded CPU)
+def test_reduce_overhead_replica_gradients_match_eager():
+    torch.manual_seed(0)
+    engine = GradientEngine(build_model("mlp", (1, 8, 8), 3), compile="reduce-overhead")
+    torch.manual_seed(0)
+    reference = GradientEngine(build_model("mlp", (1, 8, 8), 3))
+    x, y, noise = replica_inputs()
+    w0 = reference.initial_weights()
+    w = w0 + 0.01 * noise * w0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)  # compiled, no fallback
+        grads, losses = engine.replica_gradients(w, x, y)
+    expected, expected_losses = reference.replica_gradients(w, x, y)
+    assert engine._compiled_replicas is not None
+    assert torch.allclose(grads, expected, rtol=1e-4, atol=1e-6)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
