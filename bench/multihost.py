@@ -168,9 +168,10 @@ def simulate(raw: dict[str, Any], samples: int, cluster: dict[str, Any], out: Pa
 
 
 def terms(cfg: Any, summary: dict[str, Any]) -> dict[str, float]:
-    """The simulated cycle's terms, seconds: one learner's compute (with its host's core
-    stretch), one message between a worker and the server (local, link), the ring
-    all-reduce over the run's devices or a compute group (link), the server's work."""
+    """The simulated cycle's terms, seconds: one learner's compute, one message between
+    a worker and the server (local, link), the ring all-reduce over the run's devices or
+    a compute group (link), a compute group leader's broadcast of the weights to its
+    members (link), the server's work."""
     from distsgd.runtime import cluster_model as cm
     from distsgd.runtime.profiles import read_profile
 
@@ -197,6 +198,9 @@ def terms(cfg: Any, summary: dict[str, Any]) -> dict[str, float]:
         "message_local": local.message_seconds,
         "message_link": model.message_seconds,
         "allreduce_link": cm.allreduce_seconds(group, model),
+        "broadcast_link": (
+            cm.broadcast_seconds(group, model) if p.name == "compute_groups" else 0.0
+        ),
         "server": 0.0 if synchronous else (prof.seconds_per_push or 0.0),
     }
 
@@ -359,8 +363,8 @@ def markdown(rows, nets, prof, cores, started, loads, server) -> str:
         "",
         "| link | protocol | iterations | measured s/it | simulated s/it | measured / "
         "simulated | staleness measured | simulated | terms (ms): compute, message local / "
-        "link, all-reduce link, server | simulated s/it, server on processes | measured / "
-        "simulated |",
+        "link, all-reduce link, broadcast link, server | simulated s/it, server on "
+        "processes | measured / simulated |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -369,7 +373,8 @@ def markdown(rows, nets, prof, cores, started, loads, server) -> str:
             continue
         t = r["terms"]
         parts = (f"{_ms(t['compute'])}, {_ms(t['message_local'])} / {_ms(t['message_link'])}, "
-                 f"{_ms(t['allreduce_link'])}, {_ms(t['server'])}")  # fmt: skip
+                 f"{_ms(t['allreduce_link'])}, {_ms(t.get('broadcast_link', 0.0))}, "
+                 f"{_ms(t['server'])}")  # fmt: skip
         ok = "" if 0.8 <= r["ratio"] <= 1.25 else " ✗"
         out.append(
             f"| {r['link']} | {r['protocol']} | {r['iterations']} | {_ms(r['measured_s'])} ms "
