@@ -55,6 +55,10 @@ class PushEvent:
         central_weights: returns the full central weights ``[P]`` (a copy; with S > 1 it
             gathers every shard's slice, one round trip): for evaluation and checkpoints
             from inside ``on_push``.
+        busy_s: wall seconds this server rank's loop has worked on the pushes before this
+            one (from taking each from its inbox to being ready for the next: apply,
+            reply, ``on_push``), in total; ``busy_s / (pushes before)`` is its time per
+            push as the simulated cluster's ``cluster.seconds_per_push`` means it.
     """
 
     worker: int
@@ -64,6 +68,7 @@ class PushEvent:
     samples: int
     losses: list[float]
     central_weights: Callable[[], Tensor]
+    busy_s: float = 0.0
 
 
 @dataclass
@@ -186,6 +191,7 @@ class _ServerLoop:
         self.waiting: list[int] = []
         self.stopping = False
         self.samples = 0
+        self.busy_s = 0.0  # wall seconds spent on pushes (PushEvent.busy_s)
         # per worker: the reply whose send is under way (its header's and weights' works)
         self.sending: dict[int, list[dist.Work]] = {}
 
@@ -347,7 +353,10 @@ class _ServerLoop:
                 item = self.inbox.get()
                 if item is None:  # a shard's receiver failed: check_shards raises
                     continue
+                started = time.perf_counter()
                 self.handle(*item)
+                if item[1] is not None and int(item[1][_KIND]) == PUSH:
+                    self.busy_s += time.perf_counter() - started
             # replies still under way (to learners that said BYE since: done by now)
             deadline = time.monotonic() + self.timeout_s
             for w in list(self.sending):
@@ -422,7 +431,9 @@ class _ServerLoop:
             for v in released:
                 self.send_weights(v)
         if self.coordinator:
-            event = PushEvent(w, self.leaders[w], version, update, n_samples, losses, self.central)
+            event = PushEvent(
+                w, self.leaders[w], version, update, n_samples, losses, self.central, self.busy_s
+            )
             if not self.on_push(event):
                 # pushes held by the barrier were applied: LAST tells their learners to
                 # carry them on to the other shards before leaving; every other learner
