@@ -224,6 +224,7 @@ def test_groups_g1_matches_the_simulator(tmp_path):
 def test_parameter_server_records_measured_staleness(tmp_path, protocol, servers):
     s = train(config(protocol, "dist"), overrides=[f"dist.num_servers={servers}"], out_dir=tmp_path)
     assert s["num_processes"] == 2 + servers
+    assert 0 < s["server_seconds_per_push"] < s["train_wall_s"]
     assert s["status"] == "completed" and s["runtime"] == "dist" and s["samples"] == 1024
     counts = json.loads((tmp_path / "staleness.json").read_text())["counts"]
     # every gradient pushed is applied exactly once and counted by its σ

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -554,6 +555,41 @@ def test_exit_while_the_heartbeat_is_in_a_store_call_is_not_an_abort(how):
     )
     assert done.returncode == 0, done.stderr
     assert "terminate called" not in done.stderr
+
+
+def test_a_rank_lost_while_another_is_judged_silent_is_named_too(monkeypatch):
+    """Bug: when a host was cut off and another killed at the same moment, rank 0 named
+    the cut-off rank only whenever the killed rank had beaten once more during the one
+    heartbeat look (its summary's lost_ranks missed it). Rank 0 of 4, in process, with
+    the run's store: rank 1 never beats, rank 2 beats through the first half of the
+    first look, then stops, rank 3 left on purpose. Ranks 1 and 2 are named."""
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    from distsgd.runtime import launch as rlaunch
+
+    store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))  # fmt: skip
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    beats = rlaunch.Heartbeats(0, 4, 2.0)
+    store.set(rlaunch._left_key(beats._prefix, 3), "1")  # rank 3 left on purpose
+    stop = time.monotonic() + 1.0
+
+    def rank_2() -> None:
+        while time.monotonic() < stop:
+            store.add(rlaunch._beat_key(beats._prefix, 2), 1)
+            time.sleep(0.1)
+
+    beater = threading.Thread(target=rank_2)
+    beater.start()
+    try:
+        silent = beats.silent_ranks()
+    finally:
+        beater.join()
+        beats.close()
+    assert silent == [1, 2]
 
 
 # ---- the launcher's heartbeat watch ------------------------------------------------------------

@@ -129,3 +129,22 @@ def test_a_learner_is_local_only_when_every_server_shard_shares_its_host():
     apart, alone, together = run(processes_per_host=2), run(), run(processes_per_host=3)
     assert apart == alone
     assert together < alone
+
+
+def test_a_compute_groups_broadcast_is_charged_on_its_hosts_terms():
+    """Bug: a compute group leader's broadcast of the weights to its members was not
+    charged. One group of 3 (λ = 3, g = 1: every round waits for the one before): with
+    the group on one host each round costs two binomial-tree broadcasts (⌈log₂ 3⌉ = 2
+    rounds of a latency, then of a message of P values) on the local terms, across hosts
+    on the link's; a group of one is charged none."""
+    cg = {"name": "compute_groups", "num_learners": 3, "num_groups": 1}
+    # one process per host: the group spans 3 hosts; 4 per host: all on host 0
+    apart, p, n = _run(cg, processes_per_host=1)
+    together, _, n2 = _run(cg, processes_per_host=4)
+    assert n == n2
+    lat, inv_bw = 0.02 - 50e-6, 1 / 0.1e9 - 1 / 10e9
+    ring = 2 * 2 * lat + 2 * 2 / 3 * 32.0 * p * inv_bw
+    messages = 2 * lat + 2 * 32.0 * p * inv_bw
+    broadcast = 2 * (2 * lat + 32.0 * p * inv_bw)
+    diff = apart.clock_s - together.clock_s
+    assert diff == pytest.approx(n * (messages + ring + broadcast), rel=1e-9)

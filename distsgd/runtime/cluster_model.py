@@ -17,12 +17,14 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
 __all__ = [
     "ClusterModel",
     "allreduce_seconds",
+    "broadcast_seconds",
     "compute_seconds",
     "core_stretch",
     "device_seconds",
@@ -168,6 +170,18 @@ def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
         0.0 if bw == 0 else 8.0 * cluster.bytes_per_value * cluster.num_parameters / (bw * 1e9)
     )
     return 2 * (m - 1) * lat + 2 * (m - 1) / m * transfer
+
+
+def broadcast_seconds(participants: int, cluster: ClusterModel) -> float:
+    """A compute group's leader handing the pulled weights to its m − 1 members, as the
+    learners do it: two binomial-tree broadcasts of ⌈log₂ m⌉ rounds each, the reply's
+    kind and version (a few values: one ``latency_s`` a round), then the weights (one
+    message of P values a round, :attr:`ClusterModel.message_seconds`):
+    ``⌈log₂ m⌉ · (2·latency + 8BP/bandwidth)``, seconds; 0 for m <= 1."""
+    if participants <= 1:
+        return 0.0
+    rounds = math.ceil(math.log2(participants))
+    return rounds * (cluster.latency_s + cluster.message_seconds)
 
 
 def host_of(rank: int, processes_per_host: int) -> int:

@@ -886,6 +886,18 @@ class PSDistRuntime(_DistBase):
     def runs_training_loop(self) -> bool:
         return self.rank == 0
 
+    def summary_fields(self) -> dict[str, Any]:
+        """The base fields, and on the coordinator ``server_seconds_per_push``: the wall
+        seconds its server loop worked per push (apply, reply, hand-over to the training
+        loop; evaluations included where the run evaluates), ``None`` before two pushes:
+        what the simulated cluster's ``cluster.seconds_per_push`` charges."""
+        fields = super().summary_fields()
+        event, before = self._last_event, sum(self.pushes) - 1
+        if self.rank == 0:
+            per_push = event.busy_s / before if event is not None and before > 0 else None
+            fields["server_seconds_per_push"] = per_push
+        return fields
+
     def _log(self, message: str) -> None:
         self.events.append(message)
         print(f"distsgd[rank {self.rank}]: {message}", file=sys.stderr)

@@ -247,14 +247,29 @@ class Heartbeats:
 
     def silent_ranks(self) -> list[int]:
         """The other ranks whose heartbeat does not move for ``max(2, 3 · interval_s)``
-        seconds and which did not leave on purpose (blocks that long)."""
+        seconds and which did not leave on purpose (blocks that long). Where one is
+        silent, the others are watched for as long again: a rank lost at the same moment
+        (a second host killed while the first was cut off) may have beaten once in the
+        first look, and is named too (blocks twice as long then)."""
+        window = max(2.0, 3 * self.interval_s)
         try:
-            before = {r: self._count(r) for r in range(self.world_size) if r != self.rank}
-            time.sleep(max(2.0, 3 * self.interval_s))
-            left = {r for r in before if self._store.check([_left_key(self._prefix, r)])}
-            return [r for r in before if r not in left and self._count(r) == before[r]]
+            silent = self._still([r for r in range(self.world_size) if r != self.rank], window)
+            if silent:
+                others = [r for r in range(self.world_size) if r not in (self.rank, *silent)]
+                silent += self._still(others, window)
+            return sorted(silent)
         except (RuntimeError, dist.DistError):
             return []
+
+    def _still(self, ranks: list[int], window_s: float) -> list[int]:
+        """Those of ``ranks`` whose counter does not move in ``window_s`` seconds and
+        which did not leave on purpose."""
+        if not ranks:
+            return []
+        before = {r: self._count(r) for r in ranks}
+        time.sleep(window_s)
+        left = {r for r in ranks if self._store.check([_left_key(self._prefix, r)])}
+        return [r for r in ranks if r not in left and self._count(r) == before[r]]
 
     def silence_s(self, rank: int) -> float:
         """Seconds since this rank saw ``rank``'s heartbeat move (0.0 at the first look;

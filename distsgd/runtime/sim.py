@@ -37,6 +37,10 @@ Timing model (all in virtual seconds):
   formula with the local terms, else the link's. With ``cores`` > 0 each host has
   ``cores`` cores, shared by its own processes only (a parameter server's busy
   fraction counted on its host). n = 0: every process is a host of its own;
+* a compute group of m > 1 ranks: its leader broadcasts each reply's weights to the
+  members before they compute, ``⌈log₂ m⌉ · (2·latency + 8BP/bandwidth)``
+  (:func:`~distsgd.runtime.cluster_model.broadcast_seconds`; local terms when the group
+  shares one host);
 * the parameter server's work on one push (apply the protocol, copy the weights for the
   reply): ``seconds_per_push``; the server serves pushes one at a time, in arrival order;
 * processes sharing cores (``cluster.cores`` > 0, every rank on one machine): compute,
@@ -503,6 +507,14 @@ class SimRuntime(Runtime):
         model = self._local if one_host and len(ranks) > 1 else self._network
         return cm.allreduce_seconds(len(ranks), model)
 
+    def _broadcast_among(self, learners: list[int]) -> float:
+        """A compute group's leader handing its pulled weights to the other ranks of
+        ``learners`` (:func:`~distsgd.runtime.cluster_model.broadcast_seconds`): with the
+        local terms when they share one host, else the link's."""
+        ranks = sorted({self._learner_rank(m) for m in learners})
+        one_host = len({self.host(r) for r in ranks}) == 1
+        return cm.broadcast_seconds(len(ranks), self._local if one_host else self._network)
+
     def _set_stretch(self) -> None:
         """The stretch of compute when the cluster's processes share ``cluster.cores``
         cores (wall over CPU time; 1 with ``cores = 0``) and the server's seconds per
@@ -747,7 +759,7 @@ class SimRuntime(Runtime):
         self._pulled_version[worker] = version
         members = self._members(worker)
         compute = max(self.compute_seconds(m) for m in members)
-        compute += self._allreduce_among(members)
+        compute += self._broadcast_among(members) + self._allreduce_among(members)
         message_s = self._worker_message_s[worker]
         arrive = now + message_s + compute + message_s
         heapq.heappush(self._events, (arrive, self._seq, worker))

@@ -38,6 +38,7 @@ import numpy as np
 from distsgd.runtime.cluster_model import (
     ClusterModel,
     allreduce_seconds,
+    broadcast_seconds,
     compute_seconds,
     core_stretch,
     device_seconds,
@@ -133,8 +134,10 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
       ``t_batch + b·t_sample + (k − 1)·t_replica``, plus ``t_iteration``; a
       device computes its k learners as one batched computation; devices all-reduce
       their corrections; Crossbow, docs/protocols.md §4);
-    * compute groups: a group's cycle is ``2m + J(λ/g)·t_c + AR(λ/g) + t_server`` (the
-      server's work on its push before the reply) and the g groups run
+    * compute groups: a group's cycle is ``2m + BC(λ/g) + J(λ/g)·t_c + AR(λ/g) +
+      t_server`` (BC: the leader's broadcast of the weights to its members,
+      :func:`~distsgd.runtime.cluster_model.broadcast_seconds`; t_server: the server's
+      work on its push before the reply) and the g groups run
       concurrently, so ``max(cycle / g, t_server)``: HE falls about as ``1/g`` until the
       parameter server saturates at ``t_server`` per push (Omnivore, docs/protocols.md §3);
     * n-softsync: every learner cycles in ``2m + t_c + t_server``; λ pushes per cycle and c = λ/n
@@ -167,7 +170,7 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
         x = server_core_stretch(lam, b, cluster, pushers=g)
         ts = server_push_seconds(x, cluster, each_learner_pushes=g == lam)
         cycle = 2 * m + straggler_factor(size, s) * tc * x + allreduce_seconds(size, cluster)
-        cycle += ts
+        cycle += broadcast_seconds(size, cluster) + ts
         return max(cycle / g, ts)
     n = layout.softsync
     x = server_core_stretch(lam, b, cluster)

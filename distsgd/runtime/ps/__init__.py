@@ -80,7 +80,11 @@ process group. Measured with torch 2.13: a pending gloo receive can be neither p
 out makes gloo close *every* pair of its process group ("Application timeout caused pair
 closure"). One group per pair confines a timeout to the silent learner's channel. The
 server waits for each leader in a thread (one blocking receive at a time, armed after
-each reply) that hands messages to the server loop through a queue.
+each reply) that hands messages to the server loop through a queue. The server starts
+each reply's send and goes on with the next push while it crosses (a reply to a learner
+behind a slow link holds that learner only); the send is awaited before the next message
+to that learner, by when it has completed (the learner pushes only once it has its
+weights).
 
 Faults (Rudra, ICDM 2016: under async and n-softsync the server never waits for a
 particular learner, under hardsync it waits for all λ; Omnivore: a group is synchronous

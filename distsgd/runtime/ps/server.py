@@ -5,6 +5,7 @@ coordinator's stop and central weights, lost learners and shards (see
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from distsgd.runtime.ps.transport import (
     LAST,
     PUSH,
     STOP,
+    TAG,
     WEIGHTS,
     LearnerLost,
     PSLayout,
@@ -33,6 +35,7 @@ from distsgd.runtime.ps.transport import (
     _pair_groups,
     _Receiver,
     _send,
+    _td,
 )
 
 __all__ = ["PushEvent", "ServerResult", "run_server"]
@@ -52,6 +55,10 @@ class PushEvent:
         central_weights: returns the full central weights ``[P]`` (a copy; with S > 1 it
             gathers every shard's slice, one round trip): for evaluation and checkpoints
             from inside ``on_push``.
+        busy_s: wall seconds this server rank's loop has worked on the pushes before this
+            one (from taking each from its inbox to being ready for the next: apply,
+            reply, ``on_push``), in total; ``busy_s / (pushes before)`` is its time per
+            push as the simulated cluster's ``cluster.seconds_per_push`` means it.
     """
 
     worker: int
@@ -61,6 +68,7 @@ class PushEvent:
     samples: int
     losses: list[float]
     central_weights: Callable[[], Tensor]
+    busy_s: float = 0.0
 
 
 @dataclass
@@ -188,20 +196,44 @@ class _ServerLoop:
         self.waiting: list[int] = []
         self.stopping = False
         self.samples = 0
+        self.busy_s = 0.0  # wall seconds spent on pushes (PushEvent.busy_s)
+        # per worker: the reply whose send is under way (its header's and weights' works)
+        self.sending: dict[int, list[dist.Work]] = {}
 
     # ---- replies -----------------------------------------------------------------------
     def send_weights(self, w: int) -> None:
-        weights, version = self.protocol.pull(w)
+        """Start the reply to ``w`` (header, then the weights) without waiting for it to
+        cross: the server goes on with the next push while the reply travels (a reply to
+        another host holds only that learner). The reply is awaited before the next message
+        to ``w`` (done by then: ``w`` pushes only once it has its weights) or at the end."""
+        weights, version = self.protocol.pull(w)  # a copy: stays as sent
         leader, link = self.leaders[w], self.links[self.leaders[w]]
+        if not self.finish_send(w):
+            return
+        header = _header(WEIGHTS, version, worker=w, length=self.n)
         try:
-            _send(_header(WEIGHTS, version, worker=w, length=self.n), leader, link, self.timeout_s)
-            _send(weights.contiguous(), leader, link, self.timeout_s)
+            self.sending[w] = [
+                dist.isend(t, dst=leader, group=link, tag=TAG) for t in (header, weights)
+            ]
         except RuntimeError as e:  # it died since its push
             self.lose(w, e)
             return
         self.receivers[w].arm()
 
+    def finish_send(self, w: int) -> bool:
+        """Wait for the reply to ``w`` under way, if any (up to ``timeout_s``); False when
+        it failed (``w`` is lost)."""
+        try:
+            for work in self.sending.pop(w, []):
+                work.wait(_td(self.timeout_s))
+        except RuntimeError as e:  # it died since its push
+            self.lose(w, e)
+            return False
+        return True
+
     def send_stop(self, w: int, kind: int = STOP) -> None:
+        if not self.finish_send(w):
+            return
         self.live.discard(w)
         leader = self.leaders[w]
         try:
@@ -216,6 +248,7 @@ class _ServerLoop:
                 self.on_lost(w)
 
     def lose(self, w: int, error: Exception | str) -> None:
+        self.sending.pop(w, None)  # a reply under way to it is not awaited
         self.live.discard(w)
         if w in self.waiting:
             self.waiting.remove(w)
@@ -327,7 +360,18 @@ class _ServerLoop:
                 item = self.inbox.get()
                 if item is None:  # a shard's receiver failed: check_shards raises
                     continue
+                started = time.perf_counter()
                 self.handle(*item)
+                if item[1] is not None and int(item[1][_KIND]) == PUSH:
+                    self.busy_s += time.perf_counter() - started
+            # replies still under way (to learners that said BYE since: done by now)
+            deadline = time.monotonic() + self.timeout_s
+            for w in list(self.sending):
+                try:
+                    for work in self.sending.pop(w):
+                        work.wait(_td(max(deadline - time.monotonic(), 1e-3)))
+                except RuntimeError:  # it left meanwhile; its weights were not needed
+                    pass
             result = self.result
             if not result.stopped and len(result.lost_ranks) == self.layout.num_workers:
                 raise LearnerLost(list(result.lost_ranks), "every learner was lost")
@@ -394,7 +438,9 @@ class _ServerLoop:
             for v in released:
                 self.send_weights(v)
         if self.coordinator:
-            event = PushEvent(w, self.leaders[w], version, update, n_samples, losses, self.central)
+            event = PushEvent(
+                w, self.leaders[w], version, update, n_samples, losses, self.central, self.busy_s
+            )
             if not self.on_push(event):
                 # pushes held by the barrier were applied: LAST tells their learners to
                 # carry them on to the other shards before leaving; every other learner
