@@ -94,8 +94,9 @@ inside, so it stands or falls as one):
   its threshold c = ⌊λ/n⌋, which the remaining learners fill (a fast learner may
   contribute twice to one update, as in Rudra's 1-softsync), and a lost learner's
   buffered gradient stays in the buffer. Under the hardsync barrier (``protocol.barrier``)
-  no update can complete: :class:`LearnerLost` naming the rank. Every worker lost:
-  :class:`LearnerLost` as well.
+  no update can complete: :class:`LearnerLost` naming the rank; likewise once fewer than
+  ``protocol.workers_needed`` workers are left (hardsync with backup learners needs λ of
+  its λ + β). Every worker lost: :class:`LearnerLost` as well.
 * A group member dies: the group's collective fails in the leader and the members, which
   raise :class:`LearnerLost` naming the group's ranks; the server then loses the leader.
 * The server (any shard) dies, or is silent for ``timeout_s`` while a leader waits for
