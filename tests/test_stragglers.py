@@ -215,5 +215,7 @@ def test_a_killed_backup_learner_does_not_stop_a_dist_run(tmp_path, monkeypatch)
     assert summary["dropped_gradients"] >= 1  # version 0: the third push came late
     steps, b = summary["iterations"], 16
     assert 2 * b * steps <= summary["samples"] <= 2 * b * steps + b
+    counts = json.loads((out / "staleness.json").read_text())["counts"]
+    assert counts == {"0": 2 * steps}  # λ = 2 gradients per step, none stale
     lost = [json.loads(r) for r in (out / "membership.jsonl").read_text().splitlines()]
     assert [(r["event"], r["worker"], r["ranks"]) for r in lost] == [("lost", 2, [3])]
