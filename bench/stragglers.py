@@ -16,7 +16,9 @@ measured on this machine (the profile cache: the first run measures it). Reports
 simulated seconds to the target, the samples to it and the dropped gradients, and the ratio
 hardsync + 1 backup / hardsync per scenario (Chen et al. 2016, arXiv:1604.00981).
 
-Real processes are not run: ``protocol.backup_learners`` is refused on runtime ``dist``.
+Real processes are not run by this bench: runtime ``dist`` runs backup learners (one
+server rank more, docs/protocols.md "Backup learners") but has no way to make one
+learner 2× slower or stall it.
 
     flock /tmp/distsgd-bench.lock python bench/stragglers.py --out bench/out/stragglers \\
         --results bench/results/stragglers.md

@@ -354,7 +354,9 @@ class ProtocolConfig:
             2016, arXiv:1604.00981): λ + β learners compute each iteration and the
             iteration averages the first λ gradients to arrive, dropping the late β
             (``num_learners`` stays λ, the gradients per step: the effective batch is
-            λ × ``batch_size``). 0 (default): plain hardsync. Simulated runtime only.
+            λ × ``batch_size``). 0 (default): plain hardsync. On runtime ``dist`` a
+            parameter-server rank (rank 0) serves the λ + β learner ranks
+            (:class:`~distsgd.protocols.BackupHardSync`); not in the drop-in.
     """
 
     name: str = _setting("hardsync", check_choice, PROTOCOLS)
@@ -1319,7 +1321,9 @@ class DistConfig:
     Processes a protocol needs (``num_processes = 0`` takes it; another number fits the
     layout to it, see ``num_processes``):
 
-    * ``hardsync`` / ``plain``: one learner per process, λ processes (DDP);
+    * ``hardsync`` / ``plain``: one learner per process, λ processes (DDP); with
+      ``protocol.backup_learners = β`` > 0, one parameter-server rank (rank 0) and λ + β
+      learner ranks, λ + β + 1 processes;
     * ``sma`` / ``local_sgd``: one process per device, λ / k processes, each holding its
       k replicas (``protocol.replicas_per_device``);
     * ``parameter_server`` / ``compute_groups``: ``num_servers`` server ranks (ranks
@@ -1844,14 +1848,7 @@ class RunConfig:
             self.protocol, self.layout_changes = fit_layout(
                 self.protocol, self.dist, self.dist.num_processes
             )
-        if self.runtime == "dist" and self.protocol.backup_learners:
-            fail(
-                "protocol.backup_learners",
-                self.protocol.backup_learners,
-                "0 on runtime 'dist' (its hardsync is DDP's all-reduce, which waits for "
-                "every learner; backup learners run on the simulated runtime)",
-            )
-        served = spec_for(self.protocol).has_server
+        served = spec_for(self.protocol).served_on_dist(self.protocol)
         if self.runtime == "dist" and served and self.protocol.compression != "none":
             fail(
                 "protocol.compression",

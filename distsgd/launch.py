@@ -139,7 +139,7 @@ def under_launcher() -> bool:
 
 
 def _role(cfg: RunConfig, rank: int) -> str:
-    return spec_for(cfg.protocol).role(rank, cfg.dist)
+    return spec_for(cfg.protocol).role(rank, cfg.dist, cfg.protocol)
 
 
 def _tolerates_loss(cfg: RunConfig, rank: int) -> bool:

@@ -28,6 +28,7 @@ from torch import Tensor
 from distsgd.checks import fail
 from distsgd.protocols import (
     SMA,
+    BackupHardSync,
     ComputeGroups,
     DiLoCo,
     HardSync,
@@ -130,8 +131,9 @@ class ProtocolSpec:
         """The settings that fit the layout to ``n`` processes (λ = n by default)."""
         return {"num_learners": n}
 
-    def role(self, rank: int, dist: DistConfig) -> str:
-        """``"server"``, ``"learner"`` or ``"device"`` (k replicas) for ``rank``."""
+    def role(self, rank: int, dist: DistConfig, p: ProtocolConfig | None = None) -> str:
+        """``"server"``, ``"learner"`` or ``"device"`` (k replicas) for ``rank`` (``p``:
+        the protocol section, where the layout depends on it)."""
         return "learner"
 
     def tolerates_loss(self, p: ProtocolConfig, dist: DistConfig, rank: int) -> bool:
@@ -142,6 +144,21 @@ class ProtocolSpec:
         """The layout in one line, e.g. ``"λ=4 b=8"``, with the λ the run holds now."""
         lam = p.num_learners if num_learners is None else num_learners
         return f"λ={lam} b={p.batch_size}"
+
+    def served_on_dist(self, p: ProtocolConfig) -> bool:
+        """Whether the ``dist`` runtime runs ``p`` through a parameter server (server
+        ranks first, :meth:`build_served`): the protocols with a server, and hardsync with
+        backup learners."""
+        return self.has_server
+
+    def build_served(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
+        """The protocol object the ``dist`` runtime's server holds (:meth:`build` unless
+        the protocol is served only there)."""
+        return self.build(p, o, initial)
+
+    def group_size(self, p: ProtocolConfig) -> int:
+        """Learners that compute one push together (a compute group; 1 otherwise)."""
+        return 1
 
     def sync_interval(self, p: ProtocolConfig) -> int:
         """Iterations between two synchronisations of all learners (local SGD: H)."""
@@ -167,6 +184,45 @@ class _HardSync(ProtocolSpec):
     def label(self, p: ProtocolConfig, num_learners: int | None, replicas: int | None) -> str:
         base = super().label(p, num_learners, replicas)
         return f"{base} +{p.backup_learners} backup" if p.backup_learners else base
+
+    # β backup learners on the dist runtime: one parameter-server rank (rank 0) holds the
+    # weights and applies the first λ pushes of each version (BackupHardSync); DDP's
+    # all-reduce cannot leave a late or lost learner out
+    def served_on_dist(self, p: ProtocolConfig) -> bool:
+        return p.backup_learners > 0
+
+    def build_served(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
+        if not p.backup_learners:
+            return self.build(p, o, initial)
+        return BackupHardSync(initial, p.num_learners, p.backup_learners, **optimizer_arguments(o))
+
+    def processes(self, p: ProtocolConfig, dist: DistConfig) -> tuple[int, str]:
+        if not p.backup_learners:
+            return super().processes(p, dist)
+        lam, beta = p.num_learners, p.backup_learners
+        return lam + beta + 1, (
+            f"one parameter-server rank plus protocol.num_learners = {lam} and "
+            f"protocol.backup_learners = {beta} learner ranks"
+        )
+
+    def fit(self, p: ProtocolConfig, dist: DistConfig, n: int) -> dict[str, int]:
+        if not p.backup_learners:
+            return super().fit(p, dist, n)
+        if n < p.backup_learners + 2:
+            need, why = self.processes(p, dist)
+            fail(
+                "dist.num_processes",
+                n,
+                f"at least protocol.backup_learners + 2 = {p.backup_learners + 2} (one "
+                f"server rank, β backup learners and λ >= 1), or 0 ({need} processes: {why})",
+            )
+        return {"num_learners": n - 1 - p.backup_learners}
+
+    def role(self, rank: int, dist: DistConfig, p: ProtocolConfig | None = None) -> str:
+        return "server" if p is not None and p.backup_learners and rank == 0 else "learner"
+
+    def tolerates_loss(self, p: ProtocolConfig, dist: DistConfig, rank: int) -> bool:
+        return p.backup_learners > 0 and rank > 0
 
 
 class _Plain(_HardSync):
@@ -229,12 +285,8 @@ class _Served(ProtocolSpec):
             )
         return {"num_learners": n - s}
 
-    def role(self, rank: int, dist: DistConfig) -> str:
+    def role(self, rank: int, dist: DistConfig, p: ProtocolConfig | None = None) -> str:
         return "server" if rank < dist.num_servers else "learner"
-
-    def group_size(self, p: ProtocolConfig) -> int:
-        """Learners that compute one push together (a compute group; 1 otherwise)."""
-        return 1
 
 
 class _ParameterServer(_Served):
@@ -372,7 +424,7 @@ class _Replicated(ProtocolSpec):
     def fit(self, p: ProtocolConfig, dist: DistConfig, n: int) -> dict[str, int]:
         return {"num_learners": n * p.initial_replicas_per_device}
 
-    def role(self, rank: int, dist: DistConfig) -> str:
+    def role(self, rank: int, dist: DistConfig, p: ProtocolConfig | None = None) -> str:
         return "device"
 
     def label(self, p: ProtocolConfig, num_learners: int | None, replicas: int | None) -> str:

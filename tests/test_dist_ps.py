@@ -22,7 +22,7 @@ import torch._dynamo  # noqa: F401  torch.optim imports it on first use (seconds
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distsgd.protocols import ComputeGroups, ParameterServer
+from distsgd.protocols import BackupHardSync, ComputeGroups, ParameterServer
 from distsgd.runtime.ps import (
     LearnerLost,
     PSLayout,
@@ -67,6 +67,8 @@ def _lr_of(spec: dict):
 def _make_protocol(spec: dict, initial: torch.Tensor):
     if spec["kind"] == "groups":
         return ComputeGroups(initial, spec["num_learners"], spec["num_groups"], momentum=0.5)
+    if spec["kind"] == "backup":
+        return BackupHardSync(initial, spec["num_learners"], spec["backup_learners"], momentum=0.9)
     return ParameterServer(
         initial,
         spec["num_learners"],
@@ -459,6 +461,30 @@ def test_lost_learner_under_barrier_is_fatal(tmp_path):
     rec = _spawn(spec, tmp_path)
     assert rec[0]["error"] == "LearnerLost" and rec[0]["error_ranks"] == [2]
     assert rec[1]["error"] == "ServerLost" and rec[1]["error_rank"] == 0
+
+
+def test_backup_learners_go_on_until_fewer_than_lambda_are_left(tmp_path):
+    """Hardsync with λ = 2, β = 1: the server goes on after one learner is killed and
+    stops with LearnerLost once the second (silent) is lost: no step can complete."""
+    spec = _spec(
+        kind="backup",
+        groups=[[1], [2], [3]],
+        num_learners=2,
+        backup_learners=1,
+        pushes=400,
+        kill_learner=2,
+        kill_after=3,
+        stall_learner=3,
+        stall_after=6,
+        stall_s=4.0,
+        timeout_s=1.5,
+    )
+    rec = _spawn(spec, tmp_path)
+    assert rec[0]["error"] == "LearnerLost" and rec[0]["error_ranks"] == [3]
+    assert "update needs 2" in rec[0]["message"]
+    assert [line.split("learner ")[1][:6] for line in rec[0]["log"]] == ["rank 2", "rank 3"]
+    assert len(rec[1]["calls"]) >= 5  # steps went on with ranks 1 and 3 after rank 2 was lost
+    assert rec[1]["error"] == "ServerLost"
 
 
 def test_server_killed(tmp_path):

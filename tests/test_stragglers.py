@@ -7,9 +7,10 @@ import torch
 
 import distsgd
 import distsgd.torch
-from distsgd.config import ConfigError
+from distsgd.config import ConfigError, required_processes
 from distsgd.data import LearnerStream, ShardedSampler, load_dataset
-from distsgd.protocols import HardSync
+from distsgd.layout import spec_for
+from distsgd.protocols import BackupHardSync, HardSync
 
 from .conftest import simulated_runtime, small_config
 
@@ -95,8 +96,11 @@ def test_stalls_are_seeded():
 def test_backups_are_refused_where_they_cannot_run():
     with pytest.raises(ConfigError, match="protocol.backup_learners"):
         small_config(protocol={"name": "sma", "num_learners": 2, "backup_learners": 1})
-    with pytest.raises(ConfigError, match="protocol.backup_learners.*runtime 'dist'"):
-        small_config(runtime="dist", protocol={"num_learners": 2, "backup_learners": 1})
+    with pytest.raises(ConfigError, match="protocol.compression.*'none'"):
+        small_config(
+            runtime="dist",
+            protocol={"num_learners": 2, "backup_learners": 1, "compression": "bf16"},
+        )
     cfg = small_config(protocol={"num_learners": 2, "backup_learners": 1})
     with pytest.raises(ConfigError, match="protocol.backup_learners = 1 .*drop-in"):
         distsgd.torch.init(config=cfg)
@@ -130,3 +134,88 @@ def test_the_run_records_count_the_dropped_gradients(tmp_path):
     assert summary["dropped_gradients"] == summary["iterations"] > 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert records[-1]["dropped_gradients"] == records[-1]["iterations"]
+
+
+def test_backups_on_dist_add_one_server_rank():
+    cfg = small_config(runtime="dist", protocol={"num_learners": 2, "backup_learners": 1})
+    assert required_processes(cfg.protocol, cfg.dist)[0] == 4
+    spec = spec_for(cfg.protocol)
+    assert [spec.role(r, cfg.dist, cfg.protocol) for r in (0, 1)] == ["server", "learner"]
+    fitted = small_config(
+        runtime="dist",
+        protocol={"num_learners": 2, "backup_learners": 1},
+        dist={"num_processes": 6},
+    )
+    assert fitted.protocol.num_learners == 4  # 6 = 1 server + λ + β
+    with pytest.raises(ConfigError, match="dist.num_processes = 2 .*at least"):
+        small_config(
+            runtime="dist",
+            protocol={"num_learners": 2, "backup_learners": 1},
+            dist={"num_processes": 2},
+        )
+
+
+def test_served_backups_apply_the_first_lambda_pushes_of_each_version():
+    """λ = 2, β = 1 with a forced push order: each version applies the first two pushes
+    computed on it (as HardSync.step on those two rows), a late or older push is dropped
+    and counted; the state survives a state_dict round trip with a gradient buffered."""
+    torch.manual_seed(0)
+    w0 = torch.randn(5)
+    g = torch.randn(3, 3, 5)  # [version, learner, P]
+    p = BackupHardSync(w0, num_learners=2, backup_learners=1, momentum=0.9)
+    ref = HardSync(w0, num_learners=2, momentum=0.9)
+    assert p.push(2, g[0, 2], 0, 0.1) is None and not p.can_pull(2)
+    u = p.push(0, g[0, 0], 0, 0.1)
+    assert (u.version, u.clock, u.staleness) == (1, [(2, 0), (0, 0)], [0, 0])
+    assert p.can_pull(2) and p.push(1, g[0, 1], 0, 0.1) is None  # late: dropped
+    ref.step(g[0, [0, 2]], 0.1)
+    assert torch.equal(p.eval_weights(), ref.eval_weights())
+    assert p.push(1, g[1, 1], 1, 0.1) is None
+    with pytest.raises(RuntimeError, match="already pushed"):
+        p.push(1, g[1, 1], 1, 0.1)
+    with pytest.raises(ValueError, match="version = 2"):
+        p.push(0, g[1, 0], 2, 0.1)
+    q = BackupHardSync(torch.zeros(5), num_learners=2, backup_learners=1, momentum=0.9)
+    q.load_state_dict(p.state_dict())
+    for proto in (p, q):
+        assert proto.push(2, g[0, 2], 0, 0.1) is None  # computed on version 0: dropped
+        assert proto.push(0, g[1, 0], 1, 0.1).version == 2
+        assert proto.push(2, g[1, 2], 1, 0.1) is None  # late for version 1
+    ref.step(g[1, [0, 1]], 0.1)
+    assert torch.equal(p.eval_weights(), ref.eval_weights())
+    assert torch.equal(q.eval_weights(), ref.eval_weights())
+    assert p.dropped_gradients == q.dropped_gradients == 3
+    assert p.num_gradients == 4 and p.staleness_counts == {0: 4}
+    with pytest.raises(ValueError, match="different configuration"):
+        BackupHardSync(w0, num_learners=1, backup_learners=2).load_state_dict(p.state_dict())
+
+
+@pytest.mark.slow
+def test_a_killed_backup_learner_does_not_stop_a_dist_run(tmp_path, monkeypatch):
+    """λ = 2, β = 1 on 4 processes (rank 0 the server), learner rank 3 killed at its 3rd
+    gradient: the run completes with the two others, each step used λ gradients (every
+    counted sample belongs to an applied or buffered push), late pushes were dropped and
+    counted, and membership.jsonl records the lost learner."""
+    from distsgd import api
+    from distsgd.runtime.faults import RankFaults
+
+    run = api.run
+    faults = RankFaults(kill_at_step={3: 3})
+    monkeypatch.setattr(api, "run", lambda *a, **k: run(*a, **{**k, "faults": faults}))
+    cfg = small_config(
+        runtime="dist",
+        data={"num_train": 512},
+        protocol={"num_learners": 2, "backup_learners": 1, "batch_size": 16},
+        train={"max_epochs": 1, "eval_every_samples": 512, "tensorboard": False},
+        dist={"timeout_s": 10.0},
+    )
+    out = tmp_path / "run"
+    summary = distsgd.train(cfg, out_dir=out)
+    assert summary["status"] == "completed"
+    assert summary["dropped_gradients"] >= 1  # version 0: the third push came late
+    steps, b = summary["iterations"], 16
+    assert 2 * b * steps <= summary["samples"] <= 2 * b * steps + b
+    counts = json.loads((out / "staleness.json").read_text())["counts"]
+    assert counts == {"0": 2 * steps}  # λ = 2 gradients per step, none stale
+    lost = [json.loads(r) for r in (out / "membership.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["worker"], r["ranks"]) for r in lost] == [("lost", 2, [3])]

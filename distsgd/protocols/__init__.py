@@ -1,6 +1,8 @@
 """Synchronisation protocols as pure update rules on flat parameter vectors (sans-IO).
 
 * :class:`HardSync` — synchronous SGD / plain loop (docs/protocols.md §1).
+* :class:`BackupHardSync` — hardsync with backup learners through a parameter server
+  (docs/protocols.md "Backup learners").
 * :class:`ParameterServer` — Rudra hardsync / n-softsync / async with staleness-dependent
   learning rates (docs/protocols.md §2).
 * :class:`ComputeGroups` — Omnivore compute groups (docs/protocols.md §3).
@@ -31,6 +33,7 @@ They know nothing of the config: :func:`distsgd.layout.build_protocol` makes the
 from __future__ import annotations
 
 from ._util import SERVER_OPTIMIZERS, STALENESS_LR, OptimizerFactory
+from .backup import BackupHardSync
 from .base import (
     AllReduce,
     AsynchronousProtocol,
@@ -52,6 +55,7 @@ __all__ = [
     "STALENESS_LR",
     "OptimizerFactory",
     "AsynchronousProtocol",
+    "BackupHardSync",
     "ComputeGroups",
     "DiLoCo",
     "HardSync",

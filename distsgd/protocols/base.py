@@ -246,6 +246,9 @@ class AsynchronousProtocol(Protocol):
     barrier: bool = False
     """True: a worker that pushed pulls again only once the update is applied (hardsync
     through the server; :meth:`can_pull`)."""
+    workers_needed: int = 1
+    """Workers an update needs: a server that has fewer left (the others lost) cannot go on
+    (hardsync with β backup learners: λ of the λ + β)."""
 
     def members(self, worker: int) -> list[int]:
         """The learners whose mean gradient ``worker`` pushes (a compute group's members;

@@ -849,14 +849,17 @@ class PSDistRuntime(_DistBase):
         super().__init__(cfg, engine, dataset, faults)
         self.failure_types = (PeerLost, ps.ServerLost, ps.LearnerLost)
         p = cfg.protocol
-        self.num_servers = cfg.dist.num_servers
+        spec = spec_for(p)
+        # hardsync with backup learners: one server rank, λ + β learner ranks
+        self.num_servers = cfg.dist.num_servers if spec.has_server else 1
         self.num_learners = p.num_learners
+        self.num_computing = p.num_learners + p.backup_learners  # learner ranks
         s = self.num_servers
-        group_size = spec_for(p).group_size(p)
+        group_size = spec.group_size(p)
         self.group_size = group_size
         groups = [
             [s + g * group_size + m for m in range(group_size)]
-            for g in range(p.num_learners // group_size)
+            for g in range(self.num_computing // group_size)
         ]
         self.layout = ps.PSLayout(server_ranks=list(range(s)), worker_groups=groups)
         # every rank creates every subgroup, in the same order (c10d requirement)
@@ -866,10 +869,14 @@ class PSDistRuntime(_DistBase):
         # gloo from there (learners stage their gradients, ps.HostStaging), and a learner's
         # engine copies pulled weights onto its device
         initial = initial.cpu()
-        self.full_protocol = cast(AsynchronousProtocol, build_protocol(cfg, initial))
+
+        def served(weights: Tensor) -> AsynchronousProtocol:
+            return cast(AsynchronousProtocol, spec.build_served(p, cfg.optimizer, weights))
+
+        self.full_protocol = served(initial)
         if s > 1 and self.is_server:
             lo, hi = ps.shard_bounds(initial.numel(), s)[self.rank]
-            self.protocol = cast(AsynchronousProtocol, build_protocol(cfg, initial[lo:hi].clone()))
+            self.protocol = served(initial[lo:hi].clone())
         else:
             self.protocol = self.full_protocol
         self.pushes = [0] * len(groups)  # per worker: pushes handled (= minibatches drawn)
@@ -961,14 +968,19 @@ class PSDistRuntime(_DistBase):
         event = item
         self._last_event = event
         self.pushes[event.worker] += 1
+        # a backup learner's late push (BackupHardSync) counts no samples and no losses:
+        # the step's λ·b samples are those of the gradients it used, as in the simulator
+        dropped = getattr(self.protocol, "dropped_gradients", 0) > self.dropped_gradients
+        self.dropped_gradients += dropped
+        samples, losses = (0, []) if dropped else (event.samples, list(event.losses))
         members = self.layout.worker_groups[event.worker]
         learners = [r - self.num_servers for r in members]
-        if len(event.losses) == len(learners):
-            check_losses(learners, list(event.losses), lr, self.samples)
-        self.samples += event.samples
+        if len(losses) == len(learners):
+            check_losses(learners, losses, lr, self.samples)
+        self.samples += samples
         self.virtual_time += time.perf_counter() - t0
         changes, self._membership = self._membership, []
-        return Tick(event.samples, list(event.losses), event.update, changes)
+        return Tick(samples, losses, event.update, changes)
 
     def evaluate(self, weights: Tensor, split: Split, batch_size: int) -> tuple[float, float]:
         """The metric and the mean loss on the coordinator (the learners go on computing).
@@ -1033,7 +1045,7 @@ class PSDistRuntime(_DistBase):
         learner = self.rank - self.num_servers
         worker = learner // self.group_size
         sampler = ShardedSampler(
-            self.dataset.num_train, self.num_learners, self.batch_size, self.cfg.train.seed
+            self.dataset.num_train, self.num_computing, self.batch_size, self.cfg.train.seed
         )
         stream = LearnerStream(sampler, learner)
         done = self.pushes[worker]
@@ -1055,12 +1067,13 @@ class PSDistRuntime(_DistBase):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Coordinator state: samples, wall time, pushes per worker, lost learner ranks."""
+        """Coordinator state: samples, wall time, pushes per worker, dropped gradients."""
         return {
             "world_size": self.world_size,
             "samples": self.samples,
             "virtual_time": self.virtual_time,
             "pushes": list(self.pushes),
+            "dropped_gradients": self.dropped_gradients,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1079,6 +1092,7 @@ class PSDistRuntime(_DistBase):
         self.samples = int(state["samples"])
         self.virtual_time = float(state["virtual_time"])
         self.pushes = [int(v) for v in state["pushes"]]
+        self.dropped_gradients = int(state.get("dropped_gradients", 0))
 
 
 def build_runtime(
@@ -1090,6 +1104,6 @@ def build_runtime(
 ) -> SyncDistRuntime | PSDistRuntime:
     """The dist runtime for ``cfg.protocol`` (the process group must be initialised);
     ``faults``: injected by tests (:class:`~distsgd.runtime.faults.RankFaults`)."""
-    if spec_for(cfg.protocol).has_server:
+    if spec_for(cfg.protocol).served_on_dist(cfg.protocol):
         return PSDistRuntime(cfg, engine, dataset, initial, faults)
     return SyncDistRuntime(cfg, engine, dataset, initial, faults)

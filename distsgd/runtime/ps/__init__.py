@@ -3,9 +3,11 @@ server loop (:mod:`.server`) and the learner loop (:mod:`.learner`).
 
 The server ranks run :func:`run_server` with an :class:`~distsgd.protocols.base.
 AsynchronousProtocol` (Rudra's :class:`~distsgd.protocols.ParameterServer` in hardsync,
-n-softsync or async mode, or Omnivore's :class:`~distsgd.protocols.ComputeGroups`); the
-learner ranks run :func:`run_learner`. The protocol object is the very one the simulated
-cluster drives (``distsgd.runtime.sim``): the server calls ``push``/``can_pull``/``pull``
+n-softsync or async mode, Omnivore's :class:`~distsgd.protocols.ComputeGroups`, or on one
+server rank :class:`~distsgd.protocols.BackupHardSync`, the served form of the backup rule
+the simulated cluster applies through ``HardSync.first_arrivals``); the learner ranks run
+:func:`run_learner`. Otherwise the protocol object is the very one the simulated cluster
+drives (``distsgd.runtime.sim``): the server calls ``push``/``can_pull``/``pull``
 in the order messages really arrive, so the staleness and vector clock of every update
 (:class:`~distsgd.protocols.base.Update`) are those of the real run; the transport never
 recomputes them. ``torch.distributed`` must already be initialised with the gloo backend,
@@ -98,8 +100,9 @@ inside, so it stands or falls as one):
   its threshold c = ⌊λ/n⌋, which the remaining learners fill (a fast learner may
   contribute twice to one update, as in Rudra's 1-softsync), and a lost learner's
   buffered gradient stays in the buffer. Under the hardsync barrier (``protocol.barrier``)
-  no update can complete: :class:`LearnerLost` naming the rank. Every worker lost:
-  :class:`LearnerLost` as well.
+  no update can complete: :class:`LearnerLost` naming the rank; likewise once fewer than
+  ``protocol.workers_needed`` workers are left (hardsync with backup learners needs λ of
+  its λ + β). Every worker lost: :class:`LearnerLost` as well.
 * A group member dies: the group's collective fails in the leader and the members, which
   raise :class:`LearnerLost` naming the group's ranks; the server then loses the leader.
 * The server (any shard) dies, or is silent for ``timeout_s`` while a leader waits for

@@ -264,6 +264,13 @@ class _ServerLoop:
                 f"learner rank {leader} lost under the hardsync barrier: no update can "
                 f"complete without it ({error})",
             )
+        needed = self.protocol.workers_needed
+        if 0 < len(self.live) < needed and not self.stopping:
+            raise LearnerLost(
+                [leader],
+                f"learner rank {leader} lost: {len(self.live)} learners are left and an "
+                f"update needs {needed} ({error})",
+            )
 
     def release_held(self, kind: int = LAST) -> None:
         """Answer every worker held by the barrier with ``kind`` (their pushes were
