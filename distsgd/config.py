@@ -78,7 +78,7 @@ METRICS = {"accuracy": "max", "loss": "min", "perplexity": "min"}  # objectives.
 MODELS = ("mlp", "cnn", "lenet", "resnet20")
 PS_MODES = ("softsync", "async", "hardsync")
 AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.replicas.RULES
-COMPRESSIONS = ("none", "bf16", "fp16")
+COMPRESSIONS = ("none", "bf16", "fp16", "int8")
 """The values of ``protocol.compression`` (:mod:`distsgd.runtime.compression`)."""
 SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
@@ -290,6 +290,9 @@ class ProtocolConfig:
             (DDP's compress hooks on ``dist``), SMA's corrections, local SGD's and
             DiLoCo's averages, and on the simulated cluster the parameter server's pushes
             and pulls (``dist`` and the drop-in send them in float32: refused there).
+            ``"int8"`` (``diloco`` only): each process's mean pseudo-gradient quantised to
+            int8 with a float32 absmax scale per 1024 values, exchanged by an all-gather
+            and summed in float32 (not in the drop-in).
             Weights, optimizer and server state stay float32
             (:mod:`distsgd.runtime.compression`).
     """
@@ -358,6 +361,14 @@ class ProtocolConfig:
             fail("protocol.central_momentum", self.central_momentum, "a number in [0, 1)")
         check_int("protocol.average_every", self.average_every, 1, 1_000_000)
         check_choice("protocol.compression", self.compression, COMPRESSIONS)
+        if self.compression == "int8" and self.name != "diloco":
+            fail(
+                "protocol.compression",
+                self.compression,
+                f"'none', 'bf16' or 'fp16' with protocol.name = {self.name!r} (int8 "
+                "quantises DiLoCo's pseudo-gradients: protocol.name = 'diloco'; local SGD is "
+                "diloco with outer_lr 1, outer_momentum 0, outer_nesterov false)",
+            )
         self._check_outer()
         spec_for(self.name).validate(self)  # λ-dependent rules of the protocol
 

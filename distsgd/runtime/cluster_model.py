@@ -22,6 +22,7 @@ from statistics import NormalDist
 
 __all__ = [
     "ClusterModel",
+    "allgather_seconds",
     "allreduce_seconds",
     "compute_seconds",
     "core_stretch",
@@ -168,6 +169,22 @@ def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
         0.0 if bw == 0 else 8.0 * cluster.bytes_per_value * cluster.num_parameters / (bw * 1e9)
     )
     return 2 * (m - 1) * lat + 2 * (m - 1) / m * transfer
+
+
+def allgather_seconds(participants: int, bytes_each: int, cluster: ClusterModel) -> float:
+    """Ring all-gather among m participants, each contributing ``bytes_each`` bytes:
+    ``(m−1)·latency + (m−1) · 8·bytes_each/bandwidth`` (0 for m <= 1), with the
+    all-reduce's own latency and bandwidth where they are set (:func:`allreduce_seconds`)."""
+    m = participants
+    if m <= 1:
+        return 0.0
+    lat = cluster.latency_s if cluster.allreduce_latency_s is None else cluster.allreduce_latency_s
+    bw = (
+        cluster.bandwidth_gbps
+        if cluster.allreduce_bandwidth_gbps is None
+        else cluster.allreduce_bandwidth_gbps
+    )
+    return (m - 1) * lat + (0.0 if bw == 0 else (m - 1) * 8.0 * bytes_each / (bw * 1e9))
 
 
 def host_of(rank: int, processes_per_host: int) -> int:

@@ -93,7 +93,11 @@ from distsgd.runtime.base import (
     draw_minibatches,
     time_in_turn,
 )
-from distsgd.runtime.compression import all_reduce_compressed, ring_allreduce_bytes, wire_dtype
+from distsgd.runtime.compression import (
+    all_reduce_compressed,
+    exchange_bytes,
+    wire_dtype,
+)
 from distsgd.runtime.faults import RankFaults
 from distsgd.runtime.launch import (
     ENV_RUN,
@@ -697,7 +701,7 @@ class SyncDistRuntime(_DistBase):
                         all_reduce(exchange, self.world_size, compression=self.compression)
                     )
             if proto.shares_weights or exchange is not None:
-                self.bytes_sent += ring_allreduce_bytes(
+                self.bytes_sent += exchange_bytes(
                     self.world_size, self.engine.num_parameters, self.compression
                 )
         except (RuntimeError, dist.DistError) as e:

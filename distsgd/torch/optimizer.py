@@ -692,6 +692,12 @@ def _rule_for(owner: DistributedOptimizer) -> _Rule:
     """The learner-side rule of ``owner.ctx``'s protocol: pushes to a server, DDP's
     gradient buckets where the learners share weights, else the protocol's exchange."""
     ctx = owner.ctx
+    if ctx.config.protocol.compression not in ("none", "bf16", "fp16"):
+        raise ConfigError(
+            f"protocol.compression = {ctx.config.protocol.compression!r} is not allowed in "
+            "the drop-in: expected 'none', 'bf16' or 'fp16' (the runtimes 'sim' and 'dist' "
+            "run it)"
+        )
     if spec_for(ctx.config.protocol).has_server:
         if ctx.config.protocol.compression != "none":
             raise ConfigError(
