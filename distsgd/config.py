@@ -78,7 +78,7 @@ METRICS = {"accuracy": "max", "loss": "min", "perplexity": "min"}  # objectives.
 MODELS = ("mlp", "cnn", "lenet", "resnet20")
 PS_MODES = ("softsync", "async", "hardsync")
 AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.replicas.RULES
-COMPRESSIONS = ("none", "bf16", "fp16", "int8")
+COMPRESSIONS = ("none", "bf16", "fp16", "int8", "powersgd")
 """The values of ``protocol.compression`` (:mod:`distsgd.runtime.compression`)."""
 SCHEDULES = ("constant", "step")
 RUNTIMES = ("sim", "dist")
@@ -293,8 +293,14 @@ class ProtocolConfig:
             ``"int8"`` (``diloco`` only): each process's mean pseudo-gradient quantised to
             int8 with a float32 absmax scale per 1024 values, exchanged by an all-gather
             and summed in float32 (not in the drop-in).
+            ``"powersgd"`` (``hardsync`` on ``dist`` only): torch's DDP ``powerSGD_hook``
+            (rank ``powersgd_rank`` approximations with error feedback, after 2
+            iterations of float32).
             Weights, optimizer and server state stay float32
             (:mod:`distsgd.runtime.compression`).
+        powersgd_rank: r, the rank of PowerSGD's approximation of each gradient matrix
+            n × m (``matrix_approximation_rank``), in [1, 1024]: it sends r(n + m)
+            values instead of nm where that is under half.
     """
 
     name: str = "hardsync"
@@ -319,6 +325,7 @@ class ProtocolConfig:
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
     compression: str = "none"
+    powersgd_rank: int = 1
 
     def __post_init__(self) -> None:
         check_choice("protocol.name", self.name, PROTOCOLS)
@@ -361,6 +368,14 @@ class ProtocolConfig:
             fail("protocol.central_momentum", self.central_momentum, "a number in [0, 1)")
         check_int("protocol.average_every", self.average_every, 1, 1_000_000)
         check_choice("protocol.compression", self.compression, COMPRESSIONS)
+        check_int("protocol.powersgd_rank", self.powersgd_rank, 1, 1024)
+        if self.compression == "powersgd" and self.name != "hardsync":
+            fail(
+                "protocol.compression",
+                self.compression,
+                f"'none', 'bf16' or 'fp16' with protocol.name = {self.name!r} (PowerSGD "
+                "compresses hardsync's gradients: protocol.name = 'hardsync')",
+            )
         if self.compression == "int8" and self.name != "diloco":
             fail(
                 "protocol.compression",
@@ -1873,6 +1888,13 @@ class RunConfig:
                 self.protocol, self.dist, self.dist.num_processes
             )
         served = spec_for(self.protocol).has_server
+        if self.runtime == "sim" and self.protocol.compression == "powersgd":
+            fail(
+                "protocol.compression",
+                self.protocol.compression,
+                "'none', 'bf16' or 'fp16' on runtime 'sim' (PowerSGD runs as torch's DDP "
+                "hook on runtime 'dist'; the simulator does not reproduce it)",
+            )
         if self.runtime == "dist" and served and self.protocol.compression != "none":
             fail(
                 "protocol.compression",

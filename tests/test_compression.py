@@ -167,3 +167,39 @@ def test_drop_in_exchanges_through_the_wire_format(protocol):
             assert torch.equal(change, change.bfloat16().float())
     finally:
         ctx.close()
+
+
+def test_powersgd_hook_sends_low_rank_factors_and_we_count_them():
+    """torch's powerSGD_hook on DDP in a world of one: float32 for the first
+    POWERSGD_START iterations, then a large enough weight matrix's gradient comes back
+    as a rank-r approximation, and powersgd_values counts the values the hook reports
+    it all-reduced (over its two compressed iterations)."""
+    from types import SimpleNamespace
+
+    from distsgd.runtime.compression import POWERSGD_START, powersgd_values
+    from distsgd.runtime.dist import _ddp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 2))
+        ddp = _ddp(SimpleNamespace(model=model, device=torch.device("cpu")), "powersgd", 1)
+        (_, state), shapes = ddp._comm_hooks[0], [p.shape for p in model.parameters()]
+        for it in range(POWERSGD_START + 2):
+            model.zero_grad()
+            ddp(torch.randn(8, 40)).pow(2).sum().backward()
+            # the first layer's gradient has rank 2 (2 outputs), its approximation 1
+            rank = torch.linalg.matrix_rank(model[0].weight.grad)
+            assert rank == (1 if it >= POWERSGD_START else 2)
+        # 40×30 → 1·(40 + 30); the 2×30 matrix (2·32 > 60) and the biases go whole
+        assert powersgd_values(shapes, 1) == 70 + 30 + 60 + 2
+        assert state.total_numel_after_compression == 2 * powersgd_values(shapes, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_powersgd_is_refused_where_it_does_not_run():
+    with pytest.raises(ConfigError, match=r"^protocol.compression = 'powersgd' .* runtime 'sim'"):
+        small_config(protocol={**PROTOCOLS["hardsync"], "compression": "powersgd"})
+    with pytest.raises(ConfigError, match=r"^protocol.compression = 'powersgd' .*'diloco'"):
+        small_config(protocol={**PROTOCOLS["diloco"], "compression": "powersgd"}, runtime="dist")

@@ -26,6 +26,13 @@ quantisation of one process's mean, and the sum is the same on every process and
 simulator. With m processes that is m(m − 1)(P + 4⌈P/C⌉) bytes against the float32 ring's
 8(m − 1)P: 4× fewer for two processes, fewer for m < 8.
 
+``"powersgd"`` (hardsync on real processes) registers torch's ``powerSGD_hook``
+(Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
+Distributed Optimization", NeurIPS 2019) on DDP: each gradient matrix n × m is sent as
+rank-r factors P (n × r) and Q (m × r) in float32, with error feedback (each process
+keeps what its approximation left out and adds it to its next gradient) and warm start;
+:func:`powersgd_values` counts what it sends.
+
 Bytes sent are counted with the ring all-reduce's model (:func:`ring_allreduce_bytes`):
 what each of m processes sends, summed over them; a parameter-server push or pull is
 one message of P values.
@@ -33,6 +40,7 @@ one message of P values.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -52,6 +60,8 @@ __all__ = [
     "exchange_bytes",
     "int8_allgather_bytes",
     "int8_combine",
+    "POWERSGD_START",
+    "powersgd_values",
     "quantize_int8",
     "ring_allreduce_bytes",
     "round_to_wire",
@@ -59,7 +69,7 @@ __all__ = [
 ]
 
 _WIRE = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_CAST_WIRES = tuple(_WIRE)
+_CAST_WIRES = tuple(_WIRE)  # what wire_dtype knows
 
 INT8_CHUNK = 1024
 """Values that share one int8 scale (the last chunk may be shorter)."""
@@ -130,6 +140,26 @@ def int8_allgather_bytes(participants: int, num_values: int) -> int:
         return 0
     per_process = num_values + 4 * -(-num_values // INT8_CHUNK)
     return participants * (participants - 1) * per_process
+
+
+POWERSGD_START = 2
+"""Iterations of float32 all-reduce before PowerSGD starts (``start_powerSGD_iter``: the
+least torch allows with error feedback)."""
+
+
+def powersgd_values(shapes: list[torch.Size], rank: int) -> int:
+    """Values torch's ``powerSGD_hook`` all-reduces per iteration (after
+    :data:`POWERSGD_START`) for gradients of ``shapes``: each tensor as a matrix
+    n × m (its first dimension by the rest), with r = min(n, m, ``rank``), sends
+    r(n + m) values (its factors P and Q) when 2·r(n + m) < nm (``min_compression_rate``
+    2), else its nm values (vectors always)."""
+    total = 0
+    for shape in shapes:
+        n = shape[0] if len(shape) else 1
+        m = math.prod(shape[1:])
+        r = min(n, m, rank)
+        total += r * (n + m) if 2 * r * (n + m) < n * m else n * m
+    return total
 
 
 def exchange_bytes(participants: int, num_values: int, compression: str) -> int:
