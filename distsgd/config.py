@@ -1643,7 +1643,9 @@ def fit_layout(
     return fitted(protocol, dist, n)
 
 
-TUNE_FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")
+TUNE_FAMILIES = ("hardsync", "compute_groups", "softsync", "sma", "local_sgd", "diloco")
+TUNE_DEFAULT_FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")
+"""The families ``tune.families`` lists by default (local SGD and DiLoCo when asked)."""
 TUNE_STEADY_SHARE = 0.15
 """Share of ``tune.budget_s`` kept for Omnivore's steady state (:mod:`distsgd.tuner.budget`)."""
 
@@ -1688,7 +1690,9 @@ class TuneSearchSettings:
             least this fraction (Omnivore: 10%), in [0, 1].
         families: protocol families the tuner may probe: ``hardsync``,
             ``compute_groups``, ``softsync`` (n-softsync, parameter server), ``sma`` (k
-            replicas per device). Without ``compute_groups`` Omnivore's grid probes g = 1
+            replicas per device), ``local_sgd`` and ``diloco`` (averaging every H = 4 or
+            16 iterations; DiLoCo with the run's ``protocol.outer_*``; not by default).
+            Without ``compute_groups`` Omnivore's grid probes g = 1
             only; its g = 1 (hardsync at the run's batch) is always probed, as the
             search's reference, and may win; the joint search probes the listed families.
         batch_sizes: per-learner batch sizes of the joint search, each in [1, 65536].
@@ -1706,7 +1710,7 @@ class TuneSearchSettings:
     max_groups: int = 0
     tie_buffer: float = 0.01
     he_gain: float = 0.1
-    families: list[str] = field(default_factory=lambda: list(TUNE_FAMILIES))
+    families: list[str] = field(default_factory=lambda: list(TUNE_DEFAULT_FAMILIES))
     batch_sizes: list[int] = field(default_factory=lambda: [16, 32, 64])
     extra_probes: int = 3
     noise_scale: float = 0.0
