@@ -80,6 +80,7 @@ class LocalSGD(SynchronousProtocol):
         ValueError: an argument outside the allowed values (the message names it).
     """
 
+    steps_outside: ClassVar[bool] = True
     state_name: ClassVar[str] = "LocalSGD"
     """The ``"protocol"`` a :meth:`state_dict` carries and :meth:`load_state_dict` expects."""
 

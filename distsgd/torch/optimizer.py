@@ -18,7 +18,6 @@ from torch.autograd import Variable
 from distsgd.config import ConfigError, OptimizerConfig
 from distsgd.layout import spec_for
 from distsgd.protocols.base import AllReduce, SynchronousProtocol
-from distsgd.protocols.local_sgd import LocalSGD
 from distsgd.runtime import ps
 from distsgd.runtime.base import TrainingDiverged, check_losses
 from distsgd.runtime.compression import wire_dtype
@@ -544,7 +543,7 @@ class _Exchanging(_Rule):
         o, proto = self.o, self.protocol
         flags = self.pending if self.pending is not None else o.loss_flags(loss)
         lr = o.lr
-        if isinstance(proto, LocalSGD):  # the user's step is the replica's: no replay
+        if proto.steps_outside:  # the user's step is the replica's: no replay
             o.optimizer.step()
             if not proto.local_step_to(flatten(o.params)):
                 if flags.any():
