@@ -15,7 +15,8 @@ milliseconds per step in each phase (``PHASES``) and the load average before and
 ``--compare-with PATH`` adds a third contestant, the ``DistributedOptimizer`` of another
 checkout's ``distsgd/torch/optimizer.py`` (e.g. ``/work/main``'s: the code before a
 change), loaded under this checkout's package, so before and after run side by side in
-one invocation.
+one invocation. ``--protocol`` times another protocol's drop-in (e.g. ``diloco``, whose
+step hands the user's step to the protocol object) against the same DDP baseline.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         bench/drop_in_overhead.py --model cnn --batch 128 --out result.json
@@ -65,10 +66,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8, help="blocks of each, alternating")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="both: DDP's and ours")
     parser.add_argument("--compare-with", default=None, help="another optimizer.py to time")
+    parser.add_argument(
+        "--protocol", default="hardsync", help="the drop-in's protocol (DDP stays hardsync)"
+    )
+    parser.add_argument("--average-every", type=int, default=8, help="local SGD / DiLoCo H")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ctx = dsgd.init("hardsync")
+    extra = (
+        {"average_every": args.average_every} if args.protocol in ("local_sgd", "diloco") else {}
+    )
+    ctx = dsgd.init(args.protocol, **extra)
     ds = load_dataset(DataConfig(dataset="synthetic", num_train=8192, num_test=64), seed=0)
     data = TensorDataset(ds.train_x, ds.train_y)
     sampler = dsgd.Sampler(data, ctx, batch_size=args.batch)
@@ -128,6 +136,7 @@ def main() -> None:
         rate = {n: steps[n] * args.batch * ctx.world_size / seconds[n] for n in runs}
         result = {
             "model": args.model,
+            "protocol": args.protocol,
             "batch_per_process": args.batch,
             "processes": ctx.world_size,
             "steps_each": steps["ddp"],

@@ -80,7 +80,7 @@ METRICS = {"accuracy": "max", "loss": "min", "perplexity": "min"}  # objectives.
 MODELS = ("mlp", "cnn", "lenet", "resnet20")
 PS_MODES = ("softsync", "async", "hardsync")
 AUTOTUNE_RULES = ("crossbow", "marginal")  # distsgd.replicas.RULES
-COMPRESSIONS = ("none", "bf16", "fp16")
+COMPRESSIONS = ("none", "bf16", "fp16", "int8", "powersgd")
 """The values of ``protocol.compression`` (:mod:`distsgd.runtime.compression`)."""
 STALL_DISTRIBUTIONS = ("exponential", "fixed")
 """The values of ``cluster.stall_distribution``."""
@@ -348,6 +348,12 @@ class ProtocolConfig:
             (DDP's compress hooks on ``dist``), SMA's corrections, local SGD's and
             DiLoCo's averages, and on the simulated cluster the parameter server's pushes
             and pulls (``dist`` and the drop-in send them in float32: refused there).
+            ``"int8"`` (``diloco`` only): each process's mean pseudo-gradient quantised to
+            int8 with a float32 absmax scale per 1024 values, exchanged by an all-gather
+            and summed in float32 (not in the drop-in).
+            ``"powersgd"`` (``hardsync`` on ``dist`` only): torch's DDP ``powerSGD_hook``
+            (rank ``powersgd_rank`` approximations with error feedback, after 2
+            iterations of float32).
             Weights, optimizer and server state stay float32
             (:mod:`distsgd.runtime.compression`).
         backup_learners: hardsync only: β backup learners, in [0, 65536] (Chen et al.
@@ -357,6 +363,9 @@ class ProtocolConfig:
             λ × ``batch_size``). 0 (default): plain hardsync. On runtime ``dist`` a
             parameter-server rank (rank 0) serves the λ + β learner ranks
             (:class:`~distsgd.protocols.BackupHardSync`); not in the drop-in.
+        powersgd_rank: r, the rank of PowerSGD's approximation of each gradient matrix
+            n × m (``matrix_approximation_rank``), in [1, 1024]: it sends r(n + m)
+            values instead of nm where that is under half.
     """
 
     name: str = _setting("hardsync", check_choice, PROTOCOLS)
@@ -382,6 +391,7 @@ class ProtocolConfig:
     outer_nesterov: bool = True
     compression: str = _setting("none", check_choice, COMPRESSIONS)
     backup_learners: int = _setting(0, check_int, 0, 65536)
+    powersgd_rank: int = _setting(1, check_int, 1, 1024)
 
     def __post_init__(self) -> None:
         _check_fields(self, "protocol")
@@ -408,6 +418,21 @@ class ProtocolConfig:
                 "protocol.backup_learners",
                 self.backup_learners,
                 f"0 with protocol.name = {self.name!r} (backup learners are hardsync's)",
+            )
+        if self.compression == "powersgd" and self.name != "hardsync":
+            fail(
+                "protocol.compression",
+                self.compression,
+                f"'none', 'bf16' or 'fp16' with protocol.name = {self.name!r} (PowerSGD "
+                "compresses hardsync's gradients: protocol.name = 'hardsync')",
+            )
+        if self.compression == "int8" and self.name != "diloco":
+            fail(
+                "protocol.compression",
+                self.compression,
+                f"'none', 'bf16' or 'fp16' with protocol.name = {self.name!r} (int8 "
+                "quantises DiLoCo's pseudo-gradients: protocol.name = 'diloco'; local SGD is "
+                "diloco with outer_lr 1, outer_momentum 0, outer_nesterov false)",
             )
         self._check_outer()
         spec_for(self.name).validate(self)  # λ-dependent rules of the protocol
@@ -1626,7 +1651,9 @@ def fit_layout(
     return fitted(protocol, dist, n)
 
 
-TUNE_FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")
+TUNE_FAMILIES = ("hardsync", "compute_groups", "softsync", "sma", "local_sgd", "diloco")
+TUNE_DEFAULT_FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")
+"""The families ``tune.families`` lists by default (local SGD and DiLoCo when asked)."""
 TUNE_STEADY_SHARE = 0.15
 """Share of ``tune.budget_s`` kept for Omnivore's steady state (:mod:`distsgd.tuner.budget`)."""
 
@@ -1671,7 +1698,9 @@ class TuneSearchSettings:
             least this fraction (Omnivore: 10%), in [0, 1].
         families: protocol families the tuner may probe: ``hardsync``,
             ``compute_groups``, ``softsync`` (n-softsync, parameter server), ``sma`` (k
-            replicas per device). Without ``compute_groups`` Omnivore's grid probes g = 1
+            replicas per device), ``local_sgd`` and ``diloco`` (averaging every H = 4 or
+            16 iterations; DiLoCo with the run's ``protocol.outer_*``; not by default).
+            Without ``compute_groups`` Omnivore's grid probes g = 1
             only; its g = 1 (hardsync at the run's batch) is always probed, as the
             search's reference, and may win; the joint search probes the listed families.
         batch_sizes: per-learner batch sizes of the joint search, each in [1, 65536].
@@ -1689,7 +1718,7 @@ class TuneSearchSettings:
     max_groups: int = _setting(0, check_int, 0, 65536)
     tie_buffer: float = _setting(0.01, check_float, 0.0, 1.0)
     he_gain: float = _setting(0.1, check_float, 0.0, 1.0)
-    families: list[str] = field(default_factory=lambda: list(TUNE_FAMILIES))
+    families: list[str] = field(default_factory=lambda: list(TUNE_DEFAULT_FAMILIES))
     batch_sizes: list[int] = _setting([16, 32, 64], _check_list, int, 1, 65536)
     extra_probes: int = _setting(3, check_int, 0, 1000)
     noise_scale: float = _setting(0.0, check_float, 0.0, 1e12)
@@ -1849,6 +1878,13 @@ class RunConfig:
                 self.protocol, self.dist, self.dist.num_processes
             )
         served = spec_for(self.protocol).served_on_dist(self.protocol)
+        if self.runtime == "sim" and self.protocol.compression == "powersgd":
+            fail(
+                "protocol.compression",
+                self.protocol.compression,
+                "'none', 'bf16' or 'fp16' on runtime 'sim' (PowerSGD runs as torch's DDP "
+                "hook on runtime 'dist'; the simulator does not reproduce it)",
+            )
         if self.runtime == "dist" and served and self.protocol.compression != "none":
             fail(
                 "protocol.compression",

@@ -174,7 +174,7 @@ class _HardSync(ProtocolSpec):
     """docs/protocols.md §1: λ learners, one mean gradient per step; DDP on real processes."""
 
     name = "hardsync"
-    reads = ProtocolSpec.reads | {"backup_learners"}
+    reads = ProtocolSpec.reads | {"backup_learners", "powersgd_rank"}
 
     def build(self, p: ProtocolConfig, o: OptimizerConfig, initial: Tensor) -> Protocol:
         return HardSync(

@@ -816,3 +816,26 @@ def test_docstring_examples_run(module):
     mod = importlib.import_module(f"distsgd.protocols.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("cls", ["LocalSGD", "DiLoCo"])
+def test_local_step_to_is_a_local_step_taken_outside(cls):
+    """A replica set to where a step outside the protocol took it (the drop-in's user
+    optimizer) counts the iteration as local_step does, and the period's exchange is the
+    one exchange_step names; it refuses a protocol of more than one replica."""
+    import distsgd.protocols as protocols
+
+    make = getattr(protocols, cls)
+    a, b = make(torch.zeros(3), 1, average_every=2), make(torch.zeros(3), 1, average_every=2)
+    g = torch.tensor([[1.0, -2.0, 0.5]])
+    assert a.exchange_step(g, 0.1) is None
+    assert not b.local_step_to(b.learner_weights(0) - 0.1 * g[0])
+    ea, g2 = a.exchange_step(g, 0.1), b.learner_weights(0) - 0.1 * g[0]
+    assert b.local_step_to(g2)
+    eb = b.period_exchange()
+    assert torch.equal(ea.payload, eb.payload)
+    ea.apply(ea.reduce_here())
+    eb.apply(eb.reduce_here())
+    assert torch.equal(a.eval_weights(), b.eval_weights()) and a.iteration == b.iteration == 2
+    with pytest.raises(ValueError, match="num_learners = 1"):
+        make(torch.zeros(3), 2, average_every=2).local_step_to(torch.zeros(3))

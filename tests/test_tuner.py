@@ -322,7 +322,10 @@ def test_joint_search_ranks_unprobed_configurations_with_the_model():
     probed = {r.candidate for r in search.results}
     assert cands and not probed & set(cands)
     fams = {c.family for c in cands}
-    assert fams == {"hardsync", "compute_groups", "softsync", "sma"}
+    assert fams == {"hardsync", "compute_groups", "softsync", "sma"}  # the default families
+    asked = TuneConfig(families=["hardsync", "diloco"])
+    averaging = [c for c in joint_candidates(search, chosen, asked) if c.family == "diloco"]
+    assert sorted(c.average_every for c in averaging) == [4, 16]
     # linear scaling of η with b
     hs = [c for c in cands if c.family == "hardsync" and c.batch_size == 32]
     assert hs and hs[0].lr == pytest.approx(chosen.lr * 2)
@@ -531,6 +534,11 @@ def test_candidate_config_maps_every_family_to_a_valid_run_config():
             "sma",
             {"replicas_per_device": 2, "alpha": 0.0},
         ),
+        Candidate("local_sgd", 4, 8, 0.1, 0.9, average_every=16): (
+            "local_sgd",
+            {"average_every": 16, "replicas_per_device": 1},
+        ),
+        Candidate("diloco", 4, 8, 0.1, 0.0, average_every=4): ("diloco", {"average_every": 4}),
     }
     for cand, (name, fields) in cases.items():
         cfg = candidate_config(base, cand)
@@ -606,3 +614,33 @@ def test_interrupted_tune_says_what_it_kept(tmp_path, capsys, monkeypatch):
         f"distsgd: interrupted: 2 probe run(s) in {out / 'probes'}, decisions in "
         f"{out / 'decisions.jsonl'}, no plan"
     )
+
+
+@pytest.mark.slow
+def test_tune_picks_local_sgd_where_the_link_sets_the_pace(tmp_path):
+    """On a simulated link of 50 ms and 10 Mbit/s (hardsync's all-reduce of the mlp takes ~1 s
+    against ~3 ms of compute), with local SGD among tune.families, the equal-time probes
+    favour averaging every 16 iterations and the plan is local SGD."""
+    base = small_config(
+        protocol={"num_learners": 2, "batch_size": 16},
+        cluster={"latency_s": 0.05, "bandwidth_gbps": 0.01},
+        train={"target": 0.0, "max_epochs": 1},
+        tune={
+            "probe_seconds": 0.5,
+            "lrs": [0.1],
+            "cold_momentum": 0.0,
+            "momenta": [0.0],
+            "max_groups": 1,
+            "families": ["local_sgd"],
+            "batch_sizes": [16],
+            "extra_probes": 2,
+        },
+    )
+    cfg = tmp_path / "base.toml"
+    cfg.write_text(base.to_toml())
+    out = tmp_path / "tune"
+    assert main(["tune", str(cfg), "--budget", "60s", "--out", str(out), "--quiet"]) == 0
+    plan = RunConfig.from_toml(out / "plan.toml")
+    decisions = (out / "decisions.jsonl").read_text()
+    assert "local_sgd H=16" in decisions and "local_sgd H=4" in decisions
+    assert (plan.protocol.name, plan.protocol.average_every) == ("local_sgd", 16), decisions

@@ -129,6 +129,9 @@ class SynchronousProtocol(Protocol):
     shares_weights: ClassVar[bool] = False
     """True: every learner computes on ``learner_weights(0)`` and the iteration's exchange
     is the mean gradient (:meth:`apply_mean_gradient`)."""
+    steps_outside: ClassVar[bool] = False
+    """True: a single learner's step may be taken outside the protocol and given as its new
+    weights (:meth:`local_step_to`, then :meth:`period_exchange` when it returns True)."""
 
     @abstractmethod
     def learner_weights(self, learner: int) -> Tensor:
@@ -191,6 +194,25 @@ class SynchronousProtocol(Protocol):
             NotImplementedError: the protocol has no backup learners.
         """
         raise NotImplementedError(f"{type(self).__name__} has no backup learners")
+
+    def local_step_to(self, weights: Tensor) -> bool:
+        """One iteration of the only learner, stepped outside the protocol: its weights
+        become ``weights`` ``[P]``; True when the iteration ends with an exchange
+        (:meth:`period_exchange`). Protocols with ``steps_outside`` only.
+
+        Raises:
+            NotImplementedError: the protocol's step cannot be taken outside it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes no step from outside")
+
+    def period_exchange(self) -> AllReduce:
+        """The all-reduce that ends the iteration after :meth:`local_step_to` returned
+        True. Protocols with ``steps_outside`` only.
+
+        Raises:
+            NotImplementedError: the protocol's step cannot be taken outside it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes no step from outside")
 
     def begin_iteration(self, lr: float) -> bool:
         """Prepare the learners for an iteration at rate ``lr``; True when their weights

@@ -149,6 +149,11 @@ class DiLoCo(LocalSGD):
         """
         if not self.local_step(grads, lr):
             return None
+        return self.period_exchange()
+
+    def period_exchange(self) -> AllReduce:
+        """The all-reduce that ends an outer period: the mean pseudo-gradient θ − w_l over
+        every replica of the run ``[P]``, applied by :meth:`apply_outer`."""
         return AllReduce(self._outer - self._replicas, self.apply_outer, mean=True)
 
     def apply_outer(self, pseudo_gradient: Tensor) -> None:

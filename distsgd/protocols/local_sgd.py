@@ -80,6 +80,7 @@ class LocalSGD(SynchronousProtocol):
         ValueError: an argument outside the allowed values (the message names it).
     """
 
+    steps_outside: ClassVar[bool] = True
     state_name: ClassVar[str] = "LocalSGD"
     """The ``"protocol"`` a :meth:`state_dict` carries and :meth:`load_state_dict` expects."""
 
@@ -140,7 +141,34 @@ class LocalSGD(SynchronousProtocol):
         """
         if not self.local_step(grads, lr):
             return None
+        return self.period_exchange()
+
+    def period_exchange(self) -> AllReduce:
+        """The all-reduce that ends an averaging period: the mean of every replica of the
+        run ``[P]``, applied by :meth:`apply_average`."""
         return AllReduce(self._replicas, self.apply_average, mean=True)
+
+    def local_step_to(self, weights: Tensor) -> bool:
+        """One iteration of a single replica stepped outside the protocol (the drop-in's
+        user optimizer took the step): replica 0 ← ``weights`` ``[P]`` in place of
+        :meth:`local_step`'s optimizer step. When it returns True, :meth:`period_exchange`
+        names the all-reduce that ends the period.
+
+        Returns:
+            True when this iteration ends an averaging period (t mod H == 0).
+
+        Raises:
+            ValueError: more than one replica, or bad ``weights`` (shape, dtype, device).
+        """
+        if self.num_learners != 1:
+            raise ValueError(
+                f"local_step_to needs num_learners = 1, not {self.num_learners}: it sets "
+                "the only replica"
+            )
+        check_vector("weights", weights, self._replicas[0])
+        self._replicas[0].copy_(weights)
+        self._iteration += 1
+        return self._iteration % self.average_every == 0
 
     def local_step(self, grads: Tensor, lr: float) -> bool:
         """Step every replica on its own gradient, without averaging.

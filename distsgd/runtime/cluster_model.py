@@ -23,6 +23,7 @@ from statistics import NormalDist
 
 __all__ = [
     "ClusterModel",
+    "allgather_seconds",
     "allreduce_seconds",
     "broadcast_seconds",
     "compute_seconds",
@@ -182,6 +183,22 @@ def broadcast_seconds(participants: int, cluster: ClusterModel) -> float:
         return 0.0
     rounds = math.ceil(math.log2(participants))
     return rounds * (cluster.latency_s + cluster.message_seconds)
+
+
+def allgather_seconds(participants: int, bytes_each: int, cluster: ClusterModel) -> float:
+    """Ring all-gather among m participants, each contributing ``bytes_each`` bytes:
+    ``(m−1)·latency + (m−1) · 8·bytes_each/bandwidth`` (0 for m <= 1), with the
+    all-reduce's own latency and bandwidth where they are set (:func:`allreduce_seconds`)."""
+    m = participants
+    if m <= 1:
+        return 0.0
+    lat = cluster.latency_s if cluster.allreduce_latency_s is None else cluster.allreduce_latency_s
+    bw = (
+        cluster.bandwidth_gbps
+        if cluster.allreduce_bandwidth_gbps is None
+        else cluster.allreduce_bandwidth_gbps
+    )
+    return (m - 1) * lat + (0.0 if bw == 0 else (m - 1) * 8.0 * bytes_each / (bw * 1e9))
 
 
 def host_of(rank: int, processes_per_host: int) -> int:

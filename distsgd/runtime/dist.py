@@ -77,6 +77,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel
 
 from distsgd.config import ConfigError, RunConfig, required_processes, resolve_device
@@ -93,7 +94,13 @@ from distsgd.runtime.base import (
     draw_minibatches,
     time_in_turn,
 )
-from distsgd.runtime.compression import all_reduce_compressed, ring_allreduce_bytes, wire_dtype
+from distsgd.runtime.compression import (
+    POWERSGD_START,
+    all_reduce_compressed,
+    exchange_bytes,
+    powersgd_values,
+    wire_dtype,
+)
 from distsgd.runtime.faults import RankFaults
 from distsgd.runtime.launch import (
     ENV_RUN,
@@ -535,17 +542,27 @@ _cast_hook.__annotations__ = {
 }
 
 
-def _ddp(engine: GradientEngine, compression: str = "none") -> DistributedDataParallel:
+def _ddp(
+    engine: GradientEngine, compression: str = "none", powersgd_rank: int = 1
+) -> DistributedDataParallel:
     """``engine``'s model in the DDP wrapper :class:`SyncDistRuntime` uses (the process
     group must exist), its gradient buckets all-reduced in ``compression``'s format
-    (:func:`_cast_hook`) when it is not ``"none"``."""
+    (:func:`_cast_hook`) when it is ``"bf16"`` or ``"fp16"``, or by torch's
+    ``powerSGD_hook`` of rank ``powersgd_rank`` when it is ``"powersgd"``."""
     on_gpu = engine.device.type == "cuda"
     ddp = DistributedDataParallel(
         engine.model,
         device_ids=[engine.device] if on_gpu else None,
         **ddp_no_forward_buffer_sync(DistributedDataParallel.__init__),
     )
-    if compression != "none":
+    if compression == "powersgd":
+        state = powerSGD.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=POWERSGD_START,
+        )
+        ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
+    elif compression != "none":
         ddp.register_comm_hook(wire_dtype(compression), _cast_hook)
     return ddp
 
@@ -623,7 +640,8 @@ class SyncDistRuntime(_DistBase):
         if self.protocol.shares_weights:
             # no buffer broadcast: training forwards normalise with their batch's
             # statistics, and evaluation recomputes the running ones (evaluate)
-            self.ddp = _ddp(engine, p.compression)
+            self.ddp = _ddp(engine, p.compression, p.powersgd_rank)
+        self._exchanges = 0  # all-reduces this process ran (PowerSGD's first are float32)
 
     def _free_group_users(self) -> None:
         self.ddp = None  # its Reducer holds the process group
@@ -697,9 +715,7 @@ class SyncDistRuntime(_DistBase):
                         all_reduce(exchange, self.world_size, compression=self.compression)
                     )
             if proto.shares_weights or exchange is not None:
-                self.bytes_sent += ring_allreduce_bytes(
-                    self.world_size, self.engine.num_parameters, self.compression
-                )
+                self.bytes_sent += self._exchange_bytes()
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, TrainingDiverged):
                 raise
@@ -710,6 +726,18 @@ class SyncDistRuntime(_DistBase):
         seconds = self.faults.iteration_seconds(self.rank, self.replicas_per_device, seconds)
         self.virtual_time += seconds
         return Tick(n, losses)
+
+    def _exchange_bytes(self) -> int:
+        """Bytes this iteration's exchange sent, all ranks together: the ring's, the int8
+        all-gather's, or PowerSGD's factors (float32 for its first iterations)."""
+        self._exchanges += 1
+        p = self.engine.num_parameters
+        if self.compression != "powersgd":
+            return exchange_bytes(self.world_size, p, self.compression)
+        if self._exchanges > POWERSGD_START:
+            shapes = [q.shape for q in self.engine.model.parameters() if q.requires_grad]
+            p = powersgd_values(shapes, self.cfg.protocol.powersgd_rank)
+        return exchange_bytes(self.world_size, p, "none")
 
     def eval_weights(self) -> Tensor:
         """The model to evaluate, shape ``[P]`` (collective for local SGD between

@@ -100,6 +100,8 @@ from distsgd.runtime.base import (
 from distsgd.runtime.compression import (
     bytes_per_value,
     compressed_total,
+    exchange_bytes,
+    int8_allgather_bytes,
     ring_allreduce_bytes,
     round_to_wire,
 )
@@ -501,10 +503,14 @@ class SimRuntime(Runtime):
 
     def _allreduce_among(self, learners: list[int]) -> float:
         """Ring all-reduce among the ranks of ``learners`` (distinct ranks): with the
-        local terms when they share one host, else the link's."""
+        local terms when they share one host, else the link's; an int8 exchange is an
+        all-gather of its bytes (:mod:`~distsgd.runtime.compression`)."""
         ranks = sorted({self._learner_rank(m) for m in learners})
         one_host = len({self.host(r) for r in ranks}) == 1
         model = self._local if one_host and len(ranks) > 1 else self._network
+        if self.compression == "int8":
+            each = int8_allgather_bytes(2, self.engine.num_parameters) // 2
+            return cm.allgather_seconds(len(ranks), each, model)
         return cm.allreduce_seconds(len(ranks), model)
 
     def _broadcast_among(self, learners: list[int]) -> float:
@@ -702,7 +708,7 @@ class SimRuntime(Runtime):
         comm = 0.0
         if exchanged:
             comm = self._allreduce_among(list(range(0, lam, k)))
-            self.bytes_sent += ring_allreduce_bytes(
+            self.bytes_sent += exchange_bytes(
                 lam // k, self.engine.num_parameters, self.compression
             )
         self.virtual_time += max(device_s) + comm

@@ -529,7 +529,10 @@ class _Exchanging(_Rule):
     protocol names (:meth:`~distsgd.protocols.SynchronousProtocol.exchange_step`) runs
     over the ranks with the floating-point buffers averaged alongside. When the protocol
     resets its learners (:meth:`~distsgd.protocols.SynchronousProtocol.begin_iteration`)
-    the model takes its weights and the user's optimizer state is cleared."""
+    the model takes its weights and the user's optimizer state is cleared. Local SGD and
+    DiLoCo take the user's step as it is: the replica becomes the stepped parameters
+    (:meth:`~distsgd.protocols.LocalSGD.local_step_to`, one flatten), and the model is
+    written only when an exchange changed the replica."""
 
     def __init__(self, owner: DistributedOptimizer, protocol: SynchronousProtocol) -> None:
         super().__init__(owner)
@@ -540,6 +543,14 @@ class _Exchanging(_Rule):
         o, proto = self.o, self.protocol
         flags = self.pending if self.pending is not None else o.loss_flags(loss)
         lr = o.lr
+        if proto.steps_outside:  # the user's step is the replica's: no replay
+            o.optimizer.step()
+            if not proto.local_step_to(flatten(o.params)):
+                if flags.any():
+                    self.pending = flags
+                return
+            self._exchange(proto.period_exchange(), flags)
+            return
         if proto.begin_iteration(lr):
             write_back(proto.learner_weights(0), o.params)
             o.optimizer.state.clear()
@@ -549,11 +560,19 @@ class _Exchanging(_Rule):
         direction = moved.div_(lr) if lr > 0 else moved.zero_()
         exchange = proto.exchange_step(direction.unsqueeze(0), lr)
         if exchange is not None:
-            exchange.apply(self._all_reduce(exchange, flags))
-            o.check_losses(flags)
-        elif flags.any():
+            self._exchange(exchange, flags)
+            return
+        if flags.any():
             self.pending = flags
         write_back(proto.learner_weights(0), o.params)
+
+    def _exchange(self, exchange: AllReduce, flags: Tensor) -> None:
+        """Run ``exchange`` over the ranks, check the learners' losses, and give the
+        model the protocol's weights."""
+        exchange.apply(self._all_reduce(exchange, flags))
+        self.pending = None
+        self.o.check_losses(flags)
+        write_back(self.protocol.learner_weights(0), self.o.params)
 
     def _all_reduce(self, exchange: AllReduce, flags: Tensor) -> Tensor:
         """:func:`~distsgd.runtime.dist.all_reduce` of ``exchange`` with the model's
@@ -692,6 +711,12 @@ def _rule_for(owner: DistributedOptimizer) -> _Rule:
     """The learner-side rule of ``owner.ctx``'s protocol: pushes to a server, DDP's
     gradient buckets where the learners share weights, else the protocol's exchange."""
     ctx = owner.ctx
+    if ctx.config.protocol.compression not in ("none", "bf16", "fp16"):
+        raise ConfigError(
+            f"protocol.compression = {ctx.config.protocol.compression!r} is not allowed in "
+            "the drop-in: expected 'none', 'bf16' or 'fp16' (the runtimes 'sim' and 'dist' "
+            "run it)"
+        )
     if spec_for(ctx.config.protocol).has_server:
         if ctx.config.protocol.compression != "none":
             raise ConfigError(

@@ -29,7 +29,8 @@ within the buffer prefer fewer groups (less asynchrony); the steady state's tie 
 the same setting as the cold start's.
 
 **Beyond Omnivore** (:func:`joint_candidates`, :func:`rank_candidates`): the protocol
-family (hardsync, compute groups, n-softsync, SMA with k replicas per device) and the
+family (hardsync, compute groups, n-softsync, SMA with k replicas per device, and on
+request local SGD and DiLoCo averaging every H iterations) and the
 per-learner batch size are searched jointly: the performance model
 (:mod:`distsgd.tuner.perf_model`) ranks unprobed configurations by predicted time to
 accuracy and the best ``tune.extra_probes`` of them are probed like the rest; a
@@ -87,11 +88,12 @@ class Candidate:
     """One configuration the search can probe.
 
     Attributes:
-        family: ``hardsync``, ``compute_groups``, ``softsync`` or ``sma``.
+        family: ``hardsync``, ``compute_groups``, ``softsync``, ``sma``, ``local_sgd``
+            or ``diloco``.
         num_learners: λ (for SMA: devices × k).
         batch_size: b, samples per learner.
         lr: η (α0 / γ). momentum: μ (explicit momentum of the update rule).
-        num_groups: g; softsync: n; replicas_per_device: k.
+        num_groups: g; softsync: n; replicas_per_device: k; average_every: H.
     """
 
     family: str
@@ -102,6 +104,7 @@ class Candidate:
     num_groups: int = 1
     softsync: int = 1
     replicas_per_device: int = 1
+    average_every: int = 1
 
     def layout(self) -> Layout:
         return Layout(
@@ -111,6 +114,7 @@ class Candidate:
             num_groups=self.num_groups,
             softsync=self.softsync,
             replicas_per_device=self.replicas_per_device,
+            average_every=self.average_every,
         )
 
     @property
@@ -127,6 +131,8 @@ class Candidate:
             return f"{self.softsync}-softsync {base}"
         if self.family == "sma":
             return f"sma k={self.replicas_per_device} {base}"
+        if self.family in ("local_sgd", "diloco"):
+            return f"{self.family} H={self.average_every} {base}"
         return f"hardsync {base}"
 
     def label(self) -> str:
@@ -713,7 +719,10 @@ def joint_candidates(
       (n = λ is compute groups with g = λ), with the chosen η and μ and Rudra's α0/n rule;
     * SMA with k ∈ {2, 4} replicas per device on the same λ devices (λ·k learners), at
       batch sizes <= b, with η of g = 1, no replica momentum and the central model's
-      Polyak momentum μ_z (Crossbow, docs/protocols.md §4).
+      Polyak momentum μ_z (Crossbow, docs/protocols.md §4);
+    * local SGD and DiLoCo (where ``tune.families`` lists them, λ >= 2) averaging every
+      H ∈ {4, 16} iterations, with the chosen η and μ as the replicas' local rate and
+      momentum (docs/protocols.md §5–6).
 
     Asynchronous candidates (compute groups, n-softsync) at or above an (η, μ) that gave
     NaN at the same kind (:func:`nan_applies`) are left out, as in the cold start.
@@ -745,6 +754,10 @@ def joint_candidates(
             for b in settings.batch_sizes:
                 if b <= b0:
                     out.append(Candidate("sma", lam * k, b, lr1, 0.0, replicas_per_device=k))
+    for fam in ("local_sgd", "diloco"):
+        if fam in fams and lam >= 2:
+            for h in (4, 16):
+                out.append(Candidate(fam, lam, b0, chosen.lr, chosen.momentum, average_every=h))
     seen: set[Candidate] = set()
     uniq = []
     for c in out:

@@ -69,7 +69,8 @@ __all__ = [
     "time_to_accuracy",
 ]
 
-FAMILIES = ("hardsync", "compute_groups", "softsync", "sma")
+FAMILIES = ("hardsync", "compute_groups", "softsync", "sma", "local_sgd", "diloco")
+_AVERAGING = ("local_sgd", "diloco")
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,14 @@ class Layout:
 
     Attributes:
         family: ``hardsync`` (§1), ``compute_groups`` (§3, g groups), ``softsync`` (§2,
-            Rudra n-softsync on a parameter server) or ``sma`` (§4, k replicas per device).
+            Rudra n-softsync on a parameter server), ``sma`` (§4, k replicas per device),
+            ``local_sgd`` (§5) or ``diloco`` (§6), averaging every H iterations.
         num_learners: λ.
         batch_size: b, samples per learner per gradient.
         num_groups: g (compute groups only), divides λ.
         softsync: n (softsync only), divides λ.
         replicas_per_device: k (SMA only), divides λ; the cluster has λ/k devices.
+        average_every: H >= 1 (local SGD and DiLoCo only), iterations per all-reduce.
 
     Raises:
         ValueError: unknown family or a count that does not divide λ.
@@ -95,6 +98,7 @@ class Layout:
     num_groups: int = 1
     softsync: int = 1
     replicas_per_device: int = 1
+    average_every: int = 1
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -108,6 +112,8 @@ class Layout:
             v = getattr(self, name)
             if v < 1 or lam % v:
                 raise ValueError(f"{name} = {v} must divide num_learners = {lam}")
+        if self.average_every < 1:
+            raise ValueError(f"average_every = {self.average_every} must be >= 1")
 
 
 def samples_per_iteration(layout: Layout) -> int:
@@ -134,6 +140,8 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
       ``t_batch + b·t_sample + (k − 1)·t_replica``, plus ``t_iteration``; a
       device computes its k learners as one batched computation; devices all-reduce
       their corrections; Crossbow, docs/protocols.md §4);
+    * local SGD and DiLoCo, averaging every H iterations: ``J(λ)·(t_c + t_iteration) +
+      AR(λ)/H`` (hardsync's, with one all-reduce per H iterations; docs/protocols.md §5–6);
     * compute groups: a group's cycle is ``2m + BC(λ/g) + J(λ/g)·t_c + AR(λ/g) +
       t_server`` (BC: the leader's broadcast of the weights to its members,
       :func:`~distsgd.runtime.cluster_model.broadcast_seconds`; t_server: the server's
@@ -158,11 +166,12 @@ def seconds_per_iteration(layout: Layout, cluster: ClusterModel) -> float:
     tc = compute_seconds(b, cluster)
     s = cluster.jitter
     cores = cluster.cores
-    if layout.family in ("hardsync", "sma"):  # hardsync: one replica per device
-        k = layout.replicas_per_device if layout.family == "sma" else 1
+    if layout.family in ("hardsync", "sma") or layout.family in _AVERAGING:
+        k = layout.replicas_per_device if layout.family == "sma" else 1  # hardsync: one
+        h = layout.average_every if layout.family in _AVERAGING else 1
         devices = lam // k
         d = device_seconds(k, b, cluster) * core_stretch(devices, cores)
-        return straggler_factor(devices, s) * d + allreduce_seconds(devices, cluster)
+        return straggler_factor(devices, s) * d + allreduce_seconds(devices, cluster) / h
     m = cluster.message_seconds
     if layout.family == "compute_groups":
         g = layout.num_groups

@@ -186,7 +186,9 @@ def candidate_config(base: RunConfig, cand: Candidate, **train: Any) -> RunConfi
     with g groups and Rudra's α0/n learning-rate rule off (momentum is what Omnivore
     tunes); ``softsync`` → ``parameter_server`` in n-softsync with ``staleness_lr =
     softsync`` (α0/n); ``sma`` → ``sma`` with k replicas per device and ``alpha = 0``,
-    which the config reads as α = 1/λ over all λ learners (docs/protocols.md §4).
+    which the config reads as α = 1/λ over all λ learners (docs/protocols.md §4);
+    ``local_sgd`` / ``diloco`` → that protocol averaging every H iterations, one
+    replica per device (DiLoCo's outer optimizer from ``base``).
     """
     p = base.protocol
     common = {
@@ -214,6 +216,14 @@ def candidate_config(base: RunConfig, cand: Candidate, **train: Any) -> RunConfi
             name="sma",
             replicas_per_device=cand.replicas_per_device,
             alpha=0.0,
+            **common,
+        )
+    elif cand.family in ("local_sgd", "diloco"):
+        proto = dataclasses.replace(
+            p,
+            name=cand.family,
+            average_every=cand.average_every,
+            replicas_per_device=1,
             **common,
         )
     else:  # pragma: no cover - Candidate families are fixed

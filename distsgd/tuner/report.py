@@ -36,6 +36,8 @@ _COLORS = {
     "compute_groups": "tab:orange",
     "softsync": "tab:green",
     "sma": "tab:purple",
+    "local_sgd": "tab:brown",
+    "diloco": "tab:olive",
 }
 
 

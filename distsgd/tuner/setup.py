@@ -98,6 +98,8 @@ def tune_layout(config: RunConfig) -> RunLayout:
         "compute_groups": ps_ok,
         "softsync": ps_lam >= 2,
         "sma": any(b <= config.protocol.batch_size for b in s.batch_sizes),
+        "local_sgd": lam >= 2,
+        "diloco": lam >= 2,
     }
     if not any(probeable[f] for f in s.families):
         where = (
