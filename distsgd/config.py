@@ -528,9 +528,7 @@ def check_membership(changes: Any) -> None:
         if not _number(at) or at < last:
             fail(f"{key}.at_s", at, f"a number of seconds >= {last} (increasing at_s)")
         last = at
-        join = change.get("join", 1)
-        if not isinstance(join, int) or isinstance(join, bool) or join < 1:
-            fail(f"{key}.join", join, "a count of workers >= 1")
+        check_int(f"{key}.join", change.get("join", 1), 1, 65536)
         leave = change.get("leave", [0])
         if (
             not isinstance(leave, list)
@@ -1937,6 +1935,12 @@ class RunConfig:
             if "join" in change:
                 active |= set(range(workers, workers + change["join"]))
                 workers += change["join"]
+                if workers > 65536:
+                    fail(
+                        f"cluster.membership[{i}].join",
+                        change["join"],
+                        f"at most {65536 - workers + change['join']} (65536 workers in all)",
+                    )
                 continue
             gone = [w for w in change["leave"] if w not in active]
             if gone or len(active) == len(change["leave"]):

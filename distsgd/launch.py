@@ -65,6 +65,7 @@ import gc
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -198,12 +199,17 @@ def _run_rank(
     """This process's rank under torchrun: train; on rank 0, a failed run's
     ``summary.json`` names the ranks it lost (``lost_ranks``), as distsgd's own launcher
     names them. Workers that torchrun restarted (``--max-restarts``,
-    ``TORCHELASTIC_RESTART_COUNT > 0``) resume from the run's last checkpoint."""
+    ``TORCHELASTIC_RESTART_COUNT > 0``) resume from the run's last checkpoint when the same
+    torchrun agent wrote it; a directory that held another run is refused again."""
     rank = int(os.environ["RANK"])
     trainer = Trainer(cfg, out, progress=progress and rank == 0, faults=faults, options=options)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    # torchrun's agent on this host is the parent of every attempt's workers
+    launch_id = f"{socket.gethostname()}:{os.getppid()}:{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
     try:
-        return trainer.run(resume=resume, dir_claimed=dir_claimed, resume_saved=restarted)
+        return trainer.run(
+            resume=resume, dir_claimed=dir_claimed, launch_id=launch_id, restarted=restarted
+        )
     except RuntimeError as e:
         lost = lost_ranks(e)
         summary_path = out / "summary.json"

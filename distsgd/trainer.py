@@ -370,8 +370,19 @@ class Trainer:
         state = self._checkpoint_state()  # collective on the dist runtime
         if not self.is_writer:
             return
-        save_checked(state, self.out_dir / "checkpoint.pt")
+        save_checked({**state, "launch_id": self._launch_id}, self.out_dir / "checkpoint.pt")
         save_checked(state["eval_model"], self.out_dir / "model.pt")
+
+    def _written_by_this_launch(self) -> bool:
+        """Whether the run directory's checkpoint was written by this rank's launch (a
+        checkpoint of another run, or one that cannot be read, is not resumed here)."""
+        path = self.out_dir / "checkpoint.pt"
+        if not self._launch_id or not path.exists():
+            return False
+        try:
+            return load_checkpoint_file(path, "resume").get("launch_id") == self._launch_id
+        except ConfigError:
+            return False
 
     def _read_checkpoint(self) -> dict[str, Any]:
         path = self.out_dir / "checkpoint.pt"
@@ -550,15 +561,23 @@ class Trainer:
         return min(budgets) if budgets else None
 
     def run(
-        self, resume: bool = False, *, dir_claimed: bool = False, resume_saved: bool = False
+        self,
+        resume: bool = False,
+        *,
+        dir_claimed: bool = False,
+        launch_id: str = "",
+        restarted: bool = False,
     ) -> dict[str, Any]:
         """Train to the stop rule; returns the summary (also written to summary.json).
 
         The writer claims the run directory for the run's life
         (:class:`~distsgd.rundir.RunDirClaim`) unless ``dir_claimed``: the caller (the
-        launching process of a dist run) holds the claim. ``resume_saved``: resume when
-        the run directory holds a checkpoint, else start the run (the writer decides and
-        every rank follows; a restart of the run's workers by torchrun).
+        launching process of a dist run) holds the claim. ``launch_id``: the
+        launch that started this rank (under torchrun: host, agent pid and run id),
+        written into every checkpoint. ``restarted``: the launch restarted its workers
+        (torchrun ``--max-restarts``): resume from the run directory's checkpoint when
+        that launch wrote it, else start the run as a new one (the writer decides and
+        every rank follows).
 
         On the dist runtime every rank calls this: every rank builds, the writer (rank 0,
         the coordinating server for parameter-server protocols) checks the run directory
@@ -569,6 +588,7 @@ class Trainer:
         """
         self._claim: RunDirClaim | None = None
         self._dir_claimed = dir_claimed
+        self._launch_id = launch_id
         try:
             self._kind = runtime_kind(self.cfg, self.faults)
             if self._kind.single_process and not dir_claimed:
@@ -577,7 +597,7 @@ class Trainer:
                 self._claim = RunDirClaim.acquire(self.out_dir, new_run=not resume)
             self._build()  # nothing is written before data, model and profile are ready
             self._init_counters()
-            state = self._start(resume, resume_saved)
+            state = self._start(resume, restarted)
             resume = state is not None
             if resume:
                 self._apply_checkpoint(state)
@@ -599,14 +619,14 @@ class Trainer:
             if self._claim is not None:
                 self._claim.release()
 
-    def _start(self, resume: bool, resume_saved: bool = False) -> dict[str, Any] | None:
+    def _start(self, resume: bool, restarted: bool = False) -> dict[str, Any] | None:
         """The writer claims the run directory for the run's life (if it has not yet, and
         unless the caller holds the claim) and checks it, or reads the checkpoint to
-        resume (``resume``, or ``resume_saved`` and a checkpoint is there); every rank of
+        resume (``resume``, or ``restarted`` and this launch wrote the checkpoint); every rank of
         the run gets the checkpoint (None: a new run), or the same error."""
         start: tuple[str, Any] = ("ok", None)
         if self.is_writer:
-            if resume_saved and (self.out_dir / "checkpoint.pt").exists():
+            if restarted and self._written_by_this_launch():
                 resume = True
                 print(
                     f"distsgd: the run's workers were restarted; resuming from "

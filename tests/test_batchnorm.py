@@ -208,7 +208,7 @@ def test_recalibration_samples_setting_is_validated():
     ids=["hardsync", "ps_hardsync", "sma", "local_sgd"],
 )
 def test_batchnorm_model_evaluates_the_same_on_sim_and_dist(tmp_path, protocol, key):
-    """Same seed, resnet20, one epoch of 1024 samples at b = 8: the dist run ends with
+    """Same seed, resnet20, 512 samples at b = 8: the dist run ends with
     the simulator's weights and reports the simulator's evaluations.
 
     Weights: exact. The model has BatchNorm, so the simulator computes each learner's
@@ -221,11 +221,12 @@ def test_batchnorm_model_evaluates_the_same_on_sim_and_dist(tmp_path, protocol, 
     which can move a statistic by one float32 ulp (~1e-7 relative).
     Before the fix dist's SMA and local SGD evaluated with rank 0's buffers.
     """
-    sim = train(bn_config(protocol, "sim"), out_dir=tmp_path / "sim")
-    real = train(bn_config(protocol, "dist"), out_dir=tmp_path / "dist")
+    half = {"max_epochs": 0, "max_samples": 512, "eval_every_samples": 256}
+    sim = train(bn_config(protocol, "sim", **half), out_dir=tmp_path / "sim")
+    real = train(bn_config(protocol, "dist", **half), out_dir=tmp_path / "dist")
     assert real["runtime"] == "dist" and real["status"] == "completed"
     assert real["num_processes"] == (3 if protocol is PS_HARDSYNC else 2)
-    assert real["samples"] == sim["samples"] == 1024
+    assert real["samples"] == sim["samples"] == 512
     torch.testing.assert_close(
         protocol_state(tmp_path / "dist", key),
         protocol_state(tmp_path / "sim", key),
@@ -233,16 +234,16 @@ def test_batchnorm_model_evaluates_the_same_on_sim_and_dist(tmp_path, protocol, 
         atol=0,
     )
     rs, rd = records(tmp_path / "sim"), records(tmp_path / "dist")
-    assert [r["samples"] for r in rd] == [r["samples"] for r in rs] == [0, 512, 1024]
+    assert [r["samples"] for r in rd] == [r["samples"] for r in rs] == [0, 256, 512]
     for a, b in zip(rs, rd, strict=True):
         assert b["eval_metric"] == a["eval_metric"]
         assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
-    assert rd[-1]["eval_metric"] > 0.5  # it learns (chance is 0.1)
+    assert rd[-1]["eval_metric"] > 0.25  # it learns (chance is 0.1)
     if protocol is PS_HARDSYNC:
         # Rudra's hardsync mode is hardsync (SPEC.md equivalences): the central model's
         # evaluation on the parameter server, with recalibrated statistics, is within
         # one point of hardsync's at the same samples (before the fix: ~0.1 vs ~0.98)
-        hs = train(bn_config(HARDSYNC, "sim"), out_dir=tmp_path / "hs")
+        hs = train(bn_config(HARDSYNC, "sim", **half), out_dir=tmp_path / "hs")
         for a, b in zip(records(tmp_path / "hs"), rd, strict=True):
             assert a["samples"] == b["samples"]
             assert abs(b["eval_metric"] - a["eval_metric"]) <= 0.01

@@ -199,6 +199,11 @@ def test_membership_settings_are_checked():
         config([{"at_s": 0.01, "leave": [5]}], num_learners=2)
     with pytest.raises(ConfigError, match="synchronous protocol"):
         config(MEMBERSHIP, mode="hardsync", num_learners=2)
+    # the joins are bounded as num_learners is: 65536 workers in all
+    with pytest.raises(ConfigError, match=r"membership\[0\].join = 100000 .*<= 65536"):
+        config([{"at_s": 0.0, "join": 100000}], num_learners=2)
+    with pytest.raises(ConfigError, match=r"membership\[1\].join = 6000 .*at most 5534"):
+        config([{"at_s": 0.0, "join": 60000}, {"at_s": 1.0, "join": 6000}], num_learners=2)
     with pytest.raises(ConfigError, match="synchronous protocol"):
         RunConfig.from_dict({"runtime": "sim", "cluster": {"membership": MEMBERSHIP}})
 

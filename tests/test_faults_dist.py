@@ -314,7 +314,8 @@ train(RunConfig.from_toml(sys.argv[1]), out_dir=sys.argv[2], faults=faults)
 def test_workers_torchrun_restarts_resume_from_the_checkpoint(tmp_path):
     """torchrun --max-restarts 1, rank 1 killed at its 20th iteration (after the checkpoint
     at 512 samples): the restarted workers resume from the checkpoint and finish the run,
-    which counts every sample of its epoch once."""
+    which counts every sample of its epoch once. A second launch into the finished run is
+    refused on every attempt."""
     cfg_path, script, out = tmp_path / "run.toml", tmp_path / "train.py", tmp_path / "run"
     cfg_path.write_text(config(HARDSYNC2).to_toml())
     script.write_text(_TRAIN_KILLED_ONCE)
@@ -333,6 +334,22 @@ def test_workers_torchrun_restarts_resume_from_the_checkpoint(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed", summary
     assert summary["samples"] == 1024, summary
+    # another torchrun launch into that finished run, with another rate: its restart is
+    # refused like its first attempt, not resumed with the new settings
+    saved = (out / "config.toml").read_text()
+    torchrun[-1] = str(_free_port())
+    again = subprocess.run(
+        [*torchrun, "-m", "distsgd", "train", str(cfg_path), "--out", str(out), "--quiet"]
+        + ["--set", "optimizer.lr=0.5"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=GENEROUS_S,
+    )
+    assert again.returncode != 0 and "already holds a run" in again.stderr, again.stderr[-3000:]
+    assert "resuming from" not in again.stderr
+    assert (out / "config.toml").read_text() == saved
 
 
 # ---- 13: the launcher dies ----------------------------------------------------------------
