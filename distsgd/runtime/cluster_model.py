@@ -153,6 +153,19 @@ def device_seconds(replicas: int, batch_size: int | float, cluster: ClusterModel
     return t1 + (replicas - 1) * r + cluster.t_iteration
 
 
+def _collective_link(cluster: ClusterModel) -> tuple[float, float]:
+    """(latency in seconds, bandwidth in Gbit/s) of a collective: the all-reduce's own
+    ``allreduce_latency_s`` / ``allreduce_bandwidth_gbps`` where they are set, else the
+    messages' ``latency_s`` / ``bandwidth_gbps``."""
+    lat = cluster.latency_s if cluster.allreduce_latency_s is None else cluster.allreduce_latency_s
+    bw = (
+        cluster.bandwidth_gbps
+        if cluster.allreduce_bandwidth_gbps is None
+        else cluster.allreduce_bandwidth_gbps
+    )
+    return lat, bw
+
+
 def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
     """Ring all-reduce of P values of B bytes among m participants:
     ``2(m−1)·latency + 2(m−1)/m · 8BP/bandwidth`` (0 for m <= 1), with the all-reduce's
@@ -161,12 +174,7 @@ def allreduce_seconds(participants: int, cluster: ClusterModel) -> float:
     m = participants
     if m <= 1:
         return 0.0
-    lat = cluster.latency_s if cluster.allreduce_latency_s is None else cluster.allreduce_latency_s
-    bw = (
-        cluster.bandwidth_gbps
-        if cluster.allreduce_bandwidth_gbps is None
-        else cluster.allreduce_bandwidth_gbps
-    )
+    lat, bw = _collective_link(cluster)
     transfer = (
         0.0 if bw == 0 else 8.0 * cluster.bytes_per_value * cluster.num_parameters / (bw * 1e9)
     )
@@ -192,12 +200,7 @@ def allgather_seconds(participants: int, bytes_each: int, cluster: ClusterModel)
     m = participants
     if m <= 1:
         return 0.0
-    lat = cluster.latency_s if cluster.allreduce_latency_s is None else cluster.allreduce_latency_s
-    bw = (
-        cluster.bandwidth_gbps
-        if cluster.allreduce_bandwidth_gbps is None
-        else cluster.allreduce_bandwidth_gbps
-    )
+    lat, bw = _collective_link(cluster)
     return (m - 1) * lat + (0.0 if bw == 0 else (m - 1) * 8.0 * bytes_each / (bw * 1e9))
 
 
