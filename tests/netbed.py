@@ -35,6 +35,22 @@ def bed():
         b.close()
 
 
+_EXIT_BARRIER = "Error waiting on exit barrier"
+
+
+def before_exit_barrier(text: str) -> str:
+    """A torchrun node's output up to its agent's exit barrier. The agent that hosts
+    torchrun's store may leave the barrier and close the store while another node's agent
+    still waits in it: that agent then logs a C++ and a Python traceback after every
+    worker has ended with status 0 (torch's own race, pytorch/pytorch#69520), which is
+    not the run's output."""
+    if _EXIT_BARRIER not in text:
+        return text
+    cut = text.index(_EXIT_BARRIER)
+    store_error = text.rfind("recvValueWithTimeout failed", 0, cut)
+    return text[: text.rfind("\n", 0, store_error if store_error >= 0 else cut) + 1]
+
+
 def clean_env() -> dict[str, str]:
     """This process's environment without any launcher or gloo variable (a user's shell)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
