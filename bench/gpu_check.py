@@ -126,14 +126,8 @@ REGIMES: dict[str, dict[str, Any]] = {
         "model": "cnn",
         "target": 0.86,
         "max_epochs": 8,
-        "plain": (
-            (64, 0.02, 0.0),
-            (128, 0.03, 0.0),
-            (256, 0.05, 0.0),
-            (512, 0.08, 1.0),
-            (1024, 0.1, 1.0),
-        ),
-        "sma": ((4, 16, 0.01), (8, 8, 0.01)),
+        "plain": REGIME["plain"][:5],  # up to b = 1024
+        "sma": REGIME["sma"][:2],
     },
 }
 

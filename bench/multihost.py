@@ -125,10 +125,16 @@ def measure_link(bed: Any, num_parameters: int, tmp: Path, repeats: int) -> dict
 
 
 def torchrun(
-    bed: Any, cfg: Path, out: Path, port: int, timeout: float, num_hosts: int | None = None
+    bed: Any,
+    cfg: Path,
+    out: Path,
+    port: int,
+    timeout: float,
+    num_hosts: int | None = None,
+    processes_per_host: int = PROCESSES_PER_HOST,
 ) -> dict[str, Any]:
     """``distsgd train cfg`` by torchrun on the first ``num_hosts`` hosts (default every
-    host; rendezvous at h0); rank 0's summary."""
+    host; rendezvous at h0), ``processes_per_host`` ranks each; rank 0's summary."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS"):  # fmt: skip
@@ -137,7 +143,7 @@ def torchrun(
     n = num_hosts or bed.num_hosts
     for i in range(n):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n),
-               "--node-rank", str(i), "--nproc-per-node", str(PROCESSES_PER_HOST),
+               "--node-rank", str(i), "--nproc-per-node", str(processes_per_host),
                "--master-addr", "h0", "--master-port", str(port),
                "-m", "distsgd", "train", str(cfg), "--out", str(out), "--quiet"]  # fmt: skip
         procs.append(bed.popen(i, cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,

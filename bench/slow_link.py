@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.multihost import torchrun  # noqa: E402 (after the path)
 
 HARD = {"name": "hardsync"}
 OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
@@ -83,33 +82,6 @@ def config(method: str, args: argparse.Namespace, seed: int, path: Path) -> Path
     }
     path.write_text(RunConfig.from_dict(raw).to_toml())
     return path
-
-
-def torchrun(bed: Any, cfg: Path, out: Path, port: int, timeout: float) -> dict[str, Any]:
-    """``distsgd train cfg`` on h0 and h1, one process each (rendezvous at h0); rank 0's
-    summary."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS"):  # fmt: skip
-        env.pop(k, None)
-    procs = []
-    for i in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--node-rank", str(i), "--nproc-per-node", "1",
-               "--master-addr", "h0", "--master-port", str(port),
-               "-m", "distsgd", "train", str(cfg), "--out", str(out), "--quiet"]  # fmt: skip
-        procs.append(bed.popen(i, cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True))  # fmt: skip
-    end, outputs = time.monotonic() + timeout, []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=max(1.0, end - time.monotonic()))[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            outputs.append(p.communicate()[0] + "\n<killed by the bench>")
-    if any(p.returncode for p in procs) or not (out / "summary.json").exists():
-        raise RuntimeError("dist run failed:\n" + "\n".join(o[-2000:] for o in outputs))
-    return json.loads((out / "summary.json").read_text())
 
 
 def row(method: str, seed: int, s: dict[str, Any]) -> dict[str, Any]:
@@ -187,7 +159,7 @@ def main() -> int:
                 out = tmp / f"run-{port}"
                 cfg = config(m, args, seed, tmp / f"{port}.toml")
                 try:
-                    s = torchrun(bed, cfg, out, port, timeout=args.max_seconds + 300)
+                    s = torchrun(bed, cfg, out, port, args.max_seconds + 300, processes_per_host=1)
                 except RuntimeError as e:
                     print(f"{m} seed {seed}: {str(e)[-3000:]}", file=sys.stderr, flush=True)
                     rows.append({"method": m, "seed": seed, "failed": True})
