@@ -52,7 +52,7 @@ from distsgd.config import (
     set_setting,
 )
 from distsgd.data import load_dataset
-from distsgd.engine import UserCode, check_user_code, config_for_data
+from distsgd.engine import UserCode, build_engine, check_user_code, config_for_data
 from distsgd.factories import is_import_path
 from distsgd.metrics import (
     ChecksumMismatch,
@@ -65,6 +65,7 @@ from distsgd.metrics import (
 from distsgd.models import model_from_config
 from distsgd.rundir import RunDirClaim, check_out_file, check_path_names, enclosing_tuner_dir
 from distsgd.runtime import profiles
+from distsgd.runtime.dist import elastic_refusal, join_running_run
 from distsgd.runtime.factory import measure_device, warn_spread
 from distsgd.runtime.faults import RankFaults
 from distsgd.trainer import Trainer
@@ -78,6 +79,7 @@ __all__ = [
     "export_model",
     "fit",
     "is_tuning_run",
+    "join",
     "resolve_config",
     "run",
     "train",
@@ -397,6 +399,47 @@ def train(
 
 
 # ---- the trained model out of a run --------------------------------------------------------
+
+
+def join(run_dir: str | Path) -> dict[str, int]:
+    """Join the running dist run in ``run_dir`` as one more learner of its parameter
+    server, on this machine, until the server stops the run (docs/elastic.md).
+
+    Reads the run's ``config.toml`` (dataset, model, batch, seed) and ``join.json`` (where
+    its store is), loads the dataset and builds the model here, then joins
+    (:func:`~distsgd.runtime.dist.join_running_run`). Returns ``{"num_computes": gradients
+    computed, "version": the server version of the last weights received}``.
+
+    Raises:
+        ConfigError: ``run_dir`` holds no running run that takes learners (no
+            config.toml or join.json, another protocol, ended, unreachable, another run
+            secret), one line each.
+        ServerLost: the server died or stayed silent for ``dist.timeout_s``.
+    """
+    run = Path(run_dir)
+    config_path = run / "config.toml"
+    if not config_path.is_file():
+        raise ConfigError(
+            f"cannot join {str(run)!r}: it has no config.toml; expected the run directory of "
+            "a running distsgd train"
+        )
+    cfg = RunConfig.from_toml(config_path)
+    why = elastic_refusal(cfg)
+    if why is not None:
+        raise ConfigError(f"cannot join {str(run)!r}: {why}")
+    try:
+        info = json.loads((run / "join.json").read_text())
+    except (OSError, ValueError):
+        raise ConfigError(
+            f"cannot join {str(run)!r}: it has no readable join.json (the run has not started "
+            "training yet)"
+        ) from None
+    torch.manual_seed(cfg.train.seed)
+    dataset = load_dataset(cfg.data, seed=cfg.train.seed)
+    cfg = config_for_data(cfg, dataset)
+    engine = build_engine(cfg)
+    result = join_running_run(cfg, engine, dataset, info)
+    return {"num_computes": result.num_computes, "version": result.version}
 
 
 def export_model(run_dir: str | Path, out: str | Path | None = None) -> Path:

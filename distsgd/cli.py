@@ -273,6 +273,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_join(args: argparse.Namespace) -> int:
+    done = api.join(args.run_dir)
+    print(
+        f"distsgd: left the run in {args.run_dir} when it stopped: {done['num_computes']} "
+        f"gradients computed, last weights of version {done['version']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     md = make_report([Path(d) for d in args.runs], Path(args.out))
     print(f"report written to {md} (figures in {md.parent})")
@@ -348,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tune's in decisions.jsonl)",
     )
     t.set_defaults(func=_cmd_train)
+    j = sub.add_parser(
+        "join",
+        help="join a running dist run (parameter server, mode async or softsync) as one more "
+        "learner on this machine, until the run stops",
+    )
+    j.add_argument("run_dir", metavar="RUN_DIR", help="run directory of the running distsgd train")
+    j.set_defaults(func=_cmd_join)
     r = sub.add_parser(
         "report", help="plot learning curves and staleness of runs and tabulate them"
     )

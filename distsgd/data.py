@@ -70,6 +70,7 @@ __all__ = [
     "resolve_root",
     "ShardedSampler",
     "LearnerStream",
+    "ElasticShards",
     "iter_eval_batches",
     "DATA_DIR_ENV",
     "DEFAULT_ROOTS",
@@ -1034,3 +1035,58 @@ def reshard_streams(
     for st in streams:
         st.epoch, st.step = epoch, step
     return sampler, streams
+
+
+class ElasticShards:
+    """A parameter server's view of where each active learner draws its next minibatch,
+    kept so that learners joining or leaving a running run re-shard without drawing a
+    sample twice in an epoch (docs/elastic.md).
+
+    A learner draws one minibatch each time it receives weights; the server counts that
+    draw when it sends them (:meth:`draw`), so a learner's stream here is at its next
+    draw after the one in flight. At a change (:meth:`reshard`) the active learners get
+    the layout :func:`reshard_streams` gives for the new λ from these streams; each
+    learner takes its new position with its next weights, hence before its next draw.
+
+    Args:
+        sampler: the starting layout (λ learners, worker w in slot w).
+        drawn: minibatches worker w has drawn so far (its pushes, e.g. from a checkpoint),
+            one entry per worker of ``sampler``.
+
+    Raises:
+        ValueError: ``drawn`` does not hold one count >= 0 per learner of ``sampler``.
+    """
+
+    def __init__(self, sampler: ShardedSampler, drawn: list[int]) -> None:
+        if len(drawn) != sampler.num_learners or any(d < 0 for d in drawn):
+            raise ValueError(
+                f"drawn = {drawn!r} is not allowed: expected {sampler.num_learners} counts >= 0"
+            )
+        self.streams: dict[int, LearnerStream] = {}
+        for w, d in enumerate(drawn):
+            st = self.streams[w] = LearnerStream(sampler, w)
+            st.epoch, st.step = divmod(d, sampler.steps_per_epoch)
+
+    def draw(self, worker: int) -> None:
+        """Count one minibatch drawn by ``worker`` (the server sent it weights)."""
+        st = self.streams[worker]
+        st.step += 1
+        if st.step == st.sampler.steps_per_epoch:
+            st.epoch, st.step = st.epoch + 1, 0
+
+    def reshard(self, active: list[int]) -> dict[int, tuple[int, int, int, int]]:
+        """Re-shard for the workers ``active`` (in slot order; a joiner among them, a
+        leaver not): returns each one's new position ``(λ, slot, epoch, step)``, the
+        next minibatch it draws being ``ShardedSampler(N, λ, b, seed).batch_indices(slot,
+        epoch, step)``; the streams here follow.
+
+        Raises:
+            ValueError: ``active`` is empty, or λ·b exceeds the training set.
+        """
+        if not active:
+            raise ValueError("active = [] is not allowed: expected at least one worker")
+        _, streams = reshard_streams(
+            list(self.streams.values()), len(active), list(range(len(active)))
+        )
+        self.streams = dict(zip(active, streams, strict=True))
+        return {w: (len(active), st.learner, st.epoch, st.step) for w, st in self.streams.items()}

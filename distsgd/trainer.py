@@ -31,6 +31,8 @@ Run directory layout (``out_dir``):
   the replicas-per-device auto-tuner (see :mod:`distsgd.replicas`);
 * ``membership.jsonl`` — one record per learner (or compute group) that joined or left
   the running run (``cluster.membership``; docs/elastic.md);
+* ``join.json`` — on a dist parameter server that learners may join: where ``distsgd
+  join RUN_DIR`` finds the run's store (address, port, key namespace; nothing secret);
 * ``ticks.jsonl``, ``plateau_checks.jsonl``, ``final_weights.pt`` — with
   :attr:`RunOptions.record <distsgd.control.RunOptions>` (:class:`~distsgd.control.RunRecorder`);
   ``eval_weights/NNNN.pt`` — with ``train.save_eval_weights``.
@@ -736,6 +738,9 @@ class Trainer:
             purge_step=(kept[-1]["samples"] + 1 if kept else 0) if resume else None,
         )
         self._keep_membership_records(resume)
+        join_info = self.runtime.join_info()
+        if join_info is not None:  # learners may join: distsgd join RUN_DIR
+            write_json(self.out_dir / "join.json", join_info)
         recorder = None
         if self.options.record:
             recorder = RunRecorder(self.out_dir, resume=resume, samples=self.runtime.samples)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distsgd.config import ClusterConfig, ConfigError, DataConfig, RunConfig
-from distsgd.data import LearnerStream, load_dataset
+from distsgd.data import ElasticShards, LearnerStream, ShardedSampler, load_dataset
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
 from distsgd.protocols import ComputeGroups, ParameterServer
@@ -225,3 +225,72 @@ def test_run_directory_records_the_changes_and_resumes_across_them(tmp_path):
     mf = read_metrics(tmp_path / "full" / "metrics.jsonl")
     mh = read_metrics(tmp_path / "half" / "metrics.jsonl")
     assert [r["eval_loss"] for r in mh] == [r["eval_loss"] for r in mf]
+
+
+def _serve_draws(actions, num_learners=3, drawn=None):
+    """Replay a parameter server's sends with :class:`ElasticShards`: ``w`` = the server
+    sends worker w weights (it takes the position they carry, then draws), ``"join"``,
+    ``("leave", w)``. Returns the shards, each worker's stream and every draw as
+    ``(worker, epoch, indices)``."""
+    sampler = ShardedSampler(120, num_learners, 5, seed=3)  # 8 steps of 15 per epoch
+    drawn = drawn or [0] * num_learners
+    shards = ElasticShards(sampler, drawn)
+    streams = {w: LearnerStream(sampler, w) for w in range(num_learners)}
+    for w, d in enumerate(drawn):
+        streams[w].epoch, streams[w].step = divmod(d, sampler.steps_per_epoch)
+    active, pending, draws = list(range(num_learners)), {}, []
+    for a in actions:
+        if a == "join" or isinstance(a, tuple):
+            if a == "join":
+                active.append(max(streams) + 1)
+                streams[active[-1]] = None
+            else:
+                active.remove(a[1])
+                streams.pop(a[1])
+            pending.update(shards.reshard(active))
+            continue
+        if a in pending:
+            lam, slot, epoch, step = pending.pop(a)
+            streams[a] = LearnerStream(ShardedSampler(120, lam, 5, seed=3), slot)
+            streams[a].epoch, streams[a].step = epoch, step
+        shards.draw(a)
+        epoch = streams[a].epoch
+        draws.append((a, epoch, streams[a].next_indices().tolist()))
+    return shards, streams, draws
+
+
+def _no_index_twice_per_epoch(draws):
+    by_epoch = {}
+    for _, epoch, idx in draws:
+        by_epoch.setdefault(epoch, []).extend(idx)
+    for epoch, idx in by_epoch.items():
+        assert len(idx) == len(set(idx)), f"epoch {epoch} draws a sample twice"
+
+
+def test_reshard_on_join_and_leave_draws_no_sample_twice_per_epoch():
+    # learners at different positions (the server counts the minibatch in flight), a
+    # joiner, a leaver, into the next epoch
+    order = [0, 1, 2, 0, 0, 1, "join", 3, 2, 0, 1, 3, ("leave", 1), 0, 2, 3] + [0, 2, 3] * 8
+    shards, streams, draws = _serve_draws(order, drawn=[3, 1, 2])
+    _no_index_twice_per_epoch(draws)
+    assert {w for w, e, _ in draws if e == 1} == {0, 2, 3}  # the run reached epoch 1
+    for w, st in shards.streams.items():  # the server's view is where each learner is
+        assert (st.epoch, st.step, st.learner) == (
+            streams[w].epoch,
+            streams[w].step,
+            streams[w].learner,
+        )
+
+
+def test_a_leavers_remaining_shard_is_taken_over():
+    sampler = ShardedSampler(120, 3, 5, seed=3)
+    order = [0, 1, 2, 0, 1, 2, ("leave", 1)] + [0, 2] * 9  # 2 steps each, then λ = 2
+    _, _, draws = _serve_draws(order)
+    _no_index_twice_per_epoch(draws)
+    left = {i for s in range(2, 8) for i in sampler.batch_indices(1, 0, s).tolist()}
+    survivors = {i for w, e, idx in draws if e == 0 and w != 1 for i in idx}
+    assert left and left <= survivors
+    # a joiner's draws are its own shard
+    _, _, draws = _serve_draws([0, 1, 2, "join", 3, 0, 1, 2, 3])
+    _no_index_twice_per_epoch(draws)
+    assert len(draws[3][2]) == 5 and draws[3][0] == 3

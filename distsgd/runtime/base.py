@@ -204,6 +204,11 @@ class Runtime(abc.ABC):
         lost while the run was ending), read after :meth:`close`; none by default."""
         return []
 
+    def join_info(self) -> dict[str, Any] | None:
+        """What the writer puts into ``RUN_DIR/join.json`` for learners that join the
+        running run (``distsgd join``, docs/elastic.md); None (default): none can."""
+        return None
+
 
 def time_in_turn(
     fns: list[Callable[[], Any]], repeats: int, device: torch.device, warmup: int = 1

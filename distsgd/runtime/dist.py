@@ -64,6 +64,7 @@ import inspect
 import os
 import queue
 import re
+import socket
 import statistics
 import sys
 import threading
@@ -81,7 +82,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSG
 from torch.nn.parallel import DistributedDataParallel
 
 from distsgd.config import ConfigError, RunConfig, required_processes, resolve_device
-from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
+from distsgd.data import (
+    Dataset,
+    ElasticShards,
+    LearnerStream,
+    ShardedSampler,
+    Split,
+    reshard_streams,
+)
 from distsgd.engine import GradientEngine, bn_recalibration_inputs
 from distsgd.layout import build_protocol, protocols_with, sma_alpha, spec_for
 from distsgd.protocols.base import AllReduce, AsynchronousProtocol, SynchronousProtocol
@@ -109,9 +117,10 @@ from distsgd.runtime.launch import (
     arm_exit_deadline,
     end_with_parent,
     join_namespace,
+    namespace,
     store_namespace,
 )
-from distsgd.runtime.rendezvous import join_run, post_refusal, run_store
+from distsgd.runtime.rendezvous import ENV_SECRET, join_run, post_refusal, run_store
 
 __all__ = [
     "ProcessInfo",
@@ -135,6 +144,9 @@ __all__ = [
     "hardsync_step",
     "SyncDistRuntime",
     "PSDistRuntime",
+    "elastic_refusal",
+    "join_running_run",
+    "learner_steps",
 ]
 
 
@@ -908,6 +920,10 @@ class PSDistRuntime(_DistBase):
         else:
             self.protocol = self.full_protocol
         self.pushes = [0] * len(groups)  # per worker: pushes handled (= minibatches drawn)
+        # learners may join and leave (docs/elastic.md): parameter server without the
+        # barrier, one server rank, learners of one rank
+        self.elastic = elastic_refusal(cfg) is None
+        self.worker_ranks = [list(g) for g in groups]  # joiners: their channel rank
         self.events: list[str] = []  # what the server logged (lost learners)
         self._membership: list[dict[str, Any]] = []  # lost workers not yet in a Tick
         self._lr = cfg.optimizer.lr
@@ -940,15 +956,58 @@ class PSDistRuntime(_DistBase):
     def _on_lost(self, worker: int) -> None:
         """The server thread lost ``worker``: a ``membership.jsonl`` record for the next
         tick (seconds of training so far, the server's version then)."""
-        self._membership.append(
-            {
-                "time_s": self.virtual_time,
-                "event": "lost",
-                "worker": worker,
-                "ranks": list(self.layout.worker_groups[worker]),
-                "version": self.protocol.version,
-            }
+        self._record("lost", worker)
+
+    def _on_join(self, worker: int, rank: int) -> None:
+        """The server thread admitted a joiner (channel rank ``rank``): its record."""
+        self.worker_ranks.append([rank])
+        self.pushes.append(0)
+        self._record("join", worker)
+
+    def _record(self, event: str, worker: int) -> None:
+        """A ``membership.jsonl`` record: seconds of training so far, the server's version
+        and, where membership is elastic, the active workers and c after the change."""
+        record = {
+            "time_s": self.virtual_time,
+            "event": event,
+            "worker": worker,
+            "ranks": list(self.worker_ranks[worker]),
+            "version": self.protocol.version,
+        }
+        if self.elastic:
+            record["active_workers"] = self.protocol.active_workers
+            record["gradients_per_update"] = getattr(self.protocol, "gradients_per_update", 1)
+        self._membership.append(record)
+
+    def join_info(self) -> dict[str, Any] | None:
+        """What ``RUN_DIR/join.json`` holds for ``distsgd join`` (docs/elastic.md): the
+        run store's address and the run's key namespace without the secret's tag (a
+        joiner adds the tag of its own secret); None where learners cannot join."""
+        if not self.elastic:
+            return None
+        return {
+            "master_addr": os.environ["MASTER_ADDR"],
+            "master_port": int(os.environ["MASTER_PORT"]),
+            "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            "run": os.environ.get(ENV_RUN, ""),
+            "num_learners": self.num_learners,
+        }
+
+    def _elastic_server(self) -> dict[str, Any]:
+        """run_server's elastic arguments on the coordinator (none where not elastic)."""
+        if not self.elastic:
+            return {}
+        sampler = ShardedSampler(
+            self.dataset.num_train, self.num_computing, self.batch_size, self.cfg.train.seed
         )
+        timeout_s = self.cfg.dist.timeout_s
+        store = run_store(0, timeout_s)
+        joins = ps.JoinWatch(store, store_namespace() + JOIN_KEYS, timeout_s, self._log)
+        return {
+            "shards": ElasticShards(sampler, self.pushes[: self.num_computing]),
+            "joins": joins,
+            "on_join": self._on_join,
+        }
 
     # ---- coordinating server ----------------------------------------------------------
     def _on_push(self, event: Any) -> bool:
@@ -965,6 +1024,7 @@ class PSDistRuntime(_DistBase):
                 log=self._log,
                 lr=lambda samples: self._lr,
                 on_lost=self._on_lost,
+                **self._elastic_server(),
             )
             self._events.put(("finished", result))
         except BaseException as e:  # noqa: BLE001 - handed to the training loop
@@ -1001,7 +1061,7 @@ class PSDistRuntime(_DistBase):
         dropped = getattr(self.protocol, "dropped_gradients", 0) > self.dropped_gradients
         self.dropped_gradients += dropped
         samples, losses = (0, []) if dropped else (event.samples, list(event.losses))
-        members = self.layout.worker_groups[event.worker]
+        members = self.worker_ranks[event.worker]
         learners = [r - self.num_servers for r in members]
         if len(losses) == len(learners):
             check_losses(learners, losses, lr, self.samples)
@@ -1078,20 +1138,21 @@ class PSDistRuntime(_DistBase):
         stream = LearnerStream(sampler, learner)
         done = self.pushes[worker]
         stream.epoch, stream.step = divmod(done, sampler.steps_per_epoch)
-        train = self.dataset.train
+        compute, on_position = learner_steps(self.engine, self.dataset, self.cfg, stream)
 
-        def compute(weights: Tensor, version: int) -> tuple[Tensor, list[float]]:
+        def counted(weights: Tensor, version: int) -> tuple[Tensor, list[float]]:
             self._tick_hook()
-            return self.engine.gradient(weights, *train.batch(stream.next_indices()))
+            return compute(weights, version)
 
         ps.run_learner(
             self.layout,
             self.rank,
-            compute=compute,
+            compute=counted,
             group=self._subgroups[worker],
             num_samples=self.batch_size,
             timeout_s=self.cfg.dist.timeout_s,
             silence_s=self.heartbeats.silence_s,  # the coordinator's evaluation is no silence
+            on_position=on_position,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -1121,6 +1182,122 @@ class PSDistRuntime(_DistBase):
         self.virtual_time = float(state["virtual_time"])
         self.pushes = [int(v) for v in state["pushes"]]
         self.dropped_gradients = int(state.get("dropped_gradients", 0))
+        n = self.num_computing
+        if self.elastic and self.rank == 0 and self.protocol.active_workers != list(range(n)):
+            # the run resumes with the learners it was launched with: joiners join again
+            protocol_state = self.protocol.state_dict()
+            protocol_state["active"] = [True] * n
+            self.protocol.load_state_dict(protocol_state)
+
+
+JOIN_KEYS = "elastic/"  # the join keys below the run's store namespace
+
+
+def elastic_refusal(cfg: RunConfig) -> str | None:
+    """Why learners cannot join or leave a running dist run of ``cfg`` (one line naming
+    the setting), None where they can: the parameter server in mode async or softsync,
+    one server rank (compute groups join on the simulated cluster only)."""
+    p = cfg.protocol
+    if cfg.runtime != "dist":
+        return f"runtime = {cfg.runtime!r}: learners join a running run on runtime 'dist'"
+    if p.name != "parameter_server":
+        return (
+            f"protocol.name = {p.name!r}: learners join a running dist run of the "
+            "parameter server only (compute groups join on the simulated cluster only)"
+        )
+    if p.mode == "hardsync" or p.backup_learners:
+        return (
+            f"protocol.mode = {p.mode!r}: learners join a running parameter server in mode "
+            "'async' or 'softsync' only (the hardsync barrier fixes its membership)"
+        )
+    if cfg.dist.num_servers != 1:
+        return (
+            f"dist.num_servers = {cfg.dist.num_servers}: learners join a running parameter "
+            "server of one server rank only"
+        )
+    return None
+
+
+def learner_steps(
+    engine: GradientEngine, dataset: Dataset, cfg: RunConfig, stream: LearnerStream | None
+) -> tuple[
+    Callable[[Tensor, int], tuple[Tensor, list[float]]], Callable[[int, int, int, int], None]
+]:
+    """A parameter-server learner's ``compute`` (the gradient on its stream's next
+    minibatch) and ``on_position`` (the server moved it to ``(λ, slot, epoch, step)``:
+    :class:`~distsgd.data.ElasticShards`); ``stream`` None: a joiner, whose first weights
+    bring its position."""
+    box = [stream]
+    train = dataset.train
+
+    def compute(weights: Tensor, version: int) -> tuple[Tensor, list[float]]:
+        current = box[0]
+        assert current is not None, "a joiner's first weights carry its data position"
+        return engine.gradient(weights, *train.batch(current.next_indices()))
+
+    def on_position(lam: int, slot: int, epoch: int, step: int) -> None:
+        sampler = ShardedSampler(dataset.num_train, lam, cfg.protocol.batch_size, cfg.train.seed)
+        moved = box[0] = LearnerStream(sampler, slot)
+        moved.epoch, moved.step = epoch, step
+
+    return compute, on_position
+
+
+def join_running_run(
+    cfg: RunConfig, engine: GradientEngine, dataset: Dataset, info: dict[str, Any]
+) -> ps.LearnerResult:
+    """Join the running dist run that ``info`` (its ``join.json``) describes as one more
+    learner of its parameter server, and learn until the server stops the run
+    (docs/elastic.md). The run's store (a c10d TCPStore) is the rendezvous: this process
+    takes a joiner id, makes its channel to the coordinating server (a two-rank
+    ``ProcessGroupGloo``, :func:`~distsgd.runtime.ps.transport.join_channel`) and runs
+    :func:`~distsgd.runtime.ps.run_learner` on it; the server admits it, re-shards the
+    data and sends it the weights and its data position.
+
+    Raises:
+        ConfigError: the run takes no learners (its settings, :func:`elastic_refusal`),
+            cannot be reached, has ended, or has another run secret (one line each).
+        ps.ServerLost: the server died or stayed silent for ``dist.timeout_s``.
+    """
+    why = elastic_refusal(cfg)
+    if why is not None:
+        raise ConfigError(f"cannot join: {why}")
+    addr, port = str(info["master_addr"]), int(info["master_port"])
+    timeout_s = cfg.dist.timeout_s
+    try:
+        socket.create_connection((addr, port), timeout=min(5.0, timeout_s)).close()
+    except OSError as e:
+        raise ConfigError(
+            f"cannot join: the run's store at {addr}:{port} does not answer ({e.strerror or e}); "
+            "the run has ended, or this host cannot reach dist.master_addr"
+        ) from None
+    store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    prefix = namespace(str(info.get("restart", "0")), str(info.get("run", "")) or None)
+    prefix += JOIN_KEYS
+    if not store.check([prefix + "open"]):
+        raise ConfigError(
+            f"cannot join: the run at {addr}:{port} takes no joiners now (it has ended or "
+            f"not started training, or it has another run secret: {ENV_SECRET})"
+        )
+    joiner = store.add(prefix + "count", 1)
+    try:
+        link = ps.join_channel(store, f"{prefix}{joiner}/", 1, timeout_s)
+    except (RuntimeError, dist.DistError) as e:
+        raise ConfigError(
+            f"cannot join: the server did not connect within dist.timeout_s = {timeout_s:g} s "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
+    compute, on_position = learner_steps(engine, dataset, cfg, None)
+    return ps.run_learner(
+        ps.PSLayout(server_ranks=[0], worker_groups=[[1]]),
+        1,
+        compute=compute,
+        group=None,
+        num_samples=cfg.protocol.batch_size,
+        timeout_s=timeout_s,
+        on_position=on_position,
+        links={0: link},
+    )
 
 
 def build_runtime(

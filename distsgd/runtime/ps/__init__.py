@@ -63,6 +63,8 @@ index   field     meaning
 3       losses    PUSH: number of losses after the gradient in the payload (shard 0 only)
 4       worker    protocol worker index of the leader concerned
 5       length    float32 elements of the payload that follows (0: none)
+6–9     position  WEIGHTS: the learner's new data position (λ, slot, epoch, step) after a
+                  membership change (λ = 0: it keeps drawing where it is; see Membership)
 ======  ========  ==========================================================================
 
 * learner → server PUSH, payload ``[n + losses]``: the gradient slice (shape ``[n]``,
@@ -110,6 +112,17 @@ inside, so it stands or falls as one):
   0.02 s after SIGKILL), after telling its members, which raise it too. A lost shard
   makes the coordinator raise :class:`ServerLost` naming it.
 
+Membership (docs/elastic.md; one server rank, learners of one rank, no barrier:
+``run_server``'s ``shards``). A lost learner is retired (``protocol.retire``: λ and c
+refit). A learner joins the running run through the run's c10d store
+(:class:`JoinWatch`): it takes an id with ``store.add``, both sides make a two-rank
+``ProcessGroupGloo`` under that id's prefix (:func:`join_channel`, the channel kind every
+learner has), and the server loop admits it (``protocol.admit``) and sends it WEIGHTS. At
+each change the server re-shards the active learners from the minibatches each has drawn
+(:class:`~distsgd.data.ElasticShards`: a learner draws one per WEIGHTS it receives) and
+puts each one's new position into its next WEIGHTS header, so its next draw comes from
+the new layout and no sample is drawn twice in an epoch.
+
 ``timeout_s`` must exceed the longest legitimate silence: the start of the server (the
 learners' first wait), one compute plus its group all-reduce, ``on_push`` of the
 coordinator, and under the barrier the slowest learner's round. Given ``silence_s``
@@ -129,12 +142,13 @@ push after ``on_push`` returns False, not to the push being handled.
 """
 
 from distsgd.runtime.ps.learner import LearnerResult, run_learner
-from distsgd.runtime.ps.server import PushEvent, ServerResult, run_server
+from distsgd.runtime.ps.server import JoinWatch, PushEvent, ServerResult, run_server
 from distsgd.runtime.ps.transport import (
     HostStaging,
     LearnerLost,
     PSLayout,
     ServerLost,
+    join_channel,
     shard_bounds,
     to_host,
 )
@@ -151,4 +165,6 @@ __all__ = [
     "to_host",
     "run_server",
     "run_learner",
+    "JoinWatch",
+    "join_channel",
 ]

@@ -15,6 +15,7 @@ from distsgd.runtime.ps.transport import (
     _FOREVER_S,
     _KIND,
     _LENGTH,
+    _POSITION,
     _VERSION,
     BYE,
     HEADER_LEN,
@@ -102,6 +103,8 @@ class _Leader:
         self.links = [links[s] for s in self.servers]
         self.versions = [0] * len(self.servers)
         self.parts: list[Tensor] = [torch.empty(0)] * len(self.servers)
+        # a new data position (λ, slot, epoch, step) the last WEIGHTS carried, else None
+        self.position: tuple[int, ...] | None = None
         self.silence_s = silence_s
         # with silence_s: one receiver thread per shard, without a timeout of its own; the
         # reply is awaited as long as the server's heartbeat goes on (_reply)
@@ -156,6 +159,7 @@ class _Leader:
             kind = int(header[_KIND])
             if kind == WEIGHTS:
                 self.versions[k], self.parts[k] = int(header[_VERSION]), payload
+                self._take_position(header)
             return kind
         try:
             server, link = self.servers[k], self.links[k]
@@ -163,6 +167,7 @@ class _Leader:
             kind = int(header[_KIND])
             if kind == WEIGHTS:
                 self.versions[k] = int(header[_VERSION])
+                self._take_position(header)
                 self.parts[k] = _recv(
                     torch.empty(int(header[_LENGTH]), dtype=torch.float32),
                     server,
@@ -172,6 +177,11 @@ class _Leader:
         except RuntimeError as e:
             raise self._lost(k, e) from e
         return kind
+
+    def _take_position(self, header: Tensor) -> None:
+        position = tuple(int(v) for v in header[_POSITION])
+        if position[0] > 0:  # λ' = 0: keep drawing where it is
+            self.position = position
 
     def bye(self, done: set[int]) -> None:
         """Tell every shard not in ``done`` (those that sent STOP or LAST) that we leave."""
@@ -223,6 +233,8 @@ def run_learner(
     num_samples: int,
     timeout_s: float,
     silence_s: Callable[[int], float] | None = None,
+    on_position: Callable[[int, int, int, int], None] | None = None,
+    links: dict[int, dist.ProcessGroup] | None = None,
 ) -> LearnerResult:
     """Pull → compute → push until the server says stop (Rudra §3; Omnivore groups).
 
@@ -245,6 +257,12 @@ def run_learner(
             reply as long as that stays <= ``timeout_s`` (the coordinator may evaluate
             for longer), instead of ``timeout_s`` after its push. Group members still
             wait ``timeout_s`` in the group's broadcast.
+        on_position: called with ``(λ, slot, epoch, step)`` before ``compute`` when the
+            weights came with a new data position (elastic membership: the learners were
+            re-sharded, :class:`~distsgd.data.ElasticShards`); learners of one rank.
+        links: this leader's channel to each server rank, made already (a learner that
+            joined the running run: :func:`~distsgd.runtime.ps.transport.join_channel`);
+            None: the pair groups of ``layout`` are made, collectively.
 
     Returns:
         :class:`LearnerResult`.
@@ -261,7 +279,8 @@ def run_learner(
         raise ValueError(f"worker {w} has ranks {ranks}: expected its process group, got None")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s = {timeout_s!r} is not allowed: expected > 0")
-    links = _pair_groups(layout, rank)  # collective: every rank, first
+    if links is None:
+        links = _pair_groups(layout, rank)  # collective: every rank, first
     grp = _Group(ranks, group, timeout_s)
     is_leader = rank == ranks[0]
     leader = _Leader(layout, links, w, timeout_s, silence_s) if is_leader else None
@@ -306,6 +325,10 @@ def run_learner(
             return result
         grp.broadcast(weights, "weights broadcast")
         result.version = version
+        if leader is not None and leader.position is not None and on_position is not None:
+            lam, slot, epoch, step = leader.position
+            on_position(lam, slot, epoch, step)
+            leader.position = None
         computed = compute(weights, version)
         if computed is None:  # this worker leaves (the drop-in's learner loop ended)
             if leader is not None:

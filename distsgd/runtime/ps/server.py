@@ -5,6 +5,7 @@ coordinator's stop and central weights, lost learners and shards (see
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,10 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from distsgd.data import ElasticShards
 from distsgd.protocols.base import AsynchronousProtocol, Update
 from distsgd.runtime.ps.transport import (
     _COORDINATOR,
     _FOREVER_S,
+    _JOINER,
     _KIND,
     _SAMPLES,
     _VERSION,
@@ -25,20 +28,23 @@ from distsgd.runtime.ps.transport import (
     LAST,
     PUSH,
     STOP,
-    TAG,
     WEIGHTS,
     LearnerLost,
     PSLayout,
     ServerLost,
     _brief,
     _header,
+    _isend,
     _pair_groups,
     _Receiver,
     _send,
     _td,
+    join_channel,
 )
 
-__all__ = ["PushEvent", "ServerResult", "run_server"]
+__all__ = ["JoinWatch", "PushEvent", "ServerResult", "run_server"]
+
+_JOIN_POLL_S = 0.2  # how often the coordinator looks for learners joining
 
 
 @dataclass
@@ -99,6 +105,9 @@ def run_server(
     log: Callable[[str], None],
     push_lr: Callable[[list[float]], float] | None = None,
     on_lost: Callable[[int], None] | None = None,
+    shards: ElasticShards | None = None,
+    joins: JoinWatch | None = None,
+    on_join: Callable[[int, int], None] | None = None,
 ) -> ServerResult:
     """Serve the parameter-server protocol to the learners until the run stops.
 
@@ -122,6 +131,15 @@ def run_server(
             (the other shards get no such floats).
         on_lost: called with the protocol worker index of each leader declared lost
             (after ``log``; the run's ``membership.jsonl``).
+        shards: elastic membership (one server rank, learners of one rank, no barrier):
+            the learners' data positions (:class:`~distsgd.data.ElasticShards`, one
+            stream per worker of ``layout``). A lost learner is then retired
+            (``protocol.retire``: λ and c refit) and learners joining through ``joins``
+            are admitted; at each change the active learners are re-sharded, each one
+            told its new position in its next WEIGHTS header.
+        joins: learners joining the running run (:class:`JoinWatch`; with ``shards``).
+        on_join: called with the worker index and channel rank of each joiner admitted
+            (after the protocol admitted it and the learners were re-sharded).
 
     Returns:
         :class:`ServerResult` (lost leader ranks, pushes applied).
@@ -130,7 +148,68 @@ def run_server(
         ValueError: this rank is not in ``layout.server_ranks`` or ``timeout_s <= 0``.
         LearnerLost: a learner was lost under a barrier, or every worker was lost.
     """
-    return _ServerLoop(protocol, layout, on_push, lr, timeout_s, log, push_lr, on_lost).run()
+    loop = _ServerLoop(protocol, layout, on_push, lr, timeout_s, log, push_lr, on_lost)
+    loop.shards, loop.joins, loop.on_join = shards, joins, on_join or (lambda w, r: None)
+    return loop.run()
+
+
+class JoinWatch(threading.Thread):
+    """Learners joining a running run (docs/elastic.md), on the coordinating server.
+
+    A joiner takes an id ``j`` with ``store.add(prefix + "count", 1)`` and makes its side
+    of the channel under ``prefix + "<j>/"`` (:func:`~distsgd.runtime.ps.transport.
+    join_channel`, rank 1). This thread looks for new ids every 0.2 s while the server
+    loop runs, makes the server's side of each one's channel (rank 0; up to ``timeout_s``
+    for the joiner to connect, else it is logged and forgotten) and hands it to the server
+    loop, which admits it. ``prefix + "open"`` is set while the watch runs: a joiner that
+    does not find it is told the run takes no joiners (finished, or another run secret).
+
+    Args:
+        store: the run's store (c10d TCPStore).
+        prefix: the join keys' namespace in it (the run's, which names the run secret).
+        timeout_s: seconds a joiner has to connect its channel, > 0.
+        log: receives one line per joiner that did not connect.
+    """
+
+    def __init__(
+        self, store: dist.Store, prefix: str, timeout_s: float, log: Callable[[str], None]
+    ) -> None:
+        super().__init__(name="ps-join-watch", daemon=True)
+        self.store, self.prefix, self.timeout_s, self.log = store, prefix, timeout_s, log
+        self.inbox: queue.Queue | None = None
+        self.stopped = threading.Event()
+        self.seen = 0
+
+    def open(self, inbox: queue.Queue) -> None:
+        """Take joiners from now on into ``inbox`` (the server loop's)."""
+        self.inbox = inbox
+        self.seen = self.store.add(self.prefix + "count", 0)  # ids taken before: too early
+        self.store.set(self.prefix + "open", "1")
+        self.start()
+
+    def close(self) -> None:
+        """Take no more joiners."""
+        self.stopped.set()
+        try:
+            self.store.delete_key(self.prefix + "open")
+        except (RuntimeError, dist.DistError):  # the store is gone with the run
+            pass
+
+    def run(self) -> None:
+        assert self.inbox is not None
+        while not self.stopped.wait(_JOIN_POLL_S):
+            try:
+                count = self.store.add(self.prefix + "count", 0)
+            except (RuntimeError, dist.DistError):
+                return
+            while self.seen < count and not self.stopped.is_set():
+                self.seen += 1
+                try:
+                    link = join_channel(self.store, f"{self.prefix}{self.seen}/", 0, self.timeout_s)
+                except (RuntimeError, dist.DistError) as e:
+                    self.log(f"a learner joining (id {self.seen}) did not connect ({_brief(e)})")
+                    continue
+                self.inbox.put((_JOINER, None, link, None))
 
 
 class _ServerLoop:
@@ -199,6 +278,11 @@ class _ServerLoop:
         self.busy_s = 0.0  # wall seconds spent on pushes (PushEvent.busy_s)
         # per worker: the reply whose send is under way (its header's and weights' works)
         self.sending: dict[int, list[dist.Work]] = {}
+        # elastic membership (run_server's shards, joins, on_join)
+        self.shards: ElasticShards | None = None
+        self.joins: JoinWatch | None = None
+        self.on_join: Callable[[int, int], None] = lambda w, r: None
+        self.positions: dict[int, tuple[int, int, int, int]] = {}  # not yet sent
 
     # ---- replies -----------------------------------------------------------------------
     def send_weights(self, w: int) -> None:
@@ -210,11 +294,12 @@ class _ServerLoop:
         leader, link = self.leaders[w], self.links[self.leaders[w]]
         if not self.finish_send(w):
             return
-        header = _header(WEIGHTS, version, worker=w, length=self.n)
+        position = self.positions.pop(w, (0, 0, 0, 0))
+        header = _header(WEIGHTS, version, worker=w, length=self.n, position=position)
+        if self.shards is not None:
+            self.shards.draw(w)  # the learner draws its next minibatch once it has these
         try:
-            self.sending[w] = [
-                dist.isend(t, dst=leader, group=link, tag=TAG) for t in (header, weights)
-            ]
+            self.sending[w] = [_isend(t, leader, link) for t in (header, weights)]
         except RuntimeError as e:  # it died since its push
             self.lose(w, e)
             return
@@ -255,6 +340,10 @@ class _ServerLoop:
         leader = self.leaders[w]
         self.result.lost_ranks.append(leader)
         self.log(f"parameter server rank {self.rank}: learner rank {leader} lost ({_brief(error)})")
+        active = self.protocol.active_workers
+        if self.shards is not None and not self.stopping and w in active and len(active) > 1:
+            self.protocol.retire(w)  # λ and c refit; the others take over its shard
+            self.reshard()
         self.on_lost(w)
         if self.gather_target is not None:  # the pushes awaited may never come
             self.answer_coordinator(_header(GATHER, self.gather_target), None)
@@ -271,6 +360,33 @@ class _ServerLoop:
                 f"learner rank {leader} lost: {len(self.live)} learners are left and an "
                 f"update needs {needed} ({error})",
             )
+
+    def reshard(self) -> None:
+        """New data positions for the active workers, sent with their next weights."""
+        assert self.shards is not None
+        self.positions.update(self.shards.reshard(self.protocol.active_workers))
+
+    def admit(self, link: dist.ProcessGroup) -> None:
+        """A learner joins: the protocol admits it, it gets a channel rank (after every
+        rank of the run), the learners are re-sharded and it pulls the weights."""
+        if self.stopping:
+            try:
+                _send(_header(STOP, self.protocol.version), 0, link, self.timeout_s)
+            except RuntimeError:
+                pass
+            return
+        w = self.protocol.admit()
+        assert w == len(self.leaders), f"joiner got worker {w}, expected {len(self.leaders)}"
+        rank = max(self.servers + self.leaders) + 1
+        self.leaders.append(rank)
+        self.links[rank] = link
+        receiver = _Receiver(w, rank, link, self.timeout_s, self.inbox)
+        self.receivers.append(receiver)
+        receiver.start()
+        self.live.add(w)
+        self.reshard()
+        self.on_join(w, rank)
+        self.send_weights(w)
 
     def release_held(self, kind: int = LAST) -> None:
         """Answer every worker held by the barrier with ``kind`` (their pushes were
@@ -356,6 +472,8 @@ class _ServerLoop:
             t.start()
         for t in self.peers.values():
             t.arm()
+        if self.joins is not None:
+            self.joins.open(self.inbox)
         try:
             for w in range(self.layout.num_workers):
                 self.send_weights(w)
@@ -380,7 +498,7 @@ class _ServerLoop:
                 except RuntimeError:  # it left meanwhile; its weights were not needed
                     pass
             result = self.result
-            if not result.stopped and len(result.lost_ranks) == self.layout.num_workers:
+            if not result.stopped and len(result.lost_ranks) == len(self.leaders):
                 raise LearnerLost(list(result.lost_ranks), "every learner was lost")
             if self.coordinator:
                 result.weights = self.central(final=True)
@@ -389,7 +507,9 @@ class _ServerLoop:
             finished = True
             return result
         finally:
-            for t in threads:
+            if self.joins is not None:
+                self.joins.close()
+            for t in self.receivers + list(self.peers.values()):
                 t.close()
             if finished:  # no receive is pending then; after an error, do not wait for one
                 for t in self.receivers:
@@ -401,6 +521,9 @@ class _ServerLoop:
         """One message from worker ``w``'s leader (or from the coordinator)."""
         if w == _COORDINATOR:
             self.answer_coordinator(header, error)
+            return
+        if w == _JOINER:
+            self.admit(payload)
             return
         if error is not None:
             timed_out = "Timed out" in str(error)

@@ -10,6 +10,7 @@ import re
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ __all__ = [
     "shard_bounds",
     "HostStaging",
     "to_host",
+    "join_channel",
 ]
 
 # Test hook: "1" makes to_host copy CPU tensors too, so the staging path of GPU learners
@@ -31,10 +33,12 @@ __all__ = [
 ENV_FORCE_HOST_STAGING = "DISTSGD_FORCE_HOST_STAGING"
 
 TAG = 7301
-HEADER_LEN = 6
+HEADER_LEN = 10
 PUSH, WEIGHTS, STOP, BYE, LAST, GATHER, SERVER_GONE = 1, 2, 3, 4, 5, 6, 7
-_KIND, _VERSION, _SAMPLES, _LOSSES, _WORKER, _LENGTH = range(HEADER_LEN)
+_KIND, _VERSION, _SAMPLES, _LOSSES, _WORKER, _LENGTH = range(6)
+_POSITION = slice(6, 10)  # WEIGHTS: the learner's new data position (λ, slot, epoch, step)
 _COORDINATOR = -1  # inbox key of the coordinator's messages on the other shards
+_JOINER = -2  # inbox key of a learner joining the running run (its channel)
 _FOREVER_S = 7 * 24 * 3600.0  # between server shards: their loss shows as a closed pair
 
 
@@ -142,17 +146,53 @@ def _td(seconds: float) -> timedelta:
 
 
 def _header(
-    kind: int, version: int = 0, samples: int = 0, losses: int = 0, worker: int = 0, length: int = 0
+    kind: int,
+    version: int = 0,
+    samples: int = 0,
+    losses: int = 0,
+    worker: int = 0,
+    length: int = 0,
+    position: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> Tensor:
-    return torch.tensor([kind, version, samples, losses, worker, length], dtype=torch.int64)
+    values = [kind, version, samples, losses, worker, length, *position]
+    return torch.tensor(values, dtype=torch.int64)
+
+
+# join channels (:func:`join_channel`): two-rank gloo groups c10d has not registered, so
+# their peer is named by its rank in the pair, not by a global rank
+_JOIN_PEERS: dict[Any, int] = {}
+
+
+def join_channel(store: dist.Store, prefix: str, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    """The channel between the coordinating server (``rank`` 0) and a learner joining the
+    running run (``rank`` 1): a two-rank ``ProcessGroupGloo`` on the run's store under
+    ``prefix``, as :func:`_pair_groups` makes for the learners started with the run.
+    Both sides block until the other connects (up to ``timeout_s``).
+
+    Raises:
+        RuntimeError / dist.DistError: the peer did not connect within ``timeout_s``.
+    """
+    group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, _td(timeout_s))
+    _JOIN_PEERS[group] = 1 - rank
+    return group
+
+
+def _peer(group: Any, rank: int, key: str) -> dict[str, int]:
+    """``{key: rank}`` (global rank), or on a join channel ``{group_<key>: its pair rank}``."""
+    pair_rank = _JOIN_PEERS.get(group)
+    return {key: rank} if pair_rank is None else {f"group_{key}": pair_rank}
+
+
+def _isend(tensor: Tensor, dst: int, group: Any) -> dist.Work:
+    return dist.isend(tensor, group=group, tag=TAG, **_peer(group, dst, "dst"))
 
 
 def _send(tensor: Tensor, dst: int, group: dist.ProcessGroup, timeout_s: float) -> None:
-    dist.isend(tensor, dst=dst, group=group, tag=TAG).wait(_td(timeout_s))
+    _isend(tensor, dst, group).wait(_td(timeout_s))
 
 
 def _recv(tensor: Tensor, src: int, group: dist.ProcessGroup, timeout_s: float) -> Tensor:
-    dist.irecv(tensor, src=src, group=group, tag=TAG).wait(_td(timeout_s))
+    dist.irecv(tensor, group=group, tag=TAG, **_peer(group, src, "src")).wait(_td(timeout_s))
     return tensor
 
 
