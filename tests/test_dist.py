@@ -290,13 +290,20 @@ def test_sma_device_killed_stops_every_process(tmp_path, hooks):
 
 def test_softsync_learner_killed_run_completes(tmp_path, hooks):
     """1-softsync, λ = 2: learner rank 2 is killed at its 10th gradient; the server logs
-    it and the other learner alone fills each update (c = 2) until the budget."""
+    and records it, retires it (λ = 1: c refits from 2 to 1) and the other learner takes
+    over its data and goes on alone until the budget."""
     hooks(2, 10)
     s = train(config(SOFTSYNC, "dist"), out_dir=tmp_path / "run")
     assert s["status"] == "completed" and s["samples"] >= 1024
     assert any("learner rank 2 lost" in e for e in s["events"])
+    records = [json.loads(x) for x in (tmp_path / "run" / "membership.jsonl").open()]
+    assert [(r["event"], r["worker"], r["active_workers"]) for r in records] == [("lost", 1, [0])]
+    assert records[0]["gradients_per_update"] == 1
     counts = json.loads((tmp_path / "run" / "staleness.json").read_text())["counts"]
-    assert sum(counts.values()) == s["iterations"] * 2
+    # every push was applied (c = 1 at the end: nothing left in the buffer), fewer than
+    # two per update once the learner was retired
+    assert sum(counts.values()) == s["samples"] // SOFTSYNC["batch_size"]
+    assert sum(counts.values()) < s["iterations"] * 2
     no_process_left(hooks.pid_dir)
 
 

@@ -2,6 +2,11 @@
 (docs/elastic.md): the protocol's admission and staleness, re-sharding, records, resume."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +17,9 @@ from distsgd.engine import GradientEngine
 from distsgd.models import build_model
 from distsgd.protocols import ComputeGroups, ParameterServer
 from distsgd.runtime.sim import DeviceProfile, SimRuntime
+from tests.conftest import small_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROFILE = DeviceProfile(seconds_per_batch=1e-3, seconds_per_sample=1e-4)  # 1.8 ms per push
 
@@ -294,3 +302,68 @@ def test_a_leavers_remaining_shard_is_taken_over():
     _, _, draws = _serve_draws([0, 1, 2, "join", 3, 0, 1, 2, 3])
     _no_index_twice_per_epoch(draws)
     assert len(draws[3][2]) == 5 and draws[3][0] == 3
+
+
+ASYNC_DIST = {"name": "parameter_server", "num_learners": 2, "mode": "async", "batch_size": 16}
+
+
+def _dist_config(protocol, **train):
+    t = {"max_epochs": 1000, "eval_every_samples": 2048, "tensorboard": False, **train}
+    return small_config(protocol=protocol, train=t, runtime="dist", dist={"timeout_s": 20.0})
+
+
+@pytest.mark.slow
+def test_a_learner_joins_a_running_dist_run(tmp_path):
+    """``distsgd join RUN_DIR`` into an async dist run of 2 learners: it is admitted as
+    worker 2 (membership.jsonl), its pushes are applied, both commands end well."""
+    out, config = tmp_path / "run", tmp_path / "run.toml"
+    config.write_text(_dist_config(ASYNC_DIST, max_seconds=8.0).to_toml())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "distsgd", "train", str(config), "--out", str(out), "--quiet"]
+    run = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    # the joiner imports torch meanwhile and joins as soon as the run has join.json
+    joiner_code = (
+        "import sys, time, pathlib; from distsgd.cli import main\n"
+        f"p = pathlib.Path({str(out / 'join.json')!r})\n"
+        "while not p.exists(): time.sleep(0.05)\n"
+        f"sys.exit(main(['join', {str(out)!r}]))"
+    )
+    joiner = subprocess.Popen(
+        [sys.executable, "-c", joiner_code], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, run_err = run.communicate(timeout=120)
+        _, join_err = joiner.communicate(timeout=60)
+    finally:
+        for p in (run, joiner):
+            p.kill()
+    assert run.returncode == 0, run_err
+    assert joiner.returncode == 0 and "gradients computed" in join_err, join_err
+    records = [json.loads(x) for x in (out / "membership.jsonl").open()]
+    assert [(r["event"], r["worker"], r["active_workers"]) for r in records] == [
+        ("join", 2, [0, 1, 2])
+    ]
+    pushes = torch.load(out / "checkpoint.pt", weights_only=True)["runtime"]["pushes"]
+    assert len(pushes) == 3 and pushes[2] > 0  # the joiner's pushes were applied
+
+
+def test_join_refuses_what_it_cannot_join_in_one_line(tmp_path, capsys):
+    from distsgd.cli import main
+
+    assert main(["join", str(tmp_path)]) == 2
+    assert "has no config.toml" in capsys.readouterr().err
+    hardsync = {**ASYNC_DIST, "mode": "hardsync"}
+    (tmp_path / "config.toml").write_text(_dist_config(hardsync, max_seconds=1.0).to_toml())
+    assert main(["join", str(tmp_path)]) == 2
+    assert "protocol.mode = 'hardsync'" in capsys.readouterr().err
+    (tmp_path / "config.toml").write_text(_dist_config(ASYNC_DIST, max_seconds=1.0).to_toml())
+    assert main(["join", str(tmp_path)]) == 2
+    assert "no readable join.json" in capsys.readouterr().err
+    with socket.socket() as s:  # a port nobody listens on: the run has ended
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    info = {"master_addr": "127.0.0.1", "master_port": port, "restart": "0", "run": ""}
+    (tmp_path / "join.json").write_text(json.dumps(info))
+    assert main(["join", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "does not answer" in err and len(err.strip().splitlines()) == 1
