@@ -1067,6 +1067,37 @@ class ElasticShards:
             st = self.streams[w] = LearnerStream(sampler, w)
             st.epoch, st.step = divmod(d, sampler.steps_per_epoch)
 
+    @classmethod
+    def at(
+        cls,
+        num_samples: int,
+        batch_size: int,
+        seed: int,
+        positions: dict[int, tuple[int, int, int, int]],
+    ) -> ElasticShards:
+        """The shards with worker w at ``positions[w] = (λ, slot, epoch, step)`` (as
+        :meth:`positions` gave them, e.g. from a checkpoint).
+
+        Raises:
+            ValueError: no position, or one that is not a position of its layout.
+        """
+        if not positions:
+            raise ValueError("positions = {} is not allowed: expected at least one worker")
+        shards = cls.__new__(cls)
+        shards.streams = {}
+        for w, (lam, slot, epoch, step) in positions.items():
+            st = LearnerStream(ShardedSampler(num_samples, lam, batch_size, seed), slot)
+            st.load_state_dict({"epoch": epoch, "step": step})
+            shards.streams[int(w)] = st
+        return shards
+
+    def positions(self) -> dict[int, tuple[int, int, int, int]]:
+        """Each worker's next draw ``(λ, slot, epoch, step)``."""
+        return {
+            w: (st.sampler.num_learners, st.learner, st.epoch, st.step)
+            for w, st in self.streams.items()
+        }
+
     def draw(self, worker: int) -> None:
         """Count one minibatch drawn by ``worker`` (the server sent it weights)."""
         st = self.streams[worker]

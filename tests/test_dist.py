@@ -304,6 +304,11 @@ def test_softsync_learner_killed_run_completes(tmp_path, hooks):
     # two per update once the learner was retired
     assert sum(counts.values()) == s["samples"] // SOFTSYNC["batch_size"]
     assert sum(counts.values()) < s["iterations"] * 2
+    hooks.unset()  # resumed: the launched learners, worker 1 active again
+    resumed = train(resume=tmp_path / "run", overrides=["train.max_epochs=2"])
+    assert resumed["status"] == "completed" and resumed["samples"] >= 2048
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert state["protocol"]["active"] == [True, True]
     no_process_left(hooks.pid_dir)
 
 

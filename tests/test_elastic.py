@@ -304,6 +304,17 @@ def test_a_leavers_remaining_shard_is_taken_over():
     assert len(draws[3][2]) == 5 and draws[3][0] == 3
 
 
+def test_resume_reshards_the_launched_learners_from_the_saved_positions():
+    shards, _, draws = _serve_draws([0, 1, 2, "join", 3, 0, ("leave", 1), 2, 3, 0, 3])
+    again = ElasticShards.at(120, 5, 3, shards.positions())  # from a checkpoint
+    assert again.positions() == shards.positions()
+    for w, (lam, slot, epoch, step) in again.reshard([0, 1, 2]).items():
+        st = LearnerStream(ShardedSampler(120, lam, 5, seed=3), slot)
+        st.epoch, st.step = epoch, step
+        draws += [(w, st.epoch, st.next_indices().tolist()) for _ in range(3)]
+    _no_index_twice_per_epoch(draws)
+
+
 ASYNC_DIST = {"name": "parameter_server", "num_learners": 2, "mode": "async", "batch_size": 16}
 
 

@@ -924,6 +924,12 @@ class PSDistRuntime(_DistBase):
         # barrier, one server rank, learners of one rank
         self.elastic = elastic_refusal(cfg) is None
         self.worker_ranks = [list(g) for g in groups]  # joiners: their channel rank
+        self.shards: ElasticShards | None = None  # the learners' data positions (elastic)
+        if self.elastic:
+            sampler = ShardedSampler(
+                dataset.num_train, self.num_computing, self.batch_size, cfg.train.seed
+            )
+            self.shards = ElasticShards(sampler, [0] * self.num_computing)
         self.events: list[str] = []  # what the server logged (lost learners)
         self._membership: list[dict[str, Any]] = []  # lost workers not yet in a Tick
         self._lr = cfg.optimizer.lr
@@ -995,19 +1001,12 @@ class PSDistRuntime(_DistBase):
 
     def _elastic_server(self) -> dict[str, Any]:
         """run_server's elastic arguments on the coordinator (none where not elastic)."""
-        if not self.elastic:
+        if self.shards is None:
             return {}
-        sampler = ShardedSampler(
-            self.dataset.num_train, self.num_computing, self.batch_size, self.cfg.train.seed
-        )
         timeout_s = self.cfg.dist.timeout_s
         store = run_store(0, timeout_s)
         joins = ps.JoinWatch(store, store_namespace() + JOIN_KEYS, timeout_s, self._log)
-        return {
-            "shards": ElasticShards(sampler, self.pushes[: self.num_computing]),
-            "joins": joins,
-            "on_join": self._on_join,
-        }
+        return {"shards": self.shards, "joins": joins, "on_join": self._on_join}
 
     # ---- coordinating server ----------------------------------------------------------
     def _on_push(self, event: Any) -> bool:
@@ -1132,12 +1131,15 @@ class PSDistRuntime(_DistBase):
             return
         learner = self.rank - self.num_servers
         worker = learner // self.group_size
-        sampler = ShardedSampler(
-            self.dataset.num_train, self.num_computing, self.batch_size, self.cfg.train.seed
-        )
+        b, seed = self.batch_size, self.cfg.train.seed
+        sampler = ShardedSampler(self.dataset.num_train, self.num_computing, b, seed)
         stream = LearnerStream(sampler, learner)
         done = self.pushes[worker]
         stream.epoch, stream.step = divmod(done, sampler.steps_per_epoch)
+        if self.shards is not None:  # where the server has this learner
+            lam, slot, epoch, step = self.shards.positions()[worker]
+            stream = LearnerStream(ShardedSampler(sampler.num_samples, lam, b, seed), slot)
+            stream.epoch, stream.step = epoch, step
         compute, on_position = learner_steps(self.engine, self.dataset, self.cfg, stream)
 
         def counted(weights: Tensor, version: int) -> tuple[Tensor, list[float]]:
@@ -1156,14 +1158,19 @@ class PSDistRuntime(_DistBase):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Coordinator state: samples, wall time, pushes per worker, dropped gradients."""
-        return {
+        """Coordinator state: samples, wall time, pushes per worker, dropped gradients and,
+        where membership is elastic, each active learner's data position."""
+        state = {
             "world_size": self.world_size,
             "samples": self.samples,
             "virtual_time": self.virtual_time,
             "pushes": list(self.pushes),
             "dropped_gradients": self.dropped_gradients,
         }
+        if self.shards is not None:
+            positions = self.shards.positions()
+            state["data_positions"] = {str(w): list(p) for w, p in positions.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (learners start their data streams after the
@@ -1182,9 +1189,21 @@ class PSDistRuntime(_DistBase):
         self.virtual_time = float(state["virtual_time"])
         self.pushes = [int(v) for v in state["pushes"]]
         self.dropped_gradients = int(state.get("dropped_gradients", 0))
-        n = self.num_computing
-        if self.elastic and self.rank == 0 and self.protocol.active_workers != list(range(n)):
-            # the run resumes with the learners it was launched with: joiners join again
+        if self.shards is None:
+            return
+        # the run resumes with the learners it was launched with (joiners join again):
+        # after a membership change, re-sharded from where the active learners were;
+        # else each starts after the minibatches its worker pushed, as without elasticity
+        n, b, seed = self.num_computing, self.batch_size, self.cfg.train.seed
+        saved = state.get("data_positions") or {}
+        positions = {int(w): (p[0], p[1], p[2], p[3]) for w, p in saved.items()}
+        if positions and {w: p[:2] for w, p in positions.items()} != {w: (n, w) for w in range(n)}:
+            self.shards = ElasticShards.at(self.dataset.num_train, b, seed, positions)
+            self.shards.reshard(list(range(n)))
+        else:
+            sampler = ShardedSampler(self.dataset.num_train, n, b, seed)
+            self.shards = ElasticShards(sampler, self.pushes[:n])
+        if self.rank == 0 and self.protocol.active_workers != list(range(n)):
             protocol_state = self.protocol.state_dict()
             protocol_state["active"] = [True] * n
             self.protocol.load_state_dict(protocol_state)
