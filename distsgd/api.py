@@ -427,8 +427,12 @@ def join(run_dir: str | Path) -> dict[str, int]:
     why = elastic_refusal(cfg)
     if why is not None:
         raise ConfigError(f"cannot join {str(run)!r}: {why}")
+    summary, join_file = run / "summary.json", run / "join.json"
+    if summary.exists() and join_file.exists():
+        if summary.stat().st_mtime >= join_file.stat().st_mtime:
+            raise ConfigError(f"cannot join {str(run)!r}: the run has ended (summary.json)")
     try:
-        info = json.loads((run / "join.json").read_text())
+        info = json.loads(join_file.read_text())
     except (OSError, ValueError):
         raise ConfigError(
             f"cannot join {str(run)!r}: it has no readable join.json (the run has not started "

@@ -459,6 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"distsgd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if args.command == "join":
+            print("distsgd: interrupted; the run goes on without this learner", file=sys.stderr)
+            return 130
         out_dir = getattr(args, "out_dir", None) or getattr(args, "resume", None)
         if args.command == "tune" and out_dir:
             print(f"distsgd: interrupted: {_tune_kept(Path(out_dir))}", file=sys.stderr)

@@ -378,3 +378,6 @@ def test_join_refuses_what_it_cannot_join_in_one_line(tmp_path, capsys):
     assert main(["join", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "does not answer" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "summary.json").write_text("{}")  # written after join.json: it ended
+    assert main(["join", str(tmp_path)]) == 2
+    assert "the run has ended" in capsys.readouterr().err

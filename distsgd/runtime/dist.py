@@ -116,6 +116,7 @@ from distsgd.runtime.launch import (
     PeerLost,
     arm_exit_deadline,
     end_with_parent,
+    heartbeat_silence,
     join_namespace,
     namespace,
     store_namespace,
@@ -1291,12 +1292,15 @@ def join_running_run(
             "the run has ended, or this host cannot reach dist.master_addr"
         ) from None
     store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    prefix = namespace(str(info.get("restart", "0")), str(info.get("run", "")) or None)
-    prefix += JOIN_KEYS
+    run_prefix = namespace(str(info.get("restart", "0")), str(info.get("run", "")) or None)
+    prefix = run_prefix + JOIN_KEYS
+    deadline = time.monotonic() + timeout_s  # the run may be about to start training
+    while not store.check([prefix + "open"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
     if not store.check([prefix + "open"]):
         raise ConfigError(
-            f"cannot join: the run at {addr}:{port} takes no joiners now (it has ended or "
-            f"not started training, or it has another run secret: {ENV_SECRET})"
+            f"cannot join: the run at {addr}:{port} took no joiners within dist.timeout_s = "
+            f"{timeout_s:g} s (it is ending, or it has another run secret: {ENV_SECRET})"
         )
     joiner = store.add(prefix + "count", 1)
     try:
@@ -1314,6 +1318,7 @@ def join_running_run(
         group=None,
         num_samples=cfg.protocol.batch_size,
         timeout_s=timeout_s,
+        silence_s=heartbeat_silence(store, run_prefix),  # an evaluation is no silence
         on_position=on_position,
         links={0: link},
     )

@@ -105,6 +105,7 @@ __all__ = [
     "rank_sigterm",
     "start_ranks",
     "store_namespace",
+    "heartbeat_silence",
 ]
 
 ENV_JOBS = "DISTSGD_JOBS_DIR"  # a distsgd rank's folder of run files (distsgd.launch)
@@ -151,6 +152,26 @@ class PeerLost(RuntimeError):
 
 def _beat_key(prefix: str, rank: int) -> str:
     return f"{prefix}beat/{rank}"
+
+
+def heartbeat_silence(store: dist.Store, prefix: str) -> Callable[[int], float]:
+    """``silence_s(r)``, as :meth:`Heartbeats.silence_s`, for a process outside the run's
+    ranks (a learner that joined it) that reads the heartbeats of the run with key
+    namespace ``prefix`` from the run's ``store``."""
+    seen: dict[int, tuple[int, float]] = {}
+
+    def silence_s(rank: int) -> float:
+        try:
+            count = int(store.add(_beat_key(prefix, rank), 0))
+        except (RuntimeError, dist.DistError):
+            return math.inf
+        now = time.monotonic()
+        if rank not in seen or seen[rank][0] != count:
+            seen[rank] = (count, now)
+            return 0.0
+        return now - seen[rank][1]
+
+    return silence_s
 
 
 def _left_key(prefix: str, rank: int) -> str:
