@@ -1005,8 +1005,12 @@ class PSDistRuntime(_DistBase):
         if self.shards is None:
             return {}
         timeout_s = self.cfg.dist.timeout_s
-        store = run_store(0, timeout_s)
-        joins = ps.JoinWatch(store, store_namespace() + JOIN_KEYS, timeout_s, self._log)
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+        def connect() -> dist.TCPStore:
+            return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+        joins = ps.JoinWatch(connect, store_namespace() + JOIN_KEYS, timeout_s, self._log)
         return {"shards": self.shards, "joins": joins, "on_join": self._on_join}
 
     # ---- coordinating server ----------------------------------------------------------

@@ -165,17 +165,25 @@ class JoinWatch(threading.Thread):
     does not find it is told the run takes no joiners (finished, or another run secret).
 
     Args:
-        store: the run's store (c10d TCPStore).
+        connect: a new client of the run's store (c10d TCPStore) at each call; the watch
+            takes two (a store client blocks every call of its own while it waits for a
+            key, as a channel being made does).
         prefix: the join keys' namespace in it (the run's, which names the run secret).
         timeout_s: seconds a joiner has to connect its channel, > 0.
         log: receives one line per joiner that did not connect.
     """
 
     def __init__(
-        self, store: dist.Store, prefix: str, timeout_s: float, log: Callable[[str], None]
+        self,
+        connect: Callable[[], dist.Store],
+        prefix: str,
+        timeout_s: float,
+        log: Callable[[str], None],
     ) -> None:
         super().__init__(name="ps-join-watch", daemon=True)
-        self.store, self.prefix, self.timeout_s, self.log = store, prefix, timeout_s, log
+        self.connect, self.prefix, self.timeout_s, self.log = connect, prefix, timeout_s, log
+        self.store: dist.Store | None = None  # the watch thread's client
+        self.control: dist.Store | None = None  # open and close
         self.inbox: queue.Queue | None = None
         self.stopped = threading.Event()
         self.seen = 0
@@ -183,20 +191,23 @@ class JoinWatch(threading.Thread):
     def open(self, inbox: queue.Queue) -> None:
         """Take joiners from now on into ``inbox`` (the server loop's)."""
         self.inbox = inbox
-        self.seen = self.store.add(self.prefix + "count", 0)  # ids taken before: too early
-        self.store.set(self.prefix + "open", "1")
+        self.store, self.control = self.connect(), self.connect()
+        self.seen = self.control.add(self.prefix + "count", 0)  # ids taken before: too early
+        self.control.set(self.prefix + "open", "1")
         self.start()
 
     def close(self) -> None:
         """Take no more joiners."""
         self.stopped.set()
+        if self.control is None:
+            return
         try:
-            self.store.delete_key(self.prefix + "open")
+            self.control.delete_key(self.prefix + "open")
         except (RuntimeError, dist.DistError):  # the store is gone with the run
             pass
 
     def run(self) -> None:
-        assert self.inbox is not None
+        assert self.inbox is not None and self.store is not None
         while not self.stopped.wait(_JOIN_POLL_S):
             try:
                 count = self.store.add(self.prefix + "count", 0)
