@@ -98,10 +98,12 @@ inside, so it stands or falls as one):
   receive fails. A leader silent for ``timeout_s`` after
   the server's last reply to it is lost too (its channel closes, so if it wakes up its
   next push fails and it raises :class:`ServerLost`). Without a barrier the server logs
-  the rank through ``log`` and goes on; the protocol needs no change: n-softsync keeps
-  its threshold c = ⌊λ/n⌋, which the remaining learners fill (a fast learner may
-  contribute twice to one update, as in Rudra's 1-softsync), and a lost learner's
-  buffered gradient stays in the buffer. Under the hardsync barrier (``protocol.barrier``)
+  the rank through ``log`` and goes on. With elastic membership (see Membership) the
+  lost learner is retired: λ and c refit and the others take over its data. Without it
+  the protocol is left as it is: n-softsync keeps its threshold c = ⌊λ/n⌋, which the
+  remaining learners fill (a fast learner may contribute twice to one update, as in
+  Rudra's 1-softsync). Either way a lost learner's buffered gradient stays in the
+  buffer. Under the hardsync barrier (``protocol.barrier``)
   no update can complete: :class:`LearnerLost` naming the rank; likewise once fewer than
   ``protocol.workers_needed`` workers are left (hardsync with backup learners needs λ of
   its λ + β). Every worker lost: :class:`LearnerLost` as well.
