@@ -244,3 +244,33 @@ def test_rank_faults_sleep_a_stragglers_time_and_the_simulators_stalls():
     assert (back.slow, back.stall_ranks, back.stall_probability) == ({1: 2.5}, (2,), 0.3)
     with pytest.raises(ValueError, match="slow"):
         RankFaults(slow={0: 0.5})
+
+
+@pytest.mark.slow
+def test_backups_on_dist_stop_at_a_budget_and_resume(tmp_path):
+    """λ = 2, β = 1 on 4 processes, stopped by train.max_samples after 256 of 512 samples
+    and resumed to its epoch: the resumed run's records continue the first run's
+    (evaluations at increasing samples, dropped gradients never decreasing, the
+    summary's counts those of the last record), and every step used λ gradients."""
+    cfg = small_config(
+        runtime="dist",
+        data={"num_train": 512},
+        protocol={"num_learners": 2, "backup_learners": 1, "batch_size": 16},
+        train={"max_epochs": 1, "max_samples": 256, "eval_every_samples": 128},
+        dist={"timeout_s": 10.0},
+    )
+    out = tmp_path / "run"
+    first = distsgd.train(cfg, out_dir=out)
+    assert first["samples"] == 256
+    summary = distsgd.train(resume=out, overrides=["train.max_samples=0"])
+    assert summary["status"] == "completed" and summary["samples"] == 512
+    records = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    samples = [r["samples"] for r in records]
+    assert samples == sorted(set(samples)) and samples[-1] == 512 and 256 in samples
+    dropped = [r["dropped_gradients"] for r in records]
+    assert dropped == sorted(dropped) and dropped[-1] == summary["dropped_gradients"]
+    assert dropped[-1] >= first["dropped_gradients"]
+    counts = json.loads((out / "staleness.json").read_text())["counts"]
+    assert counts == {"0": 2 * summary["iterations"]} and summary["iterations"] == 16
+    membership = out / "membership.jsonl"
+    assert not membership.exists() or membership.read_text() == ""  # nobody was lost
