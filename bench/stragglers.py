@@ -234,7 +234,7 @@ def main() -> None:
     real, info = ([], {}) if args.no_real else real_rows(args, args.out)
     load_after = os.getloadavg()
     text = report(rows, args, t_b, stalls, load_before, load_after)
-    text += report_elastic(elastic, args) + report_real(real, info, args)
+    text += "\n" + report_elastic(elastic, args) + report_real(real, info, args)
     print(text)
     if args.results:
         args.results.write_text(text)
