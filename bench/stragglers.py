@@ -1,24 +1,41 @@
-"""Time to the Fashion-MNIST target under stragglers, on the simulated cluster.
+"""Time to the Fashion-MNIST target under stragglers: simulated, and on real processes
+against the simulator's prediction.
 
-Fashion-MNIST, ``mlp``, λ = 4 learners × b = 32, SGD lr 0.05 momentum 0.9, target 0.80
-(evaluated every ``--eval-every`` samples, the run stops at the target). Two straggler
-scenarios, each run with hardsync, hardsync + 1 backup learner (5 learners, each step
-averages the first 4 gradients), 1-softsync and async (Rudra's parameter server; async with
-the α0/n rule, ``staleness_lr = "softsync"``), side by side in one process:
+Fashion-MNIST, ``mlp``, b = 32, SGD lr 0.05 momentum 0.9, target 0.80 (evaluated every
+``--eval-every`` samples, the run stops at the target). Two straggler scenarios, each run
+with hardsync, hardsync + 1 backup learner (λ + 1 learners, each step averages the first
+λ gradients), 1-softsync and async (Rudra's parameter server; async with the α0/n rule,
+``staleness_lr = "softsync"``):
 
-* ``slow``: one learner 2× slower (``cluster.speed_factors`` 0.5 for learner 0);
+* ``slow``: one learner 2× slower;
 * ``stalls``: every minibatch stalls with probability ``--stall-p`` for an exponentially
-  distributed time of mean ``--stall-factor`` × t(b) (``cluster.stall_*``), t(b) the
-  device's compute time of one minibatch.
+  distributed time of mean ``--stall-factor`` × t(b), t(b) the device's compute time of
+  one minibatch.
 
-plus hardsync without stragglers as the reference. Every run uses the device profile
-measured on this machine (the profile cache: the first run measures it). Reports the
-simulated seconds to the target, the samples to it and the dropped gradients, and the ratio
-hardsync + 1 backup / hardsync per scenario (Chen et al. 2016, arXiv:1604.00981).
+Three tables, one process, side by side:
 
-Real processes are not run by this bench: runtime ``dist`` runs backup learners (one
-server rank more, docs/protocols.md "Backup learners") but has no way to make one
-learner 2× slower or stall it.
+1. **Simulated, λ = 4** (``cluster.speed_factors`` 0.5 for learner 0, ``cluster.stall_*``),
+   plus hardsync without stragglers, on the device profile of this machine (the profile
+   cache): simulated seconds to the target, samples to it, dropped gradients, and the
+   ratio hardsync + 1 backup / hardsync (Chen et al. 2016, arXiv:1604.00981).
+2. **Elastic, simulated:** async parameter server starting with 2 learners, 2 more join
+   at ``--join-frac`` of the fixed run's time to the target and worker 0 leaves at
+   ``--leave-frac`` of it (``cluster.membership``), against 2 learners throughout.
+3. **Real processes, λ = ``--real-learners``** (default 2: hardsync + 1 backup is 1
+   server + 3 learner processes on this machine's cores), runtime ``dist`` over loopback
+   gloo, plus hardsync without stragglers as the calibration's reference. The straggler
+   is made by :class:`~distsgd.runtime.faults.RankFaults`: the slow learner sleeps
+   (f − 1) = 1 × the wall seconds of each of its gradients (on hardsync: of its DDP
+   iteration), and stalls are slept after a minibatch as the simulator charges them.
+   Beside each run, the simulator's run of the same config, calibrated here as
+   bench/multihost.py does (``distsgd calibrate``, netcal on loopback, ``cluster.cores``
+   the machine's, jitter 0, the server's time per push from a 1-learner async run on
+   processes). Reports measured seconds to the target (the run's ``time_to_target_s``),
+   simulated seconds, their ratio (target 0.75–1.25), samples to the target, dropped
+   gradients, and the measured ratio hardsync + 1 backup / hardsync (target ≤ 0.7 with
+   the slow learner). ``--no-real`` skips this table.
+
+Run it alone on the machine's lock::
 
     flock /tmp/distsgd-bench.lock python bench/stragglers.py --out bench/out/stragglers \\
         --results bench/results/stragglers.md
@@ -36,7 +53,9 @@ from pathlib import Path
 from typing import Any
 
 import distsgd
+from distsgd.config import RunConfig
 from distsgd.runtime.base import TrainingDiverged
+from distsgd.runtime.faults import RankFaults
 
 LAM, BATCH = 4, 32
 
@@ -49,12 +68,14 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
 }
 
 
-def config(protocol: dict[str, Any], cluster: dict[str, Any], args: argparse.Namespace) -> dict:
+def config(
+    protocol: dict[str, Any], cluster: dict[str, Any], args: argparse.Namespace, lam: int = LAM
+) -> dict:
     """The run's config: the protocol's section and the scenario's cluster settings."""
     return {
         "data": {"dataset": "fashion_mnist"},
         "model": {"name": "mlp"},
-        "protocol": {"num_learners": LAM, "batch_size": BATCH, **protocol},
+        "protocol": {"num_learners": lam, "batch_size": BATCH, **protocol},
         "optimizer": {"lr": 0.05, "momentum": 0.9},
         "cluster": cluster,
         "train": {
@@ -68,11 +89,12 @@ def config(protocol: dict[str, Any], cluster: dict[str, Any], args: argparse.Nam
     }
 
 
-def run(name: str, cfg: dict, out: Path) -> dict[str, Any]:
+def run(name: str, cfg: dict, out: Path, faults: RankFaults | None = None) -> dict[str, Any]:
     """The run's summary; one that diverges is reported as not reaching the target."""
     t0 = time.perf_counter()
     try:
-        s = distsgd.train(cfg, out_dir=out / name.replace(" ", "_").replace("+", "plus"))
+        out_dir = out / name.replace(" ", "_").replace("+", "plus")
+        s = distsgd.train(cfg, out_dir=out_dir, faults=faults)
     except TrainingDiverged as e:
         s = {"reached": f"diverged ({e})", "time_to_target_virtual_s": None}
         s |= {"samples_to_target": None, "train_wall_s": time.perf_counter() - t0}
@@ -80,9 +102,98 @@ def run(name: str, cfg: dict, out: Path) -> dict[str, Any]:
     return s
 
 
-def speeds(protocol: dict[str, Any]) -> list[float]:
+def speeds(protocol: dict[str, Any], lam: int = LAM) -> list[float]:
     """Learner 0 at half speed, the others at 1 (λ + β of them)."""
-    return [0.5] + [1.0] * (LAM - 1 + protocol.get("backup_learners", 0))
+    return [0.5] + [1.0] * (lam - 1 + protocol.get("backup_learners", 0))
+
+
+def calibrate(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The simulated cluster's settings for this machine, as bench/multihost.py fits
+    them: the device by ``distsgd calibrate`` (one thread), loopback gloo by
+    :func:`~distsgd.runtime.netcal.calibrate_network` (messages and all-reduce), every
+    rank on this machine's cores (``cluster.cores``, each process its own host on the
+    loopback "link"), no jitter, and the server's time per push as a 1-learner async run
+    on processes reports it (``server_seconds_per_push``). Returns (cluster, what was
+    measured)."""
+    from distsgd.runtime.netcal import calibrate_network
+    from distsgd.runtime.profiles import read_profile
+
+    raw = config(PROTOCOLS["async"], {}, args, lam=1)
+    cal_cfg = out / "calibrate.toml"
+    cal_cfg.write_text(RunConfig.from_dict(raw).to_toml())
+    profile = out / "profile.toml"
+    subprocess.run([sys.executable, "-m", "distsgd", "calibrate", str(cal_cfg), "--out",
+                    str(profile)], check=True, capture_output=True)  # fmt: skip
+    prof = read_profile(profile)
+    net = calibrate_network(prof.key.num_parameters, repeats=args.net_repeats)
+    link = {o.split("=")[0].split(".")[1]: float(o.split("=")[1]) for o in net.overrides()}
+    server_raw = {**raw, "runtime": "dist", "dist": {"timeout_s": 60.0}}
+    server_raw["train"] = {**raw["train"], "evaluate": False, "max_epochs": 0,
+                           "max_seconds": args.server_seconds, "target": 0.0,
+                           "stop_at_target": False, "checkpoint_every_evals": 0}  # fmt: skip
+    server = run("calibrate_server", server_raw, out)
+    cluster = {"profile": str(profile), "jitter": 0.0, "cores": os.cpu_count() or 1,
+               "processes_per_host": 0, **link,
+               "seconds_per_push": server["server_seconds_per_push"]}  # fmt: skip
+    t_b = prof.seconds_per_batch + BATCH * prof.seconds_per_sample
+    info = {"t_b": t_b, "per_iteration": prof.seconds_per_iteration or 0.0,
+            "calibrate_push": prof.seconds_per_push or 0.0, **link,
+            "server_push": server["server_seconds_per_push"]}  # fmt: skip
+    return cluster, info
+
+
+def learner_rank(protocol: dict[str, Any], learner: int) -> int:
+    """Learner ``learner``'s rank on runtime ``dist``: rank l for hardsync (DDP), rank
+    1 + l where a server rank comes first (parameter server; hardsync with backups)."""
+    served = protocol["name"] == "parameter_server" or protocol.get("backup_learners", 0)
+    return learner + (1 if served else 0)
+
+
+def real_rows(args: argparse.Namespace, out: Path) -> tuple[list[dict[str, Any]], dict]:
+    """Each protocol × scenario on real processes (loopback), then the simulator's run of
+    the same config on the calibrated cluster."""
+    cluster, info = calibrate(args, out)
+    print(f"calibration: {info}", file=sys.stderr, flush=True)
+    lam, rows = args.real_learners, []
+    stall_s = args.stall_factor * info["t_b"]
+    stall = {"stall_probability": args.stall_p, "stall_seconds": stall_s,
+             "stall_distribution": "exponential"}  # fmt: skip
+    cases = [("none", "hardsync")]
+    cases += [(s, label) for s in ("slow", "stalls") for label in PROTOCOLS]
+    for scenario, label in cases:
+        protocol = PROTOCOLS[label]
+        faults, extra = RankFaults(), {}
+        if scenario == "slow":
+            faults = RankFaults(slow={learner_rank(protocol, 0): 2.0})
+            extra = {"speed_factors": speeds(protocol, lam)}
+        elif scenario == "stalls":
+            faults, extra = RankFaults(**stall, stall_seed=args.seed), stall
+        raw = config(protocol, {}, args, lam=lam)
+        raw["train"]["checkpoint_every_evals"] = 0
+        name = f"real_{scenario}_{label}"
+        try:
+            real = run(name, {**raw, "runtime": "dist", "dist": {"timeout_s": 60.0}},
+                       out, faults)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the row is reported as failed
+            print(f"{name} failed: {e}", file=sys.stderr, flush=True)
+            real = {"reached": f"failed ({type(e).__name__})"}
+        sim = run(f"predicted_{scenario}_{label}", config(protocol, {**cluster, **extra},
+                  args, lam=lam), out)  # fmt: skip
+        rows.append({"scenario": scenario, "protocol": label, "real": real, "sim": sim,
+                     "load": " ".join(f"{x:.1f}" for x in os.getloadavg())})  # fmt: skip
+    return rows, info
+
+
+def elastic_rows(args: argparse.Namespace, out: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Async parameter server on the simulated cluster: 2 learners throughout; then 2
+    learners joined by 2 at ``--join-frac`` of the fixed run's time to the target, of
+    which worker 0 leaves at ``--leave-frac`` of it (``cluster.membership``)."""
+    fixed = run("elastic_fixed", config(PROTOCOLS["async"], {}, args, lam=2), out)
+    t = fixed["time_to_target_virtual_s"] or 1.0
+    args.join_at, args.leave_at = args.join_frac * t, args.leave_frac * t
+    changes = [{"at_s": args.join_at, "join": 2}, {"at_s": args.leave_at, "leave": [0]}]
+    cfg = config(PROTOCOLS["async"], {"membership": changes}, args, lam=2)
+    return [("fixed, 2 learners", fixed), ("2, +2, −1", run("elastic_join_leave", cfg, out))]
 
 
 def main() -> None:
@@ -93,6 +204,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stall-p", type=float, default=0.1)
     ap.add_argument("--stall-factor", type=float, default=5.0)
+    ap.add_argument("--real-learners", type=int, default=2, help="λ of the real-process rows")
+    ap.add_argument("--no-real", action="store_true", help="simulated rows only")
+    ap.add_argument("--net-repeats", type=int, default=10)
+    ap.add_argument("--server-seconds", type=float, default=6.0)
+    ap.add_argument("--join-frac", type=float, default=0.25, help="elastic: 2 learners join")
+    ap.add_argument("--leave-frac", type=float, default=0.5, help="elastic: 1 learner leaves")
     ap.add_argument("--out", type=Path, default=Path("bench/out/stragglers"))
     ap.add_argument("--results", type=Path, default=None)
     args = ap.parse_args()
@@ -113,13 +230,25 @@ def main() -> None:
             cluster = {"speed_factors": speeds(protocol)} if scenario == "slow" else stalls
             name = f"{scenario}_{label}"
             rows.append((scenario, label, run(name, config(protocol, cluster, args), args.out)))
+    elastic = elastic_rows(args, args.out)
+    real, info = ([], {}) if args.no_real else real_rows(args, args.out)
     load_after = os.getloadavg()
     text = report(rows, args, t_b, stalls, load_before, load_after)
+    text += "\n" + report_elastic(elastic, args) + report_real(real, info, args)
     print(text)
     if args.results:
         args.results.write_text(text)
     (args.out / "summaries.json").write_text(
-        json.dumps([{"scenario": s, "protocol": p, **r} for s, p, r in rows], indent=1)
+        json.dumps(
+            {
+                "simulated": [{"scenario": s, "protocol": p, **r} for s, p, r in rows],
+                "elastic": [{"membership": m, **r} for m, r in elastic],
+                "real": real,
+                "calibration": info,
+            },
+            indent=1,
+            default=str,
+        )
     )
 
 
@@ -141,7 +270,9 @@ def report(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
     lines = [
-        "# Time to the Fashion-MNIST target under stragglers (simulated cluster)",
+        "# Time to the Fashion-MNIST target under stragglers",
+        "",
+        "## Simulated cluster, λ = 4",
         "",
         "```",
         "flock /tmp/distsgd-bench.lock python bench/stragglers.py " + " ".join(sys.argv[1:]),
@@ -177,11 +308,114 @@ def report(
         "(issue target ≤ 0.7 with one learner 2× slower): "
         f"slow {_ratio(rows, 'slow')}, stalls {_ratio(rows, 'stalls')}.",
         "",
-        "Measured on real processes: none (`protocol.backup_learners` is refused on runtime "
-        "`dist`), so simulated vs measured is not compared here.",
-        "",
     ]
     return "\n".join(lines)
+
+
+def per_sample(summary: dict[str, Any], key: str = "time_to_target_virtual_s") -> float | None:
+    """Seconds to the target per sample to it (None: the target was not reached)."""
+    t, n = summary.get(key), summary.get("samples_to_target")
+    return t / n if t and n else None
+
+
+def _fit(measured: float | None, simulated: float | None) -> str:
+    """measured / simulated, marked ✗ outside 0.75–1.25."""
+    if not measured or not simulated:
+        return "—"
+    ratio = measured / simulated
+    return f"{ratio:.3f}" + ("" if 0.75 <= ratio <= 1.25 else " ✗")
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def report_elastic(rows: list[tuple[str, dict[str, Any]]], args: argparse.Namespace) -> str:
+    lines = [
+        "## Elastic parameter server (simulated cluster)",
+        "",
+        f"Async parameter server (α0/n rule), starting with 2 learners; the elastic run adds "
+        f"2 learners at {args.join_at:.2f} virtual s and loses worker 0 at {args.leave_at:.2f} s "
+        f"({args.join_frac:g} and {args.leave_frac:g} of the fixed run's time to the target; "
+        "`cluster.membership`); the fixed run keeps 2 learners. Same model, data, seed and "
+        "target as above; the device profile of this machine, jitter 0.1.",
+        "",
+        "| membership | reached | simulated s to target | samples to target | staleness mean |",
+        "|---|---|---|---|---|",
+    ]
+    for label, r in rows:
+        lines.append(
+            f"| {label} | {r['reached']} | {_s(r['time_to_target_virtual_s'])} | "
+            f"{r['samples_to_target'] or '—'} | {_s(r.get('staleness_mean'))} |"
+        )
+    return "\n".join(lines) + "\n\n"
+
+
+def report_real(rows: list[dict[str, Any]], info: dict[str, Any], args: argparse.Namespace) -> str:
+    if not rows:
+        return "Real processes: not run (`--no-real`).\n"
+    lam = args.real_learners
+    lines = [
+        f"## Real processes (loopback, λ = {lam}) against the simulator's prediction",
+        "",
+        f"Runtime `dist` on this machine ({os.cpu_count()} cores, gloo over loopback), λ = "
+        f"{lam} × b = {BATCH} (hardsync: {lam} processes; hardsync + 1 backup: 1 server + "
+        f"{lam + 1} learners; 1-softsync and async: 1 server + {lam} learners), same "
+        "optimizer, target and evaluation as above. `slow`: learner 0 sleeps as long as its "
+        "gradient took after each one (`RankFaults(slow={rank: 2.0})`, 2× slower; on "
+        "hardsync its whole DDP iteration); `stalls`: every learner rank stalls after a "
+        f"minibatch with probability {args.stall_p} for an exponential time of mean "
+        f"{args.stall_factor:g} × t(b) = {args.stall_factor * info['t_b'] * 1e3:.2f} ms "
+        "(RankFaults' stalls). Measured seconds: the run's `time_to_target_s` (rank 0's wall "
+        "seconds of training, evaluations excluded).",
+        "",
+        "Prediction: the same config on the simulated cluster (`speed_factors` 0.5 for "
+        "learner 0, or the same `stall_*`), calibrated here as bench/multihost.py does: "
+        f"`distsgd calibrate` (t(b) = {info['t_b'] * 1e3:.3f} ms, "
+        f"{info['per_iteration'] * 1e3:.2f} ms per hardsync iteration beyond the gradient), "
+        f"netcal on loopback (message {info['latency_s'] * 1e6:.0f} µs + "
+        f"{info['bandwidth_gbps']:.2f} Gbit/s; all-reduce "
+        f"{info.get('allreduce_latency_s', 0) * 1e6:.0f} µs + "
+        f"{info.get('allreduce_bandwidth_gbps', 0):.2f} Gbit/s), `cores` = {os.cpu_count()}, "
+        f"jitter 0, server {info['server_push'] * 1e3:.2f} ms per push (a 1-learner async "
+        f"run's `server_seconds_per_push`; `distsgd calibrate`: "
+        f"{info['calibrate_push'] * 1e3:.2f} ms).",
+        "",
+        "Per sample: the seconds to the target divided by the samples to it, measured and "
+        "simulated: the time model alone, without the evaluation at which each run first "
+        "scores the target (which differs between runs whose accuracy hovers near it).",
+        "",
+        "| scenario | protocol | measured s to target | simulated s | measured / simulated "
+        "| samples to target (measured, simulated) | ms per sample (measured, simulated) "
+        "| measured / simulated per sample | dropped gradients (measured, simulated) "
+        "| load (1, 5, 15 min) after |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m, p = r["real"].get("time_to_target_s"), r["sim"].get("time_to_target_virtual_s")
+        ms, ps = per_sample(r["real"], "time_to_target_s"), per_sample(r["sim"])
+        lines.append(
+            f"| {r['scenario']} | {r['protocol']} | {_s(m)} | {_s(p)} | {_fit(m, p)} | "
+            f"{r['real'].get('samples_to_target') or '—'}, "
+            f"{r['sim'].get('samples_to_target') or '—'} | "
+            f"{'—' if ms is None else f'{ms * 1e3:.3f}'}, "
+            f"{'—' if ps is None else f'{ps * 1e3:.3f}'} | {_fit(ms, ps)} | "
+            f"{r['real'].get('dropped_gradients', 0)}, {r['sim'].get('dropped_gradients', 0)} "
+            f"| {r['load']} |"
+        )
+    for scenario in ("slow", "stalls"):
+        pick = {r["protocol"]: r["real"] for r in rows if r["scenario"] == scenario}
+        hs, bk = pick.get("hardsync", {}), pick.get("hardsync + 1 backup", {})
+        a, b = bk.get("time_to_target_s"), hs.get("time_to_target_s")
+        c, d = per_sample(bk, "time_to_target_s"), per_sample(hs, "time_to_target_s")
+        lines += [
+            "",
+            f"Measured hardsync + 1 backup / hardsync, {scenario}"
+            + (" (target ≤ 0.7)" if scenario == "slow" else "")
+            + f": seconds to the target {f'{a / b:.3f}' if a and b else 'n/a'}, seconds per "
+            f"sample (per step) {f'{c / d:.3f}' if c and d else 'n/a'}.",
+        ]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -219,3 +219,58 @@ def test_a_killed_backup_learner_does_not_stop_a_dist_run(tmp_path, monkeypatch)
     assert counts == {"0": 2 * steps}  # λ = 2 gradients per step, none stale
     lost = [json.loads(r) for r in (out / "membership.jsonl").read_text().splitlines()]
     assert [(r["event"], r["worker"], r["ranks"]) for r in lost] == [("lost", 2, [3])]
+
+
+def test_rank_faults_sleep_a_stragglers_time_and_the_simulators_stalls():
+    """RankFaults.straggle: (f − 1) × the compute seconds for a slow rank; stalls drawn as
+    the simulated cluster draws them (same seed → the same seconds); ranks outside
+    stall_ranks and ranks that are neither slow nor stalling sleep nothing; the faults
+    survive the launcher's JSON channel."""
+    from distsgd.runtime.faults import RankFaults, draw_stall
+
+    slept = []
+    f = RankFaults(slow={1: 2.5}, stall_probability=0.3, stall_seconds=0.2, stall_ranks=(2,))
+    assert f.straggle(1, 0.04, slept.append) == pytest.approx(0.06)
+    assert f.straggle(0, 0.04, slept.append) == 0.0 and slept == [pytest.approx(0.06)]
+    stalls = [f.straggle(2, 0.04, slept.append) for _ in range(2000)]
+    rng = torch.Generator().manual_seed(29 + 2)  # stall_seed 0, rank 2
+    assert stalls == [draw_stall(rng, 0.3, 0.2, "exponential") for _ in range(2000)]
+    hits = [s for s in stalls if s > 0]
+    assert 0.25 < len(hits) / 2000 < 0.35 and 0.17 < sum(hits) / len(hits) < 0.23
+    assert slept[1:] == hits  # a rank that does not stall does not call sleep
+    fixed = RankFaults(stall_probability=1.0, stall_seconds=0.5, stall_distribution="fixed")
+    assert [fixed.straggle(r, 0.01, slept.append) for r in (0, 3)] == [0.5, 0.5]
+    back = RankFaults.from_json(f.to_json())
+    assert (back.slow, back.stall_ranks, back.stall_probability) == ({1: 2.5}, (2,), 0.3)
+    with pytest.raises(ValueError, match="slow"):
+        RankFaults(slow={0: 0.5})
+
+
+@pytest.mark.slow
+def test_backups_on_dist_stop_at_a_budget_and_resume(tmp_path):
+    """λ = 2, β = 1 on 4 processes, stopped by train.max_samples after 256 of 512 samples
+    and resumed to its epoch: the resumed run's records continue the first run's
+    (evaluations at increasing samples, dropped gradients never decreasing, the
+    summary's counts those of the last record), and every step used λ gradients."""
+    cfg = small_config(
+        runtime="dist",
+        data={"num_train": 512},
+        protocol={"num_learners": 2, "backup_learners": 1, "batch_size": 16},
+        train={"max_epochs": 1, "max_samples": 256, "eval_every_samples": 128},
+        dist={"timeout_s": 10.0},
+    )
+    out = tmp_path / "run"
+    first = distsgd.train(cfg, out_dir=out)
+    assert first["samples"] == 256
+    summary = distsgd.train(resume=out, overrides=["train.max_samples=0"])
+    assert summary["status"] == "completed" and summary["samples"] == 512
+    records = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    samples = [r["samples"] for r in records]
+    assert samples == sorted(set(samples)) and samples[-1] == 512 and 256 in samples
+    dropped = [r["dropped_gradients"] for r in records]
+    assert dropped == sorted(dropped) and dropped[-1] == summary["dropped_gradients"]
+    assert dropped[-1] >= first["dropped_gradients"]
+    counts = json.loads((out / "staleness.json").read_text())["counts"]
+    assert counts == {"0": 2 * summary["iterations"]} and summary["iterations"] == 16
+    membership = out / "membership.jsonl"
+    assert not membership.exists() or membership.read_text() == ""  # nobody was lost

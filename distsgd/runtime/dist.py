@@ -51,8 +51,11 @@ lives on its device; what crosses the host per protocol:
 * bookkeeping collectives (stop flags, losses, evaluation sums of CPU tensors) go through
   gloo.
 
-Faults for tests are injected through the constructor (:class:`~distsgd.runtime.faults.
-RankFaults`); nothing is read from the environment for them.
+Faults for tests and benches (a rank killed or stopped, a slow learner, random stalls)
+are injected through the constructor (:class:`~distsgd.runtime.faults.RankFaults`);
+nothing is read from the environment for them. A straggler's sleep follows each gradient
+of a learner rank (:meth:`~distsgd.runtime.faults.RankFaults.straggle`) and is counted in
+that rank's wall seconds of training.
 """
 
 from __future__ import annotations
@@ -735,6 +738,7 @@ class SyncDistRuntime(_DistBase):
             raise _collective_error(e, self.heartbeats) from e
         n = self.num_learners * self.batch_size
         self.samples += n
+        self.faults.straggle(self.rank, time.perf_counter() - t0)  # a straggler's sleep
         seconds = time.perf_counter() - t0
         seconds = self.faults.iteration_seconds(self.rank, self.replicas_per_device, seconds)
         self.virtual_time += seconds
@@ -1149,7 +1153,10 @@ class PSDistRuntime(_DistBase):
 
         def counted(weights: Tensor, version: int) -> tuple[Tensor, list[float]]:
             self._tick_hook()
-            return compute(weights, version)
+            t0 = time.perf_counter()
+            result = compute(weights, version)
+            self.faults.straggle(self.rank, time.perf_counter() - t0)  # a straggler's sleep
+            return result
 
         ps.run_learner(
             self.layout,

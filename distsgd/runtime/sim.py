@@ -105,6 +105,7 @@ from distsgd.runtime.compression import (
     ring_allreduce_bytes,
     round_to_wire,
 )
+from distsgd.runtime.faults import draw_stall
 
 __all__ = [
     "DeviceProfile",
@@ -585,14 +586,9 @@ class SimRuntime(Runtime):
         exponential distribution of that mean; seeded, its own stream (the jitter's draws
         do not depend on it)."""
         c = self.cluster
-        if c.stall_probability == 0 or c.stall_seconds == 0:
-            return 0.0
-        u, v = torch.rand(2, generator=self._stall_rng).tolist()
-        if u >= c.stall_probability:
-            return 0.0
-        if c.stall_distribution == "fixed":
-            return c.stall_seconds
-        return -c.stall_seconds * math.log1p(-v)
+        return draw_stall(
+            self._stall_rng, c.stall_probability, c.stall_seconds, c.stall_distribution
+        )
 
     def compute_seconds(self, learner: int) -> float:
         """Virtual seconds for ``learner`` to compute one minibatch (draws jitter and a
