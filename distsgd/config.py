@@ -362,7 +362,8 @@ class ProtocolConfig:
             (``num_learners`` stays λ, the gradients per step: the effective batch is
             λ × ``batch_size``). 0 (default): plain hardsync. On runtime ``dist`` a
             parameter-server rank (rank 0) serves the λ + β learner ranks
-            (:class:`~distsgd.protocols.BackupHardSync`); not in the drop-in.
+            (:class:`~distsgd.protocols.BackupHardSync`), and the simulated cluster
+            charges that served form; not in the drop-in.
         powersgd_rank: r, the rank of PowerSGD's approximation of each gradient matrix
             n × m (``matrix_approximation_rank``), in [1, 1024]: it sends r(n + m)
             values instead of nm where that is under half.

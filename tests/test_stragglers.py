@@ -46,6 +46,16 @@ def test_zero_backups_is_hardsync_bit_for_bit():
     )
 
 
+def until_version(rt, version, lr=0.05):
+    """Advance a served run push by push until the server reaches ``version``; the
+    clock after each push."""
+    times = []
+    while rt.protocol.version < version:
+        rt.advance(lr)
+        times.append(rt.clock_s)
+    return times
+
+
 def test_backups_average_exactly_the_first_lambda_gradients():
     # learner 0 is 2× slower, so learners 1 and 2 always arrive first
     cfg = small_config(
@@ -54,16 +64,16 @@ def test_backups_average_exactly_the_first_lambda_gradients():
         cluster={"speed_factors": [0.5, 1.0, 1.0], "jitter": 0.0},
     )
     rt, engine = simulated_runtime(cfg)
+    assert isinstance(rt.protocol, BackupHardSync)  # the form runtime dist serves
     ref = HardSync(rt.protocol.eval_weights(), 2)
-    for _ in range(3):
-        rt.advance(0.05)
-    assert rt.dropped_gradients == 3
+    until_version(rt, 3)
+    assert rt.dropped_gradients == rt.protocol.dropped_gradients >= 1
+    assert rt.samples == 3 * 2 * 16  # a dropped push counts no samples
     ds = load_dataset(cfg.data, seed=0)
     sampler = ShardedSampler(ds.num_train, 3, 16, cfg.train.seed)
     streams = [LearnerStream(sampler, i) for i in range(3)]
     for _ in range(3):
         w = ref.learner_weights(0)
-        streams[0].next_indices()  # the slow learner's minibatch is drawn and dropped
         grads = [engine.gradient(w, *ds.train.batch(streams[m].next_indices()))[0] for m in (1, 2)]
         ref.apply_mean_gradient(torch.stack(grads).mean(0), 0.05)
     assert torch.allclose(rt.eval_weights(), ref.eval_weights(), atol=1e-6)
@@ -72,12 +82,40 @@ def test_backups_average_exactly_the_first_lambda_gradients():
 def test_a_slow_learner_doubles_the_step_and_a_backup_hides_it():
     def step_s(speeds, backups=0):
         protocol = {"num_learners": 2, "backup_learners": backups}
-        cluster = {**NO_NETWORK, "speed_factors": speeds}
-        return advance(small_config(protocol=protocol, cluster=cluster), ticks=2)[2][-1]
+        cfg = small_config(protocol=protocol, cluster={**NO_NETWORK, "speed_factors": speeds})
+        if backups:
+            return until_version(simulated_runtime(cfg)[0], 2)[-1]
+        return advance(cfg, ticks=2)[2][-1]
 
     even = step_s([1.0, 1.0])
     assert step_s([0.5, 1.0]) == pytest.approx(2 * even, rel=1e-12)
     assert step_s([0.5, 1.0, 1.0], backups=1) == pytest.approx(even, rel=1e-12)
+
+
+def test_a_backup_iteration_is_charged_as_served():
+    """λ = 2, β = 1, learner 0 2× slower, no jitter: the served form's clock, push by push.
+    Fast learners (compute t) push together; each push crosses a message m each way and
+    the server serves them one at a time, s each: a step every T = 2m + t + 2s. The slow
+    learner (2t) is not restarted by the step: it finishes its stale gradient, which is
+    served (s) and dropped (no samples), and only then pulls the new weights."""
+    cluster = {"latency_s": 2e-3, "seconds_per_push": 1e-3, "speed_factors": [0.5, 1.0, 1.0]}
+    cfg = small_config(
+        protocol={"num_learners": 2, "backup_learners": 1}, cluster={**cluster, "jitter": 0.0}
+    )
+    rt, _ = simulated_runtime(cfg)
+    m, t, s, b = rt.message_s, 1e-3 + 32 * 1e-4, 1e-3, 32
+    assert t < 2 * m + 2 * s and 3 * s < 2 * t  # the slow pushes land between two rounds
+    step = 2 * m + t + 2 * s
+    slow = [2 * m + 2 * t + s, 4 * m + 4 * t + 2 * s]  # served; restarts after each
+    expected = [step - s, step, slow[0], 2 * step - s, 2 * step, slow[1], 3 * step - s, 3 * step]
+    ticks, clock = [], []
+    for _ in range(8):
+        ticks.append(rt.advance(0.05))
+        clock.append(rt.clock_s)
+    assert clock == pytest.approx(expected, rel=1e-12)
+    assert [tk.samples for tk in ticks] == [b, b, 0, b, b, 0, b, b]
+    assert rt.dropped_gradients == 2 and rt.protocol.version == 3
+    assert rt.bytes_sent == 8 * 2 * 4 * rt.engine.num_parameters  # a push and a reply each
 
 
 def test_stalls_are_seeded():
@@ -114,26 +152,29 @@ def test_backups_are_refused_where_they_cannot_run():
 def test_backups_and_stalls_resume_bit_for_bit():
     cluster = {"stall_probability": 0.3, "stall_seconds": 0.01, "jitter": 0.2}
     cfg = small_config(protocol={"num_learners": 2, "backup_learners": 1}, cluster=cluster)
-    a, _, _ = advance(cfg, ticks=3)
+    a, _, _ = advance(cfg, ticks=9)  # pushes: about 3 steps, a gradient dropped each
     state = {"rt": a.state_dict(), "p": a.protocol.state_dict()}
-    for _ in range(3):
+    for _ in range(9):
         a.advance(0.05)
     b, _ = simulated_runtime(cfg)
     b.protocol.load_state_dict(state["p"])
     b.load_state_dict(state["rt"])
-    for _ in range(3):
+    for _ in range(9):
         b.advance(0.05)
     assert torch.equal(a.eval_weights(), b.eval_weights())
-    assert a.clock_s == b.clock_s
-    assert a.dropped_gradients == b.dropped_gradients == 6
+    assert a.clock_s == b.clock_s and a.protocol.version == b.protocol.version
+    assert a.dropped_gradients == b.dropped_gradients > state["rt"]["dropped_gradients"] > 0
 
 
 def test_the_run_records_count_the_dropped_gradients(tmp_path):
     cfg = small_config(protocol={"num_learners": 2, "backup_learners": 1})
     summary = distsgd.train(cfg, out_dir=tmp_path / "run")
-    assert summary["dropped_gradients"] == summary["iterations"] > 0
+    # even speeds: about one of the three pushes of each step comes late
+    assert 0.5 * summary["iterations"] < summary["dropped_gradients"] <= summary["iterations"]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert records[-1]["dropped_gradients"] == records[-1]["iterations"]
+    assert records[-1]["dropped_gradients"] == summary["dropped_gradients"]
+    counts = json.loads((tmp_path / "run" / "staleness.json").read_text())["counts"]
+    assert counts == {"0": 2 * summary["iterations"]}  # λ = 2 gradients a step, none stale
 
 
 def test_backups_on_dist_add_one_server_rank():

@@ -478,8 +478,15 @@ class _Simulated(RuntimeKind):
     ) -> Runtime:
         p = cfg.protocol
         spec = spec_for(p)
+        # the protocol in the form runtime dist runs it: hardsync with backup learners is
+        # served (BackupHardSync), so both runtimes apply the same pushes in the same way
+        protocol = (
+            spec.build_served(p, cfg.optimizer, initial)
+            if spec.served_on_dist(p)
+            else build_protocol(cfg, initial)
+        )
         return SimRuntime(
-            build_protocol(cfg, initial),
+            protocol,
             engine,
             dataset,
             batch_size=p.batch_size,

@@ -54,11 +54,20 @@ Timing model (all in virtual seconds):
   (:func:`~distsgd.runtime.cluster_model.server_push_seconds`).
 
 Synchronous protocols advance one iteration per tick (the slowest device plus the
-all-reduce; with hardsync's β backup learners, the λ-th of the λ + β learners to finish
-plus an all-reduce among the λ + β, the late β's gradients dropped). Parameter-server
-protocols process one push per tick: a worker pulls, its reply travels, it computes, its push travels, waits while the server serves earlier
+all-reduce). Parameter-server protocols process one push per tick: a worker pulls, its
+reply travels, it computes, its push travels, waits while the server serves earlier
 pushes, the server works ``seconds_per_push`` on it and replies when done (or, under a
 barrier, when the update is applied).
+
+Hardsync with β backup learners runs served, as on runtime ``dist``
+(:class:`~distsgd.protocols.BackupHardSync`: one server, λ + β learners, the parameter
+server's terms above, ``cores`` shared by the λ + β learners and the server's busy
+fraction): the server applies the mean of the first λ pushes computed on version v and
+answers those λ learners. A late learner is not interrupted: its stale push arrives,
+waits its turn, is served (``seconds_per_push``) and dropped (a tick of no samples and
+no gradient computed: its minibatch is spent), and it pulls the new weights only then.
+With messages of m seconds, the λ-th fastest compute t and no stale push in the way, an
+iteration takes ``2m + t + λ · seconds_per_push``.
 
 Learners that hold the same weights at the same moment (hardsync, the members of one
 compute group) compute their mean gradient as one forward/backward over their
@@ -395,10 +404,10 @@ class SimRuntime(Runtime):
         compression: ``protocol.compression``: the wire format of the exchanges
             (:mod:`~distsgd.runtime.compression`): the values are rounded to it, the
             network charges its bytes, and :attr:`bytes_sent` counts them.
-        backup_learners: β backup learners of hardsync (``protocol.backup_learners``):
-            λ + β learners compute each iteration, the protocol keeps the first λ by
-            this clock (:meth:`~distsgd.protocols.HardSync.first_arrivals`),
-            :attr:`dropped_gradients` counts the rest.
+        backup_learners: β backup learners of hardsync (``protocol.backup_learners``;
+            ``protocol`` is then the served :class:`~distsgd.protocols.BackupHardSync`
+            of λ + β workers): λ + β learner processes share ``cluster.cores`` with the
+            server, and :attr:`dropped_gradients` counts the pushes it dropped.
 
     Raises:
         TrainingDiverged: from :meth:`advance`, when a loss is NaN or infinite.
@@ -533,8 +542,8 @@ class SimRuntime(Runtime):
             t_server_contended=self.profile.seconds_per_push_contended,
             cores=self.cluster.cores,
         )
-        computing = self.num_learners + self.backup_learners
-        pushers = self.num_learners
+        computing = self.num_learners + self.backup_learners  # learner processes
+        pushers = computing
         if self.is_async:
             pushers = self.protocol.num_workers  # type: ignore[union-attr]
         if self.cluster.cores > 0:
@@ -542,11 +551,9 @@ class SimRuntime(Runtime):
                 k = self.replicas_per_device
                 self._stretch = cm.core_stretch(computing // k, self.cluster.cores)
             else:
-                self._stretch = cm.server_core_stretch(
-                    self.num_learners, self.batch_size, model, pushers
-                )
+                self._stretch = cm.server_core_stretch(computing, self.batch_size, model, pushers)
         self._push_s = cm.server_push_seconds(
-            self._stretch, model, each_learner_pushes=pushers == self.num_learners
+            self._stretch, model, each_learner_pushes=pushers == computing
         )
         units = computing // (1 if self.is_async else self.replicas_per_device)
         self._stretches = [self._stretch] * units
@@ -562,7 +569,7 @@ class SimRuntime(Runtime):
         hosts = [self.host(self._learner_rank(u) if self.is_async else u) for u in range(units)]
         busy = {h: float(hosts.count(h)) for h in hosts}
         if self.is_async:
-            each = pushers == self.num_learners
+            each = pushers == self.num_learners + self.backup_learners
             mean_message = statistics.fmean(self._worker_message_s)
             u = cm.server_busy_fraction(pushers, self.batch_size, model, each, mean_message)
             for s in range(self.num_servers):
@@ -685,8 +692,6 @@ class SimRuntime(Runtime):
         as a ring all-reduce among the devices."""
         proto = cast(SynchronousProtocol, self.protocol)
         lam, k = self.num_learners, self.replicas_per_device
-        if self.backup_learners:
-            return self._advance_with_backups(lr)
         step = proto.iteration
         device_s = [self.device_compute_seconds(d) for d in range(lam // k)]
         if proto.shares_weights:  # the mean gradient as one computation (_mean_gradient)
@@ -708,33 +713,6 @@ class SimRuntime(Runtime):
                 lam // k, self.engine.num_parameters, self.compression
             )
         self.virtual_time += max(device_s) + comm
-        n = lam * self.batch_size
-        self.samples += n
-        return Tick(n, losses)
-
-    def _advance_with_backups(self, lr: float) -> Tick:
-        """One hardsync iteration with β backup learners: λ + β learners compute on the
-        same weights, their gradients arrive in the order of their virtual compute times
-        (ties: the lower learner first), the protocol keeps the first λ
-        (:meth:`~distsgd.protocols.HardSync.first_arrivals`) and the iteration ends when
-        the λ-th arrives, plus the exchange charged as a ring all-reduce among the λ + β
-        learners. The late
-        β learners' minibatches are drawn (their samples are spent) but their gradients
-        are not computed: they are dropped."""
-        proto = cast(SynchronousProtocol, self.protocol)
-        lam, computing = self.num_learners, self.num_learners + self.backup_learners
-        seconds = [self.device_compute_seconds(d) for d in range(computing)]
-        order = sorted(range(computing), key=lambda d: (seconds[d], d))
-        kept = proto.first_arrivals(order)
-        for d in order[lam:]:
-            self.streams[d].next_indices()
-        grad, losses = self._mean_gradient(kept, proto.learner_weights(0), lr, proto.iteration)
-        proto.apply_mean_gradient(round_to_wire(grad, self.compression), lr)
-        self.dropped_gradients += computing - lam
-        comm = self._allreduce_among(list(range(computing)))
-        p = self.engine.num_parameters
-        self.bytes_sent += ring_allreduce_bytes(computing, p, self.compression)
-        self.virtual_time += seconds[order[lam - 1]] + comm
         n = lam * self.batch_size
         self.samples += n
         return Tick(n, losses)
@@ -847,9 +825,16 @@ class SimRuntime(Runtime):
         now = max(arrived, self.virtual_time) + self._push_s
         self.virtual_time = now
         members = self._members(worker)
-        grad, losses = self._mean_gradient(members, self._pulled[worker], lr, proto.version)
-        grad = round_to_wire(grad, self.compression)
+        late = self.backup_learners > 0 and self._pulled_version[worker] < proto.version
+        if late:  # a backup learner's stale push: its minibatch is spent, the server drops it
+            for m in members:
+                self.streams[m].next_indices()  # type: ignore[union-attr]
+            grad, losses = torch.zeros_like(self._pulled[worker]), []
+        else:
+            grad, losses = self._mean_gradient(members, self._pulled[worker], lr, proto.version)
+            grad = round_to_wire(grad, self.compression)
         update = proto.push(worker, grad, self._pulled_version[worker], lr)
+        self.dropped_gradients = getattr(proto, "dropped_gradients", 0)
         p = self.engine.num_parameters  # a push and a pull, and the group's all-reduce
         self.bytes_sent += 2 * p * bytes_per_value(self.compression)
         self.bytes_sent += ring_allreduce_bytes(len(members), p, self.compression)
@@ -862,7 +847,7 @@ class SimRuntime(Runtime):
             self._waiting = [w for w in self._waiting if w not in released]
             for w in released:
                 self._pull_and_schedule(w, now)
-        n = len(members) * self.batch_size
+        n = 0 if late else len(members) * self.batch_size  # a dropped push counts none
         self.samples += n
         return Tick(n, losses, update, changes)
 

@@ -4,8 +4,8 @@ server loop (:mod:`.server`) and the learner loop (:mod:`.learner`).
 The server ranks run :func:`run_server` with an :class:`~distsgd.protocols.base.
 AsynchronousProtocol` (Rudra's :class:`~distsgd.protocols.ParameterServer` in hardsync,
 n-softsync or async mode, Omnivore's :class:`~distsgd.protocols.ComputeGroups`, or on one
-server rank :class:`~distsgd.protocols.BackupHardSync`, the served form of the backup rule
-the simulated cluster applies through ``HardSync.first_arrivals``); the learner ranks run
+server rank :class:`~distsgd.protocols.BackupHardSync`, the served form of hardsync's
+backup rule, which the simulated cluster drives too); the learner ranks run
 :func:`run_learner`. Otherwise the protocol object is the very one the simulated cluster
 drives (``distsgd.runtime.sim``): the server calls ``push``/``can_pull``/``pull``
 in the order messages really arrive, so the staleness and vector clock of every update
