@@ -2,7 +2,11 @@
 against the simulator's prediction.
 
 Fashion-MNIST, ``mlp``, b = 32, SGD lr 0.05 momentum 0.9, target 0.80 (evaluated every
-``--eval-every`` samples, the run stops at the target). Two straggler scenarios, each run
+``--eval-every`` samples, ``--real-eval-every`` for the real-process rows and their
+predictions; the run stops at the target). Every row runs once per seed of ``--seeds``
+(``train.seed``: initial weights, data order, stalls) and reports the median across
+them: seconds and samples to the target over the seeds that reached it, seconds per
+sample as the median of each seed's ratio, dropped gradients over all seeds. Two straggler scenarios, each run
 with hardsync, hardsync + 1 backup learner (λ + 1 learners, each step averages the first
 λ gradients), 1-softsync and async (Rudra's parameter server; async with the α0/n rule,
 ``staleness_lr = "softsync"``):
@@ -46,9 +50,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +75,16 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
 
 
 def config(
-    protocol: dict[str, Any], cluster: dict[str, Any], args: argparse.Namespace, lam: int = LAM
+    protocol: dict[str, Any],
+    cluster: dict[str, Any],
+    args: argparse.Namespace,
+    lam: int = LAM,
+    seed: int | None = None,
+    eval_every: int | None = None,
 ) -> dict:
-    """The run's config: the protocol's section and the scenario's cluster settings."""
+    """The run's config: the protocol's section and the scenario's cluster settings
+    (``seed``: default the first of ``--seeds``; ``eval_every``: default
+    ``--eval-every``)."""
     return {
         "data": {"dataset": "fashion_mnist"},
         "model": {"name": "mlp"},
@@ -82,8 +95,8 @@ def config(
             "target": args.target,
             "stop_at_target": True,
             "max_epochs": args.max_epochs,
-            "eval_every_samples": args.eval_every,
-            "seed": args.seed,
+            "eval_every_samples": eval_every or args.eval_every,
+            "seed": args.seeds[0] if seed is None else seed,
             "num_threads": 1,
         },
     }
@@ -100,6 +113,52 @@ def run(name: str, cfg: dict, out: Path, faults: RankFaults | None = None) -> di
         s |= {"samples_to_target": None, "train_wall_s": time.perf_counter() - t0}
     print(f"{name}: {time.perf_counter() - t0:.0f} s wall", file=sys.stderr)
     return s
+
+
+def run_or_fail(name: str, cfg: dict, out: Path, faults: RankFaults | None) -> dict[str, Any]:
+    """:func:`run`; a run on real processes that fails is reported as failed."""
+    try:
+        return run(name, cfg, out, faults)
+    except Exception as e:  # noqa: BLE001 - the row is reported as failed
+        print(f"{name} failed: {e}", file=sys.stderr, flush=True)
+        return {"reached": f"failed ({type(e).__name__})"}
+
+
+def run_seeds(
+    name: str,
+    make: Callable[[int], dict],
+    out: Path,
+    seeds: list[int],
+    faults: Callable[[int], RankFaults | None] = lambda seed: None,
+) -> dict[str, Any]:
+    """One row: the run of ``make(seed)`` for each seed, combined by :func:`combine`."""
+    runs = []
+    for seed in seeds:
+        tag = name if len(seeds) == 1 else f"{name}_seed{seed}"
+        runs.append(run_or_fail(tag, make(seed), out, faults(seed)))
+    return combine(runs)
+
+
+def _median(values: list[Any]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row's runs (one per seed) as one summary: ``reached`` as "k/n"; the median
+    seconds (virtual and measured) and samples to the target over the runs that reached
+    it; ``per_sample_s`` / ``per_sample_virtual_s``, the median of each such run's
+    seconds per sample to the target; the median dropped gradients over every run; the
+    wall seconds added up; each run's summary in ``per_seed``."""
+    hit = [r for r in runs if r.get("reached") is True]
+    row: dict[str, Any] = {"reached": f"{len(hit)}/{len(runs)}", "per_seed": runs}
+    for key in ("time_to_target_virtual_s", "time_to_target_s", "samples_to_target"):
+        row[key] = _median([r.get(key) for r in hit])
+    row["per_sample_virtual_s"] = _median([per_sample(r) for r in hit])
+    row["per_sample_s"] = _median([per_sample(r, "time_to_target_s") for r in hit])
+    row["dropped_gradients"] = _median([r.get("dropped_gradients", 0) for r in runs])
+    row["train_wall_s"] = sum(r.get("train_wall_s") or 0.0 for r in runs)
+    return row
 
 
 def speeds(protocol: dict[str, Any], lam: int = LAM) -> list[float]:
@@ -154,7 +213,7 @@ def real_rows(args: argparse.Namespace, out: Path) -> tuple[list[dict[str, Any]]
     the same config on the calibrated cluster."""
     cluster, info = calibrate(args, out)
     print(f"calibration: {info}", file=sys.stderr, flush=True)
-    lam, rows = args.real_learners, []
+    lam, rows, every = args.real_learners, [], args.real_eval_every
     stall_s = args.stall_factor * info["t_b"]
     stall = {"stall_probability": args.stall_p, "stall_seconds": stall_s,
              "stall_distribution": "exponential"}  # fmt: skip
@@ -162,23 +221,31 @@ def real_rows(args: argparse.Namespace, out: Path) -> tuple[list[dict[str, Any]]
     cases += [(s, label) for s in ("slow", "stalls") for label in PROTOCOLS]
     for scenario, label in cases:
         protocol = PROTOCOLS[label]
-        faults, extra = RankFaults(), {}
+        extra: dict[str, Any] = {}
+
+        def faults(seed: int, scenario: str = scenario, protocol: dict = protocol) -> RankFaults:
+            if scenario == "slow":
+                return RankFaults(slow={learner_rank(protocol, 0): 2.0})
+            if scenario == "stalls":
+                return RankFaults(**stall, stall_seed=seed)
+            return RankFaults()
+
         if scenario == "slow":
-            faults = RankFaults(slow={learner_rank(protocol, 0): 2.0})
             extra = {"speed_factors": speeds(protocol, lam)}
         elif scenario == "stalls":
-            faults, extra = RankFaults(**stall, stall_seed=args.seed), stall
-        raw = config(protocol, {}, args, lam=lam)
-        raw["train"]["checkpoint_every_evals"] = 0
-        name = f"real_{scenario}_{label}"
-        try:
-            real = run(name, {**raw, "runtime": "dist", "dist": {"timeout_s": 60.0}},
-                       out, faults)  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - the row is reported as failed
-            print(f"{name} failed: {e}", file=sys.stderr, flush=True)
-            real = {"reached": f"failed ({type(e).__name__})"}
-        sim = run(f"predicted_{scenario}_{label}", config(protocol, {**cluster, **extra},
-                  args, lam=lam), out)  # fmt: skip
+            extra = stall
+
+        def real_cfg(seed: int, protocol: dict = protocol) -> dict:
+            raw = config(protocol, {}, args, lam=lam, seed=seed, eval_every=every)
+            raw["train"]["checkpoint_every_evals"] = 0
+            return {**raw, "runtime": "dist", "dist": {"timeout_s": 60.0}}
+
+        def sim_cfg(seed: int, protocol: dict = protocol, extra: dict = extra) -> dict:
+            return config(protocol, {**cluster, **extra}, args, lam=lam, seed=seed,
+                          eval_every=every)  # fmt: skip
+
+        real = run_seeds(f"real_{scenario}_{label}", real_cfg, out, args.seeds, faults)
+        sim = run_seeds(f"predicted_{scenario}_{label}", sim_cfg, out, args.seeds)
         rows.append({"scenario": scenario, "protocol": label, "real": real, "sim": sim,
                      "load": " ".join(f"{x:.1f}" for x in os.getloadavg())})  # fmt: skip
     return rows, info
@@ -200,8 +267,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", type=float, default=0.80)
     ap.add_argument("--max-epochs", type=float, default=3.0)
-    ap.add_argument("--eval-every", type=int, default=4000)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=4000, help="samples between evaluations")
+    ap.add_argument(
+        "--real-eval-every",
+        type=int,
+        default=None,
+        help="the real-process rows' and their predictions' (default --eval-every)",
+    )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="train.seed of each run of a row; a row reports the median",
+    )
     ap.add_argument("--stall-p", type=float, default=0.1)
     ap.add_argument("--stall-factor", type=float, default=5.0)
     ap.add_argument("--real-learners", type=int, default=2, help="λ of the real-process rows")
@@ -213,12 +292,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/out/stragglers"))
     ap.add_argument("--results", type=Path, default=None)
     args = ap.parse_args()
+    args.real_eval_every = args.real_eval_every or args.eval_every
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     rows: list[tuple[str, str, dict[str, Any]]] = []
-    base = run("none_hardsync", config(PROTOCOLS["hardsync"], {}, args), args.out)
+    base = run_seeds(
+        "none_hardsync",
+        lambda seed: config(PROTOCOLS["hardsync"], {}, args, seed=seed),
+        args.out,
+        args.seeds,
+    )
     rows.append(("none", "hardsync", base))
-    prof = base["device_profile"]
+    prof = base["per_seed"][0]["device_profile"]
     t_b = prof["seconds_per_batch"] + BATCH * prof["seconds_per_sample"]
     stalls = {
         "stall_probability": args.stall_p,
@@ -228,8 +313,12 @@ def main() -> None:
     for scenario in ("slow", "stalls"):
         for label, protocol in PROTOCOLS.items():
             cluster = {"speed_factors": speeds(protocol)} if scenario == "slow" else stalls
-            name = f"{scenario}_{label}"
-            rows.append((scenario, label, run(name, config(protocol, cluster, args), args.out)))
+
+            def make(seed: int, protocol: dict = protocol, cluster: dict = cluster) -> dict:
+                return config(protocol, cluster, args, seed=seed)
+
+            row = run_seeds(f"{scenario}_{label}", make, args.out, args.seeds)
+            rows.append((scenario, label, row))
     elastic = elastic_rows(args, args.out)
     real, info = ([], {}) if args.no_real else real_rows(args, args.out)
     load_after = os.getloadavg()
@@ -252,10 +341,22 @@ def main() -> None:
     )
 
 
-def _ratio(rows: list[tuple[str, str, dict]], scenario: str) -> str:
-    t = {p: r["time_to_target_virtual_s"] for s, p, r in rows if s == scenario}
+def _ratio(rows: list[tuple[str, str, dict]], scenario: str, key: str) -> str:
+    t = {p: r[key] for s, p, r in rows if s == scenario}
     a, b = t.get("hardsync + 1 backup"), t.get("hardsync")
-    return f"{a / b:.2f}" if a and b else "n/a (a run missed the target)"
+    return marked(a / b, hi=0.7) if a and b else "n/a (a run missed the target)"
+
+
+def marked(ratio: float, lo: float = 0.0, hi: float = float("inf"), digits: int = 3) -> str:
+    """``ratio`` printed with ``digits`` decimals, or more where fewer would round it
+    across a bound of ``[lo, hi]`` (0.7496 against 0.75 prints as 0.7496), and " ✗" when
+    it lies outside (so the mark always agrees with the printed number)."""
+    inside = lo <= ratio <= hi
+    text = f"{ratio:.{digits}f}"
+    while (lo <= float(text) <= hi) != inside and digits < 12:
+        digits += 1
+        text = f"{ratio:.{digits}f}"
+    return text + ("" if inside else " ✗")
 
 
 def report(
@@ -279,7 +380,8 @@ def report(
         "```",
         "",
         f"Commit {commit}. mlp, λ = {LAM} × b = {BATCH}, SGD lr 0.05 momentum 0.9, target "
-        f"{args.target}, evaluation every {args.eval_every} samples, seed {args.seed}; device "
+        f"{args.target}, evaluation every {args.eval_every} samples, seeds "
+        f"{' '.join(map(str, args.seeds))} (each row: the median across them); device "
         f"profile measured on this machine (t(b) = {t_b * 1e3:.3f} ms per minibatch), jitter "
         f"0.1. Load average (1, 5, 15 min) before {load_before[0]:.1f} {load_before[1]:.1f} "
         f"{load_before[2]:.1f}, after {load_after[0]:.1f} {load_after[1]:.1f} "
@@ -291,22 +393,29 @@ def report(
         f"mean {stalls['stall_seconds'] * 1e3:.3f} ms ({args.stall_factor:g} × t(b)).",
         "",
         "| scenario | protocol | reached | simulated s to target | samples to target "
-        "| dropped gradients | wall s |",
-        "|---|---|---|---|---|---|---|",
+        "| ms per sample | dropped gradients | wall s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for scenario, label, r in rows:
-        tt = r["time_to_target_virtual_s"]
-        st = r["samples_to_target"]
+        tt, st, ps = (
+            r["time_to_target_virtual_s"],
+            r["samples_to_target"],
+            r["per_sample_virtual_s"],
+        )
         lines.append(
             f"| {scenario} | {label} | {r['reached']} | "
-            f"{'—' if tt is None else f'{tt:.2f}'} | {'—' if st is None else st} | "
-            f"{r.get('dropped_gradients', 0)} | {r['train_wall_s']:.0f} |"
+            f"{'—' if tt is None else f'{tt:.2f}'} | {'—' if st is None else f'{st:g}'} | "
+            f"{'—' if ps is None else f'{ps * 1e3:.3f}'} | {r['dropped_gradients']:g} | "
+            f"{r['train_wall_s']:.0f} |"
         )
     lines += [
         "",
         "Ratio hardsync + 1 backup / hardsync, simulated seconds to the target "
         "(issue target ≤ 0.7 with one learner 2× slower): "
-        f"slow {_ratio(rows, 'slow')}, stalls {_ratio(rows, 'stalls')}.",
+        f"slow {_ratio(rows, 'slow', 'time_to_target_virtual_s')}, "
+        f"stalls {_ratio(rows, 'stalls', 'time_to_target_virtual_s')}; per sample: "
+        f"slow {_ratio(rows, 'slow', 'per_sample_virtual_s')}, "
+        f"stalls {_ratio(rows, 'stalls', 'per_sample_virtual_s')}.",
         "",
     ]
     return "\n".join(lines)
@@ -322,12 +431,15 @@ def _fit(measured: float | None, simulated: float | None) -> str:
     """measured / simulated, marked ✗ outside 0.75–1.25."""
     if not measured or not simulated:
         return "—"
-    ratio = measured / simulated
-    return f"{ratio:.3f}" + ("" if 0.75 <= ratio <= 1.25 else " ✗")
+    return marked(measured / simulated, 0.75, 1.25)
 
 
 def _s(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}"
+
+
+def _g(x: float | None) -> str:
+    return "—" if x is None else f"{x:g}"
 
 
 def report_elastic(rows: list[tuple[str, dict[str, Any]]], args: argparse.Namespace) -> str:
@@ -361,7 +473,8 @@ def report_real(rows: list[dict[str, Any]], info: dict[str, Any], args: argparse
         f"Runtime `dist` on this machine ({os.cpu_count()} cores, gloo over loopback), λ = "
         f"{lam} × b = {BATCH} (hardsync: {lam} processes; hardsync + 1 backup: 1 server + "
         f"{lam + 1} learners; 1-softsync and async: 1 server + {lam} learners), same "
-        "optimizer, target and evaluation as above. `slow`: learner 0 sleeps as long as its "
+        f"optimizer, target and seeds as above, evaluation every {args.real_eval_every} "
+        "samples (the predictions too). `slow`: learner 0 sleeps as long as its "
         "gradient took after each one (`RankFaults(slow={rank: 2.0})`, 2× slower; on "
         "hardsync its whole DDP iteration); `stalls`: every learner rank stalls after a "
         f"minibatch with probability {args.stall_p} for an exponential time of mean "
@@ -385,35 +498,37 @@ def report_real(rows: list[dict[str, Any]], info: dict[str, Any], args: argparse
         "simulated: the time model alone, without the evaluation at which each run first "
         "scores the target (which differs between runs whose accuracy hovers near it).",
         "",
-        "| scenario | protocol | measured s to target | simulated s | measured / simulated "
+        "| scenario | protocol | reached (measured, simulated) | measured s to target "
+        "| simulated s | measured / simulated "
         "| samples to target (measured, simulated) | ms per sample (measured, simulated) "
         "| measured / simulated per sample | dropped gradients (measured, simulated) "
         "| load (1, 5, 15 min) after |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m, p = r["real"].get("time_to_target_s"), r["sim"].get("time_to_target_virtual_s")
-        ms, ps = per_sample(r["real"], "time_to_target_s"), per_sample(r["sim"])
+        ms, ps = r["real"].get("per_sample_s"), r["sim"].get("per_sample_virtual_s")
         lines.append(
-            f"| {r['scenario']} | {r['protocol']} | {_s(m)} | {_s(p)} | {_fit(m, p)} | "
-            f"{r['real'].get('samples_to_target') or '—'}, "
-            f"{r['sim'].get('samples_to_target') or '—'} | "
+            f"| {r['scenario']} | {r['protocol']} | {r['real']['reached']}, "
+            f"{r['sim']['reached']} | {_s(m)} | {_s(p)} | {_fit(m, p)} | "
+            f"{_g(r['real'].get('samples_to_target'))}, {_g(r['sim'].get('samples_to_target'))} | "
             f"{'—' if ms is None else f'{ms * 1e3:.3f}'}, "
             f"{'—' if ps is None else f'{ps * 1e3:.3f}'} | {_fit(ms, ps)} | "
-            f"{r['real'].get('dropped_gradients', 0)}, {r['sim'].get('dropped_gradients', 0)} "
+            f"{_g(r['real'].get('dropped_gradients'))}, {_g(r['sim'].get('dropped_gradients'))} "
             f"| {r['load']} |"
         )
     for scenario in ("slow", "stalls"):
         pick = {r["protocol"]: r["real"] for r in rows if r["scenario"] == scenario}
         hs, bk = pick.get("hardsync", {}), pick.get("hardsync + 1 backup", {})
         a, b = bk.get("time_to_target_s"), hs.get("time_to_target_s")
-        c, d = per_sample(bk, "time_to_target_s"), per_sample(hs, "time_to_target_s")
+        c, d = bk.get("per_sample_s"), hs.get("per_sample_s")
+        hi = 0.7 if scenario == "slow" else float("inf")
         lines += [
             "",
             f"Measured hardsync + 1 backup / hardsync, {scenario}"
             + (" (target ≤ 0.7)" if scenario == "slow" else "")
-            + f": seconds to the target {f'{a / b:.3f}' if a and b else 'n/a'}, seconds per "
-            f"sample (per step) {f'{c / d:.3f}' if c and d else 'n/a'}.",
+            + f": seconds to the target {marked(a / b, hi=hi) if a and b else 'n/a'}, "
+            f"seconds per sample (per step) {marked(c / d, hi=hi) if c and d else 'n/a'}.",
         ]
     return "\n".join(lines) + "\n"
 

@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from dist_bench import push_overrides  # noqa: E402
+from stragglers import combine, marked  # noqa: E402
 from sweep import grid_points, run_grid  # noqa: E402
 from tune_online_vs_ddp import _median, _ratio, where_time_went  # noqa: E402
 
@@ -131,3 +132,44 @@ def test_the_bench_charges_async_rows_the_contended_time_apart():
         f"cluster.seconds_per_push={_ALONE!r}",
         f"cluster.seconds_per_push_contended={_CONTENDED!r}",
     ]
+
+
+def test_a_ratio_prints_enough_digits_for_its_mark():
+    """Bug: 0.7496 against the bound 0.75 printed as "0.750 ✗"."""
+    assert marked(0.7496, 0.75, 1.25) == "0.7496 ✗"
+    assert marked(1.2504, 0.75, 1.25) == "1.2504 ✗"
+    assert marked(0.7504, 0.75, 1.25) == "0.750"
+    assert marked(0.70004, hi=0.7) == "0.70004 ✗" and marked(0.5, hi=0.7) == "0.500"
+
+
+def test_a_stragglers_row_is_the_median_across_seeds():
+    runs = [
+        {
+            "reached": True,
+            "time_to_target_s": 3.0,
+            "samples_to_target": 12000,
+            "dropped_gradients": 4,
+        },
+        {
+            "reached": True,
+            "time_to_target_s": 4.0,
+            "samples_to_target": 16000,
+            "dropped_gradients": 6,
+        },
+        {
+            "reached": True,
+            "time_to_target_s": 9.0,
+            "samples_to_target": 20000,
+            "dropped_gradients": 5,
+        },
+        {
+            "reached": False,
+            "time_to_target_s": None,
+            "samples_to_target": None,
+            "dropped_gradients": 9,
+        },
+    ]
+    row = combine(runs)
+    assert row["reached"] == "3/4" and row["time_to_target_s"] == 4.0
+    assert row["samples_to_target"] == 16000 and row["dropped_gradients"] == 5.5
+    assert row["per_sample_s"] == pytest.approx(4.0 / 16000)  # of 2.5e-4, 2.5e-4, 4.5e-4
