@@ -313,5 +313,8 @@ def test_backups_on_dist_stop_at_a_budget_and_resume(tmp_path):
     assert dropped[-1] >= first["dropped_gradients"]
     counts = json.loads((out / "staleness.json").read_text())["counts"]
     assert counts == {"0": 2 * summary["iterations"]} and summary["iterations"] == 16
+    # every push (used or dropped) and its reply, float32, as the simulated cluster counts
+    pushes = summary["samples"] // 16 + summary["dropped_gradients"]
+    assert summary["bytes_sent"] == pushes * 2 * 4 * summary["num_parameters"]
     membership = out / "membership.jsonl"
     assert not membership.exists() or membership.read_text() == ""  # nobody was lost

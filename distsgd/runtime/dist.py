@@ -110,6 +110,7 @@ from distsgd.runtime.compression import (
     all_reduce_compressed,
     exchange_bytes,
     powersgd_values,
+    ring_allreduce_bytes,
     wire_dtype,
 )
 from distsgd.runtime.faults import RankFaults
@@ -1070,6 +1071,10 @@ class PSDistRuntime(_DistBase):
         self.dropped_gradients += dropped
         samples, losses = (0, []) if dropped else (event.samples, list(event.losses))
         members = self.worker_ranks[event.worker]
+        # the push and its reply (float32) and the group's all-reduce, counted as the
+        # simulated cluster counts them; a dropped push crossed the wire too
+        p = self.engine.num_parameters
+        self.bytes_sent += 2 * p * 4 + ring_allreduce_bytes(len(members), p, "none")
         learners = [r - self.num_servers for r in members]
         if len(losses) == len(learners):
             check_losses(learners, losses, lr, self.samples)
@@ -1170,14 +1175,15 @@ class PSDistRuntime(_DistBase):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Coordinator state: samples, wall time, pushes per worker, dropped gradients and,
-        where membership is elastic, each active learner's data position."""
+        """Coordinator state: samples, wall time, pushes per worker, dropped gradients,
+        bytes sent and, where membership is elastic, each active learner's data position."""
         state = {
             "world_size": self.world_size,
             "samples": self.samples,
             "virtual_time": self.virtual_time,
             "pushes": list(self.pushes),
             "dropped_gradients": self.dropped_gradients,
+            "bytes_sent": self.bytes_sent,
         }
         if self.shards is not None:
             positions = self.shards.positions()
@@ -1201,6 +1207,7 @@ class PSDistRuntime(_DistBase):
         self.virtual_time = float(state["virtual_time"])
         self.pushes = [int(v) for v in state["pushes"]]
         self.dropped_gradients = int(state.get("dropped_gradients", 0))
+        self.bytes_sent = int(state.get("bytes_sent", 0))
         if self.shards is None:
             return
         # the run resumes with the learners it was launched with (joiners join again):
