@@ -208,6 +208,9 @@ def learner_rank(protocol: dict[str, Any], learner: int) -> int:
     return learner + (1 if served else 0)
 
 
+REAL_CASES = [("none", "hardsync")] + [(s, p) for s in ("slow", "stalls") for p in PROTOCOLS]
+
+
 def real_rows(args: argparse.Namespace, out: Path) -> tuple[list[dict[str, Any]], dict]:
     """Each protocol × scenario on real processes (loopback), then the simulator's run of
     the same config on the calibrated cluster."""
@@ -217,8 +220,7 @@ def real_rows(args: argparse.Namespace, out: Path) -> tuple[list[dict[str, Any]]
     stall_s = args.stall_factor * info["t_b"]
     stall = {"stall_probability": args.stall_p, "stall_seconds": stall_s,
              "stall_distribution": "exponential"}  # fmt: skip
-    cases = [("none", "hardsync")]
-    cases += [(s, label) for s in ("slow", "stalls") for label in PROTOCOLS]
+    cases = [(s, p) for s, p in REAL_CASES if not args.real_cases or f"{s}/{p}" in args.real_cases]
     for scenario, label in cases:
         protocol = PROTOCOLS[label]
         extra: dict[str, Any] = {}
@@ -285,6 +287,14 @@ def main() -> None:
     ap.add_argument("--stall-factor", type=float, default=5.0)
     ap.add_argument("--real-learners", type=int, default=2, help="λ of the real-process rows")
     ap.add_argument("--no-real", action="store_true", help="simulated rows only")
+    ap.add_argument("--no-sim", action="store_true", help="real-process rows only")
+    ap.add_argument(
+        "--real-cases",
+        nargs="+",
+        default=None,
+        help='real-process rows to run, as "scenario/protocol" (e.g. "slow/hardsync + 1 '
+        'backup"); default: all',
+    )
     ap.add_argument("--net-repeats", type=int, default=10)
     ap.add_argument("--server-seconds", type=float, default=6.0)
     ap.add_argument("--join-frac", type=float, default=0.25, help="elastic: 2 learners join")
@@ -293,8 +303,40 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=None)
     args = ap.parse_args()
     args.real_eval_every = args.real_eval_every or args.eval_every
+    unknown = sorted(set(args.real_cases or []) - {f"{s}/{p}" for s, p in REAL_CASES})
+    if unknown:
+        ap.error(f"--real-cases = {unknown} is not allowed: expected scenario/protocol, one of "
+                 f"{[f'{s}/{p}' for s, p in REAL_CASES]}")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
+    rows, t_b, stalls = ([], 0.0, {}) if args.no_sim else sim_rows(args)
+    elastic = [] if args.no_sim else elastic_rows(args, args.out)
+    real, info = ([], {}) if args.no_real else real_rows(args, args.out)
+    load_after = os.getloadavg()
+    text = ""
+    if not args.no_sim:
+        text = report(rows, args, t_b, stalls, load_before, load_after) + "\n"
+        text += report_elastic(elastic, args)
+    text += report_real(real, info, args)
+    print(text)
+    if args.results:
+        args.results.write_text(text)
+    (args.out / "summaries.json").write_text(
+        json.dumps(
+            {
+                "simulated": [{"scenario": s, "protocol": p, **r} for s, p, r in rows],
+                "elastic": [{"membership": m, **r} for m, r in elastic],
+                "real": real,
+                "calibration": info,
+            },
+            indent=1,
+            default=str,
+        )
+    )
+
+
+def sim_rows(args: argparse.Namespace) -> tuple[list[tuple[str, str, dict]], float, dict]:
+    """The simulated table's rows (λ = 4), t(b) of this machine's profile, the stalls."""
     rows: list[tuple[str, str, dict[str, Any]]] = []
     base = run_seeds(
         "none_hardsync",
@@ -319,26 +361,7 @@ def main() -> None:
 
             row = run_seeds(f"{scenario}_{label}", make, args.out, args.seeds)
             rows.append((scenario, label, row))
-    elastic = elastic_rows(args, args.out)
-    real, info = ([], {}) if args.no_real else real_rows(args, args.out)
-    load_after = os.getloadavg()
-    text = report(rows, args, t_b, stalls, load_before, load_after)
-    text += "\n" + report_elastic(elastic, args) + report_real(real, info, args)
-    print(text)
-    if args.results:
-        args.results.write_text(text)
-    (args.out / "summaries.json").write_text(
-        json.dumps(
-            {
-                "simulated": [{"scenario": s, "protocol": p, **r} for s, p, r in rows],
-                "elastic": [{"membership": m, **r} for m, r in elastic],
-                "real": real,
-                "calibration": info,
-            },
-            indent=1,
-            default=str,
-        )
-    )
+    return rows, t_b, stalls
 
 
 def _ratio(rows: list[tuple[str, str, dict]], scenario: str, key: str) -> str:
@@ -473,8 +496,9 @@ def report_real(rows: list[dict[str, Any]], info: dict[str, Any], args: argparse
         f"Runtime `dist` on this machine ({os.cpu_count()} cores, gloo over loopback), λ = "
         f"{lam} × b = {BATCH} (hardsync: {lam} processes; hardsync + 1 backup: 1 server + "
         f"{lam + 1} learners; 1-softsync and async: 1 server + {lam} learners), same "
-        f"optimizer, target and seeds as above, evaluation every {args.real_eval_every} "
-        "samples (the predictions too). `slow`: learner 0 sleeps as long as its "
+        f"SGD lr 0.05 momentum 0.9, target {args.target}, seeds "
+        f"{' '.join(map(str, args.seeds))} (each row: the median across them), evaluation "
+        f"every {args.real_eval_every} samples (the predictions too). `slow`: learner 0 sleeps as long as its "
         "gradient took after each one (`RankFaults(slow={rank: 2.0})`, 2× slower; on "
         "hardsync its whole DDP iteration); `stalls`: every learner rank stalls after a "
         f"minibatch with probability {args.stall_p} for an exponential time of mean "
@@ -519,7 +543,9 @@ def report_real(rows: list[dict[str, Any]], info: dict[str, Any], args: argparse
         )
     for scenario in ("slow", "stalls"):
         pick = {r["protocol"]: r["real"] for r in rows if r["scenario"] == scenario}
-        hs, bk = pick.get("hardsync", {}), pick.get("hardsync + 1 backup", {})
+        hs, bk = pick.get("hardsync"), pick.get("hardsync + 1 backup")
+        if hs is None or bk is None:  # not both run (--real-cases)
+            continue
         a, b = bk.get("time_to_target_s"), hs.get("time_to_target_s")
         c, d = bk.get("per_sample_s"), hs.get("per_sample_s")
         hi = 0.7 if scenario == "slow" else float("inf")
