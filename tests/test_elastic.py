@@ -16,6 +16,7 @@ from distsgd.data import ElasticShards, LearnerStream, ShardedSampler, load_data
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
 from distsgd.protocols import ComputeGroups, ParameterServer
+from distsgd.protocols.backup import BackupHardSync
 from distsgd.runtime.sim import DeviceProfile, SimRuntime
 from tests.conftest import small_config
 
@@ -61,6 +62,8 @@ def test_fixed_membership_is_refused():
         ParameterServer(torch.zeros(1), 2, 1, barrier=True).admit()
     with pytest.raises(RuntimeError, match="last learner"):
         ParameterServer(torch.zeros(1), 1, 1).retire(0)
+    with pytest.raises(RuntimeError, match="fixed membership: it cannot be reset"):
+        BackupHardSync(torch.zeros(1), 2, 1).reset_membership(2)
 
 
 def test_compute_group_joins_as_a_whole():
