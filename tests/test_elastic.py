@@ -16,6 +16,7 @@ from distsgd.data import ElasticShards, LearnerStream, ShardedSampler, load_data
 from distsgd.engine import GradientEngine
 from distsgd.models import build_model
 from distsgd.protocols import ComputeGroups, ParameterServer
+from distsgd.protocols.backup import BackupHardSync
 from distsgd.runtime.sim import DeviceProfile, SimRuntime
 from tests.conftest import small_config
 
@@ -61,6 +62,8 @@ def test_fixed_membership_is_refused():
         ParameterServer(torch.zeros(1), 2, 1, barrier=True).admit()
     with pytest.raises(RuntimeError, match="last learner"):
         ParameterServer(torch.zeros(1), 1, 1).retire(0)
+    with pytest.raises(RuntimeError, match="fixed membership: it cannot be reset"):
+        BackupHardSync(torch.zeros(1), 2, 1).reset_membership(2)
 
 
 def test_compute_group_joins_as_a_whole():
@@ -356,6 +359,9 @@ def test_a_learner_joins_a_running_dist_run(tmp_path):
     ]
     pushes = torch.load(out / "checkpoint.pt", weights_only=True)["runtime"]["pushes"]
     assert len(pushes) == 3 and pushes[2] > 0  # the joiner's pushes were applied
+    # the joiner's first gradient: σ counts from the version it pulled at admission
+    pulled, applied, sigma = json.loads((out / "summary.json").read_text())["first_pushes"]["2"]
+    assert pulled == records[0]["version"] > 0 and sigma == applied - pulled < applied
 
 
 def test_join_refuses_what_it_cannot_join_in_one_line(tmp_path, capsys):
@@ -381,3 +387,48 @@ def test_join_refuses_what_it_cannot_join_in_one_line(tmp_path, capsys):
     (tmp_path / "summary.json").write_text("{}")  # written after join.json: it ended
     assert main(["join", str(tmp_path)]) == 2
     assert "the run has ended" in capsys.readouterr().err
+
+
+def test_dist_resume_after_a_join_reshards_the_launched_learners():
+    """PSDistRuntime.load_state_dict of a checkpoint taken after a join: the protocol's
+    membership is the launched learners again, re-sharded from the saved positions."""
+    from types import SimpleNamespace
+
+    from distsgd.runtime.dist import PSDistRuntime
+
+    ps = ParameterServer(torch.zeros(3), num_learners=2, softsync=2)
+    shards, _, draws = _serve_draws([0, 1, 0, "join", 2, 1, 2, 0], num_learners=2)
+    assert ps.admit() == 2
+    state = {"world_size": 3, "samples": 35, "virtual_time": 1.0, "pushes": [3, 2, 2]}
+    state["data_positions"] = {str(w): list(p) for w, p in shards.positions().items()}
+    protocol_state = ps.state_dict()
+    rt = PSDistRuntime.__new__(PSDistRuntime)  # the coordinator's state, no process group
+    cfg = SimpleNamespace(train=SimpleNamespace(seed=3))
+    rt.__dict__.update(world_size=3, num_servers=1, num_computing=2, batch_size=5, rank=0)
+    rt.__dict__.update(cfg=cfg, dataset=SimpleNamespace(num_train=120), shards=shards)
+    rt.protocol = ParameterServer(torch.zeros(3), num_learners=2, softsync=2)
+    rt.protocol.load_state_dict(protocol_state)
+    assert rt.protocol.active_workers == [0, 1, 2]
+    rt.load_state_dict(state)
+    assert rt.protocol.active_workers == [0, 1] and rt.protocol.num_workers == 2
+    positions = rt.shards.positions()
+    assert sorted(positions) == [0, 1] and {p[0] for p in positions.values()} == {2}
+    for w, (lam, slot, epoch, step) in positions.items():
+        st = LearnerStream(ShardedSampler(120, lam, 5, seed=3), slot)
+        st.epoch, st.step = epoch, step
+        draws += [(w, st.epoch, st.next_indices().tolist()) for _ in range(3)]
+    _no_index_twice_per_epoch(draws)
+    assert rt.protocol.admit() == 2  # a joiner joins again with the next index
+
+
+def test_reset_membership_restores_the_launched_learners():
+    ps = ParameterServer(torch.zeros(2), num_learners=2, softsync=1, staleness_lr="softsync")
+    ps.admit()
+    ps.retire(0)
+    assert ps.push(1, torch.ones(2), 0, lr=0.6) is None  # c = λ = 2 (workers 1, 2)
+    ps.reset_membership(2)
+    assert ps.active_workers == [0, 1] and ps.gradients_per_update == 2
+    u = ps.push(0, torch.ones(2), 0, lr=0.6)  # the buffered gradient is applied with it
+    assert u.clock == [(1, 0), (0, 0)] and u.lr == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="num_workers = 4"):
+        ps.reset_membership(4)

@@ -305,6 +305,18 @@ class AsynchronousProtocol(Protocol):
             "running run"
         )
 
+    def reset_membership(self, num_workers: int) -> None:
+        """Make workers ``0 … num_workers − 1`` the active ones and forget later indices
+        (a run resumed with the workers it was launched with; docs/elastic.md).
+
+        Raises:
+            RuntimeError: the protocol's membership is fixed (this default).
+        """
+        raise RuntimeError(
+            f"{type(self).__name__} has a fixed membership: it cannot be reset to "
+            f"{num_workers} workers"
+        )
+
     @property
     @abstractmethod
     def version(self) -> int:

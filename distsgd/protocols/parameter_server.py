@@ -235,6 +235,19 @@ class ParameterServer(AsynchronousProtocol):
         self._active[worker] = False
         self._refit()
 
+    def reset_membership(self, num_workers: int) -> None:
+        """Make learners ``0 … num_workers − 1`` the active ones and forget every later
+        worker index (a run resumed with the learners it was launched with: joiners join
+        again and get the next indices). c and the λ-dependent rate are refitted; buffered
+        gradients stay and are applied with the next update.
+
+        Raises:
+            ValueError: ``num_workers`` not in ``[1, self.num_workers]``.
+        """
+        check_int("num_workers", num_workers, 1, self.num_workers)
+        self._active = [True] * num_workers
+        self._refit()
+
     # ---- queries ------------------------------------------------------------------------
     @property
     def version(self) -> int:

@@ -937,6 +937,8 @@ class PSDistRuntime(_DistBase):
             )
             self.shards = ElasticShards(sampler, [0] * self.num_computing)
         self.events: list[str] = []  # what the server logged (lost learners)
+        # per worker, its first gradient applied: [version pulled, version applied to, σ]
+        self.first_pushes: dict[int, list[int]] = {}
         self._membership: list[dict[str, Any]] = []  # lost workers not yet in a Tick
         self._lr = cfg.optimizer.lr
         self._events: queue.Queue[Any] = queue.Queue()
@@ -953,12 +955,16 @@ class PSDistRuntime(_DistBase):
         """The base fields, and on the coordinator ``server_seconds_per_push``: the wall
         seconds its server loop worked per push (apply, reply, hand-over to the training
         loop; evaluations included where the run evaluates), ``None`` before two pushes:
-        what the simulated cluster's ``cluster.seconds_per_push`` charges."""
+        what the simulated cluster's ``cluster.seconds_per_push`` charges; where
+        membership is elastic, ``first_pushes``: per worker, its first gradient applied
+        since this process started, ``[version pulled, version applied to, σ]``."""
         fields = super().summary_fields()
         event, before = self._last_event, sum(self.pushes) - 1
         if self.rank == 0:
             per_push = event.busy_s / before if event is not None and before > 0 else None
             fields["server_seconds_per_push"] = per_push
+            if self.elastic:
+                fields["first_pushes"] = {str(w): p for w, p in sorted(self.first_pushes.items())}
         return fields
 
     def _log(self, message: str) -> None:
@@ -1065,6 +1071,10 @@ class PSDistRuntime(_DistBase):
         event = item
         self._last_event = event
         self.pushes[event.worker] += 1
+        if event.update is not None:
+            u = event.update
+            for (w, v), sigma in zip(u.clock, u.staleness, strict=True):
+                self.first_pushes.setdefault(w, [v, u.version - 1, sigma])
         # a backup learner's late push (BackupHardSync) counts no samples and no losses:
         # the step's λ·b samples are those of the gradients it used, as in the simulator
         dropped = getattr(self.protocol, "dropped_gradients", 0) > self.dropped_gradients
@@ -1222,10 +1232,8 @@ class PSDistRuntime(_DistBase):
         else:
             sampler = ShardedSampler(self.dataset.num_train, n, b, seed)
             self.shards = ElasticShards(sampler, self.pushes[:n])
-        if self.rank == 0 and self.protocol.active_workers != list(range(n)):
-            protocol_state = self.protocol.state_dict()
-            protocol_state["active"] = [True] * n
-            self.protocol.load_state_dict(protocol_state)
+        if self.rank == 0:
+            self.protocol.reset_membership(n)
 
 
 JOIN_KEYS = "elastic/"  # the join keys below the run's store namespace
