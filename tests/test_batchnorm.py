@@ -267,13 +267,14 @@ def test_dist_evaluation_is_the_recalibrated_one_of_its_weights(tmp_path, protoc
     order, as above); the torch reference averages in float32 incrementally: accuracy
     within one of the 256 test samples, loss 1e-3 relative.
     """
-    cfg = bn_config(protocol, "dist", save_eval_weights=True)
+    half = {"max_epochs": 0, "max_samples": 512, "eval_every_samples": 256}
+    cfg = bn_config(protocol, "dist", save_eval_weights=True, **half)
     assert train(cfg, out_dir=tmp_path)["num_processes"] == (3 if protocol is ASYNC else 2)
     ds = load_dataset(cfg.data, seed=0)
     engine, _ = engine_and_data()
     recal = bn_recalibration_inputs(ds, cfg.train.bn_recalibration_samples, 128, seed=0)
     rd = records(tmp_path)
-    assert len(rd) == 3
+    assert [r["samples"] for r in rd] == [0, 256, 512]
     for r in rd:
         w = torch.load(tmp_path / "eval_weights" / f"{r['eval']:04d}.pt", weights_only=True)
         acc, loss = engine.evaluate(w, ds.test, 128, recal)

@@ -2,6 +2,7 @@
 
 import json
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,43 @@ from dist_bench import push_overrides  # noqa: E402
 from stragglers import combine, marked  # noqa: E402
 from sweep import grid_points, run_grid  # noqa: E402
 from tune_online_vs_ddp import _median, _ratio, where_time_went  # noqa: E402
+
+from tests.conftest import cli_in_process  # noqa: E402
+
+
+@pytest.fixture
+def runs_in_process(monkeypatch):
+    """The sweep's ``python -m distsgd ARGS`` processes run as ``distsgd ARGS`` in this
+    process, one after the other in its main thread (the CLI sets signal handlers; the
+    CLI's own tests start the real process); the commands are recorded."""
+    import sweep
+
+    commands = []
+
+    class InOrder:
+        def __init__(self, max_workers):
+            assert max_workers == 1
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, *args):
+            fut = Future()
+            fut.set_result(fn(*args))
+            return fut
+
+    def run(cmd, **kwargs):
+        assert cmd[:3] == [sys.executable, "-m", "distsgd"]
+        assert kwargs == {"capture_output": True, "text": True}
+        commands.append(cmd[3:])
+        return cli_in_process(*cmd[3:])
+
+    monkeypatch.setattr(sweep.subprocess, "run", run)
+    monkeypatch.setattr(sweep, "ThreadPoolExecutor", InOrder)
+    return commands
 
 
 def test_grid_points_is_the_cartesian_product():
@@ -26,8 +64,7 @@ def test_grid_points_is_the_cartesian_product():
 
 
 @pytest.mark.slow
-def test_run_grid_runs_each_seed_once_and_skips_finished_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+def test_run_grid_runs_each_seed_once_and_skips_finished_runs(tmp_path, runs_in_process):
     common = [
         "data.dataset=synthetic",
         "data.num_train=256",
@@ -51,14 +88,20 @@ def test_run_grid_runs_each_seed_once_and_skips_finished_runs(tmp_path, monkeypa
     ]
     seeds = [json.loads((d / "summary.json").read_text())["seed"] for d in dirs]
     assert seeds == [0, 1, 0, 1]
+    assert [c[:1] + c[-3:] for c in runs_in_process] == [
+        ["train", "--out", str(d), "--quiet"] for d in dirs
+    ]
+    assert all(
+        f"protocol.name={d.name[5:-3]}" in c for c, d in zip(runs_in_process, dirs, strict=True)
+    )
     stamp = (dirs[0] / "summary.json").stat().st_mtime_ns
     run_grid(points, [0, 1], tmp_path, common=common)  # cached: nothing is run again
     assert (dirs[0] / "summary.json").stat().st_mtime_ns == stamp
+    assert len(runs_in_process) == 4
 
 
 @pytest.mark.slow
-def test_run_grid_refuses_a_cached_run_with_other_settings(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+def test_run_grid_refuses_a_cached_run_with_other_settings(tmp_path, runs_in_process):
     common = [
         "data.dataset=synthetic",
         "data.num_train=128",
@@ -73,8 +116,6 @@ def test_run_grid_refuses_a_cached_run_with_other_settings(tmp_path, monkeypatch
         "cluster.seconds_per_batch=1e-3",
     ]
     run_grid([("p", [])], [0], tmp_path, common=common)
-    import pytest
-
     with pytest.raises(RuntimeError, match="other settings"):
         run_grid([("p", ["optimizer.lr=0.2"])], [0], tmp_path, common=common)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -26,7 +28,7 @@ from distsgd.config import (
     apply_override,
 )
 from distsgd.layout import build_protocol
-from distsgd.protocols import SMA, ComputeGroups, HardSync, LocalSGD, ParameterServer
+from distsgd.protocols import SMA, ComputeGroups, HardSync, LocalSGD, ParameterServer, make_sgd
 from distsgd.tuner.tune import tune
 from tests.conftest import cli_in_process, small_config
 
@@ -84,6 +86,51 @@ def test_default_sgd_equals_plain_torch_sgd_bit_for_bit():
         "weight_decay",
         "nesterov",
     }
+
+
+def test_default_sgd_state_round_trip_equals_torch_sgd():
+    """make_sgd's optimizer (torch.optim.SGD without torch.compile's guards) keeps
+    torch.optim.SGD's state: a state_dict loaded into a fresh one, or into a plain
+    torch.optim.SGD, continues the same trajectory bit for bit."""
+    grads = [g[0] for g in gradients(len(LRS), 1)]
+    w, ref = W0.clone(), W0.clone()
+    opt = make_sgd(w, 0.0, 0.9, 1e-3, nesterov=True)
+    plain = torch.optim.SGD([ref], lr=0.0, momentum=0.9, weight_decay=1e-3, nesterov=True)
+    for i, (g, lr) in enumerate(zip(grads, LRS, strict=True)):
+        if i == 3:  # a restart from the state_dict, into each class
+            state = copy.deepcopy(opt.state_dict())
+            opt = make_sgd(w, 0.0, 0.9, 1e-3, nesterov=True)
+            opt.load_state_dict(state)
+            plain_state = copy.deepcopy(plain.state_dict())
+            plain = torch.optim.SGD([ref], lr=0.0, momentum=0.9)
+            plain.load_state_dict(plain_state)
+        for o, p in ((opt, w), (plain, ref)):
+            o.param_groups[0]["lr"] = lr
+            p.grad = g.clone()
+            o.step()
+        assert torch.equal(w, ref)
+    assert isinstance(opt, torch.optim.SGD)
+    assert torch.equal(opt.state[w]["momentum_buffer"], plain.state[ref]["momentum_buffer"])
+
+
+@pytest.mark.slow
+def test_a_protocol_step_does_not_import_torch_dynamo():
+    """A rank's default optimizer leaves torch._dynamo unimported (seconds of start-up
+    per process); a torch.optim.SGD of its own would import it."""
+    code = (
+        "import sys, torch\n"
+        "from distsgd.protocols import HardSync\n"
+        "p = HardSync(torch.zeros(3), 2, momentum=0.9)\n"
+        "p.step(torch.ones(2, 3), 0.1)\n"
+        "sd = p.state_dict(); p.load_state_dict(sd)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "torch.optim.SGD([torch.zeros(1)], lr=0.1)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["False", "True"]
 
 
 def test_sgd_by_name_equals_torch_optim_sgd_by_import_path_in_a_run(tmp_path):

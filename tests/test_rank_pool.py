@@ -4,7 +4,11 @@ probes' and segments' launches on real processes)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -44,18 +48,23 @@ def starts(monkeypatch):
     return count
 
 
-def test_pooled_runs_equal_fresh_launches_and_start_the_ranks_once(tmp_path, starts):
+def test_pooled_runs_equal_fresh_launches_start_the_ranks_once_and_a_dropped_pool_ends(
+    tmp_path, starts
+):
     """Each run on the pool is the run a fresh launch trains (model.pt bit-identical,
     hardsync and an asynchronous parameter server, the same ranks one after the other);
-    the ranks start once for all of them."""
+    the ranks start once for all of them. After ranks were started, SIGINT in this
+    process is a KeyboardInterrupt (not torch's SignalException), so the CLI's interrupt
+    handling applies between two runs too; a pool dropped without close() ends its
+    ranks (close() itself: the other tests' ``with`` blocks)."""
     hs, ps = dist_config(HARDSYNC), dist_config(ASYNC)
     launch.run(hs, tmp_path / "fresh-hs")
     launch.run(ps, tmp_path / "fresh-ps")
     starts.clear()
-    with launch.RankPool(2) as pool:
-        for name, cfg in (("hs", hs), ("ps", ps), ("hs2", hs)):
-            summary = pool.run(cfg, tmp_path / name)
-            assert summary["status"] == "completed"
+    pool = launch.RankPool(2)
+    for name, cfg in (("hs", hs), ("ps", ps), ("hs2", hs)):
+        summary = pool.run(cfg, tmp_path / name)
+        assert summary["status"] == "completed"
     assert len(starts) == 1
     assert equal(weights(tmp_path / "hs"), weights(tmp_path / "fresh-hs"))
     assert equal(weights(tmp_path / "hs2"), weights(tmp_path / "fresh-hs"))
@@ -64,6 +73,17 @@ def test_pooled_runs_equal_fresh_launches_and_start_the_ranks_once(tmp_path, sta
         json.loads((tmp_path / "ps" / "summary.json").read_text())["samples"]
         == json.loads((tmp_path / "fresh-ps" / "summary.json").read_text())["samples"]
     )
+    procs = [h.proc for h in pool._ctx.subprocess_handlers.values()]
+    assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the signal arrives at once; this only bounds a failure
+    del pool
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(p.poll() is not None for p in procs)
 
 
 def test_a_failed_run_ends_the_pool_and_the_next_run_starts_fresh_ranks(tmp_path, starts):
@@ -94,29 +114,6 @@ def test_a_tolerated_learner_loss_completes_the_run_and_the_pool_restarts(tmp_pa
         assert any("lost" in str(e) for e in summary["events"])
         assert pool.run(cfg, tmp_path / "next")["status"] == "completed"
     assert len(starts) == 2
-
-
-def test_a_dropped_pool_ends_its_ranks_and_an_interrupt_is_keyboard_interrupt(tmp_path):
-    """A pool dropped without close() ends its ranks; after ranks were started, SIGINT
-    in this process is a KeyboardInterrupt (not torch's SignalException), so the CLI's
-    interrupt handling applies between two runs too."""
-    import gc
-    import os
-    import signal
-    import time
-
-    pool = launch.RankPool(2)
-    pool.run(dist_config(HARDSYNC), tmp_path / "run")
-    procs = [h.proc for h in pool._ctx.subprocess_handlers.values()]
-    with pytest.raises(KeyboardInterrupt):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(5)  # the signal arrives at once; this only bounds a failure
-    del pool
-    gc.collect()
-    deadline = time.monotonic() + 30
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(p.poll() is not None for p in procs)
 
 
 def test_tune_on_dist_starts_the_ranks_once(tmp_path, starts):

@@ -21,6 +21,7 @@ Two families:
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,17 +40,47 @@ __all__ = [
 ]
 
 
+def _eager(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` without the wrappers torch puts around it for torch.compile (found
+    through ``__wrapped__``, as :func:`functools.wraps` leaves it); ``method`` itself when
+    it has none."""
+    return inspect.unwrap(method)
+
+
+class EagerSGD(torch.optim.SGD):
+    """torch.optim.SGD, its update and state untouched, whose methods skip torch.compile's
+    guards.
+
+    torch wraps ``Optimizer.__init__``'s ``add_param_group``, ``step``, ``zero_grad``,
+    ``state_dict`` and ``load_state_dict`` in ``torch._disable_dynamo`` /
+    ``_use_grad_for_differentiable``, which import ``torch._dynamo`` on first call
+    (seconds of start-up in every process). A protocol's optimizer is never traced by
+    torch.compile, so those guards do nothing here: this class calls the functions they
+    wrap, and ``step`` runs under ``torch.no_grad()`` as the guard does for a
+    non-differentiable optimizer.
+    """
+
+    add_param_group = _eager(torch.optim.SGD.add_param_group)
+    zero_grad = _eager(torch.optim.SGD.zero_grad)
+    state_dict = _eager(torch.optim.SGD.state_dict)
+    load_state_dict = _eager(torch.optim.SGD.load_state_dict)
+    _step = _eager(torch.optim.SGD.step)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One torch.optim.SGD step (see :meth:`torch.optim.SGD.step`)."""
+        with torch.no_grad():
+            return self._step(closure)
+
+
 def make_sgd(
     param: Tensor, lr: float, momentum: float, weight_decay: float, nesterov: bool = False
 ) -> torch.optim.SGD:
-    """torch.optim.SGD over one flat (or stacked ``[λ, P]``) tensor.
+    """torch.optim.SGD (as :class:`EagerSGD`) over one flat (or stacked ``[λ, P]``) tensor.
 
     Momentum and weight decay are elementwise, so one optimizer over a ``[λ, P]`` stack
     updates λ replicas independently, exactly as λ separate optimizers would.
     """
-    return torch.optim.SGD(
-        [param], lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov
-    )
+    return EagerSGD([param], lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
 
 
 @dataclass(frozen=True)
