@@ -147,6 +147,7 @@ from distsgd.runtime.ps.learner import LearnerResult, run_learner
 from distsgd.runtime.ps.server import JoinWatch, PushEvent, ServerResult, run_server
 from distsgd.runtime.ps.transport import (
     HostStaging,
+    JoinRefused,
     LearnerLost,
     PSLayout,
     ServerLost,
@@ -160,6 +161,7 @@ __all__ = [
     "PushEvent",
     "ServerResult",
     "LearnerResult",
+    "JoinRefused",
     "LearnerLost",
     "ServerLost",
     "shard_bounds",
