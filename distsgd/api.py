@@ -418,6 +418,11 @@ def join(run_dir: str | Path) -> dict[str, int]:
     """
     run = Path(run_dir)
     config_path = run / "config.toml"
+    if not run.is_dir():
+        raise ConfigError(
+            f"cannot join {str(run)!r}: the directory does not exist; expected the run "
+            "directory of a running distsgd train"
+        )
     if not config_path.is_file():
         raise ConfigError(
             f"cannot join {str(run)!r}: it has no config.toml; expected the run directory of "

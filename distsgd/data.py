@@ -1098,6 +1098,16 @@ class ElasticShards:
             for w, st in self.streams.items()
         }
 
+    def fits(self, num_learners: int) -> bool:
+        """Whether ``num_learners`` learners fit the training set: λ·b <= N."""
+        sampler = next(iter(self.streams.values())).sampler
+        return num_learners * sampler.batch_size <= sampler.num_samples
+
+    @property
+    def num_samples(self) -> int:
+        """The training samples N the learners share."""
+        return next(iter(self.streams.values())).sampler.num_samples
+
     def draw(self, worker: int) -> None:
         """Count one minibatch drawn by ``worker`` (the server sent it weights)."""
         st = self.streams[worker]

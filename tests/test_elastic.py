@@ -367,6 +367,8 @@ def test_a_learner_joins_a_running_dist_run(tmp_path):
 def test_join_refuses_what_it_cannot_join_in_one_line(tmp_path, capsys):
     from distsgd.cli import main
 
+    assert main(["join", str(tmp_path / "missing")]) == 2
+    assert "the directory does not exist" in capsys.readouterr().err
     assert main(["join", str(tmp_path)]) == 2
     assert "has no config.toml" in capsys.readouterr().err
     hardsync = {**ASYNC_DIST, "mode": "hardsync"}
@@ -401,8 +403,10 @@ def test_dist_resume_after_a_join_reshards_the_launched_learners():
     assert ps.admit() == 2
     state = {"world_size": 3, "samples": 35, "virtual_time": 1.0, "pushes": [3, 2, 2]}
     state["data_positions"] = {str(w): list(p) for w, p in shards.positions().items()}
+    state["first_pushes"] = [{"0": [0, 0, 0], "2": [5, 6, 1]}]
     protocol_state = ps.state_dict()
     rt = PSDistRuntime.__new__(PSDistRuntime)  # the coordinator's state, no process group
+    rt.__dict__.update(_membership=[], first_pushes={})
     cfg = SimpleNamespace(train=SimpleNamespace(seed=3))
     rt.__dict__.update(world_size=3, num_servers=1, num_computing=2, batch_size=5, rank=0)
     rt.__dict__.update(cfg=cfg, dataset=SimpleNamespace(num_train=120), shards=shards)
@@ -419,6 +423,11 @@ def test_dist_resume_after_a_join_reshards_the_launched_learners():
         draws += [(w, st.epoch, st.next_indices().tolist()) for _ in range(3)]
     _no_index_twice_per_epoch(draws)
     assert rt.protocol.admit() == 2  # a joiner joins again with the next index
+    # worker 2 is a new joiner: a resume record marks where the indices restart, and the
+    # first gradients of before the resume are kept apart
+    (resume,) = rt.late_membership()
+    assert resume["event"] == "resume" and resume["active_workers"] == [0, 1]
+    assert rt.pushes == [3, 2] and rt.first_pushes_before == state["first_pushes"]
 
 
 def test_reset_membership_restores_the_launched_learners():
@@ -432,3 +441,112 @@ def test_reset_membership_restores_the_launched_learners():
     assert u.clock == [(1, 0), (0, 0)] and u.lr == pytest.approx(0.6)
     with pytest.raises(ValueError, match="num_workers = 4"):
         ps.reset_membership(4)
+
+
+def _coordinator(protocol, worker_ranks, elastic=True):
+    """A PSDistRuntime's coordinator state without a process group (its records)."""
+    from distsgd.runtime.dist import PSDistRuntime
+
+    rt = PSDistRuntime.__new__(PSDistRuntime)
+    rt.__dict__.update(protocol=protocol, worker_ranks=worker_ranks, elastic=elastic)
+    rt.__dict__.update(virtual_time=1.0, _membership=[], _lost=set(), _closing=False)
+    rt.__dict__.update(_thread=None, first_pushes={}, first_pushes_before=[], pushes=[0, 0])
+    return rt
+
+
+def test_a_joiner_that_would_exceed_the_training_set_is_refused_in_one_line():
+    """40 samples, b = 16, 2 learners: the server refuses a third (48 > 40) on its channel,
+    its protocol and shards untouched; the joiner's learner raises JoinRefused."""
+    import threading
+
+    import torch.distributed as dist
+
+    from distsgd.runtime import ps
+    from distsgd.runtime.dist import join_refusal
+    from distsgd.runtime.ps.server import _ServerLoop
+
+    store, links = dist.HashStore(), {}
+
+    def connect(rank):
+        links[rank] = ps.join_channel(store, "j/", rank, 10.0)
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    loop = _ServerLoop.__new__(_ServerLoop)
+    log = []
+    shards = ElasticShards(ShardedSampler(40, 2, 16, seed=0), [0, 0])
+    protocol = ParameterServer(torch.zeros(3), num_learners=2, softsync=1)
+    loop.__dict__.update(stopping=False, protocol=protocol, shards=shards, log=log.append)
+    loop.timeout_s = 5.0
+    server = threading.Thread(target=loop.admit, args=(links[0],))
+    server.start()  # its reply completes once the joiner receives it
+    layout = ps.PSLayout(server_ranks=[0], worker_groups=[[1]])
+    with pytest.raises(ps.JoinRefused) as refused:
+        ps.run_learner(
+            layout, 1, compute=None, group=None, num_samples=16, timeout_s=5.0, links={0: links[1]}
+        )
+    server.join()
+    assert protocol.active_workers == [0, 1] and sorted(shards.positions()) == [0, 1]
+    assert "3 learners would exceed 40 samples" in log[0]
+    assert join_refusal(16, refused.value) == (
+        "cannot join: protocol.batch_size = 16 × 3 learners = 48 samples per step would "
+        "exceed the 40 training samples"
+    )
+
+
+def test_no_lost_records_for_the_runs_own_stop():
+    """A learner the stopping server loses (it ends with the run) gets no lost record;
+    an interrupt drops the lost records not yet written (the learners got it too)."""
+    from distsgd.runtime.ps.server import ServerResult, _ServerLoop
+
+    lost = []
+    loop = _ServerLoop.__new__(_ServerLoop)
+    loop.__dict__.update(stopping=True, sending={}, live={0, 1}, waiting=[], leaders=[1, 2])
+    loop.__dict__.update(result=ServerResult(), log=lambda m: None, rank=0, shards=None)
+    loop.__dict__.update(
+        protocol=ParameterServer(torch.zeros(1), 2, softsync=1), on_lost=lost.append
+    )
+    loop.__dict__.update(gather_target=None, barrier=False)
+    loop.lose(0, "Connection closed by peer")
+    assert lost == [] and loop.result.lost_ranks == [1]
+    rt = _coordinator(ParameterServer(torch.zeros(1), 2, softsync=1), [[1], [2]])
+    rt._on_lost(0)
+    rt._stop_recording(interrupted=True)
+    rt._on_lost(1)
+    assert rt.late_membership() == []
+    rt = _coordinator(ParameterServer(torch.zeros(1), 2, softsync=1), [[1], [2]])
+    rt._on_lost(0)
+    rt._stop_recording(interrupted=False)  # lost before the stop: kept
+    rt._on_lost(1)
+    assert [(r["event"], r["worker"]) for r in rt.late_membership()] == [("lost", 0)]
+
+
+def test_a_receive_error_of_any_kind_is_handed_over():
+    """A receive that raises something else than RuntimeError (here: no process group)
+    ends the receiver thread with the error in the server's queue, no thread traceback."""
+    import queue
+
+    from distsgd.runtime.ps.transport import _Receiver
+
+    out = queue.Queue()
+    receiver = _Receiver(0, 1, object(), 1.0, out)
+    receiver.start()
+    receiver.arm()
+    worker, header, _, error = out.get(timeout=10)
+    receiver.join(5)
+    assert worker == 0 and header is None and error is not None and not receiver.is_alive()
+
+
+def test_lost_records_of_a_fixed_membership_have_the_elastic_fields():
+    """Hardsync with a backup learner: its lost record has active_workers (without the
+    lost worker) and gradients_per_update, as the elastic parameter server's records."""
+    rt = _coordinator(BackupHardSync(torch.zeros(1), 2, 1), [[1], [2], [3]], elastic=False)
+    rt._on_lost(2)
+    elastic = _coordinator(ParameterServer(torch.zeros(1), 3, softsync=1), [[1], [2], [3]])
+    elastic._on_lost(2)
+    (record,), (expected,) = rt.late_membership(), elastic.late_membership()
+    assert record.keys() == expected.keys() and record["active_workers"] == [0, 1]
+    assert record["gradients_per_update"] == 2  # λ gradients per update

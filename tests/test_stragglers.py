@@ -260,6 +260,7 @@ def test_a_killed_backup_learner_does_not_stop_a_dist_run(tmp_path, monkeypatch)
     assert counts == {"0": 2 * steps}  # λ = 2 gradients per step, none stale
     lost = [json.loads(r) for r in (out / "membership.jsonl").read_text().splitlines()]
     assert [(r["event"], r["worker"], r["ranks"]) for r in lost] == [("lost", 2, [3])]
+    assert lost[0]["active_workers"] == [0, 1] and lost[0]["gradients_per_update"] == 2
 
 
 def test_rank_faults_sleep_a_stragglers_time_and_the_simulators_stalls():

@@ -939,6 +939,10 @@ class PSDistRuntime(_DistBase):
         self.events: list[str] = []  # what the server logged (lost learners)
         # per worker, its first gradient applied: [version pulled, version applied to, σ]
         self.first_pushes: dict[int, list[int]] = {}
+        # the first_pushes of the run's earlier parts, one dict per resume, in order
+        self.first_pushes_before: list[dict[str, list[int]]] = []
+        self._lost: set[int] = set()  # workers lost (fixed membership: still listed)
+        self._closing = False  # the run stops: learners end with it, none is lost
         self._membership: list[dict[str, Any]] = []  # lost workers not yet in a Tick
         self._lr = cfg.optimizer.lr
         self._events: queue.Queue[Any] = queue.Queue()
@@ -957,15 +961,22 @@ class PSDistRuntime(_DistBase):
         loop; evaluations included where the run evaluates), ``None`` before two pushes:
         what the simulated cluster's ``cluster.seconds_per_push`` charges; where
         membership is elastic, ``first_pushes``: per worker, its first gradient applied
-        since this process started, ``[version pulled, version applied to, σ]``."""
+        since this process started, ``[version pulled, version applied to, σ]``, and after
+        a resume ``first_pushes_before_resume``: the ``first_pushes`` of each earlier part
+        of the run, in order (worker indices restart at each resume)."""
         fields = super().summary_fields()
         event, before = self._last_event, sum(self.pushes) - 1
         if self.rank == 0:
             per_push = event.busy_s / before if event is not None and before > 0 else None
             fields["server_seconds_per_push"] = per_push
             if self.elastic:
-                fields["first_pushes"] = {str(w): p for w, p in sorted(self.first_pushes.items())}
+                fields["first_pushes"] = self._first_pushes()
+                if self.first_pushes_before:
+                    fields["first_pushes_before_resume"] = list(self.first_pushes_before)
         return fields
+
+    def _first_pushes(self) -> dict[str, list[int]]:
+        return {str(w): p for w, p in sorted(self.first_pushes.items())}
 
     def _log(self, message: str) -> None:
         self.events.append(message)
@@ -973,7 +984,11 @@ class PSDistRuntime(_DistBase):
 
     def _on_lost(self, worker: int) -> None:
         """The server thread lost ``worker``: a ``membership.jsonl`` record for the next
-        tick (seconds of training so far, the server's version then)."""
+        tick (seconds of training so far, the server's version then); none while the run
+        stops (its learners end with it)."""
+        if self._closing:
+            return
+        self._lost.add(worker)
         self._record("lost", worker)
 
     def _on_join(self, worker: int, rank: int) -> None:
@@ -983,19 +998,24 @@ class PSDistRuntime(_DistBase):
         self._record("join", worker)
 
     def _record(self, event: str, worker: int) -> None:
-        """A ``membership.jsonl`` record: seconds of training so far, the server's version
-        and, where membership is elastic, the active workers and c after the change."""
-        record = {
-            "time_s": self.virtual_time,
-            "event": event,
-            "worker": worker,
-            "ranks": list(self.worker_ranks[worker]),
-            "version": self.protocol.version,
-        }
-        if self.elastic:
-            record["active_workers"] = self.protocol.active_workers
-            record["gradients_per_update"] = getattr(self.protocol, "gradients_per_update", 1)
-        self._membership.append(record)
+        """A ``membership.jsonl`` record: seconds of training so far, the server's version,
+        the active workers (those not lost) and c after the change."""
+        active = [w for w in self.protocol.active_workers if w not in self._lost]
+        self._membership.append(
+            {
+                "time_s": self.virtual_time,
+                "event": event,
+                "worker": worker,
+                "ranks": list(self.worker_ranks[worker]),
+                "version": self.protocol.version,
+                "active_workers": active,
+                "gradients_per_update": self._gradients_per_update(),
+            }
+        )
+
+    def _gradients_per_update(self) -> int:
+        """c: the gradients an update takes (λ for hardsync with backup learners)."""
+        return int(getattr(self.protocol, "gradients_per_update", self.protocol.workers_needed))
 
     def join_info(self) -> dict[str, Any] | None:
         """What ``RUN_DIR/join.json`` holds for ``distsgd join`` (docs/elastic.md): the
@@ -1123,13 +1143,22 @@ class PSDistRuntime(_DistBase):
         return self.protocol.eval_weights()
 
     def close(self) -> None:
-        """Stop the run: the server tells every learner to stop; leave the process group."""
+        """Stop the run: the server tells every learner to stop; leave the process group.
+        Learners that end meanwhile are not lost (no ``lost`` record), nor are those lost
+        between an interrupt (Ctrl-C, SIGTERM: the learners get it too) and this call."""
+        self._stop_recording(isinstance(sys.exc_info()[1], KeyboardInterrupt))
         if self._thread is not None:
             if self._pending:
                 self._decisions.put(False)
                 self._pending = False
             self._thread.join(timeout=self.cfg.dist.timeout_s + 5)
         super().close()
+
+    def _stop_recording(self, interrupted: bool) -> None:
+        """No ``lost`` record from now on; ``interrupted``: drop those not yet written."""
+        self._closing = True
+        if interrupted:
+            self._membership = [r for r in self._membership if r["event"] != "lost"]
 
     def late_membership(self) -> list[dict[str, Any]]:
         changes, self._membership = self._membership, []
@@ -1198,6 +1227,7 @@ class PSDistRuntime(_DistBase):
         if self.shards is not None:
             positions = self.shards.positions()
             state["data_positions"] = {str(w): list(p) for w, p in positions.items()}
+            state["first_pushes"] = [*self.first_pushes_before, self._first_pushes()]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1234,6 +1264,21 @@ class PSDistRuntime(_DistBase):
             self.shards = ElasticShards(sampler, self.pushes[:n])
         if self.rank == 0:
             self.protocol.reset_membership(n)
+        # worker indices restart at λ: the old ones' pushes and first gradients are kept
+        # apart, and a ``resume`` record marks where the indices restart
+        joined = len(self.pushes) > n
+        self.pushes = self.pushes[:n]
+        self.first_pushes_before = [dict(d) for d in state.get("first_pushes", [])]
+        if joined and self.rank == 0:
+            self._membership.append(
+                {
+                    "time_s": self.virtual_time,
+                    "event": "resume",
+                    "version": self.protocol.version,
+                    "active_workers": self.protocol.active_workers,
+                    "gradients_per_update": self._gradients_per_update(),
+                }
+            )
 
 
 JOIN_KEYS = "elastic/"  # the join keys below the run's store namespace
@@ -1302,7 +1347,8 @@ def join_running_run(
 
     Raises:
         ConfigError: the run takes no learners (its settings, :func:`elastic_refusal`),
-            cannot be reached, has ended, or has another run secret (one line each).
+            cannot be reached, has ended, has another run secret, or refused this joiner
+            because λ·b would exceed the training set (one line each).
         ps.ServerLost: the server died or stayed silent for ``dist.timeout_s``.
     """
     why = elastic_refusal(cfg)
@@ -1337,6 +1383,30 @@ def join_running_run(
             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
         ) from None
     compute, on_position = learner_steps(engine, dataset, cfg, None)
+    try:
+        return _learn_as_joiner(cfg, compute, on_position, link, store, run_prefix)
+    except ps.JoinRefused as e:
+        raise ConfigError(join_refusal(cfg.protocol.batch_size, e)) from None
+
+
+def join_refusal(batch_size: int, refused: ps.JoinRefused) -> str:
+    """The joiner's line for a server's refusal (λ·b would exceed the training set)."""
+    lam, n = refused.num_learners, refused.num_samples
+    return (
+        f"cannot join: protocol.batch_size = {batch_size} × {lam} learners = "
+        f"{batch_size * lam} samples per step would exceed the {n} training samples"
+    )
+
+
+def _learn_as_joiner(
+    cfg: RunConfig,
+    compute: Callable[[Tensor, int], tuple[Tensor, list[float]]],
+    on_position: Callable[[int, int, int, int], None],
+    link: dist.ProcessGroup,
+    store: dist.Store,
+    run_prefix: str,
+) -> ps.LearnerResult:
+    timeout_s = cfg.dist.timeout_s
     return ps.run_learner(
         ps.PSLayout(server_ranks=[0], worker_groups=[[1]]),
         1,

@@ -56,7 +56,7 @@ entries, followed by one flat float32 payload when ``length > 0``; both go with 
 ======  ========  ==========================================================================
 index   field     meaning
 ======  ========  ==========================================================================
-0       kind      PUSH, WEIGHTS, STOP, LAST, BYE, GATHER (module constants)
+0       kind      PUSH, WEIGHTS, STOP, LAST, BYE, GATHER, REFUSED (module constants)
 1       version   PUSH: this shard's version the gradient was computed on; WEIGHTS: the
                   version of the weights sent; GATHER: coordinator's push count
 2       samples   PUSH: samples behind the gradient (group size × ``num_samples``)
@@ -72,7 +72,8 @@ index   field     meaning
 * server → learner WEIGHTS, payload ``[n]``: the weights slice from ``protocol.pull``.
 * coordinator → learner STOP: push refused, leave. server → learner LAST: push applied,
   carry it on to the later shards, then leave. learner → server BYE: this worker leaves
-  (S > 1).
+  (S > 1). coordinator → joiner REFUSED (no payload; ``worker``: the learners λ + 1 it
+  would have made, ``samples``: the training samples N): not admitted, λ·b would exceed N.
 * coordinator → shard GATHER: answer WEIGHTS with the slice (``eval_weights``) once as
   many pushes as the coordinator had are applied; STOP: the final slice, once every
   learner has left. Compute groups use ``broadcast`` of ``[kind, version, P]`` and of the
@@ -147,6 +148,7 @@ from distsgd.runtime.ps.learner import LearnerResult, run_learner
 from distsgd.runtime.ps.server import JoinWatch, PushEvent, ServerResult, run_server
 from distsgd.runtime.ps.transport import (
     HostStaging,
+    JoinRefused,
     LearnerLost,
     PSLayout,
     ServerLost,
@@ -160,6 +162,7 @@ __all__ = [
     "PushEvent",
     "ServerResult",
     "LearnerResult",
+    "JoinRefused",
     "LearnerLost",
     "ServerLost",
     "shard_bounds",

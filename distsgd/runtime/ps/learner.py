@@ -16,15 +16,19 @@ from distsgd.runtime.ps.transport import (
     _KIND,
     _LENGTH,
     _POSITION,
+    _SAMPLES,
     _VERSION,
+    _WORKER,
     BYE,
     HEADER_LEN,
     LAST,
     PUSH,
+    REFUSED,
     SERVER_GONE,
     STOP,
     WEIGHTS,
     HostStaging,
+    JoinRefused,
     LearnerLost,
     PSLayout,
     ServerLost,
@@ -157,6 +161,7 @@ class _Leader:
         if self.replies:
             header, payload = self._reply(k)
             kind = int(header[_KIND])
+            self.refused = int(header[_WORKER]), int(header[_SAMPLES])
             if kind == WEIGHTS:
                 self.versions[k], self.parts[k] = int(header[_VERSION]), payload
                 self._take_position(header)
@@ -165,6 +170,7 @@ class _Leader:
             server, link = self.servers[k], self.links[k]
             header = _recv(torch.empty(HEADER_LEN, dtype=torch.int64), server, link, self.timeout_s)
             kind = int(header[_KIND])
+            self.refused = int(header[_WORKER]), int(header[_SAMPLES])
             if kind == WEIGHTS:
                 self.versions[k] = int(header[_VERSION])
                 self._take_position(header)
@@ -190,8 +196,16 @@ class _Leader:
                 self.send(k, _header(BYE, worker=self.worker))
 
     def first_pull(self) -> int:
+        """Pull every shard's weights; STOP where a shard said stop.
+
+        Raises:
+            JoinRefused: the server refused this joiner (it says nothing more to it).
+        """
         for k in range(len(self.servers)):
-            if self.receive(k) != WEIGHTS:
+            kind = self.receive(k)
+            if kind == REFUSED:
+                raise JoinRefused(*self.refused)
+            if kind != WEIGHTS:
                 self.bye({k})
                 return STOP
         return WEIGHTS
@@ -272,6 +286,7 @@ def run_learner(
             without ``group``; ``timeout_s <= 0``.
         ServerLost: a server rank died or was silent for ``timeout_s`` (leader and members).
         LearnerLost: a collective inside the compute group failed (a member died).
+        JoinRefused: a joiner the server refused (λ·b would exceed the training set).
     """
     w = layout.worker_of(rank)
     ranks = layout.worker_groups[w]

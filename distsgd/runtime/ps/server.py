@@ -27,6 +27,7 @@ from distsgd.runtime.ps.transport import (
     GATHER,
     LAST,
     PUSH,
+    REFUSED,
     STOP,
     WEIGHTS,
     LearnerLost,
@@ -341,7 +342,8 @@ class _ServerLoop:
                     f"parameter server rank {self.rank}: learner rank {leader} lost ({_brief(e)})"
                 )
                 self.result.lost_ranks.append(leader)
-                self.on_lost(w)
+                if not self.stopping:  # it ends because the run ends: no membership change
+                    self.on_lost(w)
 
     def lose(self, w: int, error: Exception | str) -> None:
         self.sending.pop(w, None)  # a reply under way to it is not awaited
@@ -355,7 +357,8 @@ class _ServerLoop:
         if self.shards is not None and not self.stopping and w in active and len(active) > 1:
             self.protocol.retire(w)  # λ and c refit; the others take over its shard
             self.reshard()
-        self.on_lost(w)
+        if not self.stopping:  # it ends because the run ends: no membership change
+            self.on_lost(w)
         if self.gather_target is not None:  # the pushes awaited may never come
             self.answer_coordinator(_header(GATHER, self.gather_target), None)
         if self.barrier and not self.stopping:
@@ -379,10 +382,22 @@ class _ServerLoop:
 
     def admit(self, link: dist.ProcessGroup) -> None:
         """A learner joins: the protocol admits it, it gets a channel rank (after every
-        rank of the run), the learners are re-sharded and it pulls the weights."""
+        rank of the run), the learners are re-sharded and it pulls the weights. A joiner
+        with whom λ·b would exceed the training set is refused (REFUSED: the run goes on
+        as it was); one that comes while the run stops is told STOP."""
         if self.stopping:
             try:
                 _send(_header(STOP, self.protocol.version), 0, link, self.timeout_s)
+            except RuntimeError:
+                pass
+            return
+        learners = len(self.protocol.active_workers) + 1
+        if self.shards is not None and not self.shards.fits(learners):
+            n = self.shards.num_samples
+            self.log(f"refused a learner joining: {learners} learners would exceed {n} samples")
+            try:  # [REFUSED, version, N, 0, λ + 1]: the joiner names the limit
+                header = _header(REFUSED, self.protocol.version, n, 0, learners)
+                _send(header, 0, link, min(self.timeout_s, 5.0))  # its first pull
             except RuntimeError:
                 pass
             return

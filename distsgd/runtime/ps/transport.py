@@ -19,6 +19,7 @@ from torch import Tensor
 __all__ = [
     "HEADER_LEN",
     "TAG",
+    "JoinRefused",
     "LearnerLost",
     "PSLayout",
     "ServerLost",
@@ -34,7 +35,7 @@ ENV_FORCE_HOST_STAGING = "DISTSGD_FORCE_HOST_STAGING"
 
 TAG = 7301
 HEADER_LEN = 10
-PUSH, WEIGHTS, STOP, BYE, LAST, GATHER, SERVER_GONE = 1, 2, 3, 4, 5, 6, 7
+PUSH, WEIGHTS, STOP, BYE, LAST, GATHER, SERVER_GONE, REFUSED = 1, 2, 3, 4, 5, 6, 7, 8
 _KIND, _VERSION, _SAMPLES, _LOSSES, _WORKER, _LENGTH = range(6)
 _POSITION = slice(6, 10)  # WEIGHTS: the learner's new data position (λ, slot, epoch, step)
 _COORDINATOR = -1  # inbox key of the coordinator's messages on the other shards
@@ -52,6 +53,22 @@ class LearnerLost(RuntimeError):
     def __init__(self, ranks: list[int], message: str) -> None:
         super().__init__(message)
         self.ranks = list(ranks)
+
+
+class JoinRefused(Exception):
+    """The server refused a joining learner: with it, λ·b would exceed the training set.
+
+    Attributes:
+        num_learners: the learners the run would have had with the joiner (λ + 1).
+        num_samples: the training samples N (λ·b must stay <= N).
+    """
+
+    def __init__(self, num_learners: int, num_samples: int) -> None:
+        super().__init__(
+            f"the server refused the joiner: {num_learners} learners would exceed the "
+            f"{num_samples} training samples"
+        )
+        self.num_learners, self.num_samples = num_learners, num_samples
 
 
 class ServerLost(RuntimeError):
@@ -301,7 +318,7 @@ class _Receiver(threading.Thread):
                 if int(header[_LENGTH]) > 0:
                     payload = torch.empty(int(header[_LENGTH]), dtype=torch.float32)
                     _recv(payload, self.rank, self.group, self.timeout_s)
-            except RuntimeError as e:
+            except Exception as e:  # noqa: BLE001 - any receive error is handed over
                 self.out.put((self.worker, None, None, e))
                 if self.wake is not None:
                     self.wake.put(None)
