@@ -55,6 +55,8 @@ class Run:
         staleness: gradients applied per staleness σ (updates) from ``staleness.json``;
             empty when the file is missing (an interrupted or diverged run).
         label: a legend label: the summary's ``name``, else protocol, layout and seed.
+        membership: records of ``membership.jsonl`` per event (``join``, ``leave``,
+            ``lost``); empty when the membership never changed.
     """
 
     path: Path
@@ -62,6 +64,7 @@ class Run:
     records: list[dict[str, Any]] = field(default_factory=list)
     staleness: dict[int, int] = field(default_factory=dict)
     label: str = ""
+    membership: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_asynchronous(self) -> bool:
@@ -159,8 +162,30 @@ def load_run(run_dir: str | Path) -> Run:
         except (TypeError, ValueError):
             raise ValueError(f"{path / 'staleness.json'}: counts must map σ to a count") from None
     return Run(
-        path, summary, records, dict(sorted(staleness.items())), _default_label(summary, path)
+        path,
+        summary,
+        records,
+        dict(sorted(staleness.items())),
+        _default_label(summary, path),
+        _membership_counts(path / "membership.jsonl"),
     )
+
+
+def _membership_counts(path: Path) -> dict[str, int]:
+    """Records of a ``membership.jsonl`` per event; {} without the file.
+
+    Raises:
+        ValueError: the file is unreadable or corrupt; the message names it.
+    """
+    try:
+        records = read_metrics(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not readable ({e})") from None
+    counts: dict[str, int] = {}
+    for r in records:
+        if isinstance(r, dict) and isinstance(r.get("event"), str):
+            counts[r["event"]] = counts.get(r["event"], 0) + 1
+    return counts
 
 
 def _unique_labels(runs: Sequence[Run]) -> None:
@@ -437,6 +462,29 @@ def _row(run: Run) -> list[str]:
     ]
 
 
+def _dropped(run: Run) -> int:
+    v = _number(run.summary.get("dropped_gradients"))
+    return int(v) if v else 0
+
+
+def _changes(run: Run) -> str:
+    m = run.membership
+    return f"{m.get('join', 0)} / {m.get('leave', 0)} / {m.get('lost', 0)}"
+
+
+def _extra_columns(runs: list[Run]) -> list[tuple[str, Any]]:
+    """The columns only some runs need, as (header, run → cell): gradients dropped
+    (``summary.json``'s ``dropped_gradients``: backup learners' late ones, a leaver's) where
+    a run dropped any, and the learners (or compute groups) that joined, left and were lost
+    (``membership.jsonl``) where a run's membership changed."""
+    columns: list[tuple[str, Any]] = []
+    if any(_dropped(run) for run in runs):
+        columns.append(("dropped gradients", lambda run: str(_dropped(run))))
+    if any(run.membership for run in runs):
+        columns.append(("joined / left / lost", _changes))
+    return columns
+
+
 def _times_text(runs: list[Run]) -> str:
     """What the time-to-target columns measure: training only for ordinary runs; for runs
     of ``distsgd train --tune`` (``tuned`` in their summary, :mod:`distsgd.tuner.online`)
@@ -559,6 +607,11 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> Path:
     stale_runs = plot_staleness(runs, stale_png)
 
     lines = ["# distsgd report", ""]
+    extras = _extra_columns(runs)
+
+    def extra(run: Run) -> list[str]:
+        return [cell(run) for _, cell in extras]
+
     targets = _targets(runs)
     if targets:
         lines.append(_target_text(runs, targets))
@@ -567,10 +620,10 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> Path:
     lines += [
         f"The metric is {_metric_axis(runs)[0]}. {_times_text(runs)} Staleness σ is in updates.",
         "",
-        "| " + " | ".join(_HEADER) + " |",
-        "|" + "|".join(_ALIGN) + "|",
+        "| " + " | ".join(_HEADER + [name for name, _ in extras]) + " |",
+        "|" + "|".join(_ALIGN + ["---:"] * len(extras)) + "|",
     ]
-    lines += ["| " + " | ".join(_row(run)) + " |" for run in runs]
+    lines += ["| " + " | ".join(_row(run) + extra(run)) + " |" for run in runs]
     if _devices_differ(runs):
         lines += [
             "",

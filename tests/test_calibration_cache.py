@@ -150,6 +150,17 @@ def test_cached_profile_without_the_servers_cost_gets_it(cache, calls):
     assert tomllib.loads(saved.read_text())["profile"]["seconds_per_push"] > 0
 
 
+def test_cold_cache_calibrates_hardsync_with_backup_learners(cache, calls):
+    """The server's cost is measured on a parameter server derived from the run's config:
+    hardsync's backup learners (not a parameter server's setting) stay out of it."""
+    cfg = _calibrated(
+        small_config(cluster=CALIBRATE, protocol={"num_learners": 2, "backup_learners": 1})
+    )
+    assert len(calls) == factory.PROFILE_REPEATS
+    assert cfg.protocol.backup_learners == 1
+    assert cfg.cluster.seconds_per_push > 0
+
+
 def test_large_spread_warns_in_one_line(cache, monkeypatch):
     """Measurements that disagree (a machine whose load changed) warn, naming the spread."""
     fits = iter([DeviceProfile(0.0, 1e-4), DeviceProfile(0.0, 3e-4), DeviceProfile(0.0, 1e-4)])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tqdm import tqdm
 
-from distsgd.cli import _one_line_config_warning
+from distsgd.commands import _one_line_config_warning
 from distsgd.config import ConfigWarning
 
 from .conftest import cli_in_process
@@ -147,3 +147,43 @@ def test_a_config_warning_prints_on_its_own_line_above_a_progress_bar(capsys):
     err = capsys.readouterr().err
     before, _, after = err.partition("distsgd: warning: probes too short\n")
     assert before.rstrip(" ").endswith(("\r", "\n")) and "3/10 tune" in after
+
+
+class _InterruptedImport:
+    """A meta-path finder that raises Ctrl-C's KeyboardInterrupt when ``name`` is imported
+    (as a SIGINT does while torch loads)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name:
+            raise KeyboardInterrupt
+        return None
+
+
+@pytest.mark.parametrize("argv", [["join", "runs/x"], ["report", "runs/x"], ["train"]])
+def test_ctrl_c_while_the_commands_load_is_one_line_exit_130(monkeypatch, capsys, argv):
+    import distsgd
+    from distsgd import cli
+
+    monkeypatch.delitem(sys.modules, "distsgd.commands")
+    monkeypatch.delattr(distsgd, "commands")
+    monkeypatch.setattr(sys, "meta_path", [_InterruptedImport("distsgd.commands"), *sys.meta_path])
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err == "distsgd: interrupted while starting; nothing was run\n"
+
+
+def test_the_entry_point_imports_only_the_standard_library():
+    """The console script's module loads nothing that takes seconds (torch): an interrupt
+    while the commands load is caught in its main."""
+    import ast
+
+    from distsgd import cli
+
+    tree = ast.parse(Path(cli.__file__).read_text())
+    top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in top if isinstance(n, ast.ImportFrom)]
+    assert names and {m.split(".")[0] for m in names} <= sys.stdlib_module_names | {"__future__"}

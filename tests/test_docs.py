@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import distsgd.api
-from distsgd.cli import build_parser
+from distsgd.commands import build_parser
 from distsgd.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -219,6 +219,21 @@ def test_membership_settings_are_checked():
         RunConfig.from_dict({"runtime": "sim", "cluster": {"membership": MEMBERSHIP}})
 
 
+def test_schedule_over_the_training_set_is_refused_before_training(tmp_path):
+    """2 learners of b = 16 fit in 40 samples, the 4 that a join of 2 makes do not: the
+    run is refused before it trains (no run directory), naming the schedule."""
+    import distsgd
+
+    cfg = small_config(
+        data={"num_train": 40},
+        protocol={"name": "parameter_server", "mode": "async", "num_learners": 2, "batch_size": 16},
+        cluster={"membership": MEMBERSHIP},
+    )
+    with pytest.raises(ConfigError, match=r"^cluster.membership = .*reaches 4 learners"):
+        distsgd.train(cfg, out_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 def test_run_directory_records_the_changes_and_resumes_across_them(tmp_path):
     import distsgd
     from distsgd.metrics import read_metrics

@@ -224,6 +224,7 @@ def test_package_names_load_on_first_use():
 @pytest.mark.slow
 def test_importing_protocols_or_the_drop_in_loads_no_upper_floor():
     upper = ("distsgd.api", "distsgd.trainer", "distsgd.launch", "distsgd.tuner", "distsgd.cli")
+    upper += ("distsgd.commands",)
     code = (
         "import sys, distsgd.protocols, distsgd.torch\n"
         f"print(sorted(m for m in sys.modules if m.startswith({upper!r})))"

@@ -288,7 +288,7 @@ def test_a_dist_runs_ranks_and_claim_are_derived_once_and_passed_to_the_launcher
     """``distsgd train --runtime dist --num-processes 3``: the processes are checked once
     on the way down, the launcher starts the count checked, and is told the directory is
     claimed (its ranks take no claim of their own)."""
-    from distsgd import api, cli
+    from distsgd import api, commands
     from distsgd.config import check_local_processes
 
     checks, launched = [], {}
@@ -301,7 +301,7 @@ def test_a_dist_runs_ranks_and_claim_are_derived_once_and_passed_to_the_launcher
         launched.update(n=n, claimed=kwargs["dir_claimed"], held=(out / "run.lock").exists())
         raise distsgd.ConfigError("stopped before any rank starts")
 
-    monkeypatch.setattr(cli, "check_local_processes", counted)
+    monkeypatch.setattr(commands, "check_local_processes", counted)
     monkeypatch.setattr(api, "check_local_processes", counted)
     monkeypatch.setattr("distsgd.launch._launch_local", launch_local)
     cfg = write_config(tmp_path, protocol={"num_learners": 2, "batch_size": 16})

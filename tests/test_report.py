@@ -307,3 +307,33 @@ def test_runs_charged_another_work_per_iteration_are_flagged_as_not_comparable(
     # hardsync beside a parameter server: the server's figures are the server runs' own
     md = make_report([runs["hs"], runs["ps"], runs["sma"]], tmp_path / "three").read_text()
     assert note not in md
+
+
+def test_dropped_gradients_and_membership_changes_appear_only_where_a_run_has_them(
+    runs, tmp_path, no_drawing
+):
+    plain = make_report([runs["hs"], runs["ps"]], tmp_path / "plain").read_text()
+    assert "dropped gradients" not in plain and "joined / left / lost" not in plain
+    backups = tmp_path / "backups"
+    shutil.copytree(runs["hs"], backups)
+    summary = json.loads((backups / "summary.json").read_text())
+    assert summary["dropped_gradients"] == 0  # the key every run's summary has
+    (backups / "summary.json").write_text(json.dumps({**summary, "dropped_gradients": 7}))
+    elastic = tmp_path / "elastic"
+    shutil.copytree(runs["ps"], elastic)
+    events = ["join", "join", "leave", "lost"]
+    (elastic / "membership.jsonl").write_text(
+        "".join(
+            json.dumps({"time_s": i, "event": e, "worker": i}) + "\n" for i, e in enumerate(events)
+        )
+    )
+    md = make_report([runs["hs"], backups, elastic], tmp_path / "r").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| run "))
+    assert header.endswith("| dropped gradients | joined / left / lost |")
+    rows = {r[0]: r for r in table_rows(md)}
+    assert [r[-2:] for r in rows.values()] == [
+        ["0", "0 / 0 / 0"],
+        ["7", "0 / 0 / 0"],
+        ["0", "2 / 1 / 1"],
+    ]
+    assert load_run(elastic).membership == {"join": 2, "leave": 1, "lost": 1}

@@ -13,7 +13,8 @@ import pytest
 
 import distsgd
 from distsgd import config as config_module
-from distsgd.cli import _print_tune, _results_lines, main
+from distsgd.cli import main
+from distsgd.commands import _print_tune, _results_lines
 from distsgd.config import DataConfig, ModelConfig, RunConfig, _toml_value
 from distsgd.report import load_run, plot_curves
 from distsgd.trainer import Trainer, _bar_postfix, _count

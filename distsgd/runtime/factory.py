@@ -28,7 +28,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from distsgd.config import ConfigError, ConfigWarning, RunConfig
+from distsgd.config import ConfigError, ConfigWarning, ProtocolConfig, RunConfig
 from distsgd.data import Dataset
 from distsgd.engine import GradientEngine, UserCode, build_engine
 from distsgd.layout import build_protocol, spec_for
@@ -162,11 +162,19 @@ def measure_device(
 
 def _server_seconds(cfg: RunConfig, engine: GradientEngine) -> float:
     """The server's seconds per push (:func:`calibrate_server`) on a throwaway protocol of
-    ``cfg``'s (a parameter-server one with ``cfg``'s λ when ``cfg`` has no server)."""
+    ``cfg``'s (when ``cfg`` has no server: an asynchronous parameter server with ``cfg``'s λ,
+    batch size and, where a parameter server can send it, number format; nothing else of
+    ``cfg``'s protocol, whose other settings may not be a parameter server's)."""
     if not spec_for(cfg.protocol).has_server:
+        p = cfg.protocol
+        compression = p.compression if p.compression in ("bf16", "fp16") else "none"
         cfg = cfg.replace(
-            protocol=dataclasses.replace(
-                cfg.protocol, name="parameter_server", mode="async", replicas_per_device=1
+            protocol=ProtocolConfig(
+                name="parameter_server",
+                mode="async",
+                num_learners=p.num_learners,
+                batch_size=p.batch_size,
+                compression=compression,
             )
         )
     proto = cast(AsynchronousProtocol, build_protocol(cfg, engine.initial_weights()))

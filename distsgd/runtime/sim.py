@@ -93,6 +93,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from distsgd.checks import fail
 from distsgd.config import ClusterConfig, ConfigError, ConfigWarning, TrainConfig
 from distsgd.data import Dataset, LearnerStream, ShardedSampler, Split, reshard_streams
 from distsgd.engine import GradientEngine, bn_recalibration_inputs, first_line
@@ -487,6 +488,8 @@ class SimRuntime(Runtime):
         self._set_stretch()
         self._membership = list(cluster.membership) if self.is_async else []
         self._next_change = 0
+        if self._membership:
+            self._check_schedule_fits()
         if self.is_async:
             self._init_async()
 
@@ -746,6 +749,29 @@ class SimRuntime(Runtime):
         self._seq += 1
 
     # ---- membership (cluster.membership) ------------------------------------------------
+    def _check_schedule_fits(self) -> None:
+        """The most learners ``cluster.membership`` has active at once, times b, fits in
+        the training set (the re-sharded data of each change needs a full step per epoch).
+
+        Raises:
+            ConfigError: it does not; the message names ``cluster.membership``.
+        """
+        proto = cast(AsynchronousProtocol, self.protocol)
+        size = len(proto.members(0))
+        active = peak = len(proto.active_workers)
+        for change in self._membership:
+            active += change["join"] if "join" in change else -len(change["leave"])
+            peak = max(peak, active)
+        b, n = self.batch_size, self.dataset.num_train
+        if peak * size * b > n:
+            fail(
+                "cluster.membership",
+                self._membership,
+                f"a schedule of at most {n // b} learners at once: it reaches {peak * size} "
+                f"learners × protocol.batch_size = {b} = {peak * size * b} samples per step, "
+                f"over the {n} training samples",
+            )
+
     def _due_changes(self) -> list[dict[str, Any]]:
         """Apply every membership change scheduled before the next push arrives; their
         records (docs/elastic.md)."""

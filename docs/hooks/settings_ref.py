@@ -295,7 +295,7 @@ def cli_markdown() -> str:
     """``distsgd --help`` and each command's ``--help``, from the real argument parser."""
     import argparse
 
-    from distsgd.cli import build_parser
+    from distsgd.commands import build_parser
 
     parser = build_parser()
     parser.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=84)
