@@ -550,6 +550,13 @@ def test_candidate_config_maps_every_family_to_a_valid_run_config():
         for k, v in fields.items():
             assert getattr(p, k) == v, (name, k)
         assert RunConfig.from_dict(tomllib.loads(cfg.to_toml())) == cfg  # round trip
+    # hardsync with a backup learner: the backup stays with the hardsync candidates, and
+    # the other families (which refuse backup learners) get none
+    backup = small_config(protocol={"name": "hardsync", "num_learners": 4, "backup_learners": 1})
+    for cand, (name, _) in cases.items():
+        cfg = candidate_config(backup, cand)
+        assert cfg.protocol.backup_learners == (1 if name == "hardsync" else 0), name
+        assert RunConfig.from_dict(tomllib.loads(cfg.to_toml())) == cfg
 
 
 def test_prediction_says_why_when_the_target_loss_is_not_positive():

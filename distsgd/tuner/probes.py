@@ -188,7 +188,8 @@ def candidate_config(base: RunConfig, cand: Candidate, **train: Any) -> RunConfi
     softsync`` (α0/n); ``sma`` → ``sma`` with k replicas per device and ``alpha = 0``,
     which the config reads as α = 1/λ over all λ learners (docs/protocols.md §4);
     ``local_sgd`` / ``diloco`` → that protocol averaging every H iterations, one
-    replica per device (DiLoCo's outer optimizer from ``base``).
+    replica per device (DiLoCo's outer optimizer from ``base``). ``base``'s backup
+    learners go to the hardsync candidates only.
     """
     p = base.protocol
     common = {
@@ -196,9 +197,12 @@ def candidate_config(base: RunConfig, cand: Candidate, **train: Any) -> RunConfi
         "batch_size": cand.batch_size,
         "momentum_compensation": False,
         "staleness_lr": "none",
+        "backup_learners": 0,  # hardsync's alone
     }
     if cand.family == "hardsync":
-        proto = dataclasses.replace(p, name="hardsync", **common)
+        proto = dataclasses.replace(
+            p, name="hardsync", **{**common, "backup_learners": p.backup_learners}
+        )
     elif cand.family == "compute_groups":
         proto = dataclasses.replace(p, name="compute_groups", num_groups=cand.num_groups, **common)
     elif cand.family == "softsync":
