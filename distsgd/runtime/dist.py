@@ -942,7 +942,7 @@ class PSDistRuntime(_DistBase):
         # the first_pushes of the run's earlier parts, one dict per resume, in order
         self.first_pushes_before: list[dict[str, list[int]]] = []
         self._lost: set[int] = set()  # workers lost (fixed membership: still listed)
-        self._closing = False  # the run stops: learners end with it, none is lost
+        self._closing = False  # interrupted: learners end with it, none is lost
         self._membership: list[dict[str, Any]] = []  # lost workers not yet in a Tick
         self._lr = cfg.optimizer.lr
         self._events: queue.Queue[Any] = queue.Queue()
@@ -984,8 +984,8 @@ class PSDistRuntime(_DistBase):
 
     def _on_lost(self, worker: int) -> None:
         """The server thread lost ``worker``: a ``membership.jsonl`` record for the next
-        tick (seconds of training so far, the server's version then); none while the run
-        stops (its learners end with it)."""
+        tick (seconds of training so far, the server's version then); none once the run
+        is interrupted (its learners end with it)."""
         if self._closing:
             return
         self._lost.add(worker)
@@ -1144,8 +1144,9 @@ class PSDistRuntime(_DistBase):
 
     def close(self) -> None:
         """Stop the run: the server tells every learner to stop; leave the process group.
-        Learners that end meanwhile are not lost (no ``lost`` record), nor are those lost
-        between an interrupt (Ctrl-C, SIGTERM: the learners get it too) and this call."""
+        After an interrupt (Ctrl-C, SIGTERM: the learners get it too) learners that end are
+        not lost (no ``lost`` record), nor are those lost between the interrupt and this
+        call; a learner lost while a run stops on its own (it does not take its STOP) is."""
         self._stop_recording(isinstance(sys.exc_info()[1], KeyboardInterrupt))
         if self._thread is not None:
             if self._pending:
@@ -1155,9 +1156,10 @@ class PSDistRuntime(_DistBase):
         super().close()
 
     def _stop_recording(self, interrupted: bool) -> None:
-        """No ``lost`` record from now on; ``interrupted``: drop those not yet written."""
-        self._closing = True
+        """``interrupted``: no ``lost`` record from now on, and drop those not yet
+        written."""
         if interrupted:
+            self._closing = True
             self._membership = [r for r in self._membership if r["event"] != "lost"]
 
     def late_membership(self) -> list[dict[str, Any]]:

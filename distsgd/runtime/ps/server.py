@@ -342,8 +342,7 @@ class _ServerLoop:
                     f"parameter server rank {self.rank}: learner rank {leader} lost ({_brief(e)})"
                 )
                 self.result.lost_ranks.append(leader)
-                if not self.stopping:  # it ends because the run ends: no membership change
-                    self.on_lost(w)
+                self.on_lost(w)
 
     def lose(self, w: int, error: Exception | str) -> None:
         self.sending.pop(w, None)  # a reply under way to it is not awaited
@@ -357,8 +356,7 @@ class _ServerLoop:
         if self.shards is not None and not self.stopping and w in active and len(active) > 1:
             self.protocol.retire(w)  # λ and c refit; the others take over its shard
             self.reshard()
-        if not self.stopping:  # it ends because the run ends: no membership change
-            self.on_lost(w)
+        self.on_lost(w)
         if self.gather_target is not None:  # the pushes awaited may never come
             self.answer_coordinator(_header(GATHER, self.gather_target), None)
         if self.barrier and not self.stopping:
