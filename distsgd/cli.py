@@ -16,15 +16,14 @@ INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``distsgd COMMAND ...`` (``argv``: the arguments after the program name; None:
-    ``sys.argv[1:]``); returns the exit status. An interrupt before the command's own
-    handling starts (while torch is imported, the arguments parsed) prints one line and
-    returns 130; see :func:`distsgd.commands.main` for the rest."""
+    ``sys.argv[1:]``); returns the exit status. An interrupt while the commands are
+    imported (torch) prints one line and returns 130; parsing and running are
+    :func:`distsgd.commands.main`'s, which ends an interrupt with its own line."""
     try:
         from distsgd import commands
-
-        return int(commands.main(argv))
     except KeyboardInterrupt:
         return interrupted_while_starting()
+    return int(commands.main(argv))
 
 
 def interrupted_while_starting() -> int:
